@@ -1,0 +1,19 @@
+"""Where a streamed layer's weights live on the host between uses."""
+from __future__ import annotations
+
+import enum
+
+
+class HostingTier(enum.Enum):
+    # Page-locked: copies run asynchronously at full link speed (~25 GB/s PCIe Gen4 x16), but the
+    # kernel can never reclaim it, so every byte is leased from the node budget. On CUDA it is
+    # allocated at exact size (cudaHostRegister), not through torch's caching allocator, which
+    # rounds each block up to a power of two (1.2 GiB -> 2 GiB). Without CUDA: planned and
+    # accounted as pinned, allocated pageable.
+    PINNED = "pinned"
+    # An anonymous (private) copy in ordinary memory: copies go through the driver's staging
+    # buffer, synchronously, at a third to half of pinned speed.
+    PAGEABLE = "pageable"
+    # Left as zero-copy views of the safetensors file mapping: costs no anonymous memory, the
+    # page cache may drop it, and a copy may fault pages in from disk.
+    MAPPED = "mapped"

@@ -1,0 +1,50 @@
+"""Session-wide fixtures. One Ray cluster per test session, started only by tests that ask for it."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# 200 MiB per node: tensors between stages are small for the tiny zoo, and several nodes share 24 GiB.
+OBJECT_STORE_BYTES = 200 * 1024 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real multi-node-capable Ray cluster on this machine: a head node without GPUs.
+
+    Tests that need nodes with fake GPUs add them with ``ray_cluster.add_node(...)`` and remove
+    them when done. Serve is shut down and Ray stopped at the end of the session.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "include_dashboard": False,
+            "object_store_memory": OBJECT_STORE_BYTES,
+        },
+    )
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
