@@ -1,0 +1,37 @@
+"""`python -m zoo.build [--only NAME ...]`: build the zoo folders (all three by default) (cached; a warm cache is a no-op).
+
+Prints one line per model (name and folder); the last line is one JSON object {name: folder}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from zoo.tiny import ensure_medium_wan, ensure_tiny_flux, ensure_tiny_wan
+
+BUILDERS: dict[str, Callable[[], Path]] = {
+    "tiny-wan": ensure_tiny_wan,
+    "tiny-flux": ensure_tiny_flux,
+    "medium-wan": ensure_medium_wan,
+}
+
+
+def main(argv: list[str] | None = None) -> dict[str, str]:
+    parser = argparse.ArgumentParser(prog="python -m zoo.build", description=__doc__)
+    parser.add_argument("--only", nargs="+", choices=sorted(BUILDERS), help="build only these")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    names = args.only or tuple(BUILDERS)
+    built = {}
+    for name in names:
+        built[name] = str(BUILDERS[name]())
+        print(f"{name}: {built[name]}")
+    print(json.dumps(built))
+    return built
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""The tiny zoo: real diffusers/transformers pipelines at toy widths, built locally and seeded.
+
+Each ``ensure_*`` returns a diffusers folder that the real pipeline class loads with
+``from_pretrained``; it is built on first call (a second or two; the medium one in a few seconds)
+and cached under :func:`zoo.paths.zoo_root`. Nothing here downloads.
+
+Widths are chosen so a 16x16 image (Wan: 1 latent token per frame after 8x VAE and 2x2 patches)
+runs on one CPU core in about a second, while keeping what the engine cares about real:
+several blocks per layer group, umT5's full 256384-row token table, and fp32 safetensors files.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import diffusers
+import torch
+import transformers
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLWan,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    UniPCMultistepScheduler,
+    WanPipeline,
+    WanTransformer3DModel,
+)
+from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+from zoo.cache import ensure_built
+from zoo.paths import zoo_root
+from zoo.vocab import clip_tokenizer, t5_tokenizer
+
+# Bump when a recipe changes in a way the sizes below do not capture (init, scheduler, tokenizer).
+RECIPE_VERSION = 1
+# umT5's real token-table row count (google/umt5-xxl): the table is the text encoder's largest tensor.
+UMT5_VOCAB_ROWS = 256384
+SEED = 0
+
+
+@dataclass(frozen=True)
+class WanSizes:
+    """The knobs of a Wan-style recipe; all of them go into the cache stamp."""
+
+    text_width: int = 32  # UMT5 d_model: 256384 x 32 fp32 = 32.8 MB token table
+    text_layers: int = 2
+    heads: int = 2
+    head_dim: int = 16  # rope splits it into t/h/w axes: 8/4/4
+    ffn_dim: int = 64
+    blocks: int = 4
+    vae_base_dim: int = 8
+
+
+# ~300 MB fp32 denoiser: 8 blocks x (8 d^2 attention + 2 d ffn) = 8 x 9.4M params at d=768, ffn=3072.
+MEDIUM_WAN = WanSizes(heads=12, head_dim=64, ffn_dim=3072, blocks=8)
+
+
+@dataclass(frozen=True)
+class FluxSizes:
+    """The knobs of the Flux-style recipe; all of them go into the cache stamp."""
+
+    width: int = 32  # joint attention dim = T5 d_model = CLIP hidden = pooled projection dim
+    heads: int = 2
+    head_dim: int = 16  # = sum(axes_dims_rope)
+    double_blocks: int = 2  # transformer_blocks
+    single_blocks: int = 2  # single_transformer_blocks
+    text_layers: int = 2
+    latent_channels: int = 4  # packed 2x2 into the transformer's 16 input channels
+
+
+def _spec(name: str, sizes: object) -> dict[str, object]:
+    return {
+        "recipe": name,
+        "version": RECIPE_VERSION,
+        "seed": SEED,
+        "sizes": asdict(sizes),
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__.split("+")[0],
+    }
+
+
+def _seeded(offset: int) -> None:
+    # One seed per component, so changing one component's size leaves the others' weights alone.
+    torch.manual_seed(SEED + offset)
+
+
+def build_wan(folder: Path, sizes: WanSizes) -> None:
+    """Write a WanPipeline folder with the given sizes into ``folder``."""
+    tokenizer = t5_tokenizer(model_max_length=512)
+    assert len(tokenizer) <= UMT5_VOCAB_ROWS, "tokenizer ids must index inside the token table"
+    _seeded(1)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=UMT5_VOCAB_ROWS, d_model=sizes.text_width, d_kv=sizes.text_width // 4,
+            d_ff=2 * sizes.text_width, num_layers=sizes.text_layers, num_heads=4,
+            feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
+            relative_attention_max_distance=128, layer_norm_epsilon=1e-6,
+            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+        )
+    ).eval()
+    _seeded(2)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=sizes.heads, attention_head_dim=sizes.head_dim,
+        in_channels=16, out_channels=16, text_dim=sizes.text_width, freq_dim=32,
+        ffn_dim=sizes.ffn_dim, num_layers=sizes.blocks, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32,
+    ).eval()
+    _seeded(3)
+    vae = AutoencoderKLWan(
+        base_dim=sizes.vae_base_dim, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        attn_scales=[], temperal_downsample=[False, True, True], dropout=0.0,
+    ).eval()
+    # The real Wan2.1 scheduler settings (configs/models/real_model_configs.json).
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+    )
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer)
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
+def build_flux(folder: Path, sizes: FluxSizes = FluxSizes()) -> None:
+    """Write a FluxPipeline folder (CLIP + T5 encoders, two transformer groups, AutoencoderKL)."""
+    tokenizer = clip_tokenizer(model_max_length=77)
+    tokenizer_2 = t5_tokenizer(model_max_length=512)
+    _seeded(11)
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=sizes.width, intermediate_size=2 * sizes.width,
+            num_hidden_layers=sizes.text_layers, num_attention_heads=4, max_position_embeddings=77,
+            hidden_act="quick_gelu", layer_norm_eps=1e-5, projection_dim=sizes.width,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    ).eval()
+    _seeded(12)
+    text_encoder_2 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer_2), d_model=sizes.width, d_kv=sizes.width // 4, d_ff=2 * sizes.width,
+            num_layers=sizes.text_layers, num_heads=4, feed_forward_proj="gated-gelu",
+            relative_attention_num_buckets=32, relative_attention_max_distance=128,
+            layer_norm_epsilon=1e-6, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+        )
+    ).eval()
+    _seeded(13)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * sizes.latent_channels, num_layers=sizes.double_blocks,
+        num_single_layers=sizes.single_blocks, attention_head_dim=sizes.head_dim,
+        num_attention_heads=sizes.heads, joint_attention_dim=sizes.width,
+        pooled_projection_dim=sizes.width, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+    ).eval()
+    _seeded(14)
+    # Two levels -> vae_scale_factor 2, so a 32x32 image is a 16x16 latent, 8x8 = 64 packed tokens.
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=sizes.latent_channels,
+        block_out_channels=(8, 16), layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        norm_num_groups=4, sample_size=32, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False,
+    ).eval()
+    # FLUX.1-dev's scheduler settings, with sequence bounds scaled to the tiny latents.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=16, max_image_seq_len=1024,
+    )
+    pipe = FluxPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
+def ensure_tiny_wan() -> Path:
+    """A WanPipeline folder: UMT5 with 256384 x 32 token table, 4-block transformer, tiny Wan VAE."""
+    sizes = WanSizes()
+    return ensure_built(zoo_root(), "tiny-wan", _spec("tiny-wan", sizes), lambda d: build_wan(d, sizes))
+
+
+def ensure_medium_wan() -> Path:
+    """A WanPipeline folder whose transformer is ~300 MB fp32 (8 blocks at width 768), for benches."""
+    return ensure_built(zoo_root(), "medium-wan", _spec("medium-wan", MEDIUM_WAN), lambda d: build_wan(d, MEDIUM_WAN))
+
+
+def ensure_tiny_flux() -> Path:
+    """A FluxPipeline folder: 2 double + 2 single blocks, CLIP + T5 encoders, two-level AutoencoderKL."""
+    sizes = FluxSizes()
+    return ensure_built(zoo_root(), "tiny-flux", _spec("tiny-flux", sizes), lambda d: build_flux(d, sizes))
