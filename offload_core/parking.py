@@ -20,32 +20,18 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from offload_core.device import get_device, normalize_device
+from offload_core.layout import placeholder
+
 logger = logging.getLogger(__name__)
 
 # 0.1: parking 10 % of the free device memory is worth a restore copy per use (a few ms for
 # 0.5 GiB at 25 GB/s); below that the restore costs more than the room it frees is worth.
 DEFAULT_PARK_FRACTION = 0.1
 
-_PLACEHOLDERS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def placeholder(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-    """The one zero-element tensor that stands in for every parked weight of (device, dtype)."""
-    key = (torch.device(device), dtype)
-    if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = torch.empty(0, device=key[0], dtype=dtype)
-    return _PLACEHOLDERS[key]
-
-
-def device_headroom(device: torch.device | str, configured_free: int | None = None) -> int:
-    """Bytes the device could still give: CUDA driver free + reserved-but-unallocated; else configured."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    if configured_free is None:
-        raise ValueError(f"device {device} reports no free memory; give its headroom as a configured fact")
-    return int(configured_free)
+def device_headroom(device: torch.device | str) -> int:
+    """Real headroom: CUDA driver free + allocator reserved-but-unallocated; CPU: configured capacity - in use."""
+    return get_device(device).headroom_bytes()
 
 
 class ParkVerdict(enum.Enum):
@@ -76,7 +62,7 @@ class Parking:
         if not 0.0 <= fraction:
             raise ValueError(f"fraction must be >= 0, got {fraction}")
         self.name = name
-        self.device = torch.device(device)
+        self.device = normalize_device(device)
         self.fraction = fraction
         excluded = {id(t) for t in exclude}
         unique = {id(p): p for p in module.parameters() if id(p) not in excluded}
@@ -106,9 +92,12 @@ class Parking:
             verdict = ParkVerdict.PARKED if nbytes > self.fraction * headroom else ParkVerdict.KEPT
         return ParkDecision(verdict, nbytes, int(headroom), self.fraction)
 
-    def park_if_it_pays(self, headroom: int) -> ParkDecision:
-        """The gate: park when the bytes exceed ``fraction`` of ``headroom``, else keep and drop host copies."""
-        decision = self.decide(headroom)
+    def park_if_it_pays(self, headroom: int | None = None) -> ParkDecision:
+        """The gate: park when the bytes exceed ``fraction`` of headroom, else keep and drop host copies.
+
+        ``headroom`` defaults to the device's real headroom, measured now.
+        """
+        decision = self.decide(device_headroom(self.device) if headroom is None else headroom)
         if decision != self.last_decision:
             logger.info("parking %s: %s", self.name, decision.explain())
         self.last_decision = decision

@@ -5,7 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core.parking import Parking, ParkVerdict, device_headroom, placeholder
+from offload_core.device import DeviceFacts, get_device
+from offload_core.layout import placeholder
+from offload_core.parking import Parking, ParkVerdict
 
 
 class Component(nn.Module):
@@ -96,7 +98,20 @@ def test_a_component_of_layer_weights_only_has_nothing_to_park():
     assert parking.park_if_it_pays(headroom=0).verdict is ParkVerdict.EMPTY
 
 
-def test_cpu_headroom_is_a_configured_fact():
-    assert device_headroom("cpu", configured_free=123) == 123
-    with pytest.raises(ValueError, match="configured fact"):
-        device_headroom("cpu")
+@pytest.fixture
+def cpu_capacity():
+    """Configure the CPU device's capacity for one test, then put the previous facts back."""
+    device = get_device("cpu")
+    before = device.facts
+    yield lambda nbytes: device.configure(DeviceFacts(capacity_bytes=nbytes))
+    device.configure(before)
+
+
+def test_the_gate_reads_the_configured_cpu_capacity_both_ways(cpu_capacity):
+    model = Component()
+    parking = Parking("c", model, "cpu", exclude=layer_weights(model))
+    cpu_capacity(NONLAYER_BYTES * 5)  # short: the weights are 20 % of headroom
+    assert parking.park_if_it_pays().verdict is ParkVerdict.PARKED
+    parking.restore()
+    cpu_capacity(NONLAYER_BYTES * 100)  # ample: 1 %
+    assert parking.park_if_it_pays().verdict is ParkVerdict.KEPT and not parking.parked
