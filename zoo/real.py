@@ -122,14 +122,18 @@ def _cast(module: nn.Module, dtype: torch.dtype) -> None:
     norms, scale-shift tables) in fp32 for stability, so a plan must count those bytes as fp32.
     """
     keep = frozenset(getattr(module, "_keep_in_fp32_modules", None) or ())
-    for owner_name, owner in module.named_modules():
+    # Tied tensors (UMT5's shared table and encoder.embed_tokens) must stay one tensor after the cast.
+    retyped: dict[int, torch.Tensor] = {}
+    for owner_name, owner in module.named_modules(remove_duplicate=False):
         for registry in (owner._parameters, owner._buffers):
             for key, tensor in registry.items():
                 if tensor is None or not tensor.is_floating_point():
                     continue
-                # Same test as diffusers: any dotted component of the tensor's name is kept.
-                parts = f"{owner_name}.{key}".split(".")
-                registry[key] = _retyped(tensor, torch.float32 if keep.intersection(parts) else dtype)
+                if id(tensor) not in retyped:
+                    # Same test as diffusers: any dotted component of the tensor's name is kept.
+                    parts = f"{owner_name}.{key}".split(".")
+                    retyped[id(tensor)] = _retyped(tensor, torch.float32 if keep.intersection(parts) else dtype)
+                registry[key] = retyped[id(tensor)]
 
 
 def _retyped(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
