@@ -1,0 +1,159 @@
+"""The replica side of the node ledger: offload_core's MemoryBudget over the ledger actor.
+
+One :class:`LedgerClient` per replica process remembers every lease it holds, so when the ledger
+restarts (a new epoch, seen on any call or by the heartbeat) it re-registers them before asking
+for more. :class:`LedgerBudget` is one pool of it seen as a ``MemoryBudget``; the engine never
+knows its budget is shared.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import ray
+from ray.exceptions import RayActorError
+
+from cluster.ledger import LedgerConfig, StaleEpoch
+from cluster.liveness import OwnerRef
+from offload_core.budget import Lease, MemoryBudget, Refusal
+
+logger = logging.getLogger(__name__)
+
+# A restarting ledger is unreachable for ~1-3 s (a new worker process imports Ray and this
+# package); 60 s covers a loaded node without letting a caller hang forever.
+LEDGER_UNAVAILABLE_TIMEOUT_S = 60.0
+CALL_TIMEOUT_S = 30.0  # one ledger call, beyond any wait the caller asked for
+
+
+class LedgerUnavailable(RuntimeError):
+    """The node ledger did not answer within the bound (it is restarting too long, or gone)."""
+
+
+class LedgerClient:
+    """Everything one replica process holds from its node ledger."""
+
+    def __init__(self, handle, owner: str, config: LedgerConfig = LedgerConfig()):
+        self._handle, self._config = handle, config
+        self.ref = OwnerRef.of_this_process(owner)
+        self._held: dict[str, tuple[str, Lease]] = {}  # lease_id -> (pool, lease)
+        self._lock = threading.RLock()
+        self._closed = threading.Event()
+        self._epoch = self._call(lambda: handle.epoch.remote())
+        self._heartbeat = threading.Thread(target=self._beat, name=f"ledger-heartbeat-{owner}", daemon=True)
+        self._heartbeat.start()
+
+    @property
+    def epoch(self) -> str:
+        return self._epoch
+
+    def budget(self, pool: str) -> "LedgerBudget":
+        return LedgerBudget(self, pool)
+
+    def state(self):
+        return self._call(lambda: self._handle.state.remote())
+
+    def request(self, pool: str, nbytes: int, owner: str, priority: float = 0.0, purpose: str = "",
+                wait_s: float = 0.0) -> Lease | Refusal:
+        while True:
+            epoch = self._epoch
+            result = self._call(lambda: self._handle.request.remote(
+                pool, int(nbytes), self.ref, float(priority), purpose, epoch, float(wait_s), owner),
+                extra_s=wait_s)
+            if isinstance(result, StaleEpoch):
+                self._reregister()
+                continue
+            if isinstance(result, Lease):
+                with self._lock:
+                    self._held[result.lease_id] = (pool, result)
+            return result
+
+    def release(self, pool: str, lease: Lease) -> None:
+        with self._lock:
+            if lease.lease_id not in self._held:
+                raise KeyError(f"lease {lease.lease_id} of {lease.owner} is not held by this replica")
+        while True:
+            epoch = self._epoch
+            stale = self._call(lambda: self._handle.release.remote(pool, lease.lease_id, epoch))
+            if not isinstance(stale, StaleEpoch):
+                break
+            self._reregister()
+        with self._lock:
+            self._held.pop(lease.lease_id, None)
+
+    def outstanding(self, pool: str, owner: str | None) -> tuple[Lease, ...]:
+        return self._call(lambda: self._handle.outstanding.remote(pool, owner))
+
+    def capacity(self, pool: str) -> int:
+        return self._call(lambda: self._handle.capacity.remote(pool))
+
+    def close(self) -> int:
+        """Release everything this replica holds; stop the heartbeat. Returns the bytes given back."""
+        self._closed.set()
+        with self._lock:
+            held = list(self._held.values())
+        for pool, lease in held:
+            self.release(pool, lease)
+        return sum(lease.nbytes for _, lease in held)
+
+    # ---- internals -------------------------------------------------------------------------
+    def _call(self, submit, extra_s: float = 0.0):
+        """ray.get one ledger call, riding out a ledger restart up to the bound."""
+        deadline = time.monotonic() + LEDGER_UNAVAILABLE_TIMEOUT_S
+        backoff = 0.05
+        while True:
+            try:
+                return ray.get(submit(), timeout=CALL_TIMEOUT_S + extra_s)
+            except RayActorError as exc:
+                if time.monotonic() > deadline:
+                    raise LedgerUnavailable(f"node ledger unreachable for {LEDGER_UNAVAILABLE_TIMEOUT_S:.0f} s: "
+                                            f"{exc}") from exc
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+
+    def _reregister(self) -> None:
+        with self._lock:
+            held = tuple(self._held.values())
+            # Re-registered under the process's ref: all its leases share one liveness fate.
+            new_epoch = self._call(lambda: self._handle.readopt.remote(held, self.ref))
+            logger.info("ledger restarted (epoch %s -> %s): %s re-registered %d lease(s), %d B",
+                        self._epoch, new_epoch, self.ref.owner, len(held), sum(l.nbytes for _, l in held))
+            self._epoch = new_epoch
+
+    def _beat(self) -> None:
+        while not self._closed.wait(self._config.heartbeat_s):
+            with self._lock:
+                holding = bool(self._held)
+            if not holding:
+                continue
+            try:
+                epoch = self._call(lambda: self._handle.epoch.remote())
+            except LedgerUnavailable as exc:
+                logger.info("ledger heartbeat of %s failed, retrying next beat: %s", self.ref.owner, exc)
+                continue
+            if epoch != self._epoch:
+                self._reregister()
+
+
+class LedgerBudget(MemoryBudget):
+    """One pool of the node ledger as offload_core's MemoryBudget."""
+
+    def __init__(self, client: LedgerClient, pool: str):
+        self.client, self.pool = client, pool
+
+    def request(self, nbytes: int, owner: str, priority: float = 0.0, purpose: str = "") -> Lease | Refusal:
+        return self.client.request(self.pool, nbytes, owner, priority, purpose)
+
+    def acquire(self, nbytes: int, owner: str, priority: float = 0.0, purpose: str = "",
+                wait_s: float = 0.0) -> Lease | Refusal:
+        """Like request, but waits up to ``wait_s`` for the bytes to be released by others."""
+        return self.client.request(self.pool, nbytes, owner, priority, purpose, wait_s)
+
+    def release(self, lease: Lease) -> None:
+        self.client.release(self.pool, lease)
+
+    def outstanding(self, owner: str | None = None) -> tuple[Lease, ...]:
+        return self.client.outstanding(self.pool, owner)
+
+    def capacity(self) -> int:
+        return self.client.capacity(self.pool)

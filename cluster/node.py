@@ -1,0 +1,209 @@
+"""Facts about the node a replica runs on: host RAM, its GPUs, and its Ray identity.
+
+GPUs are read through NVML (name, memory, PCIe generation and width). A machine without an NVIDIA
+driver raises ``NVMLError`` at init; that is "no GPUs seen through NVML", said once in a log line,
+never an exception. Tests (and several fake nodes on one machine) inject facts through the Ray
+node's custom resources, read by :func:`injected_facts`:
+
+* ``offload_fake_ram_gb``: the node's RAM total and available, in GB (10**9 bytes);
+* ``GPU`` together with ``accelerator_type:<TYPE>``: that many GPUs of ``TYPE``, sized from the
+  ``gpus`` table of configs/models/real_model_configs.json.
+
+Real NVML facts always win over injected ones.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+GB = 10**9
+REAL_MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models" / "real_model_configs.json"
+FAKE_RAM_RESOURCE = "offload_fake_ram_gb"
+ACCELERATOR_PREFIX = "accelerator_type:"
+# Ray's own accelerator names that differ from the keys of the "gpus" table.
+_RAY_TYPE_ALIASES = {"A100-80G": "A100-80GB", "A100-40G": "A100-40GB"}
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """One GPU as the driver (or an injected fact) describes it."""
+
+    index: int
+    name: str
+    memory_bytes: int
+    pcie_gen: int | None  # None when unknown (injected facts without a link line)
+    pcie_width: int | None
+    source: str  # "nvml" or "injected:<where from>"
+
+
+@dataclass(frozen=True)
+class HostRamFacts:
+    """Host RAM of this node, cgroup limits applied."""
+
+    total_bytes: int
+    available_bytes: int
+    source: str  # "offload_core.host_memory", "psutil+cgroup" or "injected"
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    node_id: str | None  # Ray node id (hex); None without Ray
+    ram: HostRamFacts
+    gpus: tuple[GpuFacts, ...]
+    accelerator_type: str | None  # Ray's accelerator_type of this node, if it has one
+    object_store_bytes: int  # Ray's object store on this node (0 without Ray)
+
+
+def _link(text: str) -> tuple[int | None, int | None]:
+    """'PCIe Gen4 x16 ...' -> (4, 16)."""
+    gen = width = None
+    for token in text.replace("(", " ").split():
+        if token.lower().startswith("gen") and token[3:].isdigit():
+            gen = int(token[3:])
+        elif token.lower().startswith("x") and token[1:].isdigit():
+            width = int(token[1:])
+    return gen, width
+
+
+def gpu_table() -> Mapping[str, tuple[int, int | None, int | None]]:
+    """GPU type -> (memory bytes, PCIe gen, PCIe width) from real_model_configs.json."""
+    table = json.loads(REAL_MODEL_CONFIGS.read_text())["gpus"]
+    return {name: (int(spec["memory_gb"] * GB), *_link(spec["link"]))
+            for name, spec in table.items() if not name.startswith("_")}
+
+
+def fake_gpus(accelerator_type: str, count: int, source: str) -> tuple[GpuFacts, ...]:
+    """``count`` GPUs of a type named in the gpus table (tests, CPU-only nodes standing in for GPUs)."""
+    table = gpu_table()
+    key = _RAY_TYPE_ALIASES.get(accelerator_type, accelerator_type)
+    if key not in table:
+        raise ValueError(f"unknown GPU type {accelerator_type!r}; known: {sorted(table)}")
+    memory, gen, width = table[key]
+    return tuple(GpuFacts(i, key, memory, gen, width, source) for i in range(count))
+
+
+def probe_nvml_gpus() -> tuple[GpuFacts, ...]:
+    """Every GPU NVML sees, or () when there is no NVIDIA driver (said once, at INFO)."""
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        logger.info("no GPUs seen through NVML (%s): node has no NVIDIA driver", exc)
+        return ()
+    try:
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(handle)
+            name = name.decode() if isinstance(name, bytes) else name
+            memory = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+            try:
+                gen = int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle))
+                width = int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle))
+            except pynvml.NVMLError as exc:  # SXM boards without a PCIe link report NotSupported
+                logger.info("GPU %d (%s): PCIe link not reported by NVML (%s)", i, name, exc)
+                gen = width = None
+            gpus.append(GpuFacts(i, name, memory, gen, width, "nvml"))
+        return tuple(gpus)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _cgroup_limit() -> int | None:
+    """The memory limit of this process's cgroup (v2 memory.max, v1 limit_in_bytes), if any."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:  # v1 reports "no limit" as ~2**63
+            return int(text)
+    return None
+
+
+def probe_host_ram() -> HostRamFacts:
+    """RAM total/available, cgroup limits applied; offload_core.host_memory when it is there."""
+    try:
+        from offload_core.host_memory import host_ram_available
+    except ImportError:
+        host_ram_available = None
+    if host_ram_available is not None:
+        ram = host_ram_available(reserve=0)
+        total = getattr(ram, "total_bytes", None) or getattr(ram, "total", None)
+        available = getattr(ram, "available_bytes", None) or getattr(ram, "available", None)
+        if total is not None and available is not None:
+            return HostRamFacts(int(total), int(available), "offload_core.host_memory")
+    vm = psutil.virtual_memory()
+    total, available = int(vm.total), int(vm.available)
+    limit = _cgroup_limit()
+    if limit is not None and limit < total:
+        usage = 0
+        for path in ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"):
+            if os.path.exists(path):
+                usage = int(Path(path).read_text().strip())
+                break
+        total, available = limit, min(available, max(limit - usage, 0))
+    return HostRamFacts(total, available, "psutil+cgroup")
+
+
+def injected_facts(resources: Mapping[str, float]) -> tuple[HostRamFacts | None, tuple[GpuFacts, ...]]:
+    """RAM and GPU facts a test put on a Ray node as custom resources (see the module doc)."""
+    ram = None
+    if FAKE_RAM_RESOURCE in resources:
+        nbytes = int(resources[FAKE_RAM_RESOURCE] * GB)
+        ram = HostRamFacts(nbytes, nbytes, "injected")
+    types = [k[len(ACCELERATOR_PREFIX):] for k in resources if k.startswith(ACCELERATOR_PREFIX)]
+    count = int(resources.get("GPU", 0))
+    gpus: tuple[GpuFacts, ...] = ()
+    if types and count:
+        gpus = fake_gpus(types[0], count, f"injected:{ACCELERATOR_PREFIX}{types[0]}")
+    return ram, gpus
+
+
+def ray_node_resources(node_id: str) -> Mapping[str, float]:
+    """Total resources of one live Ray node (its custom resources included)."""
+    import ray
+
+    for node in ray.nodes():
+        if node["NodeID"] == node_id and node["Alive"]:
+            return dict(node["Resources"])
+    raise LookupError(f"Ray node {node_id} is not alive")
+
+
+def probe_node(node_id: str | None = None, resources: Mapping[str, float] | None = None,
+               nvml_gpus: tuple[GpuFacts, ...] | None = None) -> NodeFacts:
+    """Facts of this node. With Ray up, ``node_id`` defaults to the caller's node.
+
+    ``nvml_gpus`` and ``resources`` are injectable for tests; by default they are probed.
+    """
+    if resources is None and node_id is None:
+        import ray
+
+        if ray.is_initialized():
+            node_id = ray.get_runtime_context().get_node_id()
+    if resources is None:
+        resources = ray_node_resources(node_id) if node_id else {}
+    gpus = probe_nvml_gpus() if nvml_gpus is None else nvml_gpus
+    fake_ram, fake = injected_facts(resources)
+    if not gpus and fake:
+        logger.info("node %s: %d GPU(s) of type %s from node resources (no NVML GPUs)",
+                    node_id, len(fake), fake[0].name)
+        gpus = fake
+    ram = fake_ram or probe_host_ram()
+    types = [k[len(ACCELERATOR_PREFIX):] for k in resources if k.startswith(ACCELERATOR_PREFIX)]
+    store = int(resources.get("object_store_memory", 0))
+    facts = NodeFacts(node_id, ram, gpus, types[0] if types else None, store)
+    logger.info("node %s: RAM %.1f GB total, %.1f GB available (%s); object store %.2f GB; GPUs: %s",
+                node_id, ram.total_bytes / GB, ram.available_bytes / GB, ram.source, store / GB,
+                ", ".join(f"{g.index}:{g.name} {g.memory_bytes / GB:.0f} GB Gen{g.pcie_gen}x{g.pcie_width}"
+                          for g in gpus) or "none")
+    return facts

@@ -1,0 +1,210 @@
+"""What one stage replica leases: host RAM and its GPU's memory, from its node's one ledger.
+
+    memory = ReplicaMemory.open("denoise#abc", device)      # on replica start
+    plan with memory.profile, pin through memory.host_budget
+    with memory.device_working_set(planned_bytes, timeout_s=10):   # around each stage call
+        run the stage
+    memory.close()                                           # on replica shutdown
+
+Ray's fractional ``num_gpus`` is logical only: three stages sharing a 12 GB card OOM when two
+requests put two of them at work at once. Each stage call therefore leases its planned working
+set on its GPU first; a replica that cannot get it waits (bounded) and then raises
+:class:`DeviceBusy`, which the service answers with 503 and Retry-After, never an OOM.
+
+With Ray initialised the budgets are pools of the node ledger actor (cluster/ledger.py). Without
+Ray they are process-local ledgers, said in a log line: one process is then the whole "node".
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from cluster.fleet import FleetProfile, profile_for_gpu
+from cluster.ledger import HOST_POOL, LedgerConfig, gpu_pool
+from cluster.node import GB, GpuFacts, NodeFacts, probe_node
+from offload_core.budget import InProcessLedger, Lease, MemoryBudget, Refusal
+
+if TYPE_CHECKING:  # torch is imported when a replica opens its memory, not by the ledger actor
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+class DeviceBusy(RuntimeError):
+    """The GPU stayed too full for this stage's working set for the whole bounded wait (-> 503)."""
+
+    def __init__(self, owner: str, pool: str, nbytes: int, refusal: Refusal, waited_s: float):
+        self.owner, self.pool, self.nbytes, self.waited_s = owner, pool, nbytes, waited_s
+        self.available = refusal.available
+        # Another stage's call holds the bytes; one more wait of the same length is a fair hint.
+        self.retry_after_s = max(1, math.ceil(waited_s))
+        super().__init__(f"{owner}: {nbytes} B of {pool} not free after {waited_s:.1f} s "
+                         f"({refusal.reason})")
+
+
+class WorkingSetTooLarge(ValueError):
+    """A stage's planned working set exceeds its GPU's whole pool: a planning error, not load."""
+
+
+class LocalBudget(MemoryBudget):
+    """An in-process ledger that can also wait for bytes (the no-Ray fallback)."""
+
+    def __init__(self, capacity_bytes: int, name: str):
+        self._ledger = InProcessLedger(capacity_bytes, name)
+        self._freed = threading.Condition()
+
+    def request(self, nbytes: int, owner: str, priority: float = 0.0, purpose: str = "") -> Lease | Refusal:
+        return self._ledger.request(nbytes, owner, priority, purpose)
+
+    def acquire(self, nbytes: int, owner: str, priority: float = 0.0, purpose: str = "",
+                wait_s: float = 0.0) -> Lease | Refusal:
+        deadline = time.monotonic() + wait_s
+        with self._freed:
+            while not (got := self._ledger.request(nbytes, owner, priority, purpose)):
+                left = deadline - time.monotonic()
+                if left <= 0 or nbytes > self._ledger.capacity():
+                    return got
+                self._freed.wait(left)
+            return got
+
+    def release(self, lease: Lease) -> None:
+        with self._freed:
+            self._ledger.release(lease)
+            self._freed.notify_all()
+
+    def outstanding(self, owner: str | None = None) -> tuple[Lease, ...]:
+        return self._ledger.outstanding(owner)
+
+    def capacity(self) -> int:
+        return self._ledger.capacity()
+
+
+_LOCAL: dict[str, LocalBudget] = {}  # pool -> the process's budget, shared by its replicas
+_LOCAL_LOCK = threading.Lock()
+
+
+def _local_pool(pool: str, capacity: int) -> LocalBudget:
+    with _LOCAL_LOCK:
+        if pool not in _LOCAL:
+            _LOCAL[pool] = LocalBudget(capacity, pool)
+        return _LOCAL[pool]
+
+
+def _pick_gpu(device: "torch.device", assigned: list[int], gpus: tuple[GpuFacts, ...], owner: str) -> GpuFacts | None:
+    """The GPU whose pool this replica's device working sets lease, if any."""
+    if device.type == "cuda":
+        local = device.index if device.index is not None else 0
+        physical = assigned[local] if local < len(assigned) else local
+    elif assigned:
+        # A CPU-computing replica that Ray gave a GPU (CPU-only test nodes with fake GPUs): the
+        # CPU stands in for that GPU, so its working sets are accounted against it.
+        physical = assigned[0]
+        logger.info("%s: device cpu stands in for its assigned GPU %d", owner, physical)
+    else:
+        return None
+    for gpu in gpus:
+        if gpu.index == physical:
+            return gpu
+    raise LookupError(f"{owner}: device {device} maps to GPU {physical}, but the node has {len(gpus)} GPU(s)")
+
+
+class ReplicaMemory:
+    """The host and device budgets of one replica, and the per-call device working set."""
+
+    def __init__(self, owner: str, device: "torch.device", node: NodeFacts, profile: FleetProfile,
+                 host_budget: MemoryBudget, device_budget: MemoryBudget, device_pool: str, client=None):
+        self.owner, self.device, self.node, self.profile = owner, device, node, profile
+        self.host_budget, self.device_budget, self.device_pool = host_budget, device_budget, device_pool
+        self._client = client
+
+    @classmethod
+    def open(cls, owner: str, device: "torch.device | str" = "cpu", *,
+             config: LedgerConfig = LedgerConfig()) -> "ReplicaMemory":
+        """The replica's budgets from its node's ledger; without Ray, from :meth:`open_local`."""
+        import ray
+        import torch
+
+        device = torch.device(device)
+        if not ray.is_initialized():
+            return cls.open_local(owner, device, config=config)
+        from cluster.ledger import node_ledger
+        from cluster.ledger_client import LedgerClient
+
+        node = probe_node()
+        assigned = [int(i) for i in ray.get_gpu_ids()]
+        gpu = _pick_gpu(device, assigned, node.gpus, owner)
+        client = LedgerClient(node_ledger(node.node_id, config), owner, config)
+        pool = gpu_pool(gpu.index) if gpu is not None else HOST_POOL
+        profile = profile_for_gpu(gpu)
+        logger.info("%s: node ledger of %s (epoch %s); host pool %s, device %s leases pool %s; profile %s",
+                    owner, node.node_id, client.epoch, HOST_POOL, device, pool, profile.name)
+        return cls(owner, device, node, profile, client.budget(HOST_POOL), client.budget(pool), pool, client)
+
+    @classmethod
+    def open_local(cls, owner: str, device: "torch.device | str" = "cpu", *,
+                   config: LedgerConfig = LedgerConfig(), node: NodeFacts | None = None) -> "ReplicaMemory":
+        """Process-local ledgers (what :meth:`open` uses without Ray); ``node`` is injectable for tests."""
+        import torch
+
+        device = torch.device(device)
+        node = node or probe_node(resources={})
+        gpu = _pick_gpu(device, [], node.gpus, owner)
+        profile = profile_for_gpu(gpu)
+        spendable = max(node.ram.available_bytes - config.reserve_bytes, 0)
+        host = _local_pool(HOST_POOL, spendable)
+        pool = gpu_pool(gpu.index) if gpu is not None else HOST_POOL
+        dev = _local_pool(pool, profile.device_pool_bytes(gpu)) if gpu is not None else host
+        logger.info("%s: Ray is not initialised, so an in-process ledger stands in for the node ledger "
+                    "(host %.2f GB spendable, device %s leases pool %s of %.2f GB): other processes on "
+                    "this node are not accounted", owner, host.capacity() / GB, device, pool, dev.capacity() / GB)
+        return cls(owner, device, node, profile, host, dev, pool)
+
+    @contextlib.contextmanager
+    def device_working_set(self, nbytes: int, timeout_s: float, priority: float = 0.0):
+        """Lease ``nbytes`` of this replica's GPU for the body; wait up to ``timeout_s``, else DeviceBusy."""
+        lease = self._acquire_working_set(nbytes, timeout_s, priority)
+        try:
+            yield lease
+        finally:
+            self.device_budget.release(lease)
+
+    @contextlib.asynccontextmanager
+    async def device_working_set_async(self, nbytes: int, timeout_s: float, priority: float = 0.0):
+        """The same for async stage methods: the wait runs in a thread, not on the event loop."""
+        lease = await asyncio.to_thread(self._acquire_working_set, nbytes, timeout_s, priority)
+        try:
+            yield lease
+        finally:
+            await asyncio.to_thread(self.device_budget.release, lease)
+
+    def _acquire_working_set(self, nbytes: int, timeout_s: float, priority: float) -> Lease:
+        if nbytes < 0 or timeout_s < 0:
+            raise ValueError(f"nbytes and timeout_s must be >= 0, got {nbytes} B and {timeout_s} s")
+        capacity = self.device_budget.capacity()
+        if nbytes > capacity:
+            raise WorkingSetTooLarge(f"{self.owner}: working set {nbytes} B exceeds the whole "
+                                     f"{self.device_pool} pool ({capacity} B); plan a smaller one")
+        start = time.monotonic()
+        got = self.device_budget.acquire(nbytes, self.owner, priority, "device-working-set", wait_s=timeout_s)
+        waited = time.monotonic() - start
+        if not got:
+            logger.info("%s: device working set of %d B refused after %.2f s: %s",
+                        self.owner, nbytes, waited, got.reason)
+            raise DeviceBusy(self.owner, self.device_pool, nbytes, got, waited)
+        if waited > 0.1:
+            logger.info("%s: device working set of %d B granted after waiting %.2f s", self.owner, nbytes, waited)
+        return got
+
+    def close(self) -> int:
+        """Give back every lease this replica holds. Returns the bytes released."""
+        if self._client is not None:
+            return self._client.close()
+        freed = self.host_budget.release_owner(self.owner)
+        if self.device_budget is not self.host_budget:
+            freed += self.device_budget.release_owner(self.owner)
+        return freed
