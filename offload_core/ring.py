@@ -1,0 +1,135 @@
+"""The prefetch ring: a fixed set of device slots reused by streamed layers in execution order.
+
+``depth + 1`` slots, each one device allocation carved into one region per dtype sized to the
+largest streamed layer. Entering streamed layer ``k`` waits for its copy and issues the copies of
+layers ``k+1 .. k+depth`` (wrapping, so the last layer prefetches the next step's first layer);
+leaving it releases its slot. Nothing is allocated per prefetch, so the device holds exactly
+``slots x slot bytes`` of streamed weights at any time.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+import torch
+
+from offload_core.device import Device
+from offload_core.layout import RegionMap
+
+if TYPE_CHECKING:
+    from offload_core.streaming import StreamedLayer
+
+logger = logging.getLogger(__name__)
+
+
+class InFlight(NamedTuple):
+    """A slot and the copy event that fills it, carried together until the compute stream waits."""
+
+    slot: int
+    event: object | None  # torch.cuda.Event; None on CPU (copies are synchronous) or once waited
+
+
+class PrefetchRing:
+    """Slots and in-flight copies for the streamed (non-resident) layers of one model."""
+
+    def __init__(self, device: Device, layers: Sequence[StreamedLayer], depth: int):
+        self._device = device
+        self._layers = tuple(layers)
+        # More slots than layers would only hold a layer twice: cap at the number of layers.
+        self.n_slots = min(depth + 1, len(self._layers))
+        self.regions = RegionMap.covering(layer.layout for layer in self._layers)
+        self._buffers: list[torch.Tensor] = []
+        self._carved: list[dict[torch.dtype, torch.Tensor]] = []
+        self._free: collections.deque[int] = collections.deque()
+        self._last_use: list[object | None] = []
+        self._in_flight: dict[int, InFlight] = {}
+        self.bytes_copied = 0
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of all slots together (the 'slots' term of the peak formula)."""
+        return self.n_slots * self.regions.nbytes
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self._buffers)
+
+    def materialized(self) -> tuple[int, ...]:
+        """Positions (in streamed order) whose weights occupy a slot now."""
+        return tuple(sorted(self._in_flight))
+
+    def allocate(self) -> None:
+        """Allocate the slots once per use; the copy stream then waits for the allocating stream."""
+        if self._buffers or not self.n_slots:
+            return
+        nbytes = self.regions.nbytes
+        self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self._device.device)
+                         for _ in range(self.n_slots)]
+        self._carved = [self.regions.carve(buffer) for buffer in self._buffers]
+        self._free = collections.deque(range(self.n_slots))
+        self._last_use = [None] * self.n_slots
+        self._device.copy_waits_for_compute()
+        logger.info("ring on %s: allocated %d slots x %d B for %d streamed layers",
+                    self._device.device, self.n_slots, nbytes, len(self._layers))
+
+    def deallocate(self) -> None:
+        """Release every layer and drop the slots (stage teardown)."""
+        self.release_all()
+        self._buffers, self._carved, self._free, self._last_use = [], [], collections.deque(), []
+
+    def prefetch(self, position: int) -> None:
+        """Issue copies for ``position`` and the layers after it, as far as free slots allow."""
+        self.allocate()
+        for step in range(self.n_slots):
+            ahead = (position + step) % len(self._layers)
+            if ahead not in self._in_flight:
+                if not self._free:
+                    return
+                self._issue(ahead)
+
+    def enter(self, position: int) -> None:
+        """Before streamed layer ``position`` runs: have it on the device, waited, and prefetch."""
+        self.allocate()
+        window = {(position + step) % len(self._layers) for step in range(self.n_slots)}
+        stale = [held for held in self._in_flight if held not in window]
+        if stale or position not in self._in_flight:
+            if self._in_flight:
+                # Layers ran out of the order they were declared in; correct, but the copies of
+                # the stale layers were wasted. Said once per occurrence with the positions.
+                logger.info("ring: layer %d entered while %s were prefetched; releasing %s",
+                            position, self.materialized(), sorted(stale))
+            for held in stale:
+                self._release(held)
+        if position not in self._in_flight:
+            self._issue(position)
+        held = self._in_flight[position]
+        self._device.compute_waits(held.event)
+        self._in_flight[position] = InFlight(held.slot, None)
+        self.prefetch(position)
+
+    def exit(self, position: int) -> None:
+        """After streamed layer ``position`` ran: give its slot back (no-op if already released)."""
+        if position in self._in_flight:
+            self._release(position)
+
+    def release_all(self) -> None:
+        for position in list(self._in_flight):
+            self._release(position)
+
+    def _issue(self, position: int) -> None:
+        slot = self._free.popleft()
+        layer = self._layers[position]
+        # The slot's previous layer may still be read by queued kernels: copy only after them.
+        self._device.copy_waits(self._last_use[slot])
+        with self._device.on_copy_stream():
+            self.bytes_copied += layer.host.copy_to(self._carved[slot])
+            event = self._device.record_copy()
+        layer.bind(self._carved[slot])
+        self._in_flight[position] = InFlight(slot, event)
+
+    def _release(self, position: int) -> None:
+        held = self._in_flight.pop(position)
+        self._layers[position].release()
+        self._last_use[held.slot] = self._device.record_compute()
+        self._free.append(held.slot)
