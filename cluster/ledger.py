@@ -47,8 +47,9 @@ def ledger_name(node_id: str) -> str:
 
 @dataclass(frozen=True)
 class LedgerConfig:
-    # Kept out of the host pool for the OS, Python heaps and the page cache of mapped weights.
-    reserve_bytes: int = 2 * GB
+    # Kept out of the host pool for the OS, Python heaps and the page cache of mapped weights;
+    # None: offload_core.host_memory's default, max(5 % of total, 2 GiB).
+    reserve_bytes: int | None = None
     # Most of the host pool one replica may hold; None takes the node's fleet profile's
     # host_pin_cap_fraction (0.5 on 12-24 GB nodes: two replicas can always pin something).
     owner_cap_fraction: float | None = None
@@ -128,9 +129,9 @@ class NodeLedger:
         if not logging.getLogger("cluster").isEnabledFor(logging.INFO):
             # Ray workers log WARNING and up by default; the ledger's grants are decisions to keep.
             logging.getLogger("cluster").setLevel(logging.INFO)
-        facts = probe_node(node_id)
+        facts = probe_node(node_id, reserve=config.reserve_bytes)
         profile = profile_for_gpu(facts.gpus[0] if facts.gpus else None)
-        spendable = max(facts.ram.available_bytes - config.reserve_bytes - facts.object_store_bytes, 0)
+        spendable = facts.ram.spendable
         self._pools = {HOST_POOL: _Pool(HOST_POOL, spendable)}
         for gpu in facts.gpus:
             self._pools[gpu_pool(gpu.index)] = _Pool(gpu_pool(gpu.index), profile.device_pool_bytes(gpu))
@@ -142,11 +143,11 @@ class NodeLedger:
         self._restarted = actor_info(ray.get_runtime_context().get_actor_id()).get("NumRestarts", 0) > 0
         self._recovering_until = time.monotonic() + config.recovery_s if self._restarted else 0.0
         self._reclaimer: asyncio.Task | None = None
-        logger.info("ledger %s epoch %s%s: host pool %.2f GB = available %.2f - reserve %.2f - object store "
-                    "%.2f; per-replica cap %.2f GB (%.0f %%); GPU pools: %s", node_id, self._epoch,
+        logger.info("ledger %s epoch %s%s: host pool %.2f GB (%s%s); per-replica cap %.2f GB (%.0f %%); "
+                    "GPU pools: %s", node_id, self._epoch,
                     " (restarted: grants wait %.1f s for re-registration)" % config.recovery_s if self._restarted else "",
-                    spendable / GB, facts.ram.available_bytes / GB, config.reserve_bytes / GB,
-                    facts.object_store_bytes / GB, self._owner_cap / GB, 100 * fraction,
+                    spendable / GB, "injected RAM; " if facts.ram_injected else "", facts.ram.log_line(),
+                    self._owner_cap / GB, 100 * fraction,
                     ", ".join(f"{p.name}={p.capacity / GB:.1f} GB" for p in self._pools.values()
                               if p.name != HOST_POOL) or "none")
 

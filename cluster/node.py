@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-import psutil
+from offload_core.host_memory import HostRam, MemoryFacts, host_ram_available
 
 logger = logging.getLogger(__name__)
 
 GB = 10**9
 REAL_MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models" / "real_model_configs.json"
 FAKE_RAM_RESOURCE = "offload_fake_ram_gb"
+_NO_PROC = "/nonexistent/offload-serve/injected-node"
 ACCELERATOR_PREFIX = "accelerator_type:"
 # Ray's own accelerator names that differ from the keys of the "gpus" table.
 _RAY_TYPE_ALIASES = {"A100-80G": "A100-80GB", "A100-40G": "A100-40GB"}
@@ -45,18 +46,10 @@ class GpuFacts:
 
 
 @dataclass(frozen=True)
-class HostRamFacts:
-    """Host RAM of this node, cgroup limits applied."""
-
-    total_bytes: int
-    available_bytes: int
-    source: str  # "offload_core.host_memory", "psutil+cgroup" or "injected"
-
-
-@dataclass(frozen=True)
 class NodeFacts:
     node_id: str | None  # Ray node id (hex); None without Ray
-    ram: HostRamFacts
+    ram: HostRam  # spendable = min(available, cgroup headroom) - reserve - Ray's object store
+    ram_injected: bool  # True when the RAM facts came from the node's offload_fake_ram_gb
     gpus: tuple[GpuFacts, ...]
     accelerator_type: str | None  # Ray's accelerator_type of this node, if it has one
     object_store_bytes: int  # Ray's object store on this node (0 without Ray)
@@ -118,49 +111,22 @@ def probe_nvml_gpus() -> tuple[GpuFacts, ...]:
         pynvml.nvmlShutdown()
 
 
-def _cgroup_limit() -> int | None:
-    """The memory limit of this process's cgroup (v2 memory.max, v1 limit_in_bytes), if any."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < 2**60:  # v1 reports "no limit" as ~2**63
-            return int(text)
-    return None
+def probe_host_ram(reserve: int | None = None, reserved_elsewhere: int = 0,
+                   injected_bytes: int | None = None) -> HostRam:
+    """offload_core's spendable host RAM: min(available, cgroup headroom) - reserve - elsewhere.
+
+    ``injected_bytes`` stands for a whole (fake) node's RAM, total and available; no cgroup of
+    this process applies to it, so the cgroup walk is pointed at no /proc.
+    """
+    if injected_bytes is None:
+        return host_ram_available(reserve, reserved_elsewhere)
+    return host_ram_available(reserve, reserved_elsewhere, proc_root=_NO_PROC,
+                              memory_facts=lambda: MemoryFacts(injected_bytes, injected_bytes))
 
 
-def probe_host_ram() -> HostRamFacts:
-    """RAM total/available, cgroup limits applied; offload_core.host_memory when it is there."""
-    try:
-        from offload_core.host_memory import host_ram_available
-    except ImportError:
-        host_ram_available = None
-    if host_ram_available is not None:
-        ram = host_ram_available(reserve=0)
-        total = getattr(ram, "total_bytes", None) or getattr(ram, "total", None)
-        available = getattr(ram, "available_bytes", None) or getattr(ram, "available", None)
-        if total is not None and available is not None:
-            return HostRamFacts(int(total), int(available), "offload_core.host_memory")
-    vm = psutil.virtual_memory()
-    total, available = int(vm.total), int(vm.available)
-    limit = _cgroup_limit()
-    if limit is not None and limit < total:
-        usage = 0
-        for path in ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"):
-            if os.path.exists(path):
-                usage = int(Path(path).read_text().strip())
-                break
-        total, available = limit, min(available, max(limit - usage, 0))
-    return HostRamFacts(total, available, "psutil+cgroup")
-
-
-def injected_facts(resources: Mapping[str, float]) -> tuple[HostRamFacts | None, tuple[GpuFacts, ...]]:
-    """RAM and GPU facts a test put on a Ray node as custom resources (see the module doc)."""
-    ram = None
-    if FAKE_RAM_RESOURCE in resources:
-        nbytes = int(resources[FAKE_RAM_RESOURCE] * GB)
-        ram = HostRamFacts(nbytes, nbytes, "injected")
+def injected_facts(resources: Mapping[str, float]) -> tuple[int | None, tuple[GpuFacts, ...]]:
+    """RAM bytes and GPUs a test put on a Ray node as custom resources (see the module doc)."""
+    ram = int(resources[FAKE_RAM_RESOURCE] * GB) if FAKE_RAM_RESOURCE in resources else None
     types = [k[len(ACCELERATOR_PREFIX):] for k in resources if k.startswith(ACCELERATOR_PREFIX)]
     count = int(resources.get("GPU", 0))
     gpus: tuple[GpuFacts, ...] = ()
@@ -180,10 +146,11 @@ def ray_node_resources(node_id: str) -> Mapping[str, float]:
 
 
 def probe_node(node_id: str | None = None, resources: Mapping[str, float] | None = None,
-               nvml_gpus: tuple[GpuFacts, ...] | None = None) -> NodeFacts:
+               nvml_gpus: tuple[GpuFacts, ...] | None = None, reserve: int | None = None) -> NodeFacts:
     """Facts of this node. With Ray up, ``node_id`` defaults to the caller's node.
 
     ``nvml_gpus`` and ``resources`` are injectable for tests; by default they are probed.
+    ``reserve`` is kept out of the spendable RAM (None: offload_core's default, max(5 %, 2 GiB)).
     """
     if resources is None and node_id is None:
         import ray
@@ -198,12 +165,13 @@ def probe_node(node_id: str | None = None, resources: Mapping[str, float] | None
         logger.info("node %s: %d GPU(s) of type %s from node resources (no NVML GPUs)",
                     node_id, len(fake), fake[0].name)
         gpus = fake
-    ram = fake_ram or probe_host_ram()
-    types = [k[len(ACCELERATOR_PREFIX):] for k in resources if k.startswith(ACCELERATOR_PREFIX)]
     store = int(resources.get("object_store_memory", 0))
-    facts = NodeFacts(node_id, ram, gpus, types[0] if types else None, store)
-    logger.info("node %s: RAM %.1f GB total, %.1f GB available (%s); object store %.2f GB; GPUs: %s",
-                node_id, ram.total_bytes / GB, ram.available_bytes / GB, ram.source, store / GB,
+    ram = probe_host_ram(reserve, store, fake_ram)
+    types = [k[len(ACCELERATOR_PREFIX):] for k in resources if k.startswith(ACCELERATOR_PREFIX)]
+    facts = NodeFacts(node_id, ram, fake_ram is not None, gpus, types[0] if types else None, store)
+    logger.info("node %s: RAM %.2f GB spendable of %.2f GB available (%s, reserve %.2f, object store %.2f); "
+                "GPUs: %s", node_id, ram.spendable / GB, ram.psutil_available / GB,
+                "injected" if fake_ram is not None else ram.bound.value, ram.reserve / GB, store / GB,
                 ", ".join(f"{g.index}:{g.name} {g.memory_bytes / GB:.0f} GB Gen{g.pcie_gen}x{g.pcie_width}"
                           for g in gpus) or "none")
     return facts

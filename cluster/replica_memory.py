@@ -22,6 +22,7 @@ import logging
 import math
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cluster.fleet import FleetProfile, profile_for_gpu
@@ -29,7 +30,7 @@ from cluster.ledger import HOST_POOL, LedgerConfig, gpu_pool
 from cluster.node import GB, GpuFacts, NodeFacts, probe_node
 from offload_core.budget import InProcessLedger, Lease, MemoryBudget, Refusal
 
-if TYPE_CHECKING:  # torch is imported when a replica opens its memory, not by the ledger actor
+if TYPE_CHECKING:  # duck-typed: replicas pass torch.device, the ledger side never imports torch
     import torch
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,30 @@ def _local_pool(pool: str, capacity: int) -> LocalBudget:
         return _LOCAL[pool]
 
 
-def _pick_gpu(device: "torch.device", assigned: list[int], gpus: tuple[GpuFacts, ...], owner: str) -> GpuFacts | None:
+@dataclass(frozen=True)
+class DeviceRef:
+    """The device a replica computes on, read like torch.device without importing torch here."""
+
+    type: str  # "cuda" or "cpu"
+    index: int | None
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+def as_device(device: "torch.device | str") -> DeviceRef:
+    """'cuda:1' / torch.device('cuda', 1) -> DeviceRef('cuda', 1). Unknown kinds are an error."""
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        if index and not index.isdigit():
+            raise ValueError(f"device {device!r}: index must be a number")
+        device = DeviceRef(kind, int(index) if index else None)
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device {device}: only cuda and cpu devices lease from the node ledger")
+    return DeviceRef(device.type, device.index)
+
+
+def _pick_gpu(device: DeviceRef, assigned: list[int], gpus: tuple[GpuFacts, ...], owner: str) -> GpuFacts | None:
     """The GPU whose pool this replica's device working sets lease, if any."""
     if device.type == "cuda":
         local = device.index if device.index is not None else 0
@@ -116,7 +140,7 @@ def _pick_gpu(device: "torch.device", assigned: list[int], gpus: tuple[GpuFacts,
 class ReplicaMemory:
     """The host and device budgets of one replica, and the per-call device working set."""
 
-    def __init__(self, owner: str, device: "torch.device", node: NodeFacts, profile: FleetProfile,
+    def __init__(self, owner: str, device: DeviceRef, node: NodeFacts, profile: FleetProfile,
                  host_budget: MemoryBudget, device_budget: MemoryBudget, device_pool: str, client=None):
         self.owner, self.device, self.node, self.profile = owner, device, node, profile
         self.host_budget, self.device_budget, self.device_pool = host_budget, device_budget, device_pool
@@ -127,9 +151,8 @@ class ReplicaMemory:
              config: LedgerConfig = LedgerConfig()) -> "ReplicaMemory":
         """The replica's budgets from its node's ledger; without Ray, from :meth:`open_local`."""
         import ray
-        import torch
 
-        device = torch.device(device)
+        device = as_device(device)
         if not ray.is_initialized():
             return cls.open_local(owner, device, config=config)
         from cluster.ledger import node_ledger
@@ -149,13 +172,11 @@ class ReplicaMemory:
     def open_local(cls, owner: str, device: "torch.device | str" = "cpu", *,
                    config: LedgerConfig = LedgerConfig(), node: NodeFacts | None = None) -> "ReplicaMemory":
         """Process-local ledgers (what :meth:`open` uses without Ray); ``node`` is injectable for tests."""
-        import torch
-
-        device = torch.device(device)
-        node = node or probe_node(resources={})
+        device = as_device(device)
+        node = node or probe_node(resources={}, reserve=config.reserve_bytes)
         gpu = _pick_gpu(device, [], node.gpus, owner)
         profile = profile_for_gpu(gpu)
-        spendable = max(node.ram.available_bytes - config.reserve_bytes, 0)
+        spendable = node.ram.spendable
         host = _local_pool(HOST_POOL, spendable)
         pool = gpu_pool(gpu.index) if gpu is not None else HOST_POOL
         dev = _local_pool(pool, profile.device_pool_bytes(gpu)) if gpu is not None else host

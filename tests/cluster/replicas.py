@@ -1,0 +1,45 @@
+"""A stand-in stage replica for the cluster tests: leases through ReplicaMemory like a real one."""
+from __future__ import annotations
+
+import os
+import time
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cluster.ledger import LedgerConfig
+from cluster.replica_memory import DeviceBusy, ReplicaMemory
+
+
+@ray.remote(num_cpus=0)
+class LeasingReplica:
+    def __init__(self, owner: str, config: LedgerConfig, device: str = "cpu"):
+        self.memory = ReplicaMemory.open(owner, device, config=config)
+
+    def facts(self) -> dict:
+        m = self.memory
+        return {"pid": os.getpid(), "node_id": m.node.node_id, "pool": m.device_pool,
+                "profile": m.profile.name, "mode": m.profile.mode,
+                "gpu": m.node.gpus[0].name if m.node.gpus else None}
+
+    def pin(self, nbytes: int, count: int = 1, priority: float = 0.0) -> list:
+        return [self.memory.host_budget.request(nbytes, self.memory.owner, priority, "pinned:test")
+                for _ in range(count)]
+
+    def stage_call(self, nbytes: int, hold_s: float, timeout_s: float) -> tuple[str, float]:
+        """One stage call: lease the working set, 'compute' for hold_s, give it back."""
+        start = time.monotonic()
+        try:
+            with self.memory.device_working_set(nbytes, timeout_s):
+                time.sleep(hold_s)
+        except DeviceBusy as busy:
+            return "busy", busy.retry_after_s
+        return "ok", time.monotonic() - start
+
+    def close(self) -> int:
+        return self.memory.close()
+
+
+def on_node(node_id: str, **options):
+    return LeasingReplica.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False), **options)

@@ -1,0 +1,130 @@
+"""The node ledger on a real multi-node Ray cluster: no over-commit, reclaim, restart."""
+from __future__ import annotations
+
+import time
+
+import ray
+
+from cluster.ledger import HOST_POOL, NAMESPACE, ledger_name, node_ledger
+from cluster.liveness import actor_info
+from offload_core.budget import Lease, Refusal
+from offload_core.host_memory import default_reserve
+from tests.cluster.conftest import FAST, MiB
+from tests.cluster.replicas import on_node
+
+
+def _state(node_id):
+    return ray.get(node_ledger(node_id).state.remote(), timeout=60)
+
+
+def _wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (value := predicate()):
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_each_node_has_one_ledger_pinned_to_it(fleet_nodes):
+    for node in (fleet_nodes.small, fleet_nodes.l4, fleet_nodes.big):
+        handle = ray.get_actor(ledger_name(node.node_id), namespace=NAMESPACE)
+        assert actor_info(handle._actor_id.hex())["Address"]["NodeID"] == node.node_id
+        # get-or-create: a second caller gets the same actor, not a second ledger.
+        assert ray.get(node_ledger(node.node_id).epoch.remote()) == ray.get(handle.epoch.remote())
+        state = _state(node.node_id)
+        ram = int(node.ram_gb * 1e9)
+        spendable = ram - default_reserve(ram) - 100 * MiB  # RAM - max(5 %, 2 GiB) - object store
+        assert abs(state.pool(HOST_POOL).capacity - spendable) < 1e6, (
+            "spendable must be the node's RAM less the reserve and Ray's object store")
+
+
+def test_replicas_starting_at_once_never_lease_more_than_the_node_spendable(fleet_nodes):
+    node = fleet_nodes.small
+    before = _state(node.node_id).pool(HOST_POOL)
+    chunk, per_replica = 600 * MiB, 4  # 6 replicas x 2.4 GiB asked of ~5.75 GB spendable
+    replicas = [on_node(node.node_id).remote(f"pinner-{i}", FAST) for i in range(6)]
+    try:
+        results = ray.get([r.pin.remote(chunk, per_replica, float(i)) for i, r in enumerate(replicas)], timeout=120)
+        granted = [x for rs in results for x in rs if isinstance(x, Lease)]
+        refused = [x for rs in results for x in rs if isinstance(x, Refusal)]
+        after = _state(node.node_id).pool(HOST_POOL)
+        assert refused, "demand was 2.5x the spendable: some requests must have been refused"
+        assert all("B free" in r.reason for r in refused), "a refusal must say what was free"
+        assert before.leased + sum(l.nbytes for l in granted) == after.leased <= after.capacity
+        assert after.peak_leased <= after.capacity, "the node over-committed its host RAM"
+        assert after.capacity - after.leased < chunk, "requests were refused while a chunk still fit"
+    finally:
+        ray.get([r.close.remote() for r in replicas], timeout=60)
+        for r in replicas:
+            ray.kill(r)
+    assert _state(node.node_id).pool(HOST_POOL).leased == before.leased, "closing must give every pin back"
+
+
+def test_one_replica_cannot_take_more_than_its_cap(fleet_nodes):
+    node = fleet_nodes.small
+    state = _state(node.node_id)
+    replica = on_node(node.node_id).remote("greedy", FAST)
+    try:
+        (first,) = ray.get(replica.pin.remote(state.owner_cap_bytes - 10 * MiB))
+        (second,) = ray.get(replica.pin.remote(20 * MiB))
+        assert isinstance(first, Lease)
+        assert isinstance(second, Refusal) and "per-replica cap" in second.reason
+    finally:
+        ray.get(replica.close.remote())
+        ray.kill(replica)
+
+
+def test_killing_a_replica_returns_its_leases_within_the_bound(fleet_nodes):
+    node = fleet_nodes.big
+    before = _state(node.node_id).pool(HOST_POOL).leased
+    replica = on_node(node.node_id).remote("doomed", FAST)
+    leases = ray.get(replica.pin.remote(512 * MiB, 3))
+    assert all(isinstance(l, Lease) for l in leases)
+    assert _state(node.node_id).pool(HOST_POOL).leased == before + 3 * 512 * MiB
+    ray.kill(replica)  # no close(): the ledger must notice on its own
+    killed = time.monotonic()
+    _wait_for(lambda: _state(node.node_id).pool(HOST_POOL).leased == before, 15, "reclaim of a dead replica")
+    took = time.monotonic() - killed
+    # Bound: one liveness interval (0.5 s) + a GCS lookup; 15 s only absorbs a loaded test machine.
+    assert took < 15
+    assert _state(node.node_id).reclaimed_bytes >= 3 * 512 * MiB
+
+
+def test_a_restarted_ledger_keeps_the_accounting(fleet_nodes):
+    node = fleet_nodes.l4
+    handle = node_ledger(node.node_id)
+    old = ray.get(handle.state.remote())
+    holder = on_node(node.node_id).remote("holder", FAST)
+    other = on_node(node.node_id).remote("latecomer", FAST)
+    try:
+        (held,) = ray.get(holder.pin.remote(3 * 2**30))
+        assert isinstance(held, Lease)
+        ray.kill(handle, no_restart=False)  # the ledger dies; Ray restarts it (max_restarts=-1)
+        new = _wait_for(lambda: _fresh_state(node.node_id, old.epoch), 60, "the ledger's restart")
+        assert new.restarted
+        # The holder's heartbeat (0.5 s) re-registers its lease inside the 2 s recovery window.
+        restored = _wait_for(lambda: _has_lease(node.node_id, held.lease_id), 30, "re-registration")
+        assert restored.pool(HOST_POOL).leased >= held.nbytes
+        free = restored.pool(HOST_POOL).capacity - restored.pool(HOST_POOL).leased
+        (late,) = ray.get(other.pin.remote(free + MiB), timeout=60)
+        assert isinstance(late, Refusal), "the restarted ledger granted bytes the holder still has"
+    finally:
+        ray.get([holder.close.remote(), other.close.remote()], timeout=60)
+        ray.kill(holder)
+        ray.kill(other)
+    assert _state(node.node_id).pool(HOST_POOL).leased == 0
+
+
+def _fresh_state(node_id, old_epoch):
+    try:
+        state = _state(node_id)
+    except ray.exceptions.RayActorError:
+        return None
+    return state if state.epoch != old_epoch else None
+
+
+def _has_lease(node_id, lease_id):
+    handle = node_ledger(node_id)
+    leases = ray.get(handle.outstanding.remote(HOST_POOL))
+    return ray.get(handle.state.remote()) if any(l.lease_id == lease_id for l in leases) else None
