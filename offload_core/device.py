@@ -119,6 +119,16 @@ class Device:
         if self.is_cuda:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
 
+    def compute_waits_for_copies(self) -> None:
+        """Order the compute stream after every copy issued so far.
+
+        Needed before dropping a slot: the caching allocator only knows the compute stream, so
+        without this wait it could hand the slot's memory to a new tensor while a prefetch copy
+        (the wrapped one, issued by the last layer) is still writing into it.
+        """
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)

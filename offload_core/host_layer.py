@@ -34,6 +34,9 @@ class HostLayer:
         assert len(params) == len(layout.tensors), (
             f"layer {layout.key}: {len(params)} tensors for {len(layout.tensors)} metadata entries; "
             "a mismatch would bind weights to the wrong parameters")
+        for meta, tensor in zip(layout.tensors, params):
+            if tensor.device.type == "meta":
+                raise LayoutError(f"layer {layout.key}: {meta.name} is on the meta device and has no data to stream")
         if tier is HostingTier.MAPPED:
             for meta, tensor in zip(layout.tensors, params):
                 if tensor.device.type != "cpu":

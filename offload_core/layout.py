@@ -138,12 +138,10 @@ def extent_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def plan_layer_layout(key: str, params: Sequence[tuple[str, torch.Tensor]]) -> LayerLayout:
-    """Lay ``params`` out as one flat buffer per dtype, each tensor at an aligned offset."""
+    """Lay ``params`` out as one flat buffer per dtype, each tensor at an aligned offset (meta works too)."""
     cursor: dict[torch.dtype, int] = {}
     metas = []
     for name, tensor in params:
-        if tensor.device.type == "meta":
-            raise LayoutError(f"layer {key}: parameter {name} is on the meta device and has no data to stream")
         offset = align_up(cursor.get(tensor.dtype, 0))
         extent = storage_extent(tensor)
         metas.append(TensorMeta(name, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),

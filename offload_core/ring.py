@@ -76,6 +76,7 @@ class PrefetchRing:
     def deallocate(self) -> None:
         """Release every layer and drop the slots (stage teardown)."""
         self.release_all()
+        self._device.compute_waits_for_copies()
         self._buffers, self._carved, self._free, self._last_use = [], [], collections.deque(), []
 
     def prefetch(self, position: int) -> None:

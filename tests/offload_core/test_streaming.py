@@ -318,3 +318,23 @@ def test_bad_config_is_refused_with_the_field_named(kwargs, error, match):
 def test_hosting_for_a_layer_that_is_not_streamed_is_refused():
     with pytest.raises(ValueError, match="blocks.9"):
         apply_layer_streaming(Stack(), "cpu", StreamingConfig(hosting={"blocks.9": HostingTier.PINNED}))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the same code runs on CPU above)")
+@pytest.mark.parametrize("tier", [HostingTier.PINNED, HostingTier.PAGEABLE, HostingTier.MAPPED])
+@pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.name)
+def test_streamed_output_is_bitwise_equal_on_cuda(case, tier):
+    model, inputs = case.build(), case.inputs()
+    expected = case.run(model.to("cuda"), {k: v.to("cuda") for k, v in inputs.items()})
+    model.to("cpu")
+    keys = [f"{p}.{i}" for p in declared_layer_groups(model) for i in range(len(resolve_layer_group(model, p).layers))]
+    streamer = apply_layer_streaming(model, "cuda", StreamingConfig(prefetch_depth=2, resident=1,
+                                                                     hosting={k: tier for k in keys}))
+    cuda_inputs = {k: v.to("cuda") for k, v in inputs.items()}
+    for _ in range(2):
+        streamer.prepare_for_use()
+        out = case.run(model, cuda_inputs)
+        streamer.finish_use()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+    assert streamer.meter.peak_bytes == streamer.predicted_peak_bytes()
