@@ -1,0 +1,88 @@
+"""The typed application builder: ``serve run deployments.app:build_app`` or ``configs/local.yaml``.
+
+All ``.bind()`` wiring is here. Per-deployment Serve options (ray_actor_options, autoscaling,
+max_ongoing_requests, max_queued_requests) come from the Serve config file by deployment name and
+override the defaults set below; the offload mode per stage, the model and the limits come from
+``args``. Model folders come from here only, never from a request.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray.serve import Application
+
+from deployments.families import FamilyFacts, read_family_facts
+from deployments.ingress import Ingress, IngressConfig
+from deployments.schemas import Limits
+from deployments.spec import OffloadMode
+from deployments.stages import DTYPES, Denoiser, StageConfig, TextEncoder, VaeDecoder
+
+logger = logging.getLogger(__name__)
+
+
+class StageArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    offload_mode: OffloadMode = OffloadMode.AUTO
+
+
+class AppArgs(BaseModel):
+    """Everything ``build_app`` needs; ``serve run`` passes the config file's ``args`` here."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Serve application name: names the residency board; must match the config's application name.
+    app_name: str = "offload-serve"
+    # A local diffusers folder (WanPipeline or FluxPipeline). None: the tiny zoo of `tiny_family`.
+    model_path: str | None = None
+    tiny_family: str = Field("wan", pattern="^(wan|flux)$")
+    # The id clients pass as "model" (GET /v1/models); None: the folder's name.
+    model_id: str | None = None
+    dtype: str = Field("float32", pattern="^(" + "|".join(DTYPES) + ")$")
+    encoder: StageArgs = StageArgs()
+    denoiser: StageArgs = StageArgs()
+    decoder: StageArgs = StageArgs()
+    limits: Limits = Limits()
+    # The bearer token is read from this environment variable (so it never sits in a config file);
+    # None or an unset variable: no authentication.
+    api_token_env: str | None = None
+    device_timeout_s: float = Field(30.0, gt=0)
+    retry_after_s: int = Field(2, ge=1)
+    # Default CPUs per replica; config files override per deployment. Small so the whole app fits
+    # on a 2-CPU machine (4 deployments x 0.25).
+    replica_num_cpus: float = Field(0.25, ge=0)
+
+
+def resolve_model_folder(args: AppArgs) -> pathlib.Path:
+    if args.model_path is not None:
+        return pathlib.Path(args.model_path).expanduser().resolve()
+    from zoo import tiny  # the embedded default; built on first use, nothing downloads
+
+    return tiny.ensure_tiny_wan() if args.tiny_family == "wan" else tiny.ensure_tiny_flux()
+
+
+def _stage(args: AppArgs, facts: FamilyFacts, stage: str, options: StageArgs) -> StageConfig:
+    return StageConfig(args.app_name, facts, stage, options.offload_mode, args.dtype, args.device_timeout_s)
+
+
+def build_app(args: AppArgs | dict) -> Application:
+    if not isinstance(args, AppArgs):
+        args = AppArgs.model_validate(args)
+    facts = read_family_facts(resolve_model_folder(args))
+    token = os.environ.get(args.api_token_env) if args.api_token_env else None
+    if args.api_token_env and not token:
+        raise ValueError(f"api_token_env names {args.api_token_env!r}, which is not set: refusing to start "
+                         "without the configured authentication")
+    model_id = args.model_id or pathlib.Path(facts.folder).name
+    actor = {"num_cpus": args.replica_num_cpus}
+    logger.info("building %s: %s model %r from %s; offload modes encoder=%s denoiser=%s decoder=%s",
+                args.app_name, facts.family.value, model_id, facts.folder, args.encoder.offload_mode.value,
+                args.denoiser.offload_mode.value, args.decoder.offload_mode.value)
+    encoder = TextEncoder.options(ray_actor_options=actor).bind(_stage(args, facts, "encode", args.encoder))
+    denoiser = Denoiser.options(ray_actor_options=actor).bind(_stage(args, facts, "denoise", args.denoiser))
+    decoder = VaeDecoder.options(ray_actor_options=actor).bind(_stage(args, facts, "decode", args.decoder))
+    config = IngressConfig(args.app_name, model_id, facts, args.limits, token, args.retry_after_s)
+    return Ingress.options(ray_actor_options=actor).bind(encoder, denoiser, decoder, config)

@@ -1,0 +1,70 @@
+"""Every failure the ingress can see, as an OpenAI-style JSON error with the right status.
+
+Bad input is a 4xx naming the field; overload (Serve's queue full, the device lease not granted in
+time, a stage replica gone mid-call) is a 503 with Retry-After, so clients back off and retry
+instead of treating it as a server fault.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from ray import exceptions as ray_errors
+from ray.serve import exceptions as serve_errors
+
+from deployments.memory import busy_error_types
+from deployments.schemas import FieldError
+
+logger = logging.getLogger(__name__)
+
+# Gone or going replicas: Serve replaces them; the client should retry.
+_UNAVAILABLE = (ray_errors.RayActorError, ray_errors.ActorDiedError, ray_errors.ActorUnavailableError,
+                serve_errors.ReplicaUnavailableError, serve_errors.DeploymentUnavailableError,
+                serve_errors.RequestCancelledError, ray_errors.ObjectLostError)
+
+
+def error_json(status: int, message: str, param: str | None, code: str, kind: str,
+               headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def field_error(error: FieldError) -> JSONResponse:
+    return error_json(error.status, error.message, error.param, error.code, "invalid_request_error")
+
+
+def validation_error(error: ValidationError) -> JSONResponse:
+    first = error.errors()[0]
+    param = ".".join(str(part) for part in first["loc"]) or "body"
+    code = "unknown_field" if first["type"] == "extra_forbidden" else "invalid_value"
+    return error_json(400, f"{param}: {first['msg']}", param, code, "invalid_request_error")
+
+
+def _causes(exc: BaseException):
+    seen = 0
+    while exc is not None and seen < 5:
+        yield exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+        seen += 1
+
+
+def overload_or_failure(exc: BaseException, retry_after_s: int, request_id: str) -> JSONResponse:
+    """503 + Retry-After for overload and lost replicas; 500 (logged) for anything else."""
+    retry = {"Retry-After": str(retry_after_s)}
+    for cause in _causes(exc):
+        if isinstance(cause, serve_errors.BackPressureError):
+            logger.info("request %s refused: stage queue full (%s); 503, retry after %d s",
+                        request_id, cause, retry_after_s)
+            return error_json(503, "server busy: the queue is full, retry later", None, "queue_full",
+                              "overloaded", retry)
+        if isinstance(cause, busy_error_types()):
+            logger.info("request %s refused: %s; 503, retry after %d s", request_id, cause, retry_after_s)
+            return error_json(503, f"device busy: {cause}", None, "device_busy", "overloaded", retry)
+        if isinstance(cause, _UNAVAILABLE):
+            logger.info("request %s lost its stage replica (%s); 503, retry after %d s",
+                        request_id, type(cause).__name__, retry_after_s)
+            return error_json(503, "a stage replica was lost mid-request and is being replaced; retry",
+                              None, "replica_unavailable", "overloaded", retry)
+    logger.exception("request %s failed", request_id, exc_info=exc)
+    return error_json(500, f"internal error in request {request_id}", None, "internal_error", "server_error")

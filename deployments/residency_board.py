@@ -1,0 +1,67 @@
+"""Where each stage replica's weights are, collected for ``GET /v1/residency``.
+
+A Serve handle reaches one replica per call, so each replica publishes its own report to one
+small named actor per application after loading and after every call; the ingress reads it and
+drops replicas that are no longer alive (a killed replica's actor name disappears).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaResidency:
+    """One replica's report: its stage, device, offload mode and per-component placements."""
+
+    replica: str  # Serve's full replica id, which is also its actor name
+    stage: str
+    device: str
+    mode: str
+    components: tuple  # tuple[ComponentPlacement, ...]
+    predicted_peak_bytes: int
+    last_device_peak_bytes: int
+    last_bytes_streamed: int
+    # offload_core.report's typed report as JSON, when that module is installed; else None.
+    core_report: dict | None = None
+
+    def to_json(self) -> dict:
+        return {"replica": self.replica, "stage": self.stage, "device": self.device, "mode": self.mode,
+                "components": [c.to_json() for c in self.components],
+                "predicted_peak_bytes": self.predicted_peak_bytes,
+                "last_device_peak_bytes": self.last_device_peak_bytes,
+                "last_bytes_streamed": self.last_bytes_streamed, "core_report": self.core_report}
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class ResidencyBoard:
+    def __init__(self):
+        self._reports: dict[str, ReplicaResidency] = {}
+
+    def publish(self, report: ReplicaResidency) -> None:
+        self._reports[report.replica] = report
+
+    def snapshot(self) -> tuple[ReplicaResidency, ...]:
+        return tuple(self._reports.values())
+
+    def forget(self, replica: str) -> None:
+        self._reports.pop(replica, None)
+
+
+def board_name(app_name: str) -> str:
+    return f"offload-serve-residency:{app_name}"
+
+
+def get_board(app_name: str):
+    """The application's board, created on first use. Detached so it outlives any one replica."""
+    return ResidencyBoard.options(name=board_name(app_name), namespace="serve", lifetime="detached",
+                                  get_if_exists=True).remote()
+
+
+def live_replicas() -> set[str]:
+    return {entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
+            if entry.get("namespace") == "serve"}

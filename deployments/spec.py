@@ -1,0 +1,85 @@
+"""What travels between the ingress and the stage replicas: frozen, typed, tensors as tensors.
+
+These objects cross Ray's object store (pickled, with tensors serialized as tensors), so the
+stages never see JSON and the ingress never sees model internals.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class Family(enum.Enum):
+    # diffusers WanPipeline: UMT5 encoder, WanTransformer3DModel, AutoencoderKLWan. An image is a
+    # video of one frame.
+    WAN = "wan"
+    # diffusers FluxPipeline: CLIP + T5 encoders, FluxTransformer2DModel, AutoencoderKL. Images only.
+    FLUX = "flux"
+
+
+class OffloadMode(enum.Enum):
+    # Let the planner choose from the facts (device capacity, layer bytes, uses per request).
+    AUTO = "auto"
+    # Fastest: as many layers resident on the device as fit; host copies pinned.
+    SPEED = "speed"
+    # Least device memory: every layer streams through the prefetch ring.
+    MEMORY = "memory"
+    # Half the layers resident, the rest streamed with a deeper prefetch.
+    BALANCED = "balanced"
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """One validated generation request, as every stage sees it."""
+
+    request_id: str
+    prompt: str
+    negative_prompt: str | None
+    height: int
+    width: int
+    num_frames: int  # 1 for images
+    steps: int
+    guidance_scale: float
+    seed: int
+    n: int  # outputs per prompt; the batch dimension of every tensor below
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """The encoder stage's output: exactly what the pipeline's ``encode_prompt`` returned."""
+
+    prompt_embeds: torch.Tensor
+    # Wan with classifier-free guidance (guidance_scale > 1); None otherwise.
+    negative_prompt_embeds: torch.Tensor | None = None
+    # Flux's CLIP pooled embedding; None for Wan.
+    pooled_prompt_embeds: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DenoiseProgress:
+    """Denoising step ``step`` of ``total`` finished (1-based), streamed while the denoiser runs."""
+
+    request_id: str
+    step: int
+    total: int
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """What one stage call cost, for metrics and the response."""
+
+    stage: str
+    replica: str
+    seconds: float
+    bytes_streamed: int  # host->device weight bytes copied during the call
+    device_peak_bytes: int  # peak weight bytes materialized on the device during the call
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    """A stage's tensor result with what it cost. ``value`` stays a tensor end to end."""
+
+    value: torch.Tensor | EncodedPrompt
+    stats: StageStats

@@ -1,0 +1,170 @@
+"""The three stage deployments: TextEncoder, Denoiser, VaeDecoder (names the k8s manifests use).
+
+Each replica loads only its stage's components from the configured folder, runs them under
+offload_core (:class:`deployments.offload.StageResidency`), leases its device working set for the
+length of every call, and returns tensors (Ray's object store carries them, never JSON).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import ray
+import torch
+from ray import serve
+
+from deployments import families
+from deployments.families import FamilyFacts
+from deployments.metrics import StageMetrics
+from deployments.memory import open_replica_memory
+from deployments.offload import StageResidency
+from deployments.residency_board import ReplicaResidency, get_board
+from deployments.spec import (DenoiseProgress, EncodedPrompt, GenerationSpec, OffloadMode, StageOutput,
+                              StageStats)
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """What one stage replica needs; built by ``deployments.app.build_app``."""
+
+    app_name: str
+    facts: FamilyFacts
+    stage: str  # "encode" | "denoise" | "decode"
+    mode: OffloadMode
+    dtype: str
+    # How long a call waits for its device working set before answering 503 (Retry-After).
+    device_timeout_s: float
+
+
+def _replica_device() -> torch.device:
+    # A replica is on the GPU only when Ray gave it one (num_gpus > 0, fractions allowed).
+    if torch.cuda.is_available() and ray.get_gpu_ids():
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def _replica_id(stage: str) -> str:
+    try:
+        return serve.get_replica_context().replica_id.to_full_id_str()
+    except RuntimeError:  # constructed outside Serve (benchmarks, unit tests of a worker)
+        return f"local-{stage}"
+
+
+class StageWorker:
+    """Loads one stage, runs its calls under offload_core and the device lease, publishes residency."""
+
+    def __init__(self, config: StageConfig):
+        self.config = config
+        self.device = _replica_device()
+        self.replica = _replica_id(config.stage)
+        self.pipe = families.load_stage_pipeline(config.facts, config.stage, DTYPES[config.dtype])
+        self.residency = StageResidency(families.stage_modules(self.pipe, config.facts, config.stage),
+                                        config.mode, self.device)
+        self.memory = open_replica_memory(self.replica, self.device)
+        self.metrics = StageMetrics(config.stage)
+        # One call at a time per replica: the pipeline object (scheduler state) is not reentrant.
+        self._lock = threading.Lock()
+        self._last = StageStats(config.stage, self.replica, 0.0, 0, 0)
+        self._board = None
+        self.publish()
+
+    def run(self, work: Callable[[], object]) -> StageOutput:
+        working_set = self.residency.predicted_peak_bytes()
+        with self._lock, self.memory.device_working_set(working_set, self.config.device_timeout_s):
+            start = time.perf_counter()
+            self.residency.prepare_for_use()
+            try:
+                value = work()
+            finally:
+                self.residency.finish_use()
+            stats = StageStats(self.config.stage, self.replica, time.perf_counter() - start,
+                               self.residency.bytes_streamed(), self.residency.device_peak_bytes())
+        self.metrics.record(stats)
+        self._last = stats
+        self.publish()
+        return StageOutput(value, stats)
+
+    def report(self) -> ReplicaResidency:
+        return ReplicaResidency(self.replica, self.config.stage, str(self.device), self.config.mode.value,
+                                self.residency.placements(), self.residency.predicted_peak_bytes(),
+                                self._last.device_peak_bytes, self._last.bytes_streamed)
+
+    def publish(self) -> None:
+        if not ray.is_initialized():
+            return
+        if self._board is None:
+            self._board = get_board(self.config.app_name)
+        self._board.publish.remote(self.report())  # fire and forget: a report is not worth a wait
+
+
+@serve.deployment(name="TextEncoder")
+class TextEncoder:
+    def __init__(self, config: StageConfig):
+        self.worker = StageWorker(config)
+
+    def encode(self, spec: GenerationSpec) -> StageOutput:
+        worker = self.worker
+        return worker.run(lambda: families.encode(worker.pipe, worker.config.facts, spec, worker.device))
+
+    def residency(self) -> ReplicaResidency:
+        return self.worker.report()
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+@serve.deployment(name="Denoiser")
+class Denoiser:
+    def __init__(self, config: StageConfig):
+        self.worker = StageWorker(config)
+
+    def denoise(self, encoded: StageOutput, spec: GenerationSpec) -> Iterator[DenoiseProgress | StageOutput]:
+        """Streams ``DenoiseProgress`` after every step, then the latents as the last item."""
+        events: queue.Queue = queue.Queue()
+        worker = self.worker
+        prompt: EncodedPrompt = encoded.value
+
+        def work() -> None:
+            try:
+                events.put(worker.run(lambda: families.denoise(worker.pipe, worker.config.facts, prompt, spec,
+                                                               on_step=events.put)))
+            except BaseException as exc:  # re-raised below, in the caller's thread
+                events.put(_Failed(exc))
+
+        thread = threading.Thread(target=work, name=f"denoise-{spec.request_id}", daemon=True)
+        thread.start()
+        while True:
+            item = events.get()
+            if isinstance(item, _Failed):
+                thread.join()
+                raise item.error
+            yield item
+            if isinstance(item, StageOutput):
+                break
+        thread.join()
+
+    def residency(self) -> ReplicaResidency:
+        return self.worker.report()
+
+
+@serve.deployment(name="VaeDecoder")
+class VaeDecoder:
+    def __init__(self, config: StageConfig):
+        self.worker = StageWorker(config)
+
+    def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput:
+        worker = self.worker
+        return worker.run(lambda: families.decode(worker.pipe, worker.config.facts, latents.value, spec))
+
+    def residency(self) -> ReplicaResidency:
+        return self.worker.report()

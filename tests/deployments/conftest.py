@@ -1,0 +1,51 @@
+"""One tiny-Wan service per test module that asks for it, on a free localhost port."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.conftest import free_port
+
+TOKEN_ENV = "OFFLOAD_SERVE_TEST_TOKEN"
+TOKEN = "test-token-1234"
+APP = "svc-test"
+PREFIX = "/svc"
+
+
+def serve_base_url(ray_cluster) -> str:
+    """Start Serve's HTTP proxy on a free localhost port, or reuse the one this session started."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    config = _get_global_client().http_config
+    return f"http://{config.host}:{config.port}"
+
+
+def tiny_args(**overrides):
+    from deployments.app import AppArgs
+    from deployments.schemas import Limits
+
+    limits = Limits(max_width=64, max_height=64, max_steps=4, max_n=2, max_prompt_chars=200, max_frames=9,
+                    default_size="16x16", default_steps=2, default_frames=5, default_fps=4)
+    base = dict(app_name=APP, limits=limits, api_token_env=TOKEN_ENV, replica_num_cpus=0.0, device_timeout_s=5.0,
+                retry_after_s=1)
+    base.update(overrides)
+    return AppArgs(**base)
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster):
+    """(base url, auth headers) of the tiny Wan app; deleted when the module is done."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    os.environ[TOKEN_ENV] = TOKEN
+    base = serve_base_url(ray_cluster)
+    serve.run(build_app(tiny_args()), name=APP, route_prefix=PREFIX)
+    try:
+        yield base + PREFIX, {"Authorization": f"Bearer {TOKEN}"}
+    finally:
+        serve.delete(APP)
