@@ -1,0 +1,325 @@
+"""Render the KubeRay RayService manifests in k8s/ from one fleet table and one table per variant.
+
+    python k8s/render.py          # rewrite k8s/rayservice*.yaml
+    python k8s/render.py --check  # exit 1 if a committed manifest differs from what this renders
+
+Every manifest declares the whole GPU fleet (one worker group per GPU type, each scaling from
+zero), so the same cluster can host any variant; a variant only chooses the model and where each
+stage runs. Numbers that matter (pod memory, object store, Ray resources) come from the tables
+below, and tests/k8s/test_manifests.py checks them against the host budgets of the real models.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+K8S_DIR = Path(__file__).resolve().parent
+RAY_VERSION = "2.60.0"
+# Built from this repository (pip install . on top of rayproject/ray:2.60.0-py311-gpu).
+IMAGE = "ghcr.io/offload-serve/offload-serve:0.1.0-ray2.60.0-py311-gpu"
+GI = 2**30
+APP_NAME = "offload-serve"
+ACCELERATOR_PREFIX = "accelerator_type:"  # Ray's resource name for accelerator_type placement
+
+
+@dataclass(frozen=True)
+class GpuGroup:
+    """One KubeRay worker group: nodes with one GPU of one type."""
+
+    name: str
+    gpu_product: str  # node label nvidia.com/gpu.product, as GPU feature discovery writes it
+    accelerator_type: str  # Ray accelerator_type; fleet profile's accelerator_type in configs/fleet
+    gpu_memory_gb: int
+    cpus: int
+    memory_gi: int  # pod memory request == limit: the cgroup the node ledger budgets against
+    object_store_gi: int  # Ray object store, taken out of the host budget (it lives in /dev/shm)
+    max_replicas: int
+
+
+# Pod sizes are a 1-GPU slice of a typical cloud shape, less ~10 % for kubelet and daemonsets:
+# RTX 3060 desktop 64 GB, g2-standard-16 (L4) 64 GB, g5.4xlarge (A10G) 64 GiB, g6e.4xlarge (L40S)
+# 128 GiB, a2-ultragpu-1g (A100 80GB) 170 GB, a3-highgpu-1g (H100) 234 GB, p5en/8 (H200) 256 GiB.
+# Object store: stage outputs are small (a 512-token bf16 umT5 embedding is 4 MiB, 81-frame
+# 480x832 latents 8 MiB) but a decoded 81-frame fp32 video is 388 MB; 4 GiB holds ~10 of them.
+FLEET: tuple[GpuGroup, ...] = (
+    GpuGroup("rtx3060-12gb", "NVIDIA-GeForce-RTX-3060", "RTX3060", 12, 8, 56, 4, 4),
+    GpuGroup("l4-24gb", "NVIDIA-L4", "L4", 24, 14, 56, 4, 8),
+    GpuGroup("a10g-24gb", "NVIDIA-A10G", "A10G", 24, 14, 56, 4, 8),
+    GpuGroup("l40s-48gb", "NVIDIA-L40S", "L40S", 48, 14, 112, 8, 4),
+    GpuGroup("a100-80gb", "NVIDIA-A100-SXM4-80GB", "A100-80G", 80, 11, 150, 8, 4),
+    GpuGroup("h100-80gb", "NVIDIA-H100-80GB-HBM3", "H100", 80, 24, 200, 8, 4),
+    GpuGroup("h200-141gb", "NVIDIA-H200", "H200", 141, 24, 230, 8, 2),
+)
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Where one stage deployment runs and how it scales."""
+
+    deployment: str  # TextEncoder | Denoiser | VaeDecoder (deployments/stages.py)
+    args_key: str  # encoder | denoiser | decoder (deployments.app.AppArgs)
+    accelerator_type: str
+    num_gpus: float  # fraction of one GPU; stages sharing a GPU lease its memory from the node ledger
+    offload_mode: str  # deployments.spec.OffloadMode value
+    min_replicas: int
+    max_replicas: int
+    target_ongoing_requests: float
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One RayService: a real model and the GPU type of each stage."""
+
+    file_name: str
+    service_name: str
+    real_model: str  # key of configs/models/real_model_configs.json (checked by the tests)
+    model_path: str  # diffusers folder on the read-only models volume
+    dtype: str
+    stages: tuple[StagePlacement, ...]
+    about: str
+
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant(
+        "rayservice.yaml", "offload-serve-wan14b", "wan2.1-t2v-14b", "/models/Wan2.1-T2V-14B-Diffusers", "bfloat16",
+        (
+            # umT5-XXL in bf16 is 11.4 GB: resident on half an L4, next to the decoder.
+            StagePlacement("TextEncoder", "encoder", "L4", 0.5, "auto", 1, 4, 4),
+            # The 28.6 GB DiT runs 50 steps per request: resident on an H100, it never streams.
+            StagePlacement("Denoiser", "denoiser", "H100", 1.0, "speed", 1, 4, 1),
+            StagePlacement("VaeDecoder", "decoder", "L4", 0.5, "auto", 1, 4, 2),
+        ),
+        "Wan2.1-T2V-14B on a mixed fleet: encoder and decoder share L4s, the denoiser gets an H100.",
+    ),
+    Variant(
+        "rayservice-consumer-12gb.yaml", "offload-serve-wan1-3b-12gb", "wan2.1-t2v-1.3b",
+        "/models/Wan2.1-T2V-1.3B-Diffusers", "bfloat16",
+        (
+            # All three stages share one 12 GB card; the node ledger serializes their working sets.
+            StagePlacement("TextEncoder", "encoder", "RTX3060", 0.34, "memory", 1, 4, 2),
+            StagePlacement("Denoiser", "denoiser", "RTX3060", 0.33, "balanced", 1, 4, 1),
+            StagePlacement("VaeDecoder", "decoder", "RTX3060", 0.33, "auto", 1, 4, 2),
+        ),
+        "Wan2.1-T2V-1.3B on 12 GB consumer cards: the three stages share one GPU per node.",
+    ),
+    Variant(
+        "rayservice-flux.yaml", "offload-serve-flux-dev", "flux.1-dev", "/models/FLUX.1-dev", "bfloat16",
+        (
+            # CLIP-L + T5-XXL in bf16 are 9.8 GB; the VAE decode of a 1024x1024 image is ~2 GB.
+            StagePlacement("TextEncoder", "encoder", "A10G", 0.5, "auto", 1, 4, 4),
+            # The 23.8 GB DiT streams on a 24 GB card but sits resident with room on a 48 GB L40S.
+            StagePlacement("Denoiser", "denoiser", "L40S", 1.0, "speed", 1, 4, 1),
+            StagePlacement("VaeDecoder", "decoder", "A10G", 0.5, "auto", 1, 4, 2),
+        ),
+        "FLUX.1-dev: encoders and decoder share A10Gs, the denoiser runs on an L40S.",
+    ),
+)
+
+
+def _ray_resources(group: GpuGroup) -> str:
+    # KubeRay passes rayStartParams to `ray start` through a shell: the JSON is quoted once more.
+    # Declaring accelerator_type:<T> lets the autoscaler see a zero-node group satisfy
+    # accelerator_type=<T> demand; Ray's own detection names consumer cards differently
+    # ("GeForce-RTX-3060"), so the fleet's name is declared explicitly.
+    return json.dumps(json.dumps({f"{ACCELERATOR_PREFIX}{group.accelerator_type}": 1}))
+
+
+def _container(name: str, cpus: int, memory_gi: int, gpus: int, object_store_gi: int) -> dict:
+    limits = {"cpu": str(cpus), "memory": f"{memory_gi}Gi"}
+    if gpus:
+        limits["nvidia.com/gpu"] = str(gpus)
+    return {
+        "name": name,
+        "image": IMAGE,
+        "env": [
+            {"name": "HF_HUB_OFFLINE", "value": "1"},  # models come from the volume; nothing downloads
+            {"name": "TRANSFORMERS_OFFLINE", "value": "1"},
+            {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
+        ],
+        # requests == limits: the Guaranteed QoS class, and one cgroup limit the node ledger reads.
+        "resources": {"limits": dict(limits), "requests": dict(limits)},
+        "volumeMounts": [
+            {"name": "models", "mountPath": "/models", "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+
+
+def _volumes(object_store_gi: int) -> list[dict]:
+    return [
+        {"name": "models", "persistentVolumeClaim": {"claimName": "offload-serve-models", "readOnly": True}},
+        # The object store lives in /dev/shm, which counts against the pod's memory limit.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{object_store_gi + 1}Gi"}},
+    ]
+
+
+def head_group() -> dict:
+    cpus, memory_gi, store_gi = 4, 16, 2
+    return {
+        # The head runs the Serve controller, the HTTP proxy and the Ingress; no GPU, so no stage
+        # replica can land here (every stage asks for num_gpus > 0).
+        "rayStartParams": {
+            "num-cpus": str(cpus),
+            "num-gpus": "0",
+            "object-store-memory": str(store_gi * GI),
+            "dashboard-host": "0.0.0.0",
+        },
+        "template": {
+            "metadata": {"labels": {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/component": "head"}},
+            "spec": {
+                "containers": [_container("ray-head", cpus, memory_gi, 0, store_gi)
+                               | {"ports": [{"containerPort": 6379, "name": "gcs"},
+                                            {"containerPort": 8265, "name": "dashboard"},
+                                            {"containerPort": 8000, "name": "serve"}]}],
+                "volumes": _volumes(store_gi),
+            },
+        },
+    }
+
+
+def worker_group(group: GpuGroup) -> dict:
+    return {
+        "groupName": group.name,
+        "replicas": 0,
+        "minReplicas": 0,  # scale from zero: the autoscaler reads num-gpus and resources below
+        "maxReplicas": group.max_replicas,
+        "rayStartParams": {
+            "num-cpus": str(group.cpus),
+            "num-gpus": "1",
+            "object-store-memory": str(group.object_store_gi * GI),
+            "resources": _ray_resources(group),
+            "labels": f"offload-serve/gpu-type={group.accelerator_type},"
+                      f"offload-serve/gpu-memory-gb={group.gpu_memory_gb}",
+        },
+        "template": {
+            "metadata": {"labels": {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/component": "worker",
+                                    "offload-serve/gpu-type": group.accelerator_type}},
+            "spec": {
+                "nodeSelector": {"nvidia.com/gpu.product": group.gpu_product},
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                "containers": [_container("ray-worker", group.cpus, group.memory_gi, 1, group.object_store_gi)],
+                "volumes": _volumes(group.object_store_gi),
+            },
+        },
+    }
+
+
+def serve_config(variant: Variant) -> dict:
+    args = {
+        "app_name": APP_NAME,
+        "model_path": variant.model_path,
+        "model_id": variant.real_model,
+        "dtype": variant.dtype,
+        **{s.args_key: {"offload_mode": s.offload_mode} for s in variant.stages},
+        "device_timeout_s": 30.0,
+        "retry_after_s": 2,
+    }
+    deployments = [{
+        "name": "Ingress",
+        "max_ongoing_requests": 64,
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 32},
+        "ray_actor_options": {"num_cpus": 1},
+    }]
+    for s in variant.stages:
+        deployments.append({
+            "name": s.deployment,
+            # One call at a time runs in a replica (the pipeline is not reentrant); a few queue.
+            "max_ongoing_requests": max(2, int(2 * s.target_ongoing_requests)),
+            "autoscaling_config": {
+                "min_replicas": s.min_replicas,
+                "max_replicas": s.max_replicas,
+                "target_ongoing_requests": s.target_ongoing_requests,
+                "upscale_delay_s": 10,
+                "downscale_delay_s": 300,  # a GPU node takes minutes to come back: keep it a while
+            },
+            "ray_actor_options": {"num_cpus": 1, "num_gpus": s.num_gpus, "accelerator_type": s.accelerator_type},
+        })
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "0.0.0.0", "port": 8000},
+        "applications": [{
+            "name": APP_NAME,
+            "route_prefix": "/",
+            "import_path": "deployments.app:build_app",
+            "args": args,
+            "deployments": deployments,
+        }],
+    }
+
+
+def rayservice(variant: Variant) -> dict:
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": {
+            "name": variant.service_name,
+            "labels": {"app.kubernetes.io/name": APP_NAME},
+            "annotations": {"offload-serve/real-model": variant.real_model},
+        },
+        "spec": {
+            "serveConfigV2": _Literal(yaml.safe_dump(serve_config(variant), sort_keys=False)),
+            "rayClusterConfig": {
+                "rayVersion": RAY_VERSION,
+                "enableInTreeAutoscaling": True,
+                "autoscalerOptions": {
+                    "upscalingMode": "Default",
+                    "idleTimeoutSeconds": 600,  # GPU nodes are slow to come back; idle 10 min first
+                    "resources": {"limits": {"cpu": "500m", "memory": "512Mi"},
+                                  "requests": {"cpu": "500m", "memory": "512Mi"}},
+                },
+                "headGroupSpec": head_group(),
+                "workerGroupSpecs": [worker_group(g) for g in FLEET],
+            },
+        },
+    }
+
+
+class _Literal(str):
+    """A string dumped as a YAML block literal (serveConfigV2 reads as YAML inside YAML)."""
+
+
+def _literal(dumper: yaml.SafeDumper, value: _Literal) -> yaml.Node:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", str(value), style="|")
+
+
+yaml.SafeDumper.add_representer(_Literal, _literal)
+
+
+def render(variant: Variant) -> str:
+    header = (
+        f"# {variant.about}\n"
+        "# Generated by k8s/render.py (edit the tables there, then `python k8s/render.py`).\n"
+        "# Worker groups (one GPU each; pod memory = host budget cgroup):\n"
+        + "".join(f"#   {g.name:<13} {g.gpu_memory_gb:>3} GB GPU  {g.memory_gi:>3}Gi pod  "
+                  f"{g.object_store_gi}Gi object store  accelerator_type={g.accelerator_type}\n" for g in FLEET)
+    )
+    return header + yaml.safe_dump(rayservice(variant), sort_keys=False, width=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="fail if a committed manifest is stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for variant in VARIANTS:
+        path = K8S_DIR / variant.file_name
+        text = render(variant)
+        if args.check:
+            if not path.is_file() or path.read_text() != text:
+                stale.append(path.name)
+        else:
+            path.write_text(text)
+            print(f"wrote {path}")
+    if stale:
+        print(f"stale manifests (run python k8s/render.py): {', '.join(stale)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
