@@ -51,9 +51,14 @@ class AppArgs(BaseModel):
     api_token_env: str | None = None
     device_timeout_s: float = Field(30.0, gt=0)
     retry_after_s: int = Field(2, ge=1)
-    # Default CPUs per replica; config files override per deployment. Small so the whole app fits
-    # on a 2-CPU machine (4 deployments x 0.25).
+    # Defaults for every replica; a Serve config file overrides them per deployment by name.
+    # 0.25 CPU each so the whole app (4 deployments) fits on a 2-CPU machine.
     replica_num_cpus: float = Field(0.25, ge=0)
+    # A stage replica runs one call at a time (its pipeline is not reentrant); more queue, and
+    # beyond the queue Serve refuses (BackPressureError -> 503 with Retry-After).
+    stage_max_queued_requests: int = Field(16, ge=1)
+    # The ingress only awaits stages, so it may hold many requests at once.
+    ingress_max_ongoing_requests: int = Field(64, ge=1)
 
 
 def resolve_model_folder(args: AppArgs) -> pathlib.Path:
@@ -78,11 +83,13 @@ def build_app(args: AppArgs | dict) -> Application:
                          "without the configured authentication")
     model_id = args.model_id or pathlib.Path(facts.folder).name
     actor = {"num_cpus": args.replica_num_cpus}
+    stage = dict(ray_actor_options=actor, max_ongoing_requests=1, max_queued_requests=args.stage_max_queued_requests)
     logger.info("building %s: %s model %r from %s; offload modes encoder=%s denoiser=%s decoder=%s",
                 args.app_name, facts.family.value, model_id, facts.folder, args.encoder.offload_mode.value,
                 args.denoiser.offload_mode.value, args.decoder.offload_mode.value)
-    encoder = TextEncoder.options(ray_actor_options=actor).bind(_stage(args, facts, "encode", args.encoder))
-    denoiser = Denoiser.options(ray_actor_options=actor).bind(_stage(args, facts, "denoise", args.denoiser))
-    decoder = VaeDecoder.options(ray_actor_options=actor).bind(_stage(args, facts, "decode", args.decoder))
+    encoder = TextEncoder.options(**stage).bind(_stage(args, facts, "encode", args.encoder))
+    denoiser = Denoiser.options(**stage).bind(_stage(args, facts, "denoise", args.denoiser))
+    decoder = VaeDecoder.options(**stage).bind(_stage(args, facts, "decode", args.decoder))
     config = IngressConfig(args.app_name, model_id, facts, args.limits, token, args.retry_after_s)
-    return Ingress.options(ray_actor_options=actor).bind(encoder, denoiser, decoder, config)
+    return Ingress.options(ray_actor_options=actor, max_ongoing_requests=args.ingress_max_ongoing_requests).bind(
+        encoder, denoiser, decoder, config)

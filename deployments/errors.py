@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from ray import exceptions as ray_errors
 from ray.serve import exceptions as serve_errors
 
-from deployments.memory import busy_error_types
+from deployments.memory import DeviceBusy
 from deployments.schemas import FieldError
 
 logger = logging.getLogger(__name__)
@@ -58,9 +58,11 @@ def overload_or_failure(exc: BaseException, retry_after_s: int, request_id: str)
                         request_id, cause, retry_after_s)
             return error_json(503, "server busy: the queue is full, retry later", None, "queue_full",
                               "overloaded", retry)
-        if isinstance(cause, busy_error_types()):
-            logger.info("request %s refused: %s; 503, retry after %d s", request_id, cause, retry_after_s)
-            return error_json(503, f"device busy: {cause}", None, "device_busy", "overloaded", retry)
+        if isinstance(cause, DeviceBusy):
+            wait = max(retry_after_s, cause.retry_after_s)
+            logger.info("request %s refused: %s; 503, retry after %d s", request_id, cause, wait)
+            return error_json(503, f"device busy: {cause}", None, "device_busy", "overloaded",
+                              {"Retry-After": str(wait)})
         if isinstance(cause, _UNAVAILABLE):
             logger.info("request %s lost its stage replica (%s); 503, retry after %d s",
                         request_id, type(cause).__name__, retry_after_s)

@@ -55,19 +55,17 @@ def streaming_choice(mode: OffloadMode, device: torch.device) -> StreamingChoice
 
 @dataclass(frozen=True)
 class ComponentPlacement:
-    """Where one component's weights are, by place ("device", "pinned", "pageable", "mapped")."""
+    """How one component is run; its bytes per place come from ``offload_core.report``."""
 
     name: str
     class_name: str
     strategy: Strategy
     layers: int
     resident_layers: int
-    bytes_by_place: tuple[tuple[str, int], ...]
 
     def to_json(self) -> dict:
         return {"name": self.name, "class": self.class_name, "strategy": self.strategy.value,
-                "layers": self.layers, "resident_layers": self.resident_layers,
-                "bytes": dict(self.bytes_by_place)}
+                "layers": self.layers, "resident_layers": self.resident_layers}
 
 
 def _module_bytes(module: nn.Module) -> int:
@@ -78,13 +76,6 @@ def _module_bytes(module: nn.Module) -> int:
             seen.add(key)
             total += tensor.untyped_storage().nbytes()
     return total
-
-
-def _non_layer_bytes(module: nn.Module, groups: tuple[str, ...]) -> int:
-    """Bytes of the weights outside the layer groups: they stay on the device between layers."""
-    prefixes = tuple(group + "." for group in groups)
-    named = list(module.named_parameters()) + list(module.named_buffers())
-    return sum(t.numel() * t.element_size() for n, t in named if not n.startswith(prefixes))
 
 
 def _streaming_module():
@@ -106,7 +97,6 @@ class StageResidency:
         self.device, self.mode = device, mode
         self._components = dict(components)
         self._streamers: dict[str, object] = {}
-        self._groups: dict[str, tuple[str, ...]] = {}
         self._resident_bytes = 0
         choice = streaming_choice(mode, device)
         engine = _streaming_module()
@@ -114,7 +104,6 @@ class StageResidency:
             groups = declared_layer_groups(module)
             if groups and engine is not None:
                 self._streamers[name] = self._stream(name, module, groups, choice)
-                self._groups[name] = groups
                 continue
             why = (f"engine offload_core.streaming not installed, layer groups {groups} not streamed" if groups
                    else "no declared layer groups to stream")
@@ -161,18 +150,17 @@ class StageResidency:
         out = []
         for name, module in self._components.items():
             streamer = self._streamers.get(name)
-            if streamer is None:
-                out.append(ComponentPlacement(name, type(module).__name__, Strategy.RESIDENT, 0, 0,
-                                              (("device", _module_bytes(module)),)))
-                continue
-            by_place: dict[str, int] = {}
-            for layer in streamer.layers:
-                by_place[layer.tier.value] = by_place.get(layer.tier.value, 0) + layer.nbytes
-            by_place["device"] = _non_layer_bytes(module, self._groups[name])
-            resident = sum(1 for layer in streamer.layers if layer.resident)
-            out.append(ComponentPlacement(name, type(module).__name__, Strategy.STREAMED, len(streamer.layers),
-                                          resident, tuple(sorted(by_place.items()))))
+            layers = streamer.layers if streamer is not None else ()
+            strategy = Strategy.STREAMED if streamer is not None else Strategy.RESIDENT
+            out.append(ComponentPlacement(name, type(module).__name__, strategy, len(layers),
+                                          sum(1 for layer in layers if layer.resident)))
         return tuple(out)
+
+    def report(self):
+        """``offload_core.report.ResidencyReport``: bytes per place per component, each byte once."""
+        from offload_core.report import residency_report
+
+        return residency_report(self._components, streamers=self._streamers, device=self.device)
 
     def remove(self) -> None:
         for streamer in self._streamers.values():

@@ -26,15 +26,15 @@ class ReplicaResidency:
     predicted_peak_bytes: int
     last_device_peak_bytes: int
     last_bytes_streamed: int
-    # offload_core.report's typed report as JSON, when that module is installed; else None.
-    core_report: dict | None = None
+    # offload_core.report's ResidencyReport.to_json(): bytes per place per component, each byte once.
+    weights: dict
 
     def to_json(self) -> dict:
         return {"replica": self.replica, "stage": self.stage, "device": self.device, "mode": self.mode,
                 "components": [c.to_json() for c in self.components],
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "last_device_peak_bytes": self.last_device_peak_bytes,
-                "last_bytes_streamed": self.last_bytes_streamed, "core_report": self.core_report}
+                "last_bytes_streamed": self.last_bytes_streamed, "weights": self.weights}
 
 
 @ray.remote(num_cpus=0, max_restarts=0)

@@ -6,6 +6,7 @@ length of every call, and returns tensors (Ray's object store carries them, neve
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -20,7 +21,7 @@ from ray import serve
 from deployments import families
 from deployments.families import FamilyFacts
 from deployments.metrics import StageMetrics
-from deployments.memory import open_replica_memory
+from deployments.memory import CLUSTER_DEVICE_BUSY, DeviceBusy, open_replica_memory
 from deployments.offload import StageResidency
 from deployments.residency_board import ReplicaResidency, get_board
 from deployments.spec import (DenoiseProgress, EncodedPrompt, GenerationSpec, OffloadMode, StageOutput,
@@ -77,8 +78,7 @@ class StageWorker:
         self.publish()
 
     def run(self, work: Callable[[], object]) -> StageOutput:
-        working_set = self.residency.predicted_peak_bytes()
-        with self._lock, self.memory.device_working_set(working_set, self.config.device_timeout_s):
+        with self._lock, self._working_set():
             start = time.perf_counter()
             self.residency.prepare_for_use()
             try:
@@ -92,10 +92,29 @@ class StageWorker:
         self.publish()
         return StageOutput(value, stats)
 
+    @contextlib.contextmanager
+    def _working_set(self):
+        """Lease the predicted peak device bytes for the call (bounded wait, then DeviceBusy)."""
+        try:
+            with self.memory.device_working_set(self.residency.predicted_peak_bytes(),
+                                                self.config.device_timeout_s) as lease:
+                yield lease
+        except CLUSTER_DEVICE_BUSY as exc:
+            raise DeviceBusy.from_cluster(exc) from None
+
     def report(self) -> ReplicaResidency:
+        core = self.residency.report()
         return ReplicaResidency(self.replica, self.config.stage, str(self.device), self.config.mode.value,
                                 self.residency.placements(), self.residency.predicted_peak_bytes(),
-                                self._last.device_peak_bytes, self._last.bytes_streamed)
+                                self._last.device_peak_bytes, self._last.bytes_streamed, core.to_json())
+
+    def close(self) -> None:
+        """Replica shutdown: unhook the engine and give back every lease this replica holds."""
+        self.residency.remove()
+        close = getattr(self.memory, "close", None)
+        if close is not None:
+            freed = close()
+            logger.info("%s: shut down, released %s B of leases", self.replica, freed)
 
     def publish(self) -> None:
         if not ray.is_initialized():
@@ -116,6 +135,10 @@ class TextEncoder:
 
     def residency(self) -> ReplicaResidency:
         return self.worker.report()
+
+    def __del__(self):  # Serve calls it on graceful replica shutdown
+        if hasattr(self, "worker"):
+            self.worker.close()
 
 
 class _Failed:
@@ -156,6 +179,10 @@ class Denoiser:
     def residency(self) -> ReplicaResidency:
         return self.worker.report()
 
+    def __del__(self):  # Serve calls it on graceful replica shutdown
+        if hasattr(self, "worker"):
+            self.worker.close()
+
 
 @serve.deployment(name="VaeDecoder")
 class VaeDecoder:
@@ -168,3 +195,7 @@ class VaeDecoder:
 
     def residency(self) -> ReplicaResidency:
         return self.worker.report()
+
+    def __del__(self):  # Serve calls it on graceful replica shutdown
+        if hasattr(self, "worker"):
+            self.worker.close()
