@@ -193,9 +193,11 @@ def worker_group(group: GpuGroup) -> dict:
             "num-gpus": "1",
             "object-store-memory": str(group.object_store_gi * GI),
             "resources": _ray_resources(group),
-            "labels": f"offload-serve/gpu-type={group.accelerator_type},"
-                      f"offload-serve/gpu-memory-gb={group.gpu_memory_gb}",
         },
+        # Ray node labels (for label_selector and the v2 autoscaler). KubeRay rejects `labels` in
+        # rayStartParams ("use the top-level Labels field"), and the autoscaler ignores it there.
+        "labels": {"offload-serve/gpu-type": group.accelerator_type,
+                   "offload-serve/gpu-memory-gb": str(group.gpu_memory_gb)},
         "template": {
             "metadata": {"labels": {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/component": "worker",
                                     "offload-serve/gpu-type": group.accelerator_type}},
@@ -267,7 +269,9 @@ def rayservice(variant: Variant) -> dict:
                 "rayVersion": RAY_VERSION,
                 "enableInTreeAutoscaling": True,
                 "autoscalerOptions": {
-                    "upscalingMode": "Default",
+                    # v2 reads the groups' labels and scales a group from zero for resource or label demand.
+                "version": "v2",
+                "upscalingMode": "Default",
                     "idleTimeoutSeconds": 600,  # GPU nodes are slow to come back; idle 10 min first
                     "resources": {"limits": {"cpu": "500m", "memory": "512Mi"},
                                   "requests": {"cpu": "500m", "memory": "512Mi"}},

@@ -7,6 +7,7 @@ silently dropped in production. Here an unknown key is an error.
 from __future__ import annotations
 
 import copy
+import re
 import types
 import typing
 from pathlib import Path
@@ -102,3 +103,50 @@ def unknown_keys(value, annotation, path: str = "") -> list[str]:
     if origin is dict and isinstance(value, dict) and len(args) == 2:
         return [k for key, item in value.items() for k in unknown_keys(item, args[1], f"{path}.{key}")]
     return []
+
+
+# Kubernetes name syntax (k8s.io/apimachinery/pkg/util/validation), as KubeRay's webhook checks it.
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _qualified_name(key: str) -> bool:
+    prefix, _, name = key.rpartition("/")
+    if prefix and (len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix)):
+        return False
+    return len(name) <= 63 and bool(_LABEL_NAME.match(name))
+
+
+def kuberay_rule_errors(name: str, cluster: dict) -> list[str]:
+    """The operator-side checks of KubeRay's ValidateRayClusterSpec that a CRD schema cannot express.
+
+    Mirrors ray-operator/controllers/ray/utils/validation.go: DNS-1035 cluster name (<= 63 chars
+    here; KubeRay appends suffixes), no `labels` in rayStartParams (the top-level field only),
+    resources in rayStartParams or the structured field but not both, valid label syntax,
+    minReplicas <= maxReplicas, and group names that are valid pod label values.
+    """
+    errors = []
+    if len(name) > 63 or not _DNS1035.match(name):
+        errors.append(f"metadata.name {name!r} is not a DNS-1035 label")
+    groups = [("Head", cluster["headGroupSpec"])] + [(g.get("groupName", "?"), g) for g in cluster.get("workerGroupSpecs", [])]
+    for group_name, group in groups:
+        start = group.get("rayStartParams", {})
+        if "labels" in start:
+            errors.append(f"{group_name}: rayStartParams['labels'] is not supported; use the top-level labels field")
+        if any(start.get(k) for k in ("num-cpus", "num-gpus", "memory", "resources")) and group.get("resources"):
+            errors.append(f"{group_name}: resources set in both rayStartParams and resources")
+        for key, value in group.get("labels", {}).items():
+            if not _qualified_name(key):
+                errors.append(f"{group_name}: invalid label key {key!r}")
+            if value and (len(value) > 63 or not _LABEL_NAME.match(value)):
+                errors.append(f"{group_name}: invalid label value {value!r} for {key!r}")
+        if group_name != "Head":
+            if not _DNS1123_LABEL.match(group_name):
+                errors.append(f"group name {group_name!r} is not a valid label value / DNS-1123 label")
+            if group.get("minReplicas", 0) > group.get("maxReplicas", 2**31):
+                errors.append(f"{group_name}: minReplicas > maxReplicas")
+        if not group["template"]["spec"].get("containers"):
+            errors.append(f"{group_name}: no container")
+    return errors

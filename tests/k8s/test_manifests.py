@@ -16,7 +16,7 @@ import yaml
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
-from tests.k8s.strict import CRD_DIR, closed, crd_errors, crd_schema, unknown_keys
+from tests.k8s.strict import CRD_DIR, closed, crd_errors, crd_schema, kuberay_rule_errors, unknown_keys
 from zoo.real import UnknownModel, component_spec, meta_component
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,6 +97,10 @@ def test_manifest_validates_strictly_against_the_rayservice_crd(manifest):
     assert crd_errors(cluster, _schema("ray.io_rayclusters.yaml")) == []
 
 
+def test_manifest_passes_kuberays_operator_side_validation(manifest):
+    assert kuberay_rule_errors(manifest["metadata"]["name"], manifest["spec"]["rayClusterConfig"]) == []
+
+
 def test_serve_config_validates_strictly_against_ray_serves_schema(manifest):
     assert serve_config_errors(_serve(manifest)) == []
 
@@ -148,7 +152,7 @@ def test_cluster_has_a_gpu_less_head_and_one_zero_scaled_worker_group_per_gpu_ty
         assert 0 < store <= 0.1 * memory, f"{name}: object store {store / GI:.1f} GiB of {memory / GI:.0f} GiB"
         (shm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
         assert _gi(shm["emptyDir"]["sizeLimit"]) >= store, f"{name}: /dev/shm must hold the object store"
-        assert f"offload-serve/gpu-type={_accelerator(group)}" in start["labels"]
+        assert group["labels"]["offload-serve/gpu-type"] == _accelerator(group)
 
 
 def _gi(quantity: str) -> int:
@@ -209,8 +213,7 @@ def test_stages_in_speed_mode_fit_their_gpu_share(manifest):
     real_model = manifest["metadata"]["annotations"]["offload-serve/real-model"]
     (app,) = _serve(manifest)["applications"]
     modes = {"TextEncoder": "encoder", "Denoiser": "denoiser", "VaeDecoder": "decoder"}
-    gpu_gb = {g["groupName"]: int(g["rayStartParams"]["labels"].split("gpu-memory-gb=")[1]) for g in
-              _worker_groups(manifest).values()}
+    gpu_gb = {g["groupName"]: int(g["labels"]["offload-serve/gpu-memory-gb"]) for g in _worker_groups(manifest).values()}
     for name, d, group in _stage_placements(manifest):
         if app["args"][modes[name]]["offload_mode"] != "speed":
             continue
@@ -244,6 +247,15 @@ def test_a_wrongly_typed_value_fails_crd_validation():
     bad = _first_manifest()
     bad["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] = "yes"
     assert any("enableInTreeAutoscaling" in e for e in crd_errors(bad, _schema("ray.io_rayservices.yaml")))
+
+
+def test_labels_in_ray_start_params_fail_kuberays_validation():
+    bad = _first_manifest()
+    group = bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    group["rayStartParams"]["labels"] = "gpu=L4"
+    group["resources"] = {"GPU": "1"}
+    errors = kuberay_rule_errors(bad["metadata"]["name"], bad["spec"]["rayClusterConfig"])
+    assert any("rayStartParams['labels']" in e for e in errors) and any("both" in e for e in errors), errors
 
 
 @pytest.mark.parametrize("where,typo", [
