@@ -36,6 +36,15 @@ class LeasingReplica:
             return "busy", busy.retry_after_s
         return "ok", time.monotonic() - start
 
+    def plan(self, components, stages, working_set_bytes: int) -> dict:
+        """Plan from what this replica sees (its GPU pool, link, host lease and profile)."""
+        from cluster.replica_plan import plan_for_replica
+
+        plan = plan_for_replica(self.memory, components, stages, working_set_bytes)
+        return {"mode": plan.mode.value, "feasible": plan.feasible, "peak": plan.peak_device_bytes,
+                "capacity": plan.device_capacity,
+                "strategies": {c.name: c.strategy.value for c in plan.components}}
+
     def close(self) -> int:
         return self.memory.close()
 

@@ -1,0 +1,65 @@
+"""A replica's plan from what it sees: its GPU's pool, its PCIe link, its host lease, its profile.
+
+The same pipeline facts give a 12 GB replica a streamed plan and an 80 GB one a resident plan,
+chosen from the GPU the replica sees (its fleet profile), never from a hand-set flag.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Sequence
+
+from cluster.node import GB, GpuFacts
+from cluster.replica_memory import ReplicaMemory
+from offload_core.planner import ComponentOverride, PerformanceMode, plan_pipeline
+from offload_core.planner_facts import ComponentProfile, LinkFacts, PipelineFacts, Stage
+from offload_core.strategy import Strategy
+
+logger = logging.getLogger(__name__)
+
+# Pinned host->device at x16 by PCIe generation (DESIGN: ~25 GB/s Gen4, 40-55 GB/s Gen5).
+PINNED_BPS_X16 = {3: 12 * GB, 4: 25 * GB, 5: 50 * GB}
+# Pageable copies go through the driver's staging buffer: a third to half of pinned speed.
+PAGEABLE_SHARE = 0.4
+# Without link facts (CPU-only node), plan as if Gen4 x16: the common case in the fleet.
+DEFAULT_GEN, DEFAULT_WIDTH = 4, 16
+
+
+def link_facts(gpu: GpuFacts | None) -> LinkFacts:
+    gen = gpu.pcie_gen if gpu is not None and gpu.pcie_gen else DEFAULT_GEN
+    width = gpu.pcie_width if gpu is not None and gpu.pcie_width else DEFAULT_WIDTH
+    pinned = PINNED_BPS_X16.get(gen, PINNED_BPS_X16[max(PINNED_BPS_X16)]) * width / 16
+    return LinkFacts(pinned, pinned * PAGEABLE_SHARE, measured=False)
+
+
+def replica_facts(memory: ReplicaMemory, components: Sequence[ComponentProfile], stages: Sequence[Stage],
+                  working_set_bytes: int = 0) -> PipelineFacts:
+    """Pipeline facts for this replica: device capacity = its GPU pool, host lease = its cap."""
+    gpu = next((g for g in memory.node.gpus if f"gpu:{g.index}" == memory.device_pool), None)
+    host_lease = int(memory.node.ram.spendable * memory.profile.host_pin_cap_fraction)
+    return PipelineFacts(tuple(components), tuple(stages), memory.device_budget.capacity(), link_facts(gpu),
+                         host_lease, working_set_bytes, gpu.name if gpu else str(memory.device))
+
+
+def plan_for_replica(memory: ReplicaMemory, components: Sequence[ComponentProfile], stages: Sequence[Stage],
+                     working_set_bytes: int = 0, mode: PerformanceMode | None = None):
+    """Plan in the profile's mode (or ``mode``), with its prefetch depth and resident-fraction limit."""
+    profile = memory.profile
+    mode = mode or profile.performance_mode()
+    facts = replica_facts(memory, components, stages, working_set_bytes)
+    overrides = {c.name: ComponentOverride(prefetch_depth=profile.prefetch_depth) for c in components if c.layers}
+    plan = plan_pipeline(facts, mode, overrides)
+    capped = {}
+    for c in plan.components:
+        limit = math.floor(profile.max_resident_fraction * len(facts.component(c.name).layers))
+        if c.strategy is Strategy.LAYERWISE and c.resident_layers > limit:
+            capped[c.name] = dataclasses.replace(overrides[c.name], resident_layers=limit)
+    if capped:
+        plan = plan_pipeline(facts, mode, {**overrides, **capped})
+    logger.info("%s: plan on %s (profile %s, mode %s): %s; peak %.2f GB of %.2f GB, %.2f GB moved per request%s",
+                memory.owner, facts.device_name, profile.name, mode.value,
+                ", ".join(f"{c.name}={c.strategy.value}" for c in plan.components), plan.peak_device_bytes / GB,
+                facts.device_capacity / GB, plan.bytes_moved_per_request / GB,
+                f"; resident layers capped at {profile.max_resident_fraction:.0%} for {sorted(capped)}" if capped else "")
+    return plan

@@ -1,0 +1,112 @@
+"""ReplicaMemory: device working sets on a shared GPU, in-process and through the node ledger."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+
+from cluster.ledger import HOST_POOL, LedgerConfig, node_ledger
+from cluster.node import fake_gpus, probe_node
+from cluster.replica_memory import DeviceBusy, ReplicaMemory, WorkingSetTooLarge, as_device
+from offload_core.budget import Lease
+from tests.cluster.conftest import FAST
+from tests.cluster.replicas import on_node
+
+GB = 10**9
+
+
+def _local(owner: str, gpu_type: str = "RTX3060") -> ReplicaMemory:
+    """A replica on a node with one injected GPU, budgets in this process (no Ray)."""
+    node = probe_node(resources={"offload_fake_ram_gb": 8}, nvml_gpus=fake_gpus(gpu_type, 1, "test"))
+    return ReplicaMemory.open_local(owner, "cuda:0", config=LedgerConfig(), node=node)
+
+
+def test_in_process_replicas_share_one_gpu_pool_and_its_capacity():
+    a, b = _local("encoder"), _local("decoder")
+    assert a.device_budget is b.device_budget, "replicas of one process must share one GPU ledger"
+    assert a.device_budget.capacity() == int(12 * GB * (1 - a.profile.device_reserve_fraction))
+    assert a.profile.name == "consumer-12gb"
+
+
+def test_concurrent_stage_calls_never_lease_more_than_the_gpu():
+    stages = [_local(f"stage-{i}") for i in range(3)]
+    budget = stages[0].device_budget
+    capacity, most, lock = budget.capacity(), [0], threading.Lock()
+
+    def call(memory: ReplicaMemory):
+        for _ in range(3):
+            with memory.device_working_set(5 * GB, timeout_s=30):
+                with lock:
+                    most[0] = max(most[0], budget.leased())
+                time.sleep(0.02)
+
+    threads = [threading.Thread(target=call, args=(m,)) for m in stages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert 5 * GB * 2 <= most[0] <= capacity, "two 5 GB working sets fit an 11 GB pool, three never"
+    assert budget.leased() == 0, "every working set must be returned after its call"
+
+
+def test_a_stage_that_cannot_get_its_working_set_waits_then_is_busy():
+    holder, waiter = _local("denoiser"), _local("decoder")
+    with holder.device_working_set(8 * GB, timeout_s=1):
+        start = time.monotonic()
+        with pytest.raises(DeviceBusy) as busy:
+            with waiter.device_working_set(8 * GB, timeout_s=0.3):
+                pytest.fail("two 8 GB working sets cannot share an 11 GB pool")
+        assert time.monotonic() - start >= 0.3, "DeviceBusy must come only after the bounded wait"
+    assert busy.value.retry_after_s >= 1 and busy.value.pool == "gpu:0"
+    assert "not free after" in str(busy.value)
+    with waiter.device_working_set(8 * GB, timeout_s=0.3):  # free again once the holder is done
+        pass
+
+
+def test_a_working_set_larger_than_the_gpu_is_a_planning_error():
+    with pytest.raises(WorkingSetTooLarge, match="exceeds the whole gpu:0 pool"):
+        with _local("huge").device_working_set(13 * GB, timeout_s=5):
+            pass
+
+
+def test_bad_devices_are_named():
+    with pytest.raises(ValueError, match="only cuda and cpu"):
+        as_device("mps")
+    with pytest.raises(ValueError, match="index must be a number"):
+        as_device("cuda:x")
+
+
+def test_three_stage_replicas_sharing_a_12gb_gpu_never_lease_more_than_it(fleet_nodes):
+    node = fleet_nodes.small
+    stages = [on_node(node.node_id, num_gpus=0.3).remote(name, FAST)
+              for name in ("text_encoder", "denoiser", "vae_decoder")]
+    try:
+        assert {ray.get(s.facts.remote())["pool"] for s in stages} == {"gpu:0"}
+        calls = [s.stage_call.remote(5 * GB, 0.3, 60) for s in stages for _ in range(3)]
+        outcomes = ray.get(calls, timeout=120)
+        assert all(kind == "ok" for kind, _ in outcomes), outcomes
+        gpu = ray.get(node_ledger(node.node_id).state.remote()).pool("gpu:0")
+        assert gpu.peak_leased <= gpu.capacity < 12 * GB, "the shared 12 GB GPU was over-committed"
+        assert gpu.peak_leased >= 10 * GB, "two stages should have run at once"
+        assert max(waited for _, waited in outcomes) >= 0.3, "a third stage must have waited its turn"
+        # A stage that cannot wait long enough is told so (503 + Retry-After), not OOM-killed.
+        long_call = stages[0].stage_call.remote(8 * GB, 2.0, 60)
+        time.sleep(0.5)
+        assert ray.get(stages[1].stage_call.remote(8 * GB, 0.0, 0.2))[0] == "busy"
+        assert ray.get(long_call)[0] == "ok"
+        assert ray.get(node_ledger(node.node_id).state.remote()).pool("gpu:0").leased == 0
+    finally:
+        for s in stages:
+            ray.kill(s)
+
+
+def test_a_replica_without_a_gpu_leases_working_sets_from_host_ram(fleet_nodes):
+    replica = on_node(fleet_nodes.big.node_id).remote("cpu-stage", FAST)
+    try:
+        facts = ray.get(replica.facts.remote())
+        assert facts["pool"] == HOST_POOL and facts["node_id"] == fleet_nodes.big.node_id
+        assert ray.get(replica.stage_call.remote(GB, 0.0, 1))[0] == "ok"
+    finally:
+        ray.kill(replica)
