@@ -79,8 +79,18 @@ def test_concurrent_processes_build_once_and_all_see_the_finished_folder(tmp_pat
 def test_ensure_tiny_wan_twice_does_not_rebuild(caplog):
     folder = ensure_tiny_wan()
     stamp = (folder / STAMP_NAME).stat()
+    caplog.clear()  # the first call may have built it (fresh cache)
     with caplog.at_level(logging.INFO, logger="zoo.cache"):
         again = ensure_tiny_wan()
     assert again == folder
     assert (folder / STAMP_NAME).stat().st_ino == stamp.st_ino
     assert not [r for r in caplog.records if "building" in r.getMessage()]
+
+
+def test_a_killed_builders_temp_folder_is_removed_by_the_next_build(tmp_path):
+    leftover = tmp_path / ".m.building-abc123"
+    leftover.mkdir()
+    (leftover / "half.bin").write_bytes(b"partial")
+    ensure_built(tmp_path, "m", {"v": 1}, _writer([]))
+    assert not leftover.exists()
+    assert (tmp_path / "m" / "weights.bin").is_file()
