@@ -1,0 +1,109 @@
+"""N replicas start at once against one node ledger: does it over-commit, and how fast does it grant?
+
+Each replica (a Ray actor on the node) asks for host RAM in chunks until the node's spendable is
+asked for twice over, all replicas at the same moment after a barrier. Printed: the most ever
+leased over the spendable (must stay <= 1.0), granted/refused counts, and grant latency
+(one ``request`` round trip from the replica, p50/p99). The last line is one JSON object.
+
+    .venv/bin/python bench/ledger.py --quick      # 8 replicas x 16 requests, < 60 s
+    .venv/bin/python bench/ledger.py              # 24 replicas x 40 requests
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import ray  # noqa: E402
+
+from cluster.ledger import HOST_POOL, LedgerConfig, node_ledger  # noqa: E402
+from cluster.ledger_client import LedgerClient  # noqa: E402
+from offload_core.budget import Lease  # noqa: E402
+
+# Every replica may take the whole pool: the pool's limit, not the per-replica cap, is under test.
+CONFIG = LedgerConfig(owner_cap_fraction=1.0)
+
+
+@ray.remote(num_cpus=0)
+class Replica:
+    def __init__(self, name: str):
+        self.client = LedgerClient(node_ledger(config=CONFIG), name, CONFIG)
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self, chunk: int, count: int, start_at: float) -> tuple[list[float], int, int]:
+        time.sleep(max(0.0, start_at - time.time()))  # all replicas fire at the same moment
+        latencies, granted, refused = [], 0, 0
+        for _ in range(count):
+            t0 = time.perf_counter()
+            got = self.client.request(HOST_POOL, chunk, self.client.ref.owner, float(chunk), "bench")
+            latencies.append(time.perf_counter() - t0)
+            granted, refused = granted + isinstance(got, Lease), refused + (not isinstance(got, Lease))
+        return latencies, granted, refused
+
+    def close(self) -> int:
+        return self.client.close()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="8 replicas x 16 requests (< 60 s)")
+    parser.add_argument("--replicas", type=int)
+    parser.add_argument("--requests", type=int, help="requests per replica")
+    args = parser.parse_args()
+    replicas = args.replicas or (8 if args.quick else 24)
+    requests = args.requests or (16 if args.quick else 40)
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
+             namespace="offload-serve-bench")
+    try:
+        ledger = node_ledger(config=CONFIG)
+        spendable = ray.get(ledger.state.remote()).pool(HOST_POOL).capacity
+        # Demand = 2x spendable in total, so the pool runs full and the refusal path is exercised.
+        chunk = max(1, 2 * spendable // (replicas * requests))
+        actors = [Replica.remote(f"bench-{i}") for i in range(replicas)]
+        t0 = time.perf_counter()
+        ray.get([a.ready.remote() for a in actors])
+        startup_s = time.perf_counter() - t0
+        results = ray.get([a.run.remote(chunk, requests, time.time() + 1.0) for a in actors])
+        state = ray.get(ledger.state.remote()).pool(HOST_POOL)
+        ray.get([a.close.remote() for a in actors])
+        left = ray.get(ledger.state.remote()).pool(HOST_POOL).leased
+    finally:
+        ray.shutdown()
+
+    latencies = [x for lat, _, _ in results for x in lat]
+    granted, refused = sum(r[1] for r in results), sum(r[2] for r in results)
+    figures = {
+        "replicas": replicas, "requests_per_replica": requests, "chunk_bytes": chunk,
+        "spendable_bytes": spendable, "peak_leased_bytes": state.peak_leased,
+        "peak_over_spendable": round(state.peak_leased / spendable, 4),
+        "granted": granted, "refused": refused, "leased_after_close_bytes": left,
+        "grant_latency_p50_ms": round(1e3 * statistics.median(latencies), 3),
+        "grant_latency_p99_ms": round(1e3 * percentile(latencies, 0.99), 3),
+        "replica_startup_s": round(startup_s, 2),
+    }
+    print(f"{replicas} replicas x {requests} requests of {chunk / 2**20:.1f} MiB against "
+          f"{spendable / 2**30:.2f} GiB spendable (started in {startup_s:.1f} s)")
+    print(f"peak leased / spendable: {figures['peak_over_spendable']:.4f} (must be <= 1.0); "
+          f"granted {granted}, refused {refused}; left after close: {left} B")
+    print(f"grant latency: p50 {figures['grant_latency_p50_ms']:.2f} ms, p99 {figures['grant_latency_p99_ms']:.2f} ms")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Under load the denoiser scales 1 -> 2 -> 1, its second replica leasing from the same node ledger."""
+from __future__ import annotations
+
+import threading
+import time
+
+import ray
+from ray import serve
+
+from cluster.ledger import HOST_POOL, node_ledger
+from cluster.replica_memory import ReplicaMemory
+from tests.conftest import free_port
+from tests.cluster.conftest import FAST
+
+GB = 10**9
+APP = "cluster-autoscale-test"
+
+
+@serve.deployment(
+    max_ongoing_requests=1,
+    ray_actor_options={"num_cpus": 0, "num_gpus": 0.25, "accelerator_type": "L4"},
+    autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                        "metrics_interval_s": 0.2, "look_back_period_s": 1.0,
+                        "upscale_delay_s": 0.2, "downscale_delay_s": 2.0},
+)
+class Denoiser:
+    """A stand-in denoiser: pins its 'weights' on the host, leases its working set per call."""
+
+    def __init__(self):
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.memory = ReplicaMemory.open(f"denoiser#{replica}", "cpu", config=FAST)
+        self.weights = self.memory.host_budget.request(GB, self.memory.owner, 50.0, "pinned:transformer")
+        assert self.weights, f"the test node has room for two replicas' pins: {self.weights}"
+
+    def __call__(self, hold_s: float) -> str:
+        with self.memory.device_working_set(2 * GB, timeout_s=30):
+            time.sleep(hold_s)
+        return self.memory.owner
+
+    def __del__(self):
+        self.memory.close()
+
+
+def _denoiser_owners(node_id) -> set[str]:
+    leases = ray.get(node_ledger(node_id).outstanding.remote(HOST_POOL), timeout=60)
+    return {l.owner for l in leases if l.owner.startswith("denoiser#")}
+
+
+def _running_replicas() -> int:
+    status = serve.status().applications[APP].deployments["Denoiser"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def _wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_the_denoiser_scales_out_and_back_leasing_from_one_node_ledger(fleet_nodes):
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    handle = serve.run(Denoiser.bind(), name=APP, route_prefix=None)
+    l4 = fleet_nodes.l4.node_id
+    try:
+        assert handle.remote(0.0).result(timeout_s=60).startswith("denoiser#")
+        assert len(_denoiser_owners(l4)) == 1
+        stop = threading.Event()
+
+        def client():  # 4 clients, 1 s per request: twice the target of 1 ongoing per replica
+            while not stop.is_set():
+                handle.remote(1.0).result(timeout_s=60)
+
+        clients = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+        for c in clients:
+            c.start()
+        try:
+            _wait_for(lambda: _running_replicas() == 2 and len(_denoiser_owners(l4)) == 2, 90,
+                      "a second replica leasing from the L4 node's ledger")
+        finally:
+            stop.set()
+            for c in clients:
+                c.join(60)
+        state = ray.get(node_ledger(l4).state.remote())
+        assert state.pool("gpu:0").peak_leased <= state.pool("gpu:0").capacity
+        _wait_for(lambda: _running_replicas() == 1, 90, "scale back to one replica")
+        _wait_for(lambda: len(_denoiser_owners(l4)) == 1, 30, "the removed replica's pins to be returned")
+    finally:
+        serve.delete(APP)
+    _wait_for(lambda: not _denoiser_owners(l4), 30, "every replica's pins to be returned")
