@@ -1,0 +1,198 @@
+"""The tiny Wan service over real Ray Serve and HTTP: outputs, bad input, overload, lost replicas."""
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import json
+import time
+
+import httpx
+import numpy as np
+import pytest
+import ray
+import torch
+from PIL import Image
+
+from deployments import families, media
+from deployments.spec import GenerationSpec
+from tests.deployments.conftest import APP
+from zoo.tiny import ensure_tiny_wan
+
+IMAGES, VIDEOS = "/v1/images/generations", "/v1/videos/generations"
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    base, headers = service
+    with httpx.Client(base_url=base, headers=headers, timeout=120) as c:
+        yield c
+
+
+def _pngs(response) -> list[bytes]:
+    assert response.status_code == 200, response.text
+    return [base64.b64decode(item["b64_json"]) for item in response.json()["data"]]
+
+
+def test_an_image_request_returns_decodable_pngs_of_the_asked_size(client):
+    response = client.post(IMAGES, json={"prompt": "a red fox", "size": "32x16", "n": 2, "seed": 4})
+    pngs = _pngs(response)
+    assert len(pngs) == 2
+    for png in pngs:
+        image = Image.open(io.BytesIO(png))
+        assert (image.format, image.size, image.mode) == ("PNG", (32, 16), "RGB")
+    stages = [s["stage"] for s in response.json()["stages"]]
+    assert stages == ["encode", "denoise", "decode"]
+    assert response.json()["stages"][1]["bytes_streamed"] > 0, "the denoiser's layers were not streamed"
+
+
+def test_the_same_seed_gives_the_same_bytes_and_another_seed_does_not(client):
+    body = {"prompt": "a lighthouse", "seed": 99, "num_inference_steps": 2}
+    first, second = _pngs(client.post(IMAGES, json=body)), _pngs(client.post(IMAGES, json=body))
+    other = _pngs(client.post(IMAGES, json={**body, "seed": 100}))
+    assert first == second
+    assert first != other
+
+
+def test_http_pngs_equal_the_in_process_pipeline_pngs(client):
+    response = client.post(IMAGES, json={"prompt": "a cat on a mat", "negative_prompt": "blur", "size": "16x32",
+                                         "n": 2, "seed": 5, "num_inference_steps": 3, "guidance_scale": 4.0})
+    facts = families.read_family_facts(ensure_tiny_wan())
+    spec = GenerationSpec("r", "a cat on a mat", "blur", 32, 16, 1, 3, 4.0, 5, 2)
+    reference = families.reference_frames(families.load_full_pipeline(facts, torch.float32), facts, spec)
+    assert _pngs(response) == [media.png_bytes(frames[0]) for frames in reference]
+
+
+def test_stage_handles_compose_to_the_in_process_result_bitwise(service):
+    from ray import serve
+
+    spec = GenerationSpec("bitwise", "a blue whale", "dark", 16, 16, 5, 2, 5.0, 21, 1)
+    encoder = serve.get_deployment_handle("TextEncoder", app_name=APP)
+    denoiser = serve.get_deployment_handle("Denoiser", app_name=APP)
+    decoder = serve.get_deployment_handle("VaeDecoder", app_name=APP)
+    encoded = encoder.encode.remote(spec)
+    items = list(denoiser.options(stream=True).denoise.remote(encoded, spec))
+    assert [(p.step, p.total) for p in items[:-1]] == [(1, 2), (2, 2)]
+    frames = decoder.decode.remote(items[-1], spec).result(timeout_s=120).value
+    facts = families.read_family_facts(ensure_tiny_wan())
+    reference = families.reference_frames(families.load_full_pipeline(facts, torch.float32), facts, spec)
+    assert torch.equal(frames, reference), "the served stages drifted from the in-process pipeline"
+
+
+def test_a_video_request_returns_a_decodable_mp4(client):
+    import imageio.v3 as iio
+
+    response = client.post(VIDEOS, json={"prompt": "waves", "size": "32x32", "num_frames": 5, "seed": 2,
+                                         "response_format": "mp4"})
+    assert response.status_code == 200 and response.headers["content-type"] == "video/mp4"
+    frames = iio.imread(response.content, extension=".mp4", plugin="FFMPEG")
+    assert frames.shape == (5, 32, 32, 3)
+    as_json = client.post(VIDEOS, json={"prompt": "waves", "size": "32x32", "num_frames": 5, "seed": 2})
+    assert base64.b64decode(as_json.json()["data"][0]["b64_json"]) == response.content
+
+
+def test_a_streaming_client_sees_denoising_step_k_of_n_then_the_result(client):
+    with client.stream("POST", IMAGES, json={"prompt": "a tree", "stream": True, "num_inference_steps": 3,
+                                             "seed": 1}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        text = "".join(response.iter_text())
+    events = [(block.split("\n")[0][len("event: "):], json.loads(block.split("\n")[1][len("data: "):]))
+              for block in text.strip().split("\n\n")]
+    names = [name for name, _ in events]
+    assert names == ["accepted", "progress", "progress", "progress", "result"]
+    assert [data["message"] for name, data in events if name == "progress"] == \
+        ["step 1 of 3", "step 2 of 3", "step 3 of 3"]
+    plain = _pngs(client.post(IMAGES, json={"prompt": "a tree", "num_inference_steps": 3, "seed": 1}))
+    assert [base64.b64decode(d["b64_json"]) for d in events[-1][1]["data"]] == plain
+
+
+@pytest.mark.parametrize("body, param, status", [
+    ({"prompt": "a cat", "size": "24x16"}, "size", 400),
+    ({"prompt": "a cat", "size": "128x128"}, "size", 400),
+    ({"prompt": "a cat", "num_inference_steps": 50}, "num_inference_steps", 400),
+    ({"prompt": "a cat", "num_inference_steps": 0}, "num_inference_steps", 400),
+    ({"prompt": "a cat", "n": 9}, "n", 400),
+    ({"prompt": ""}, "prompt", 400),
+    ({"prompt": "p" * 500}, "prompt", 400),
+    ({"prompt": "a cat", "model": "dall-e-3"}, "model", 404),
+    ({"prompt": "a cat", "response_format": "url"}, "response_format", 400),
+    ({"prompt": "a cat", "style": "vivid"}, "style", 400),
+    ([1, 2], "body", 400),
+])
+def test_a_bad_field_gets_a_4xx_json_error_naming_it(client, body, param, status):
+    response = client.post(IMAGES, json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_a_body_that_is_not_json_gets_400_naming_the_body(client):
+    response = client.post(IMAGES, content=b"prompt=a cat", headers={"content-type": "text/plain"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "body"
+
+
+def test_requests_without_the_bearer_token_get_401_but_health_does_not(service):
+    base, _ = service
+    assert httpx.post(base + IMAGES, json={"prompt": "a cat"}).status_code == 401
+    wrong = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["param"] == "authorization"
+    assert httpx.get(base + "/health").json()["status"] == "ok"
+
+
+def test_models_and_residency_describe_the_served_model_and_every_replica(client):
+    (model,) = client.get("/v1/models").json()["data"]
+    assert (model["id"], model["family"], model["modalities"]) == ("tiny-wan", "wan", ["image", "video"])
+    replicas = client.get("/v1/residency").json()["replicas"]
+    assert sorted(r["stage"] for r in replicas) == ["decode", "denoise", "encode"]
+    denoiser = next(r for r in replicas if r["stage"] == "denoise")
+    (component,) = denoiser["weights"]["components"]
+    assert component["name"] == "transformer" and component["host_pageable_bytes"] > 0
+    assert denoiser["components"][0]["strategy"] == "streamed"
+
+
+def test_concurrent_requests_all_succeed_with_their_own_results(client):
+    bodies = [{"prompt": f"scene {i}", "seed": i, "num_inference_steps": 2} for i in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(lambda b: _pngs(client.post(IMAGES, json=b)), bodies))
+    alone = [_pngs(client.post(IMAGES, json=b)) for b in bodies]
+    assert together == alone
+
+
+def test_beyond_the_queue_requests_get_503_with_retry_after_never_500(client):
+    bodies = [{"prompt": f"burst {i}", "seed": i, "num_inference_steps": 4, "size": "64x64"} for i in range(12)]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(lambda b: client.post(IMAGES, json=b), bodies))
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) <= {200, 503}, codes
+    assert 503 in codes and 200 in codes, codes
+    for r in responses:
+        if r.status_code == 503:
+            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "queue_full"
+
+
+def _replica_actor(deployment: str):
+    prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    assert len(names) == 1, names
+    return names[0]
+
+
+def test_a_killed_denoiser_replica_is_replaced_and_later_requests_succeed(client):
+    """Last in the module: the replacement replica reloads its stage (~10 s on a busy 2-CPU box)."""
+    victim = _replica_actor("Denoiser")
+    body = {"prompt": "after the storm", "seed": 8, "num_inference_steps": 4, "size": "64x64"}
+    expected = _pngs(client.post(IMAGES, json=body))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        in_flight = [pool.submit(client.post, IMAGES, json=body) for _ in range(2)]
+        time.sleep(0.3)
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        during = [f.result() for f in in_flight]
+    assert {r.status_code for r in during} <= {200, 503}, [r.text for r in during]
+    deadline, later = time.monotonic() + 90, None
+    while time.monotonic() < deadline:
+        later = client.post(IMAGES, json=body)
+        if later.status_code == 200:
+            break
+        assert later.status_code == 503 and "retry-after" in later.headers, later.text
+        time.sleep(1)
+    assert _pngs(later) == expected
+    assert _replica_actor("Denoiser") != victim
