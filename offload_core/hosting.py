@@ -25,6 +25,7 @@ from typing import Mapping, Sequence
 
 from .budget import Lease, MemoryBudget, Refusal
 from .hosting_tier import HostingTier
+from .layout import declared_layer_groups, layer_parameters, plan_layer_layout
 from .maps import MapsSnapshot
 
 logger = logging.getLogger(__name__)
@@ -41,16 +42,30 @@ class LayerFacts:
     """One streamed (or resident) layer as the host sees it now."""
 
     key: str  # "blocks.3": the engine's layer key
-    nbytes: int
+    nbytes: int  # the layer's tensor bytes
     mapped_bytes: int  # views of a file mapping now: copying them out costs anonymous memory
-    anon_bytes: int  # already anonymous: consolidating them is a wash
+    anon_bytes: int  # already anonymous: consolidating them frees the original, a wash
     resident: bool = False
+    # Alignment gaps the consolidated flat buffer adds (the engine aligns each tensor to 512 B):
+    # a few hundred KB for a 14B layer, but 12 % of a toy layer, and a ledger must not undercount.
+    padding_bytes: int = 0
 
     def __post_init__(self) -> None:
-        assert min(self.nbytes, self.mapped_bytes, self.anon_bytes) >= 0, f"{self.key}: negative bytes"
+        assert min(self.nbytes, self.mapped_bytes, self.anon_bytes, self.padding_bytes) >= 0, \
+            f"{self.key}: negative bytes would let a plan spend memory it does not account"
         if self.mapped_bytes + self.anon_bytes != self.nbytes:
             raise ValueError(f"layer {self.key}: mapped {self.mapped_bytes} B + anonymous {self.anon_bytes} B "
                              f"must equal its {self.nbytes} B")
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the layer's own host buffers once consolidated (PINNED or PAGEABLE)."""
+        return self.nbytes + self.padding_bytes
+
+    @property
+    def consolidation_cost(self) -> int:
+        """Net anonymous bytes consolidating adds: the mapped part copied out, plus padding."""
+        return self.mapped_bytes + self.padding_bytes
 
 
 @dataclass(frozen=True)
@@ -98,7 +113,7 @@ def denoiser_uses(pipeline_defaults: Mapping[str, object]) -> int:
 def facts_from_module(
     name: str,
     model,
-    layer_groups: Sequence[str],
+    layer_groups: Sequence[str] | None,
     uses_per_request: int | None,
     *,
     resident_keys: Sequence[str] = (),
@@ -107,6 +122,9 @@ def facts_from_module(
 ) -> ComponentFacts:
     """Per-layer facts of a model: bytes from shapes and dtypes, mapped bytes measured or given.
 
+    Layers and their tensors are the engine's: ``layer_groups`` None means the class's declared
+    groups, only parameters stream (buffers stay with the non-layer rest), and the padding is
+    that of the engine's flat layout.
     On a real model the mapped bytes are measured with ``maps`` (a fresh snapshot if None). A
     meta-device model has no addresses, so ``mapped_fraction`` says what share of each layer is a
     view of the checkpoint mapping (the fact the caller measured on a real host).
@@ -115,20 +133,24 @@ def facts_from_module(
         raise ValueError(f"mapped_fraction must be within [0, 1], got {mapped_fraction}")
     if mapped_fraction is None and maps is None:
         maps = MapsSnapshot.take()
+    groups = declared_layer_groups(model) if layer_groups is None else tuple(layer_groups)
     streamed, resident, known = [], [], set()
-    for group in layer_groups:
+    for group in groups:
         for i, layer in enumerate(model.get_submodule(group)):
             key = f"{group}.{i}"
             known.add(key)
-            tensors = list({id(t): t for t in (*layer.parameters(), *layer.buffers())}.values())
+            named = layer_parameters(layer)
+            tensors = [p.data for _, p in named]
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             mapped = (int(nbytes * mapped_fraction) if mapped_fraction is not None
                       else maps.mapped_bytes(tensors))
-            facts = LayerFacts(key, nbytes, mapped, nbytes - mapped, resident=key in resident_keys)
+            padding = plan_layer_layout(key, [(n, p.data) for n, p in named]).nbytes - nbytes
+            facts = LayerFacts(key, nbytes, mapped, nbytes - mapped, resident=key in resident_keys,
+                               padding_bytes=max(0, padding))
             (resident if facts.resident else streamed).append(facts)
     unknown = set(resident_keys) - known
     if unknown:
-        raise ValueError(f"component {name}: resident keys {sorted(unknown)} are not layers of {list(layer_groups)}")
+        raise ValueError(f"component {name}: resident keys {sorted(unknown)} are not layers of {list(groups)}")
     return ComponentFacts(name, tuple(streamed + resident), uses_per_request)
 
 
@@ -195,7 +217,7 @@ class _Slot:
 
     @property
     def cost(self) -> int:
-        return 0 if self.tier is HostingTier.MAPPED else self.layer.mapped_bytes
+        return 0 if self.tier is HostingTier.MAPPED else self.layer.consolidation_cost
 
 
 def plan_hosting(
@@ -245,8 +267,8 @@ def _wanted(ranked: Sequence[ComponentFacts], ceiling: HostingTier, max_pinned: 
     slots, pinned, pin_open = [], 0, ceiling is HostingTier.PINNED
     for comp in ranked:
         for layer in comp.layers:
-            if pin_open and (max_pinned is None or pinned + layer.nbytes <= max_pinned):
-                tier, pinned = HostingTier.PINNED, pinned + layer.nbytes
+            if pin_open and (max_pinned is None or pinned + layer.host_bytes <= max_pinned):
+                tier, pinned = HostingTier.PINNED, pinned + layer.host_bytes
             else:
                 # The pin order is a priority order: once one layer misses the cap, later ones
                 # do not jump ahead of it.
@@ -266,7 +288,7 @@ def _fit(slots: list[_Slot], available: int) -> list[str]:
         for slot in reversed(slots):
             if cost <= available:
                 break
-            if slot.tier is from_tier and slot.layer.mapped_bytes > 0:
+            if slot.tier is from_tier and slot.cost > 0:
                 cost -= slot.cost
                 slot.tier = HostingTier.MAPPED
                 moved += 1
@@ -286,7 +308,8 @@ def _request(budget: MemoryBudget, slots: list[_Slot], owner: str,
 
 def _summarize(comp: ComponentFacts, rank: int, slots: list[_Slot], reasons: list[str]) -> ComponentHosting:
     mine = [s for s in slots if s.component is comp]
-    by_tier = {t: sum(s.layer.nbytes for s in mine if s.tier is t) for t in HostingTier}
+    by_tier = {t: sum(s.layer.nbytes if t is HostingTier.MAPPED else s.layer.host_bytes
+                      for s in mine if s.tier is t) for t in HostingTier}
     demoted = any(s.tier is HostingTier.MAPPED and s.layer.mapped_bytes > 0 for s in mine)
     why = (f"rank {rank} ({_gib(comp.weight_bytes)} x {comp.uses_per_request} uses/request); "
            + ("; ".join(reasons) if demoted and reasons else "everything wanted fits"))

@@ -1,6 +1,8 @@
 """plan_hosting: one lease, net cost, demote-then-give-back, ranking by bytes x uses, real scale."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -173,12 +175,14 @@ def test_facts_from_a_loaded_model_measure_mapped_bytes(tmp_path):
     by_key = {l.key: l for l in facts.layers}
     assert by_key["0.1"].mapped_bytes == 8 * 8 * 4 + 8 * 4 and by_key["0.1"].anon_bytes == 0
     assert (by_key["0.2"].mapped_bytes, by_key["0.2"].anon_bytes) == (8 * 4, 8 * 8 * 4)
+    # The engine's flat buffer aligns each tensor to 512 B: weight at 0, bias at 512, end 1024.
+    assert by_key["0.1"].host_bytes == 1024 and by_key["0.1"].padding_bytes == 1024 - 288
 
 
 # --- real scale, on the meta device -------------------------------------------------------------
 # The issue's case: a DiT of which 50.5 of 61.7 GiB are views of the checkpoint mapping (81.8 %),
-# on a host with 5.3 GiB spendable. The zoo's Wan2.1-14B DiT in its published dtype is 26.7 GiB
-# (bf16, fp32 norms); the same mapped share and spendable figure are applied to it.
+# on a host with 5.3 GiB spendable. The zoo's Wan2.1-14B DiT is 26.7 GiB in its published dtype
+# (bf16, fp32 norms) and 53.3 GiB in fp32; the same mapped share and spendable figure apply.
 MAPPED_SHARE = 50.5 / 61.7
 SPENDABLE = int(5.3 * GiB)
 
@@ -187,31 +191,69 @@ SPENDABLE = int(5.3 * GiB)
 def wan14b():
     from zoo import real
 
-    dit = real.meta_component("wan2.1-t2v-14b", "transformer")
-    enc = real.meta_component("wan2.1-t2v-14b", "text_encoder")
-    steps = denoiser_uses(real.pipeline_defaults("wan2.1-t2v-14b"))
-    return (facts_from_module("transformer", dit, ["blocks"], steps, mapped_fraction=MAPPED_SHARE),
-            facts_from_module("text_encoder", enc, ["encoder.block"], 1, mapped_fraction=1.0))
+    return (real.meta_component("wan2.1-t2v-14b", "transformer"),
+            real.meta_component("wan2.1-t2v-14b", "text_encoder"),
+            denoiser_uses(real.pipeline_defaults("wan2.1-t2v-14b")))
 
 
-def test_real_scale_dit_pins_some_layers_not_zero_when_the_whole_does_not_fit(wan14b):
-    dit, enc = wan14b
-    assert len(dit.layers) == 40 and dit.weight_bytes > 25 * GiB
+@pytest.mark.parametrize("dtype", [None, torch.float32], ids=["published", "fp32"])
+def test_real_scale_dit_pins_some_layers_not_zero_when_the_whole_does_not_fit(wan14b, dtype):
+    dit_model, enc_model, steps = wan14b
+    if dtype is not None:
+        # Module.to() casts in place: cast a copy (meta, so no memory) to keep the fixture intact.
+        dit_model = copy.deepcopy(dit_model).to(dtype)
+    dit = facts_from_module("transformer", dit_model, None, steps, mapped_fraction=MAPPED_SHARE)
+    enc = facts_from_module("text_encoder", enc_model, None, 1, mapped_fraction=1.0)
+    assert len(dit.layers) == 40
+    assert dit.weight_bytes > (50 if dtype is torch.float32 else 25) * GiB
     ledger = InProcessLedger(SPENDABLE)
     plan = plan_hosting([enc, dit], ledger, "wan14b-replica")
-    hosting = plan.component("transformer")
     pinned = [k for k, t in plan.tiers_for("transformer").items() if t is PINNED]
-    per_layer_net = dit.layers[0].mapped_bytes
+    per_layer_net = dit.layers[0].consolidation_cost
     assert len(pinned) == SPENDABLE // per_layer_net > 0, "pins what fits, not zero"
     assert pinned == [f"blocks.{i}" for i in range(len(pinned))]
-    assert hosting.rank == 1 and set(plan.tiers_for("text_encoder").values()) == {MAPPED}
+    assert plan.component("transformer").rank == 1
+    assert set(plan.tiers_for("text_encoder").values()) == {MAPPED}
     assert plan.lease.nbytes <= SPENDABLE and ledger.leased() <= ledger.capacity()
 
 
 def test_real_scale_plan_with_room_for_the_dit_spends_the_rest_on_encoder_layers(wan14b):
-    dit, enc = wan14b
-    room = sum(l.mapped_bytes for l in dit.layers) + 2 * GiB
+    dit_model, enc_model, steps = wan14b
+    dit = facts_from_module("transformer", dit_model, ["blocks"], steps, mapped_fraction=MAPPED_SHARE)
+    enc = facts_from_module("text_encoder", enc_model, ["encoder.block"], 1, mapped_fraction=1.0)
+    room = sum(l.consolidation_cost for l in dit.layers) + 2 * GiB
     plan = plan_hosting([enc, dit], InProcessLedger(room), "r")
     assert set(plan.tiers_for("transformer").values()) == {PINNED}
     enc_pins = sum(t is PINNED for t in plan.tiers_for("text_encoder").values())
     assert 0 < enc_pins < len(enc.layers) and plan.net_cost <= room
+
+
+# --- the PINNED tier on this machine ------------------------------------------------------------
+def test_padding_of_the_flat_buffer_is_charged_even_for_anonymous_layers():
+    layers = (LayerFacts("blocks.0", 1000, 0, 1000, padding_bytes=24),)
+    plan = plan_hosting([ComponentFacts("dit", layers, 5)], InProcessLedger(24), "r")
+    assert plan.net_cost == 24 and plan.tiers_for("dit") == {"blocks.0": PINNED}
+    starved = plan_hosting([ComponentFacts("dit", layers, 5)], InProcessLedger(23), "r")
+    assert starved.net_cost == 0 and starved.tiers_for("dit") == {"blocks.0": MAPPED}, \
+        "left as it is, an anonymous layer costs nothing; consolidated it costs its padding"
+
+
+def test_pinned_buffers_are_exact_size_and_allocated_pageable_without_cuda():
+    from offload_core.pinned import allocate_host_buffer, free_host_buffer
+
+    nbytes = 12 * 1024**2 + 7  # 12 MiB + 7 B: torch's pinned caching allocator would round to 16 MiB
+    buffer = allocate_host_buffer(nbytes, pin=True, device=torch.device("cpu"))
+    assert buffer.nbytes == buffer.data.numel() == nbytes
+    assert not buffer.page_locked, "no CUDA: planned and accounted pinned, allocated pageable"
+    free_host_buffer(buffer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locking needs a CUDA device")
+def test_pinned_buffers_are_page_locked_at_exact_size_on_cuda():
+    from offload_core.pinned import allocate_host_buffer, free_host_buffer
+
+    nbytes = 12 * 1024**2 + 7
+    buffer = allocate_host_buffer(nbytes, pin=True, device=torch.device("cuda"))
+    assert buffer.page_locked and buffer.data.is_pinned() and buffer.data.numel() == nbytes
+    free_host_buffer(buffer)
+    assert not buffer.data.is_pinned()

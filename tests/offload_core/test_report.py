@@ -57,9 +57,9 @@ def test_a_planned_streamed_model_is_bitwise_equal_and_reported_where_the_plan_p
     facts = facts_from_module("transformer", model, ["blocks"], uses_per_request=50)
     per_layer = facts.layers[0].mapped_bytes
     assert per_layer == facts.layers[0].nbytes > 0, "from_pretrained keeps same-dtype weights mapped"
-    # Room for two layers' net cost; a cap of 3 layers on pins leaves one pageable, the rest mapped.
-    ledger = InProcessLedger(3 * per_layer)
-    plan = plan_hosting([facts], ledger, "r", max_pinned_bytes=2 * facts.layers[0].nbytes)
+    # Room for three layers' net cost; a cap of 2 layers on pins leaves one pageable, the rest mapped.
+    ledger = InProcessLedger(3 * facts.layers[0].consolidation_cost)
+    plan = plan_hosting([facts], ledger, "r", max_pinned_bytes=2 * facts.layers[0].host_bytes)
     tiers = plan.tiers_for("transformer")
     assert [tiers[f"blocks.{i}"] for i in range(6)] == [PINNED, PINNED, PAGEABLE, MAPPED, MAPPED, MAPPED]
 
@@ -75,6 +75,10 @@ def test_a_planned_streamed_model_is_bitwise_equal_and_reported_where_the_plan_p
     assert rep.host_pinned_bytes == by_tier[PINNED] >= 2 * per_layer
     assert rep.host_pageable_bytes == by_tier[PAGEABLE] >= per_layer
     assert rep.host_mapped_bytes == 3 * per_layer, "mapped layers stay views of the checkpoint"
+    planned = plan.component("transformer")
+    assert (rep.host_pinned_bytes, rep.host_pageable_bytes, rep.host_mapped_bytes) == (
+        planned.pinned_bytes, planned.pageable_bytes, planned.mapped_bytes), "the plan accounts what is there"
+    assert planned.net_cost == rep.host_pinned_bytes + rep.host_pageable_bytes == plan.lease.nbytes
     assert rep.device_bytes == streamer.non_layer_bytes + _buffer_bytes(model), \
         "after finish_use only non-layer weights (and buffers) stay"
     assert dict(rep.layer_tiers) == {"pinned": 2, "pageable": 1, "mapped": 3}
