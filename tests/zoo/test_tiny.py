@@ -22,9 +22,9 @@ def flux():
     return FluxPipeline.from_pretrained(ensure_tiny_flux())
 
 
-def _wan_frames(pipe, num_frames: int, seed: int = 0) -> np.ndarray:
+def _wan_frames(pipe, num_frames: int, seed: int = 0, prompt: str = "a red cat riding a horse") -> np.ndarray:
     return pipe(
-        "a red cat riding a horse", height=16, width=16, num_frames=num_frames, num_inference_steps=2,
+        prompt, height=16, width=16, num_frames=num_frames, num_inference_steps=2,
         generator=torch.Generator().manual_seed(seed), output_type="np",
     ).frames
 
@@ -35,6 +35,8 @@ def test_tiny_wan_generates_the_same_image_twice_and_a_different_one_for_another
     assert np.isfinite(first).all()
     assert np.array_equal(first, again), "same seed must give bitwise-equal frames"
     assert not np.array_equal(first, other), "the output must depend on the noise, not be constant"
+    # ...and on the prompt, so an encoder that streams wrong weights shows up end to end.
+    assert not np.array_equal(first, _wan_frames(wan, 1, prompt="a blue bird in the sky"))
 
 
 def test_tiny_wan_generates_five_frame_video(wan):
@@ -76,9 +78,9 @@ def test_layer_groups_have_the_block_counts_the_engine_tests_need(wan, flux):
 
 @pytest.mark.parametrize("size", [16, 32])
 def test_tiny_flux_generates_the_same_image_twice(flux, size):
-    def run(seed):
+    def run(seed, prompt="a blue bird"):
         return flux(
-            "a blue bird", height=size, width=size, num_inference_steps=2, max_sequence_length=32,
+            prompt, height=size, width=size, num_inference_steps=2, max_sequence_length=32,
             generator=torch.Generator().manual_seed(seed), output_type="np",
         ).images
 
@@ -86,6 +88,7 @@ def test_tiny_flux_generates_the_same_image_twice(flux, size):
     assert first.shape == (1, size, size, 3) and np.isfinite(first).all()
     assert np.array_equal(first, run(0))
     assert not np.array_equal(first, run(1))
+    assert not np.array_equal(first, run(0, prompt="a green tree"))
 
 
 def _digests(folder):
