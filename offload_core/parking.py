@@ -119,6 +119,19 @@ class Parking:
             p.data = placeholder(self.device, p.dtype)
         self.parked = True
 
+    def park_from_host(self) -> None:
+        """Start parked from weights that are still host tensors: they become the host copies, uncopied.
+
+        For a component that starts off the device (model offload): moving it to the device only
+        to copy it back would need its whole size free on the device for nothing.
+        """
+        assert not self.parked, f"{self.name}: already parked"
+        for p in self._params:
+            assert p.device.type == "cpu", f"{self.name}: {tuple(p.shape)} is on {p.device}, not a host tensor"
+            self._host[id(p)] = p.data
+            p.data = placeholder(self.device, p.dtype)
+        self.parked = True
+
     def restore(self) -> None:
         """Bring parked weights back before use; a fresh device allocation, never a host alias."""
         if not self.parked:
