@@ -214,6 +214,7 @@ class _Slot:
     component: ComponentFacts
     layer: LayerFacts
     tier: HostingTier
+    wanted: HostingTier  # before the host was consulted, for the log's "why"
 
     @property
     def cost(self) -> int:
@@ -255,7 +256,7 @@ def plan_hosting(
         reasons.extend(_fit(slots, 0))
         granted = _request(budget, slots, owner, ranked, purpose)
         assert isinstance(granted, Lease), f"a ledger refused a zero-byte lease: {granted}"
-    plan = HostingPlan(tuple(_summarize(c, i + 1, slots, reasons) for i, c in enumerate(ranked)),
+    plan = HostingPlan(tuple(_summarize(c, i + 1, slots, available) for i, c in enumerate(ranked)),
                        granted, sum(s.cost for s in slots), available, tuple(reasons))
     for c in plan.components:
         logger.info(c.log_line())
@@ -275,7 +276,7 @@ def _wanted(ranked: Sequence[ComponentFacts], ceiling: HostingTier, max_pinned: 
                 pin_open = False
                 copy_nothing = ceiling is HostingTier.MAPPED and layer.mapped_bytes > 0
                 tier = HostingTier.MAPPED if copy_nothing else HostingTier.PAGEABLE
-            slots.append(_Slot(comp, layer, tier))
+            slots.append(_Slot(comp, layer, tier, tier))
     return slots
 
 
@@ -306,13 +307,18 @@ def _request(budget: MemoryBudget, slots: list[_Slot], owner: str,
     return budget.request(cost, owner, priority=priority, purpose=purpose)
 
 
-def _summarize(comp: ComponentFacts, rank: int, slots: list[_Slot], reasons: list[str]) -> ComponentHosting:
+def _summarize(comp: ComponentFacts, rank: int, slots: list[_Slot], available: int) -> ComponentHosting:
     mine = [s for s in slots if s.component is comp]
     by_tier = {t: sum(s.layer.nbytes if t is HostingTier.MAPPED else s.layer.host_bytes
                       for s in mine if s.tier is t) for t in HostingTier}
-    demoted = any(s.tier is HostingTier.MAPPED and s.layer.mapped_bytes > 0 for s in mine)
-    why = (f"rank {rank} ({_gib(comp.weight_bytes)} x {comp.uses_per_request} uses/request); "
-           + ("; ".join(reasons) if demoted and reasons else "everything wanted fits"))
+    given_back = sum(1 for s in mine if s.wanted is HostingTier.PINNED and s.tier is HostingTier.MAPPED)
+    left_mapped = sum(1 for s in mine if s.wanted is HostingTier.PAGEABLE and s.tier is HostingTier.MAPPED)
+    why = f"rank {rank} ({_gib(comp.weight_bytes)} x {comp.uses_per_request} uses/request); "
+    if given_back or left_mapped:
+        why += (f"host has {_gib(available)} free for the whole plan: {given_back} pins given back and "
+                f"{left_mapped} pageable layers left mapped, from the tail of the pin order")
+    else:
+        why += f"everything wanted fits the {_gib(available)} free"
     return ComponentHosting(comp.name, rank, comp.priority, tuple((s.layer.key, s.tier) for s in mine),
                             by_tier[HostingTier.PINNED], by_tier[HostingTier.PAGEABLE],
                             by_tier[HostingTier.MAPPED], sum(s.cost for s in mine), why)

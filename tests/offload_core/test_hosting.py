@@ -160,7 +160,8 @@ def test_one_info_line_per_component_with_counts_and_why(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "offload_core.hosting"]
     assert len(lines) == 2
     assert lines[0].startswith("hosting dit: 2 pinned (2.00 GiB), 0 pageable (0.00 GiB), 2 mapped (2.00 GiB)")
-    assert "x 50 uses/request" in lines[0] and "gave back pins" in lines[0]
+    assert "x 50 uses/request" in lines[0] and "2 pins given back" in lines[0]
+    assert lines[1].startswith("hosting enc: 0 pinned") and "2 pins given back" in lines[1]
 
 
 def test_facts_from_a_loaded_model_measure_mapped_bytes(tmp_path):
