@@ -62,7 +62,8 @@ def _raw() -> dict[str, Any]:
 
 def model_names() -> tuple[str, ...]:
     """The real pipelines described in the config file."""
-    return tuple(k for k in _raw() if not k.startswith("_") and k != "gpus" and not k.startswith("host_to_device"))
+    # Model entries name a pipeline or inherit one; the rest of the file is GPU and link facts.
+    return tuple(k for k, v in _raw().items() if isinstance(v, dict) and ("pipeline" in v or "same_as" in v))
 
 
 def _model_entry(model_name: str) -> dict[str, Any]:
