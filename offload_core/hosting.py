@@ -221,27 +221,38 @@ class _Slot:
         return 0 if self.tier is HostingTier.MAPPED else self.layer.consolidation_cost
 
 
+@dataclass(frozen=True)
+class HostingPolicy:
+    """What a replica wants before the host is consulted."""
+
+    # The best tier any layer may get: PINNED (pin along the pin order), PAGEABLE (pin nothing,
+    # e.g. a host whose driver refuses to lock more), MAPPED (copy nothing: memory mode).
+    ceiling: HostingTier = HostingTier.PINNED
+    # Cap on gross pinned bytes (e.g. what the driver lets one process lock); None: no cap.
+    max_pinned_bytes: int | None = None
+    purpose: str = "host-weights"  # written on the lease, for the ledger's reports
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ceiling, HostingTier):
+            raise TypeError(f"ceiling must be a HostingTier, got {self.ceiling!r}")
+        if self.max_pinned_bytes is not None and self.max_pinned_bytes < 0:
+            raise ValueError(f"max_pinned_bytes must be >= 0, got {self.max_pinned_bytes}")
+
+
 def plan_hosting(
     components: Sequence[ComponentFacts],
     budget: MemoryBudget,
     owner: str,
-    *,
-    ceiling: HostingTier = HostingTier.PINNED,
-    max_pinned_bytes: int | None = None,
-    purpose: str = "host-weights",
+    policy: HostingPolicy | None = None,
 ) -> HostingPlan:
-    """Fit per-layer tiers to ``budget`` and take one lease for their net anonymous cost.
-
-    ``ceiling`` is the best tier any layer may get (PAGEABLE: pin nothing; MAPPED: copy nothing);
-    ``max_pinned_bytes`` caps gross pinned bytes (e.g. what the driver lets one process lock).
-    """
+    """Fit per-layer tiers to ``budget`` and take one lease for their net anonymous cost."""
+    policy = policy or HostingPolicy()
     names = [c.name for c in components]
     if len(set(names)) != len(names):
         raise ValueError(f"component names must be unique, got {names}")
-    if max_pinned_bytes is not None and max_pinned_bytes < 0:
-        raise ValueError(f"max_pinned_bytes must be >= 0, got {max_pinned_bytes}")
     ranked = sorted(components, key=lambda c: c.priority, reverse=True)
-    slots = _wanted(ranked, ceiling, max_pinned_bytes)
+    slots = _wanted(ranked, policy.ceiling, policy.max_pinned_bytes)
+    purpose = policy.purpose
     reasons: list[str] = []
     available = budget.available()
     for _ in range(_MAX_REQUEST_ROUNDS - 1):

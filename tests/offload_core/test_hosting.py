@@ -8,7 +8,7 @@ import torch
 
 from offload_core.budget import InProcessLedger, Lease, MemoryBudget, Refusal
 from offload_core.hosting import (
-    GiB, ComponentFacts, LayerFacts, denoiser_uses, facts_from_module, plan_hosting)
+    GiB, ComponentFacts, HostingPolicy, LayerFacts, denoiser_uses, facts_from_module, plan_hosting)
 from offload_core.hosting_tier import HostingTier
 
 PINNED, PAGEABLE, MAPPED = HostingTier.PINNED, HostingTier.PAGEABLE, HostingTier.MAPPED
@@ -44,7 +44,7 @@ def test_one_lease_covers_pinned_and_pageable_together():
     # test 60 B pinned and 60 B pageable each against the same 100 B and take both.
     ledger = RecordingLedger(100)
     comp = ComponentFacts("dit", _mapped_layers("blocks", 6, 20), uses_per_request=50)
-    plan = plan_hosting([comp], ledger, "replica-a", max_pinned_bytes=60)
+    plan = plan_hosting([comp], ledger, "replica-a", HostingPolicy(max_pinned_bytes=60))
     assert ledger.asked == [100], "exactly one request, for the plan's whole net cost"
     assert plan.lease.nbytes == plan.net_cost == 100 and ledger.leased() == 100
     tiers = plan.tiers_for("dit")
@@ -94,7 +94,7 @@ def test_resident_layers_are_offered_pins_after_every_streamed_layer():
 
 def test_pageable_layers_are_demoted_before_any_pin_is_given_back():
     comp = ComponentFacts("dit", _mapped_layers("blocks", 6, 10), uses_per_request=50)
-    plan = plan_hosting([comp], InProcessLedger(30), "r", max_pinned_bytes=30)
+    plan = plan_hosting([comp], InProcessLedger(30), "r", HostingPolicy(max_pinned_bytes=30))
     assert [plan.tiers_for("dit")[f"blocks.{i}"] for i in range(6)] == [PINNED] * 3 + [MAPPED] * 3
 
 
@@ -144,11 +144,11 @@ def test_a_refused_request_refits_to_what_the_ledger_reports_and_never_over_comm
 
 def test_ceiling_mapped_copies_nothing_and_pageable_pins_nothing():
     comp = ComponentFacts("dit", _mapped_layers("blocks", 3, 10) + (LayerFacts("blocks.3", 10, 0, 10),), 5)
-    mapped = plan_hosting([comp], InProcessLedger(1000), "a", ceiling=MAPPED)
+    mapped = plan_hosting([comp], InProcessLedger(1000), "a", HostingPolicy(ceiling=MAPPED))
     assert mapped.net_cost == 0
     assert mapped.tiers_for("dit") == {"blocks.0": MAPPED, "blocks.1": MAPPED, "blocks.2": MAPPED,
                                        "blocks.3": PAGEABLE}
-    pageable = plan_hosting([comp], InProcessLedger(1000), "b", ceiling=PAGEABLE)
+    pageable = plan_hosting([comp], InProcessLedger(1000), "b", HostingPolicy(ceiling=PAGEABLE))
     assert set(pageable.tiers_for("dit").values()) == {PAGEABLE} and pageable.net_cost == 30
 
 
@@ -258,3 +258,13 @@ def test_pinned_buffers_are_page_locked_at_exact_size_on_cuda():
     assert buffer.page_locked and buffer.data.is_pinned() and buffer.data.numel() == nbytes
     free_host_buffer(buffer)
     assert not buffer.data.is_pinned()
+
+
+def test_bad_policy_and_duplicate_components_are_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="max_pinned_bytes"):
+        HostingPolicy(max_pinned_bytes=-1)
+    with pytest.raises(TypeError, match="HostingTier"):
+        HostingPolicy(ceiling="pinned")
+    comp = ComponentFacts("dit", _mapped_layers("blocks", 2, 10), 5)
+    with pytest.raises(ValueError, match="unique"):
+        plan_hosting([comp, comp], InProcessLedger(100), "r")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload_core.budget import InProcessLedger
-from offload_core.hosting import facts_from_module, plan_hosting
+from offload_core.hosting import HostingPolicy, facts_from_module, plan_hosting
 from offload_core.hosting_tier import HostingTier
 from offload_core.parking import Parking
 from offload_core.report import component_residency, residency_report
@@ -59,7 +59,7 @@ def test_a_planned_streamed_model_is_bitwise_equal_and_reported_where_the_plan_p
     assert per_layer == facts.layers[0].nbytes > 0, "from_pretrained keeps same-dtype weights mapped"
     # Room for three layers' net cost; a cap of 2 layers on pins leaves one pageable, the rest mapped.
     ledger = InProcessLedger(3 * facts.layers[0].consolidation_cost)
-    plan = plan_hosting([facts], ledger, "r", max_pinned_bytes=2 * facts.layers[0].host_bytes)
+    plan = plan_hosting([facts], ledger, "r", HostingPolicy(max_pinned_bytes=2 * facts.layers[0].host_bytes))
     tiers = plan.tiers_for("transformer")
     assert [tiers[f"blocks.{i}"] for i in range(6)] == [PINNED, PINNED, PAGEABLE, MAPPED, MAPPED, MAPPED]
 
