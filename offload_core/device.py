@@ -39,6 +39,8 @@ class DeviceFacts:
 def normalize_device(device: torch.device | str) -> torch.device:
     """``"cuda"`` -> ``cuda:<current>``, so one device has one key (and one placeholder per dtype)."""
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} asked for, but CUDA is not available on this machine")
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device

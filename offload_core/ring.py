@@ -45,6 +45,7 @@ class PrefetchRing:
         self._last_use: list[object | None] = []
         self._in_flight: dict[int, InFlight] = {}
         self.bytes_copied = 0
+        self.out_of_order_entries = 0  # entries that found their layer not prefetched (after a cold start)
 
     @property
     def slot_bytes(self) -> int:
@@ -70,7 +71,7 @@ class PrefetchRing:
         self._free = collections.deque(range(self.n_slots))
         self._last_use = [None] * self.n_slots
         self._device.copy_waits_for_compute()
-        logger.info("ring on %s: allocated %d slots x %d B for %d streamed layers",
+        logger.debug("ring on %s: allocated %d slots x %d B for %d streamed layers",
                     self._device.device, self.n_slots, nbytes, len(self._layers))
 
     def deallocate(self) -> None:
@@ -96,10 +97,13 @@ class PrefetchRing:
         stale = [held for held in self._in_flight if held not in window]
         if stale or position not in self._in_flight:
             if self._in_flight:
-                # Layers ran out of the order they were declared in; correct, but the copies of
-                # the stale layers were wasted. Said once per occurrence with the positions.
-                logger.info("ring: layer %d entered while %s were prefetched; releasing %s",
-                            position, self.materialized(), sorted(stale))
+                # Layers ran out of the order they were declared in: still correct, but the stale
+                # copies were wasted. Said once at INFO, then counted (a model that always runs
+                # out of order would otherwise log a line per layer).
+                self.out_of_order_entries += 1
+                log = logger.info if self.out_of_order_entries == 1 else logger.debug
+                log("ring: layer %d entered while %s were prefetched; releasing %s (occurrence %d)",
+                    position, self.materialized(), sorted(stale), self.out_of_order_entries)
             for held in stale:
                 self._release(held)
         if position not in self._in_flight:

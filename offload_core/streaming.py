@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import threading
 import types
 from dataclasses import dataclass
 from typing import Mapping
@@ -38,6 +39,14 @@ STREAMER_ATTRIBUTE = "_offload_layer_streamer"
 
 class AlreadyStreamedError(RuntimeError):
     """The model already has layer streaming applied (call ``remove()`` first)."""
+
+
+class ConcurrentForwardError(RuntimeError):
+    """A second thread entered a streamed layer while another thread's layer was running.
+
+    The ring holds one model's layers at a time: a second forward would release the running
+    layer's weights under it (on CUDA, overwrite its slot while kernels still read it).
+    """
 
 
 class ResidentPlacement(enum.Enum):
@@ -164,6 +173,8 @@ class LayerStreamer:
         self._resident_copied = 0
         self._armed = False
         self._handles: list = []
+        self._running: tuple[int, StreamedLayer] | None = None  # (thread id, layer) inside a forward
+        self._running_lock = threading.Lock()
 
     def _start(self, layers: tuple[StreamedLayer, ...]) -> None:
         self.layers = layers
@@ -233,13 +244,34 @@ class LayerStreamer:
 
     # -- hooks ------------------------------------------------------------------------------------
     def before_layer(self, layer: StreamedLayer) -> None:
+        self._claim(layer)
         self._arm()
         if not layer.resident:
             self.ring.enter(layer.position)
 
     def after_layer(self, layer: StreamedLayer) -> None:
-        if not layer.resident:
-            self.ring.exit(layer.position)
+        with self._running_lock:
+            # The forward hook also runs (always_call) when this thread's pre-hook was refused:
+            # then the layer belongs to another thread's forward and must be left alone.
+            owned = self._running == (threading.get_ident(), layer)
+        if not owned:
+            return
+        try:
+            if not layer.resident:
+                self.ring.exit(layer.position)
+        finally:
+            with self._running_lock:
+                self._running = None
+
+    def _claim(self, layer: StreamedLayer) -> None:
+        me = threading.get_ident()
+        with self._running_lock:
+            if self._running is not None and self._running[0] != me:
+                raise ConcurrentForwardError(
+                    f"{type(self.model).__name__}: layer {layer.key} entered by thread {me} while "
+                    f"{self._running[1].key} runs in thread {self._running[0]}; serialize forwards "
+                    "of a streamed model (one request at a time per replica)")
+            self._running = (me, layer)
 
     def _arm(self) -> None:
         """Copy resident layers to the device and allocate the ring, once per use (lazily)."""
@@ -294,6 +326,9 @@ def apply_layer_streaming(model: nn.Module, device: torch.device | str,
     hosts = _move_layers_off(entries, hosting, context, n_groups=len(groups))
     model.to(context.device)  # ONE move of the non-layer rest; every layer weight is a placeholder now
     streamer.non_layer_bytes = unique_storage_bytes(p for p in model.parameters() if id(p) not in layer_ids)
+    if isinstance(config.resident, int) and config.resident > len(entries):
+        logger.info("streaming %s: resident=%d asked, only %d layers: all layers resident",
+                    type(model).__name__, config.resident, len(entries))
     resident = choose_resident(len(entries), config.resident_count(len(entries)), config.resident_placement)
     layers = tuple(StreamedLayer(key, module, params, hosts[key], i in resident, context.device, streamer)
                    for i, (_, key, module, params, _) in enumerate(entries))

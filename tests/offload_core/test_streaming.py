@@ -338,3 +338,80 @@ def test_streamed_output_is_bitwise_equal_on_cuda(case, tier):
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
     assert streamer.meter.peak_bytes == streamer.predicted_peak_bytes()
+
+
+class Failing(Exception):
+    pass
+
+
+def test_a_layer_that_raises_is_released_and_the_next_request_is_exact():
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(x)
+    streamer = apply_layer_streaming(model, "cpu")
+
+    def boom(*_):
+        raise Failing("layer 2 failed")
+
+    handle = model.blocks[2].linear.register_forward_pre_hook(boom)
+    with pytest.raises(Failing), torch.no_grad():
+        model(x)
+    assert "blocks.2" not in _materialized_keys(streamer), "the failing layer must be released"
+    handle.remove()
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    streamer.finish_use()
+    assert _materialized_keys(streamer) == set()
+
+
+def test_a_second_thread_entering_a_running_layer_is_refused():
+    import threading
+
+    from offload_core.streaming import ConcurrentForwardError
+
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(x)
+    streamer = apply_layer_streaming(model, "cpu")
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(*_):
+        inside.set()
+        release.wait(10)
+
+    handle = model.blocks[1].linear.register_forward_pre_hook(hold)
+    results = {}
+
+    def first():
+        with torch.no_grad():
+            results["first"] = model(x)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert inside.wait(10)
+    with pytest.raises(ConcurrentForwardError, match="serialize forwards"), torch.no_grad():
+        model(x)
+    release.set()
+    thread.join(10)
+    handle.remove()
+    assert torch.equal(results["first"], expected), "the refused forward disturbed the running one"
+    streamer.finish_use()
+
+
+def test_buffers_stay_on_the_device_and_only_parameters_stream():
+    model = Stack()
+    shifts = [b.shift for b in model.blocks]
+    streamer = apply_layer_streaming(model, "cpu")
+    assert all(b.shift is s and b.shift.numel() == 8 for b, s in zip(model.blocks, shifts))
+    assert all(len(layer.params) == 4 for layer in streamer.layers)
+
+
+def test_a_resident_count_above_the_layer_count_makes_every_layer_resident(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="offload_core.streaming"):
+        streamer = apply_layer_streaming(Stack(depth=3), "cpu", StreamingConfig(resident=5))
+    assert all(layer.resident for layer in streamer.layers) and streamer.ring.n_slots == 0
+    assert "resident=5 asked, only 3 layers" in caplog.text
