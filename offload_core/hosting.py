@@ -27,6 +27,7 @@ from .budget import Lease, MemoryBudget, Refusal
 from .hosting_tier import HostingTier
 from .layout import declared_layer_groups, layer_parameters, plan_layer_layout
 from .maps import MapsSnapshot
+from .streaming import STREAMER_ATTRIBUTE
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,9 @@ def facts_from_module(
         raise ValueError(f"mapped_fraction must be within [0, 1], got {mapped_fraction}")
     if mapped_fraction is None and maps is None:
         maps = MapsSnapshot.take()
+    if getattr(model, STREAMER_ATTRIBUTE, None) is not None:
+        raise ValueError(f"component {name}: facts must be taken before apply_layer_streaming; a streamed "
+                         "layer's parameters are placeholders and would all measure 0 B")
     groups = declared_layer_groups(model) if layer_groups is None else tuple(layer_groups)
     streamed, resident, known = [], [], set()
     for group in groups:

@@ -64,6 +64,8 @@ def test_a_planned_streamed_model_is_bitwise_equal_and_reported_where_the_plan_p
     assert [tiers[f"blocks.{i}"] for i in range(6)] == [PINNED, PINNED, PAGEABLE, MAPPED, MAPPED, MAPPED]
 
     streamer = apply_layer_streaming(model, CPU, StreamingConfig(hosting=tiers))
+    with pytest.raises(ValueError, match="before apply_layer_streaming"):
+        facts_from_module("transformer", model, ["blocks"], uses_per_request=50)
     with torch.no_grad():
         streamer.prepare_for_use()
         got = model(**_inputs())[0]
