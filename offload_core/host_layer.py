@@ -43,8 +43,14 @@ class HostLayer:
                     raise LayoutError(f"layer {layout.key}: MAPPED keeps host tensors as they are, "
                                       f"but {meta.name} is on {tensor.device}")
             return cls(layout, tier, {}, tuple(t.detach() for t in params))
-        buffers = {dtype: allocate_host_buffer(nbytes, pin=tier is HostingTier.PINNED, device=device)
-                   for dtype, nbytes in layout.flat_bytes}
+        buffers: dict[torch.dtype, HostBuffer] = {}
+        try:
+            for dtype, nbytes in layout.flat_bytes:
+                buffers[dtype] = allocate_host_buffer(nbytes, pin=tier is HostingTier.PINNED, device=device)
+        except Exception:
+            for buffer in buffers.values():  # a refused pin must not leave earlier dtypes locked
+                free_host_buffer(buffer)
+            raise
         for meta, tensor in zip(layout.tensors, params):
             flat = buffers[meta.dtype].data
             run = flat[meta.byte_offset:meta.byte_offset + meta.extent_bytes].view(meta.dtype)

@@ -306,63 +306,98 @@ def apply_layer_streaming(model: nn.Module, device: torch.device | str,
         raise AlreadyStreamedError(f"{type(model).__name__} is already under layer streaming; call remove() first")
     context = get_device(device)
     paths = config.layer_groups or declared_layer_groups(model)
-    groups = [resolve_layer_group(model, path) for path in paths]
-    entries = []  # (group index, key, module, params, layout) in execution order
-    for index, group in enumerate(groups):
-        for i, module in enumerate(group.layers):
-            key = f"{group.path}.{i}"
-            named = layer_parameters(module)
-            entries.append((index, key, module, tuple(p for _, p in named),
-                            plan_layer_layout(key, [(n, p.data) for n, p in named])))
-    layer_params = {key: params for _, key, _, params, _ in entries}
-    layer_ids = {id(p) for params in layer_params.values() for p in params}
-    check_disjoint(layer_params, (p for p in model.parameters() if id(p) not in layer_ids))
-    hosting = dict(config.hosting or {})
-    unknown = sorted(set(hosting) - set(layer_params))
-    if unknown:
-        raise ValueError(f"hosting names layers that are not streamed: {unknown} (layers: {sorted(layer_params)[:6]}...)")
+    entries = _collect_layers(model, paths)
+    layer_ids = {id(p) for entry in entries for p in entry.params}
+    check_disjoint({e.key: e.params for e in entries}, (p for p in model.parameters() if id(p) not in layer_ids))
+    tiers = _tiers(entries, config.hosting or {})
 
     streamer = LayerStreamer(model, context, config, non_layer_bytes=0)
-    hosts = _move_layers_off(entries, hosting, context, n_groups=len(groups))
+    hosts = _move_layers_off(entries, tiers, context)
     model.to(context.device)  # ONE move of the non-layer rest; every layer weight is a placeholder now
     streamer.non_layer_bytes = unique_storage_bytes(p for p in model.parameters() if id(p) not in layer_ids)
     if isinstance(config.resident, int) and config.resident > len(entries):
         logger.info("streaming %s: resident=%d asked, only %d layers: all layers resident",
                     type(model).__name__, config.resident, len(entries))
     resident = choose_resident(len(entries), config.resident_count(len(entries)), config.resident_placement)
-    layers = tuple(StreamedLayer(key, module, params, hosts[key], i in resident, context.device, streamer)
-                   for i, (_, key, module, params, _) in enumerate(entries))
+    layers = tuple(StreamedLayer(e.key, e.module, e.params, hosts[e.key], i in resident, context.device, streamer)
+                   for i, e in enumerate(entries))
     streamer._start(layers)
     setattr(model, STREAMER_ATTRIBUTE, streamer)
-    tiers = {tier.value: sum(1 for l in layers if l.tier is tier) for tier in HostingTier}
+    counts = {tier.value: sum(1 for l in layers if l.tier is tier) for tier in HostingTier}
     logger.info("streaming %s on %s: %d layers in %s (%d B), %d resident (%s), depth %d -> %d slots; "
                 "predicted peak %d B = non-layer %d + resident %d + slots %d; hosting %s",
                 type(model).__name__, context.device, len(layers), list(paths), sum(l.nbytes for l in layers),
                 len(resident), config.resident_placement.value, config.prefetch_depth, streamer.ring.n_slots,
                 streamer.predicted_peak_bytes(), streamer.non_layer_bytes, streamer.resident_bytes,
-                streamer.ring.slot_bytes, tiers)
+                streamer.ring.slot_bytes, counts)
     return streamer
 
 
-def _move_layers_off(entries, hosting: Mapping[str, HostingTier], context: Device,
-                     n_groups: int) -> dict[str, HostLayer]:
+@dataclass(frozen=True)
+class _LayerEntry:
+    """One layer found in a group, before it is moved: where it is and how it will be laid out."""
+
+    group: int  # index of its group in execution order
+    key: str  # "single_transformer_blocks.2"
+    module: nn.Module
+    params: tuple[nn.Parameter, ...]  # in layout.tensors order
+    layout: LayerLayout
+
+
+def _collect_layers(model: nn.Module, paths: tuple[str, ...]) -> tuple[_LayerEntry, ...]:
+    """Every layer of every group, in execution order (groups in the order they run)."""
+    entries = []
+    for index, path in enumerate(paths):
+        for i, module in enumerate(resolve_layer_group(model, path).layers):
+            key = f"{path}.{i}"
+            named = layer_parameters(module)
+            layout = plan_layer_layout(key, [(n, p.data) for n, p in named])
+            entries.append(_LayerEntry(index, key, module, tuple(p for _, p in named), layout))
+    return tuple(entries)
+
+
+def _tiers(entries: tuple[_LayerEntry, ...], hosting: Mapping[str, HostingTier]) -> dict[str, HostingTier]:
+    """Each layer's hosting tier (PAGEABLE unless named), checked before anything moves."""
+    keys = [e.key for e in entries]
+    unknown = sorted(set(hosting) - set(keys))
+    if unknown:
+        raise ValueError(f"hosting names layers that are not streamed: {unknown} (layers: {keys[:6]}...)")
+    tiers = {key: hosting.get(key, HostingTier.PAGEABLE) for key in keys}
+    for entry in entries:
+        off_host = [name for name, p in zip((m.name for m in entry.layout.tensors), entry.params)
+                    if p.device.type != "cpu"]
+        if tiers[entry.key] is HostingTier.MAPPED and off_host:
+            raise LayoutError(f"layer {entry.key} is planned MAPPED, which keeps host tensors as they are, "
+                              f"but {off_host[0]} is on {entry.params[0].device}")
+    return tiers
+
+
+def _move_layers_off(entries: tuple[_LayerEntry, ...], tiers: Mapping[str, HostingTier],
+                     context: Device) -> dict[str, HostLayer]:
     """Consolidate every layer on the host and release it, the largest group first.
 
     Largest first: when the model starts on the device, freeing the biggest group first leaves
     the most room for everything after it; each layer is released as soon as it is copied, so
-    the host holds at most one layer twice.
+    the host holds at most one layer twice. If a layer cannot be moved (a refused pin), the
+    layers already moved get their weights back where they were and the error propagates.
     """
-    group_bytes = [0] * n_groups
-    for index, _, _, _, layout in entries:
-        group_bytes[index] += layout.nbytes
-    order = sorted(range(n_groups), key=lambda g: -group_bytes[g])
-    hosts: dict[str, HostLayer] = {}
-    for group in order:
-        for index, key, _, params, layout in entries:
-            if index != group:
-                continue
-            tier = hosting.get(key, HostingTier.PAGEABLE)
-            hosts[key] = HostLayer.consolidate(layout, [p.data for p in params], tier, context.device)
-            for param in params:
+    group_bytes: dict[int, int] = {}
+    for entry in entries:
+        group_bytes[entry.group] = group_bytes.get(entry.group, 0) + entry.layout.nbytes
+    order = sorted(entries, key=lambda e: -group_bytes[e.group])  # stable: layers keep their order
+    moved: list[tuple[_LayerEntry, HostLayer, list[torch.device]]] = []
+    try:
+        for entry in order:
+            host = HostLayer.consolidate(entry.layout, [p.data for p in entry.params], tiers[entry.key],
+                                         context.device)
+            moved.append((entry, host, [p.device for p in entry.params]))
+            for param in entry.params:
                 param.data = placeholder(context.device, param.dtype)
+    except Exception:
+        for entry, host, devices in moved:
+            for param, view, where in zip(entry.params, host.host_views(), devices):
+                param.data = view.to(where)
+            host.free()
+        raise
+    hosts = {entry.key: host for entry, host, _ in moved}
     return hosts

@@ -415,3 +415,33 @@ def test_a_resident_count_above_the_layer_count_makes_every_layer_resident(caplo
         streamer = apply_layer_streaming(Stack(depth=3), "cpu", StreamingConfig(resident=5))
     assert all(layer.resident for layer in streamer.layers) and streamer.ring.n_slots == 0
     assert "resident=5 asked, only 3 layers" in caplog.text
+
+
+def test_a_refused_pin_leaves_the_model_as_it_was(monkeypatch):
+    from offload_core import host_layer
+    from offload_core.pinned import PinError
+
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(x)
+    real_allocate = host_layer.allocate_host_buffer
+    calls = []
+
+    def refuse_third(nbytes, *, pin, device):
+        calls.append(nbytes)
+        if len(calls) == 3:
+            raise PinError("cudaHostRegister of 2048 B failed with CUDA error 2")
+        return real_allocate(nbytes, pin=pin, device=device)
+
+    monkeypatch.setattr(host_layer, "allocate_host_buffer", refuse_third)
+    with pytest.raises(PinError):
+        apply_layer_streaming(model, "cpu", StreamingConfig(hosting={f"blocks.{i}": HostingTier.PINNED for i in range(4)}))
+    assert not hasattr(model, "_offload_layer_streamer")
+    assert all(p.numel() > 0 for p in model.parameters()), "a layer was left on its placeholder"
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    monkeypatch.setattr(host_layer, "allocate_host_buffer", real_allocate)
+    apply_layer_streaming(model, "cpu")
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
