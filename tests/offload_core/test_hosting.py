@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from offload_core.budget import InProcessLedger, Lease, MemoryBudget, Refusal
+from offload_core.budget import InProcessLedger, MemoryBudget
 from offload_core.hosting import (
     GiB, ComponentFacts, HostingPolicy, LayerFacts, denoiser_uses, facts_from_module, plan_hosting)
 from offload_core.hosting_tier import HostingTier
