@@ -239,7 +239,10 @@ class NodeLedger:
         return None
 
     def _refuse(self, p: _Pool, nbytes: int, ref: OwnerRef, why: str) -> Refusal:
+        # What this owner could get now: a plan refits to this figure, so it includes the cap.
         available = p.capacity - p.leased()
+        if p.name == HOST_POOL:
+            available = max(0, min(available, self._owner_cap - p.held_by(ref)))
         logger.info("ledger %s refused %d B of %s to %s: %s (%d of %d B free)",
                     self._node_id, nbytes, p.name, ref.owner, why, available, p.capacity)
         return Refusal(ref.owner, nbytes, available, f"{p.name}: {why}; {available} B of {p.capacity} B free")

@@ -45,6 +45,15 @@ class LeasingReplica:
                 "capacity": plan.device_capacity,
                 "strategies": {c.name: c.strategy.value for c in plan.components}}
 
+    def plan_hosting(self, components) -> dict:
+        """offload_core's hosting plan against the node ledger's host pool."""
+        from offload_core.hosting import plan_hosting
+
+        plan = plan_hosting(components, self.memory.host_budget, self.memory.owner)
+        return {"lease": plan.lease, "reasons": plan.reasons,
+                "tiers": {c.name: {t.value: c.count(t) for t in type(c.tiers[0][1])} for c in plan.components},
+                "log": [c.log_line() for c in plan.components]}
+
     def close(self) -> int:
         return self.memory.close()
 

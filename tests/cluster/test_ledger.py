@@ -75,6 +75,30 @@ def test_one_replica_cannot_take_more_than_its_cap(fleet_nodes):
         ray.kill(replica)
 
 
+def test_a_replica_refused_pins_still_runs_on_mapped_layers_and_says_so(fleet_nodes):
+    from offload_core.hosting import ComponentFacts, LayerFacts
+
+    node = fleet_nodes.small
+    crowd = [on_node(node.node_id).remote(f"crowd-{i}", FAST) for i in range(2)]  # each under its cap
+    late = on_node(node.node_id).remote("late-denoiser", FAST)
+    try:
+        free = _state(node.node_id).pool(HOST_POOL).capacity - _state(node.node_id).pool(HOST_POOL).leased
+        taken = ray.get([c.pin.remote((free - 1200 * MiB) // 2) for c in crowd])  # leaves ~1.2 GiB
+        assert all(isinstance(t, Lease) for (t,) in taken)
+        layers = tuple(LayerFacts(f"blocks.{i}", 500 * MiB, 500 * MiB, 0) for i in range(8))  # 4 GiB mapped
+        plan = ray.get(late.plan_hosting.remote([ComponentFacts("transformer", layers, 50)]), timeout=120)
+        assert plan["lease"].nbytes <= 1200 * MiB, "the plan must shrink to what the ledger has free"
+        tiers = plan["tiers"]["transformer"]
+        assert tiers["mapped"] >= 6 and tiers["pinned"] + tiers["pageable"] <= 2
+        assert plan["reasons"], "the shortfall must be in the plan's reasons"
+        log = plan["log"][0]
+        assert f"{tiers['mapped']} mapped" in log and "free" in log, f"the log must say why it is mapped: {log}"
+    finally:
+        ray.get([r.close.remote() for r in (*crowd, late)], timeout=60)
+        for r in (*crowd, late):
+            ray.kill(r)
+
+
 def test_killing_a_replica_returns_its_leases_within_the_bound(fleet_nodes):
     node = fleet_nodes.big
     before = _state(node.node_id).pool(HOST_POOL).leased
