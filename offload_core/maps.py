@@ -5,13 +5,15 @@ checkpoint's mapping, so the hosting plan asks, per tensor, where its data point
 snapshot is read once (a 14B model has ~1,000 tensors; re-reading maps per tensor would be
 O(regions) file reads each) and looked up by bisecting the sorted region starts.
 
-What the real loaders give (measured with safetensors 0.8, diffusers 0.42.1, torch 2.13):
+What the real loaders give (measured with safetensors 0.8, diffusers 0.42.1, transformers 5.24, torch 2.13):
 - ``safetensors.safe_open(..., "pt").get_tensor`` and ``safetensors.torch.load_file``: views of a
   private (MAP_PRIVATE) mapping of the .safetensors file, one storage per tensor.
 - ``safetensors.torch.load(bytes)``: anonymous (it parses a bytes object already in the heap).
 - diffusers ``ModelMixin.from_pretrained`` (low_cpu_mem_usage, the default with accelerate):
   parameters stay views of the mapping when the saved dtype is kept; a ``torch_dtype`` that
   converts copies them into anonymous memory (except ``_keep_in_fp32_modules``).
+- transformers (5.x) ``PreTrainedModel.from_pretrained``: the same: mapped when the dtype is kept,
+  anonymous copies under a converting ``dtype``.
 - ``torch.from_file(path, shared=True|False)``: a mapping of the file (shared or private).
 Caveat: pages of a private file mapping that are written become anonymous copy-on-write pages
 while the region still names the file; weights are never written, so region-level is enough here.

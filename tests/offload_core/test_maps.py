@@ -105,3 +105,16 @@ def test_diffusers_from_pretrained_copies_weights_out_when_converting_dtype(tmp_
     # Converted weights are fresh anonymous copies; only _keep_in_fp32_modules stay mapped.
     converted = [p for p in block_params if p.dtype == torch.bfloat16]
     assert converted and all(snap.tensor_backing(p) is Backing.ANONYMOUS for p in converted)
+
+
+@pytest.mark.parametrize("dtype, expected", [(None, Backing.FILE), (torch.bfloat16, Backing.ANONYMOUS)])
+def test_transformers_from_pretrained_maps_same_dtype_and_copies_converted(tmp_path, dtype, expected):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    config = UMT5Config(vocab_size=1000, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    UMT5EncoderModel(config).save_pretrained(str(tmp_path / "enc"))
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    model = UMT5EncoderModel.from_pretrained(str(tmp_path / "enc"), **kwargs)
+    snap = MapsSnapshot.take()
+    assert {snap.tensor_backing(p) for p in model.parameters()} == {expected}
