@@ -51,13 +51,10 @@ class Device:
 
     def __init__(self, device: torch.device, facts: DeviceFacts):
         self.device = device
+        self.is_cuda = device.type == "cuda"
         self._facts = facts
         self._copy_stream = None
         self._meters: weakref.WeakSet[DeviceWeightMeter] = weakref.WeakSet()
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
 
     @property
     def facts(self) -> DeviceFacts:

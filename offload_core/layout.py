@@ -122,7 +122,7 @@ class LayerLayout:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def storage_extent(tensor: torch.Tensor) -> int:

@@ -118,7 +118,7 @@ class StreamedLayer:
         self.host = host
         self.resident = resident
         self.position = -1  # in the ring's streamed order; set for streamed layers only
-        self._device = device
+        self._placeholders = tuple(placeholder(device, p.dtype) for p in params)
         self._streamer = streamer
 
     @property
@@ -141,15 +141,19 @@ class StreamedLayer:
     def materialized(self) -> bool:
         return any(p.numel() > 0 for p in self.params)
 
-    def bind(self, regions: Mapping[torch.dtype, torch.Tensor]) -> None:
-        """Point every parameter at its view of the device ``regions``."""
-        for param, meta in zip(self.params, self.layout.tensors):
-            param.data = tensor_view(regions[meta.dtype], meta)
+    def views(self, regions: Mapping[torch.dtype, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Each parameter's view of the device ``regions`` (shape and strides as the original)."""
+        return tuple(tensor_view(regions[meta.dtype], meta) for meta in self.layout.tensors)
+
+    def bind(self, views: tuple[torch.Tensor, ...]) -> None:
+        """Point every parameter at its device view (from :meth:`views`)."""
+        for param, view in zip(self.params, views):
+            param.data = view
 
     def release(self) -> None:
         """Point every parameter back at the shared zero-element placeholder."""
-        for param in self.params:
-            param.data = placeholder(self._device, param.dtype)
+        for param, empty in zip(self.params, self._placeholders):
+            param.data = empty
 
     def pre_forward(self) -> None:
         self._streamer.before_layer(self)
@@ -286,7 +290,7 @@ class LayerStreamer:
                     buffer = torch.empty(regions.nbytes, dtype=torch.uint8, device=self.device.device)
                     carved = regions.carve(buffer)
                     self._resident_copied += layer.host.copy_to(carved)
-                    layer.bind(carved)
+                    layer.bind(layer.views(carved))
                     self._resident_buffers[layer.key] = buffer
             event = self.device.record_copy()
         self.device.compute_waits(event)
