@@ -1,0 +1,35 @@
+"""The shipped Serve configs are valid Ray Serve configs whose args build the app's typed args."""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from deployments.app import AppArgs
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+STAGES = {"TextEncoder", "Denoiser", "VaeDecoder", "Ingress"}
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "gpu.yaml"])
+def test_a_serve_config_validates_and_names_every_deployment(name):
+    schema = ServeDeploySchema.model_validate(yaml.safe_load((CONFIGS / name).read_text()))
+    assert schema.http_options.host == "127.0.0.1", "the service must bind to localhost unless configured"
+    (app,) = schema.applications
+    assert app.import_path == "deployments.app:build_app"
+    args = AppArgs.model_validate(app.args)
+    assert args.app_name == app.name, "the residency board is named after the application"
+    assert {d.name for d in app.deployments} == STAGES
+
+
+def test_the_local_config_fits_on_two_cpus_without_a_gpu():
+    (app,) = yaml.safe_load((CONFIGS / "local.yaml").read_text())["applications"]
+    cpus = 0.0
+    for deployment in app["deployments"]:
+        options = deployment["ray_actor_options"]
+        assert options.get("num_gpus", 0) == 0, deployment["name"]
+        most = deployment.get("autoscaling_config", {}).get("max_replicas", deployment.get("num_replicas", 1))
+        cpus += options["num_cpus"] * most
+    assert cpus <= 2.0
