@@ -9,8 +9,8 @@ the node's RAM is shared. The rules, each pinned by a test:
   uses figure is an error, never a silent fallback to raw bytes), and within a component
   streamed layers first in streamed order, then resident ones (copied at most once per request).
 - The cost is the NET anonymous cost: only bytes copied out of a file mapping into anonymous
-  memory count. Consolidating an already-anonymous layer (e.g. a fused qkv) frees the original,
-  so it is a wash.
+  memory count (plus the flat buffer's 512 B alignment padding). Consolidating an
+  already-anonymous layer (e.g. a fused qkv) frees the original, so it is a wash.
 - The plan asks the budget for ONE lease for its whole net cost: asking per tier would test each
   tier against the same free bytes and so double-charge them.
 - If the cost does not fit: demote unpinned (pageable) mapping-backed layers to MAPPED, tail of
