@@ -73,12 +73,14 @@ def measure_warmup(components: Mapping[str, nn.Module], run: Callable[[], object
 
 
 def profiles_from_warmup(components: Mapping[str, nn.Module], figures: Mapping[str, WarmupFigures],
-                         tables: HostTablesConfig = HostTablesConfig()) -> tuple[ComponentProfile, ...]:
+                         tables: HostTablesConfig = HostTablesConfig(),
+                         layer_groups: Mapping[str, Sequence[str]] | None = None) -> tuple[ComponentProfile, ...]:
     """Component profiles with the measured uses and per-layer compute times."""
     profiles = []
     for name, model in components.items():
         f = figures[name]
         rest = max(f.total_s - sum(f.layer_s) * f.uses, 0.0) / max(f.uses, 1)
         profiles.append(profile_component(name, model, uses_per_request=f.uses, compute_s_per_layer=f.layer_s,
-                                          compute_s_rest=rest, tables=tables))
+                                          compute_s_rest=rest, tables=tables,
+                                          layer_groups=(layer_groups or {}).get(name)))
     return tuple(profiles)
