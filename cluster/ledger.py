@@ -17,11 +17,10 @@ clients heartbeat the epoch), so no accounting is lost. The client side is clust
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -29,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.fleet import profile_for_gpu
 from cluster.liveness import OwnerRef, actor_info, find_dead
 from cluster.node import GB, probe_node
+from cluster.pools import LeasePools, PoolState
 from offload_core.budget import Lease, Refusal
 
 logger = logging.getLogger(__name__)
@@ -73,16 +73,6 @@ class StaleEpoch:
 
 
 @dataclass(frozen=True)
-class PoolState:
-    name: str
-    capacity: int
-    leased: int
-    peak_leased: int  # the most ever leased at once in this epoch
-    leases: int
-    waiters: int
-
-
-@dataclass(frozen=True)
 class LedgerState:
     node_id: str
     epoch: str
@@ -95,34 +85,8 @@ class LedgerState:
         return next(p for p in self.pools if p.name == name)
 
 
-@dataclass(eq=False)
-class _Waiter:
-    seq: int
-    nbytes: int
-    ref: OwnerRef
-    owner: str
-    priority: float
-    purpose: str
-    future: asyncio.Future
-
-
-@dataclass(eq=False)
-class _Pool:
-    name: str
-    capacity: int
-    leases: dict = field(default_factory=dict)  # lease_id -> (Lease, OwnerRef)
-    waiters: list = field(default_factory=list)
-    peak: int = 0
-
-    def leased(self) -> int:
-        return sum(lease.nbytes for lease, _ in self.leases.values())
-
-    def held_by(self, ref: OwnerRef) -> int:
-        return sum(lease.nbytes for lease, r in self.leases.values() if r == ref)
-
-
 class NodeLedger:
-    """The actor body. Create it through :func:`node_ledger`, never directly."""
+    """The actor body: node facts -> pools, epochs, recovery and liveness. Create via :func:`node_ledger`."""
 
     def __init__(self, node_id: str, config: LedgerConfig):
         self._node_id, self._config = node_id, config
@@ -132,14 +96,13 @@ class NodeLedger:
         facts = probe_node(node_id, reserve=config.reserve_bytes)
         profile = profile_for_gpu(facts.gpus[0] if facts.gpus else None)
         spendable = facts.ram.spendable
-        self._pools = {HOST_POOL: _Pool(HOST_POOL, spendable)}
-        for gpu in facts.gpus:
-            self._pools[gpu_pool(gpu.index)] = _Pool(gpu_pool(gpu.index), profile.device_pool_bytes(gpu))
+        capacities = {HOST_POOL: spendable}
+        capacities.update({gpu_pool(g.index): profile.device_pool_bytes(g) for g in facts.gpus})
         fraction = profile.host_pin_cap_fraction if config.owner_cap_fraction is None else config.owner_cap_fraction
         self._owner_cap = int(spendable * fraction)
         self._epoch = uuid.uuid4().hex[:12]
-        self._ids, self._seq = itertools.count(1), itertools.count(1)
-        self._reclaimed = 0
+        self._pools = LeasePools(capacities, owner_caps={HOST_POOL: self._owner_cap},
+                                 id_prefix=f"{self._epoch}-", label=f"ledger {node_id[:8]}")
         self._restarted = actor_info(ray.get_runtime_context().get_actor_id()).get("NumRestarts", 0) > 0
         self._recovering_until = time.monotonic() + config.recovery_s if self._restarted else 0.0
         self._reclaimer: asyncio.Task | None = None
@@ -148,8 +111,7 @@ class NodeLedger:
                     " (restarted: grants wait %.1f s for re-registration)" % config.recovery_s if self._restarted else "",
                     spendable / GB, "injected RAM; " if facts.ram_injected else "", facts.ram.log_line(),
                     self._owner_cap / GB, 100 * fraction,
-                    ", ".join(f"{p.name}={p.capacity / GB:.1f} GB" for p in self._pools.values()
-                              if p.name != HOST_POOL) or "none")
+                    ", ".join(f"{k}={v / GB:.1f} GB" for k, v in capacities.items() if k != HOST_POOL) or "none")
 
     # ---- queries ---------------------------------------------------------------------------
     async def epoch(self) -> str:
@@ -158,16 +120,14 @@ class NodeLedger:
 
     async def state(self) -> LedgerState:
         self._ensure_reclaimer()
-        pools = tuple(PoolState(p.name, p.capacity, p.leased(), p.peak, len(p.leases), len(p.waiters))
-                      for p in self._pools.values())
-        return LedgerState(self._node_id, self._epoch, self._restarted, pools, self._owner_cap, self._reclaimed)
+        return LedgerState(self._node_id, self._epoch, self._restarted, self._pools.states(), self._owner_cap,
+                           self._pools.reclaimed_bytes)
 
     async def capacity(self, pool: str) -> int:
-        return self._pool(pool).capacity
+        return self._pools.capacity(pool)
 
     async def outstanding(self, pool: str | None = None, owner: str | None = None) -> tuple[Lease, ...]:
-        pools = self._pools.values() if pool is None else (self._pool(pool),)
-        return tuple(lease for p in pools for lease, _ in p.leases.values() if owner is None or lease.owner == owner)
+        return self._pools.outstanding(pool, owner)
 
     # ---- leasing ---------------------------------------------------------------------------
     async def request(self, pool: str, nbytes: int, ref: OwnerRef, priority: float = 0.0, purpose: str = "",
@@ -179,89 +139,24 @@ class NodeLedger:
         or Refusal. A client that saw an older epoch gets StaleEpoch and must re-register first.
         """
         self._ensure_reclaimer()
-        owner = owner or ref.owner
         if client_epoch is not None and client_epoch != self._epoch:
             return StaleEpoch(self._epoch)
-        p = self._pool(pool)
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         await self._recovered()
-        if (refusal := self._never_fits(p, int(nbytes), ref)) is not None:
-            return refusal
-        outranked = any(w.priority > priority for w in p.waiters)
-        if nbytes <= p.capacity - p.leased() and not outranked:
-            return self._grant(p, int(nbytes), ref, owner, priority, purpose)
-        if wait_s <= 0:
-            return self._refuse(p, int(nbytes), ref, "outranked by a waiting request" if outranked else "full")
-        waiter = _Waiter(next(self._seq), int(nbytes), ref, owner, priority, purpose,
-                         asyncio.get_running_loop().create_future())
-        p.waiters.append(waiter)
-        await asyncio.wait({waiter.future}, timeout=wait_s)
-        if waiter.future.done():
-            return waiter.future.result()
-        p.waiters.remove(waiter)
-        return self._refuse(p, int(nbytes), ref, f"still full after waiting {wait_s:.1f} s")
+        return await self._pools.request(pool, nbytes, ref, owner=owner, priority=priority, purpose=purpose,
+                                         wait_s=wait_s)
 
     async def release(self, pool: str, lease_id: str, client_epoch: str | None = None) -> StaleEpoch | None:
         if client_epoch is not None and client_epoch != self._epoch:
             return StaleEpoch(self._epoch)
-        p = self._pool(pool)
-        if p.leases.pop(lease_id, None) is None:
-            raise KeyError(f"lease {lease_id} is not outstanding in pool {pool} of ledger {self._node_id}")
-        self._serve_waiters(p)
+        self._pools.release(pool, lease_id)
         return None
 
     async def readopt(self, held: tuple[tuple[str, Lease], ...], ref: OwnerRef) -> str:
         """Record leases a replica still holds from an earlier epoch (after a ledger restart)."""
-        for pool, lease in held:
-            p = self._pool(pool)
-            if lease.lease_id not in p.leases:
-                p.leases[lease.lease_id] = (lease, ref)
-                p.peak = max(p.peak, p.leased())
-        if held:
-            logger.info("ledger %s: %s re-registered %d lease(s), %d B; pools now %s", self._node_id, ref.owner,
-                        len(held), sum(l.nbytes for _, l in held),
-                        ", ".join(f"{p.name}={p.leased()}/{p.capacity} B" for p in self._pools.values()))
+        self._pools.readopt(held, ref)
         return self._epoch
 
-    # ---- internals -------------------------------------------------------------------------
-    def _pool(self, name: str) -> _Pool:
-        if name not in self._pools:
-            raise KeyError(f"ledger {self._node_id} has no pool {name!r}; pools: {sorted(self._pools)}")
-        return self._pools[name]
-
-    def _never_fits(self, p: _Pool, nbytes: int, ref: OwnerRef) -> Refusal | None:
-        if nbytes > p.capacity:
-            return self._refuse(p, nbytes, ref, f"larger than the whole pool ({p.capacity} B)")
-        if p.name == HOST_POOL and p.held_by(ref) + nbytes > self._owner_cap:
-            return self._refuse(p, nbytes, ref, f"per-replica cap {self._owner_cap} B, "
-                                                f"{p.held_by(ref)} B already held")
-        return None
-
-    def _refuse(self, p: _Pool, nbytes: int, ref: OwnerRef, why: str) -> Refusal:
-        # What this owner could get now: a plan refits to this figure, so it includes the cap.
-        available = p.capacity - p.leased()
-        if p.name == HOST_POOL:
-            available = max(0, min(available, self._owner_cap - p.held_by(ref)))
-        logger.info("ledger %s refused %d B of %s to %s: %s (%d of %d B free)",
-                    self._node_id, nbytes, p.name, ref.owner, why, available, p.capacity)
-        return Refusal(ref.owner, nbytes, available, f"{p.name}: {why}; {available} B of {p.capacity} B free")
-
-    def _grant(self, p: _Pool, nbytes: int, ref: OwnerRef, owner: str, priority: float, purpose: str) -> Lease:
-        lease = Lease(f"{p.name}-{self._epoch}-{next(self._ids)}", owner, nbytes, priority, purpose)
-        p.leases[lease.lease_id] = (lease, ref)
-        p.peak = max(p.peak, p.leased())
-        logger.info("ledger %s granted %d B of %s to %s for %s (priority %.3g): %d of %d B leased",
-                    self._node_id, nbytes, p.name, owner, purpose or "-", priority, p.leased(), p.capacity)
-        return lease
-
-    def _serve_waiters(self, p: _Pool) -> None:
-        """Grant waiting requests that now fit, highest priority first (then first come)."""
-        for w in sorted(p.waiters, key=lambda w: (-w.priority, w.seq)):
-            if w.nbytes <= p.capacity - p.leased() and not w.future.done():
-                p.waiters.remove(w)
-                w.future.set_result(self._grant(p, w.nbytes, w.ref, w.owner, w.priority, w.purpose))
-
+    # ---- recovery and liveness ---------------------------------------------------------------
     async def _recovered(self) -> None:
         delay = self._recovering_until - time.monotonic()
         if delay > 0:
@@ -275,20 +170,10 @@ class NodeLedger:
     async def _reclaim_forever(self) -> None:
         while True:
             await asyncio.sleep(self._config.liveness_interval_s)
-            refs = {ref for p in self._pools.values() for _, ref in p.leases.values()}
-            if refs:
-                for ref in await asyncio.to_thread(find_dead, refs, self._node_id):
-                    self._reclaim(ref)
-
-    def _reclaim(self, ref: OwnerRef) -> None:
-        for p in self._pools.values():
-            dead = [lid for lid, (_, r) in p.leases.items() if r == ref]
-            freed = sum(p.leases.pop(lid)[0].nbytes for lid in dead)
-            if dead:
-                self._reclaimed += freed
-                logger.info("ledger %s reclaimed %d B in %d lease(s) of %s from %s: owner process %d is dead",
-                            self._node_id, freed, len(dead), p.name, ref.owner, ref.pid)
-                self._serve_waiters(p)
+            owners = self._pools.owners()
+            if owners:
+                for ref in await asyncio.to_thread(find_dead, owners, self._node_id):
+                    self._pools.reclaim(ref, f"owner process {ref.pid} (actor {ref.actor_id}) is dead")
 
 
 NodeLedgerActor = ray.remote(NodeLedger)

@@ -41,11 +41,14 @@ class DeviceBusy(RuntimeError):
 
     def __init__(self, owner: str, pool: str, nbytes: int, refusal: Refusal, waited_s: float):
         self.owner, self.pool, self.nbytes, self.waited_s = owner, pool, nbytes, waited_s
-        self.available = refusal.available
+        self.refusal, self.available = refusal, refusal.available
         # Another stage's call holds the bytes; one more wait of the same length is a fair hint.
         self.retry_after_s = max(1, math.ceil(waited_s))
         super().__init__(f"{owner}: {nbytes} B of {pool} not free after {waited_s:.1f} s "
                          f"({refusal.reason})")
+
+    def __reduce__(self):  # crosses Ray process boundaries intact (the default would lose the args)
+        return (DeviceBusy, (self.owner, self.pool, self.nbytes, self.refusal, self.waited_s))
 
 
 class WorkingSetTooLarge(ValueError):

@@ -1,6 +1,7 @@
 """ReplicaMemory: device working sets on a shared GPU, in-process and through the node ledger."""
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 
@@ -61,6 +62,9 @@ def test_a_stage_that_cannot_get_its_working_set_waits_then_is_busy():
         assert time.monotonic() - start >= 0.3, "DeviceBusy must come only after the bounded wait"
     assert busy.value.retry_after_s >= 1 and busy.value.pool == "gpu:0"
     assert "not free after" in str(busy.value)
+    copy = pickle.loads(pickle.dumps(busy.value))  # it crosses Ray's process boundary to the ingress
+    assert (copy.owner, copy.nbytes, copy.retry_after_s, str(copy)) == (
+        "decoder", 8 * GB, busy.value.retry_after_s, str(busy.value))
     with waiter.device_working_set(8 * GB, timeout_s=0.3):  # free again once the holder is done
         pass
 

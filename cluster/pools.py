@@ -1,0 +1,185 @@
+"""The node ledger's accounting: pools of bytes, leases per owner process, bounded waits.
+
+Pure asyncio, no Ray: the ledger actor (cluster/ledger.py) runs one :class:`LeasePools` on its
+one event loop. No ``await`` sits between "does it fit" and "record it", so concurrent requests
+cannot over-commit a pool; the only awaits are a waiter's bounded sleep.
+
+Waiting requests are served highest priority first (bytes x uses per request: a denoiser used 50
+times per request outranks a decoder used once), then first come. A new request that fits still
+queues behind a waiting one of equal or higher priority, or small requests would starve a big one.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from cluster.liveness import OwnerRef
+from offload_core.budget import Lease, Refusal
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolState:
+    name: str
+    capacity: int
+    leased: int
+    peak_leased: int  # the most ever leased at once since these pools were made
+    leases: int
+    waiters: int
+
+
+@dataclass(eq=False)
+class _Waiter:
+    seq: int
+    nbytes: int
+    ref: OwnerRef
+    owner: str
+    priority: float
+    purpose: str
+    future: asyncio.Future
+
+
+@dataclass(eq=False)
+class _Pool:
+    name: str
+    capacity: int
+    owner_cap: int | None  # most one owner process may hold; None: the whole pool
+    leases: dict = field(default_factory=dict)  # lease_id -> (Lease, OwnerRef)
+    waiters: list = field(default_factory=list)
+    peak: int = 0
+
+    def leased(self) -> int:
+        return sum(lease.nbytes for lease, _ in self.leases.values())
+
+    def held_by(self, ref: OwnerRef) -> int:
+        return sum(lease.nbytes for lease, r in self.leases.values() if r == ref)
+
+    def room_for(self, ref: OwnerRef) -> int:
+        """What ``ref`` could be granted now: free bytes, within its cap."""
+        free = self.capacity - self.leased()
+        if self.owner_cap is not None:
+            free = min(free, self.owner_cap - self.held_by(ref))
+        return max(0, free)
+
+
+class LeasePools:
+    """Named pools of bytes, leased to owner processes. Not thread-safe: one event loop only."""
+
+    def __init__(self, capacities: Mapping[str, int], *, owner_caps: Mapping[str, int] | None = None,
+                 id_prefix: str = "", label: str = "ledger"):
+        caps = dict(owner_caps or {})
+        unknown = set(caps) - set(capacities)
+        if unknown:
+            raise ValueError(f"owner caps for unknown pools {sorted(unknown)}")
+        self._pools = {name: _Pool(name, int(cap), caps.get(name)) for name, cap in capacities.items()}
+        self._prefix, self._label = id_prefix, label
+        self._ids, self._seq = itertools.count(1), itertools.count(1)
+        self.reclaimed_bytes = 0
+
+    # ---- queries ---------------------------------------------------------------------------
+    def states(self) -> tuple[PoolState, ...]:
+        return tuple(PoolState(p.name, p.capacity, p.leased(), p.peak, len(p.leases), len(p.waiters))
+                     for p in self._pools.values())
+
+    def capacity(self, pool: str) -> int:
+        return self._pool(pool).capacity
+
+    def outstanding(self, pool: str | None = None, owner: str | None = None) -> tuple[Lease, ...]:
+        pools = self._pools.values() if pool is None else (self._pool(pool),)
+        return tuple(lease for p in pools for lease, _ in p.leases.values() if owner is None or lease.owner == owner)
+
+    def owners(self) -> set[OwnerRef]:
+        return {ref for p in self._pools.values() for _, ref in p.leases.values()}
+
+    # ---- leasing ---------------------------------------------------------------------------
+    async def request(self, pool: str, nbytes: int, ref: OwnerRef, *, owner: str | None = None,
+                      priority: float = 0.0, purpose: str = "", wait_s: float = 0.0) -> Lease | Refusal:
+        """Grant now if it fits and nobody of higher priority waits; else wait up to ``wait_s``."""
+        p, nbytes, owner = self._pool(pool), int(nbytes), owner or ref.owner
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if nbytes > p.capacity:
+            return self._refuse(p, nbytes, ref, f"larger than the whole pool ({p.capacity} B)")
+        if p.owner_cap is not None and p.held_by(ref) + nbytes > p.owner_cap:
+            return self._refuse(p, nbytes, ref, f"per-replica cap {p.owner_cap} B, {p.held_by(ref)} B already held")
+        outranked = any(w.priority >= priority for w in p.waiters)  # equal priority: first come first
+        if nbytes <= p.capacity - p.leased() and not outranked:
+            return self._grant(p, nbytes, ref, owner, priority, purpose)
+        if wait_s <= 0:
+            return self._refuse(p, nbytes, ref, "outranked by a waiting request" if outranked else "full")
+        waiter = _Waiter(next(self._seq), nbytes, ref, owner, priority, purpose,
+                         asyncio.get_running_loop().create_future())
+        p.waiters.append(waiter)
+        await asyncio.wait({waiter.future}, timeout=wait_s)  # asyncio.wait never cancels the future
+        if waiter.future.done():
+            return waiter.future.result()
+        p.waiters.remove(waiter)
+        return self._refuse(p, nbytes, ref, f"still full after waiting {wait_s:.1f} s")
+
+    def release(self, pool: str, lease_id: str) -> None:
+        p = self._pool(pool)
+        if p.leases.pop(lease_id, None) is None:
+            raise KeyError(f"lease {lease_id} is not outstanding in pool {pool} of {self._label}")
+        self._serve_waiters(p)
+
+    def readopt(self, held: tuple[tuple[str, Lease], ...], ref: OwnerRef) -> None:
+        """Record leases an owner still holds from before (the bytes are really held: never refused)."""
+        for pool, lease in held:
+            p = self._pool(pool)
+            if lease.lease_id not in p.leases:
+                p.leases[lease.lease_id] = (lease, ref)
+                p.peak = max(p.peak, p.leased())
+        if held:
+            logger.info("%s: %s re-registered %d lease(s), %d B; pools now %s", self._label, ref.owner, len(held),
+                        sum(lease.nbytes for _, lease in held),
+                        ", ".join(f"{p.name}={p.leased()}/{p.capacity} B" for p in self._pools.values()))
+
+    def reclaim(self, ref: OwnerRef, why: str) -> int:
+        """Drop every lease of a dead owner; returns the bytes freed."""
+        total = 0
+        for p in self._pools.values():
+            dead = [lid for lid, (_, r) in p.leases.items() if r == ref]
+            freed = sum(p.leases.pop(lid)[0].nbytes for lid in dead)
+            if dead:
+                total += freed
+                logger.info("%s reclaimed %d B in %d lease(s) of %s from %s: %s",
+                            self._label, freed, len(dead), p.name, ref.owner, why)
+                self._serve_waiters(p)
+        self.reclaimed_bytes += total
+        return total
+
+    # ---- internals -------------------------------------------------------------------------
+    def _pool(self, name: str) -> _Pool:
+        if name not in self._pools:
+            raise KeyError(f"{self._label} has no pool {name!r}; pools: {sorted(self._pools)}")
+        return self._pools[name]
+
+    def _refuse(self, p: _Pool, nbytes: int, ref: OwnerRef, why: str) -> Refusal:
+        # What this owner could get now, cap included: a hosting plan refits itself to this figure.
+        available = p.room_for(ref)
+        logger.info("%s refused %d B of %s to %s: %s (%d of %d B free for it)",
+                    self._label, nbytes, p.name, ref.owner, why, available, p.capacity)
+        return Refusal(ref.owner, nbytes, available, f"{p.name}: {why}; {available} B of {p.capacity} B free")
+
+    def _grant(self, p: _Pool, nbytes: int, ref: OwnerRef, owner: str, priority: float, purpose: str) -> Lease:
+        lease = Lease(f"{p.name}-{self._prefix}{next(self._ids)}", owner, nbytes, priority, purpose)
+        p.leases[lease.lease_id] = (lease, ref)
+        p.peak = max(p.peak, p.leased())
+        logger.info("%s granted %d B of %s to %s for %s (priority %.3g): %d of %d B leased",
+                    self._label, nbytes, p.name, owner, purpose or "-", priority, p.leased(), p.capacity)
+        return lease
+
+    def _serve_waiters(self, p: _Pool) -> None:
+        """Grant waiters in order (highest priority, then first come) while the head of the queue fits.
+
+        Strict order: letting a small later waiter pass a big earlier one would starve the big one.
+        """
+        for w in sorted(p.waiters, key=lambda w: (-w.priority, w.seq)):
+            if w.nbytes > p.capacity - p.leased():
+                break
+            p.waiters.remove(w)
+            w.future.set_result(self._grant(p, w.nbytes, w.ref, w.owner, w.priority, w.purpose))
