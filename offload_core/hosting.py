@@ -235,12 +235,30 @@ class HostingPolicy:
     # Cap on gross pinned bytes (e.g. what the driver lets one process lock); None: no cap.
     max_pinned_bytes: int | None = None
     purpose: str = "host-weights"  # written on the lease, for the ledger's reports
+    # Per component, per layer key: the best tier a planner wants for that layer (a performance
+    # mode may want resident layers pageable, say); layers not named get ``ceiling``.
+    wanted: Mapping[str, Mapping[str, HostingTier]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ceiling, HostingTier):
             raise TypeError(f"ceiling must be a HostingTier, got {self.ceiling!r}")
+        wanted = {c: dict(tiers) for c, tiers in (self.wanted or {}).items()}
+        bad = [(c, k, t) for c, tiers in wanted.items() for k, t in tiers.items() if not isinstance(t, HostingTier)]
+        if bad:
+            raise TypeError(f"wanted tiers must be HostingTier values, got {bad[:3]}")
+        object.__setattr__(self, "wanted", wanted)  # a private copy: the caller's dicts may change
         if self.max_pinned_bytes is not None and self.max_pinned_bytes < 0:
             raise ValueError(f"max_pinned_bytes must be >= 0, got {self.max_pinned_bytes}")
+
+    def best_tier(self, component: str, key: str) -> HostingTier:
+        return self.wanted.get(component, {}).get(key, self.ceiling)
+
+    def check_names(self, components: Sequence[ComponentFacts]) -> None:
+        """Wanted tiers for unknown components or layers are a caller's mistake, not a no-op."""
+        keys = {c.name: {layer.key for layer in c.layers} for c in components}
+        unknown = [(c, k) for c, tiers in self.wanted.items() for k in tiers if k not in keys.get(c, ())]
+        if unknown:
+            raise ValueError(f"wanted tiers name layers the facts do not have: {unknown[:4]}")
 
 
 def plan_hosting(
@@ -254,8 +272,9 @@ def plan_hosting(
     names = [c.name for c in components]
     if len(set(names)) != len(names):
         raise ValueError(f"component names must be unique, got {names}")
+    policy.check_names(components)
     ranked = sorted(components, key=lambda c: c.priority, reverse=True)
-    slots = _wanted(ranked, policy.ceiling, policy.max_pinned_bytes)
+    slots = _wanted(ranked, policy)
     purpose = policy.purpose
     reasons: list[str] = []
     available = budget.available()
@@ -278,18 +297,19 @@ def plan_hosting(
     return plan
 
 
-def _wanted(ranked: Sequence[ComponentFacts], ceiling: HostingTier, max_pinned: int | None) -> list[_Slot]:
+def _wanted(ranked: Sequence[ComponentFacts], policy: HostingPolicy) -> list[_Slot]:
     """The tiers wanted before the host is consulted: pins along the pin order up to the cap."""
-    slots, pinned, pin_open = [], 0, ceiling is HostingTier.PINNED
+    slots, pinned, pin_open, cap = [], 0, True, policy.max_pinned_bytes
     for comp in ranked:
         for layer in comp.layers:
-            if pin_open and (max_pinned is None or pinned + layer.host_bytes <= max_pinned):
+            best = policy.best_tier(comp.name, layer.key)
+            if best is HostingTier.PINNED and pin_open and (cap is None or pinned + layer.host_bytes <= cap):
                 tier, pinned = HostingTier.PINNED, pinned + layer.host_bytes
             else:
                 # The pin order is a priority order: once one layer misses the cap, later ones
                 # do not jump ahead of it.
-                pin_open = False
-                copy_nothing = ceiling is HostingTier.MAPPED and layer.mapped_bytes > 0
+                pin_open = pin_open and best is not HostingTier.PINNED
+                copy_nothing = best is HostingTier.MAPPED and layer.mapped_bytes > 0
                 tier = HostingTier.MAPPED if copy_nothing else HostingTier.PAGEABLE
             slots.append(_Slot(comp, layer, tier, tier))
     return slots

@@ -268,3 +268,15 @@ def test_bad_policy_and_duplicate_components_are_refused_with_a_clear_error():
     comp = ComponentFacts("dit", _mapped_layers("blocks", 2, 10), 5)
     with pytest.raises(ValueError, match="unique"):
         plan_hosting([comp, comp], InProcessLedger(100), "r")
+
+
+def test_a_planners_wanted_tiers_are_ceilings_that_still_fit_the_host():
+    comp = ComponentFacts("dit", _mapped_layers("blocks", 4, 10), 50)
+    wanted = {"dit": {"blocks.0": PINNED, "blocks.1": PINNED, "blocks.2": PAGEABLE, "blocks.3": MAPPED}}
+    roomy = plan_hosting([comp], InProcessLedger(100), "a", HostingPolicy(wanted=wanted))
+    assert roomy.tiers_for("dit") == wanted["dit"] and roomy.net_cost == 30
+    tight = plan_hosting([comp], InProcessLedger(15), "b", HostingPolicy(wanted=wanted))
+    assert tight.tiers_for("dit") == {"blocks.0": PINNED, "blocks.1": MAPPED, "blocks.2": MAPPED,
+                                      "blocks.3": MAPPED}, "pageable demoted first, then the tail pin"
+    with pytest.raises(ValueError, match="do not have"):
+        plan_hosting([comp], InProcessLedger(15), "c", HostingPolicy(wanted={"dit": {"blocks.9": PINNED}}))
