@@ -28,8 +28,13 @@ KNOWN_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = {
     "FluxTransformer2DModel": ("transformer_blocks", "single_transformer_blocks"),
     "UMT5EncoderModel": ("encoder.block",),
     "T5EncoderModel": ("encoder.block",),
-    "CLIPTextModel": ("text_model.encoder.layers",),
+    "CLIPTextModel": ("encoder.layers",),  # transformers >= 5 dropped the `text_model` wrapper
     "AutoencoderKLWan": ("decoder.up_blocks",),
+}
+# Where the same class kept its layers in older library versions; tried when the current path
+# does not resolve (transformers 4.x: CLIPTextModel.text_model.encoder.layers).
+LEGACY_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = {
+    "CLIPTextModel": ("text_model.encoder.layers",),
 }
 
 
@@ -48,11 +53,22 @@ def declared_layer_groups(model: nn.Module) -> tuple[str, ...]:
         return tuple(declared)
     for cls in type(model).__mro__:
         if cls.__name__ in KNOWN_LAYER_GROUPS:
-            return KNOWN_LAYER_GROUPS[cls.__name__]
+            known = KNOWN_LAYER_GROUPS[cls.__name__]
+            legacy = LEGACY_LAYER_GROUPS.get(cls.__name__)
+            if legacy and not _resolves(model, known) and _resolves(model, legacy):
+                return legacy
+            return known
     raise LayoutError(
         f"{type(model).__name__} declares no layer groups: pass layer_groups=('path.to.ModuleList', ...) "
         f"or set {type(model).__name__}.offload_layer_groups (known classes: {sorted(KNOWN_LAYER_GROUPS)})"
     )
+
+
+def _resolves(model: nn.Module, paths: tuple[str, ...]) -> bool:
+    try:
+        return all(isinstance(model.get_submodule(path), nn.ModuleList) for path in paths)
+    except AttributeError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -246,7 +262,7 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 __all__ = [
-    "ALIGN_BYTES", "KNOWN_LAYER_GROUPS", "LayerGroup", "LayerLayout", "LayoutError", "RegionMap",
+    "ALIGN_BYTES", "KNOWN_LAYER_GROUPS", "LEGACY_LAYER_GROUPS", "LayerGroup", "LayerLayout", "LayoutError", "RegionMap",
     "TensorMeta", "align_up", "check_disjoint", "declared_layer_groups", "extent_view", "is_placeholder",
     "layer_parameters", "placeholder", "plan_layer_layout", "resolve_layer_group", "storage_extent",
     "tensor_view", "total_bytes", "unique_storage_bytes",

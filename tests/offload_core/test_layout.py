@@ -10,7 +10,7 @@ from offload_core.host_layer import HostLayer
 from offload_core.layout import (ALIGN_BYTES, KNOWN_LAYER_GROUPS, LayoutError, RegionMap, check_disjoint,
                                  declared_layer_groups, is_placeholder, placeholder, plan_layer_layout,
                                  resolve_layer_group, storage_extent, tensor_view)
-from tests.offload_core.tiny_models import FLUX, UMT5, WAN, WAN_VAE, Stack
+from tests.offload_core.tiny_models import CLIP, FLUX, T5, UMT5, WAN, WAN_VAE, Stack
 
 
 class MixedBlock(nn.Module):
@@ -78,7 +78,8 @@ def test_placeholders_are_zero_element_and_shared_per_device_and_dtype():
 
 @pytest.mark.parametrize("case,groups", [
     (WAN, ("blocks",)), (FLUX, ("transformer_blocks", "single_transformer_blocks")),
-    (UMT5, ("encoder.block",)), (WAN_VAE, ("decoder.up_blocks",)),
+    (UMT5, ("encoder.block",)), (WAN_VAE, ("decoder.up_blocks",)), (T5, ("encoder.block",)),
+    (CLIP, ("encoder.layers",)),
 ], ids=lambda v: getattr(v, "name", None))
 def test_known_classes_declare_their_groups_in_execution_order(case, groups):
     model = case.build()
@@ -111,3 +112,14 @@ def test_a_weight_shared_between_layers_is_refused():
         check_disjoint({"g.0": [shared], "g.1": [shared]}, [])
     with pytest.raises(LayoutError, match="outside the layer groups"):
         check_disjoint({"g.0": [shared]}, [shared])
+
+
+def test_a_known_class_in_its_older_layout_gets_its_legacy_groups():
+    class CLIPTextModel(nn.Module):  # transformers 4.x kept the layers under `text_model`
+        def __init__(self):
+            super().__init__()
+            self.text_model = nn.Module()
+            self.text_model.encoder = nn.Module()
+            self.text_model.encoder.layers = nn.ModuleList([nn.Linear(2, 2)])
+
+    assert declared_layer_groups(CLIPTextModel()) == ("text_model.encoder.layers",)

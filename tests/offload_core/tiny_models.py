@@ -66,6 +66,24 @@ def _umt5_inputs() -> dict:
     return {"input_ids": torch.randint(0, 512, (1, 7), generator=g)}
 
 
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=512, d_model=16, d_kv=8, d_ff=32, num_layers=3, num_heads=2,
+                      relative_attention_num_buckets=8, dropout_rate=0.0)
+    return T5EncoderModel(config).eval()
+
+
+def _clip() -> nn.Module:
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(0)
+    config = CLIPTextConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                            num_attention_heads=2, max_position_embeddings=16)
+    return CLIPTextModel(config).eval()
+
+
 def _wan_vae() -> nn.Module:
     from diffusers import AutoencoderKLWan
 
@@ -97,8 +115,11 @@ def _decode(model: nn.Module, inputs: dict) -> torch.Tensor:
 WAN = TinyCase("wan_transformer", _wan, _wan_inputs, _forward_sample)
 FLUX = TinyCase("flux_transformer", _flux, _flux_inputs, _forward_sample)
 UMT5 = TinyCase("umt5_encoder", _umt5, _umt5_inputs, _encode)
+# T5 computes its relative position bias in block 0 only and passes it on: streaming must not care.
+T5 = TinyCase("t5_encoder", _t5, _umt5_inputs, _encode)
+CLIP = TinyCase("clip_text", _clip, _umt5_inputs, _encode)
 WAN_VAE = TinyCase("wan_vae_decoder", _wan_vae, _wan_vae_inputs, _decode)
-ALL_CASES = (WAN, FLUX, UMT5, WAN_VAE)
+ALL_CASES = (WAN, FLUX, UMT5, WAN_VAE, T5, CLIP)
 
 
 class Stack(nn.Module):
