@@ -37,11 +37,13 @@ class FleetProfile:
     device_reserve_fraction: float
 
     def __post_init__(self):
-        assert self.mode in MODES, f"profile {self.name}: mode {self.mode!r} is not one of {MODES}"
-        for field in ("max_resident_fraction", "host_pin_cap_fraction", "device_reserve_fraction"):
-            value = getattr(self, field)
-            assert 0.0 <= value <= 1.0, f"profile {self.name}: {field}={value} is not a fraction"
-        assert self.prefetch_depth >= 1, f"profile {self.name}: prefetch_depth must be >= 1"
+        if self.mode not in MODES:
+            raise ValueError(f"fleet profile {self.name}: mode {self.mode!r} is not one of {MODES}")
+        for name in ("max_resident_fraction", "host_pin_cap_fraction", "device_reserve_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"fleet profile {self.name}: {name}={getattr(self, name)} is not a fraction")
+        if self.prefetch_depth < 1:
+            raise ValueError(f"fleet profile {self.name}: prefetch_depth must be >= 1, got {self.prefetch_depth}")
 
     def performance_mode(self):
         """The planner's PerformanceMode member for this profile's mode."""

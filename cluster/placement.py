@@ -27,10 +27,11 @@ class StagePlacement:
     num_cpus: float
 
     def __post_init__(self):
-        assert 0 <= self.num_gpus, f"stage {self.stage}: num_gpus {self.num_gpus} < 0"
-        assert self.accelerator_type is None or self.num_gpus > 0, (
-            f"stage {self.stage} asks for GPU type {self.accelerator_type} but num_gpus=0: Ray would "
-            "place it on that node type without giving it a GPU")
+        if self.num_gpus < 0 or self.num_cpus < 0:
+            raise ValueError(f"stage {self.stage}: num_gpus {self.num_gpus} and num_cpus {self.num_cpus} must be >= 0")
+        if self.accelerator_type is not None and self.num_gpus == 0:
+            raise ValueError(f"stage {self.stage} asks for GPU type {self.accelerator_type} but num_gpus=0: Ray "
+                             "would place it on that node type without giving it a GPU")
 
 
 def resolve_gpu_type(gpu_type: str, fleet: Fleet | None = None) -> str:
