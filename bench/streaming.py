@@ -1,6 +1,7 @@
 """Layer streaming on the medium Wan denoiser, on CPU: overhead over resident + one copy, and peak bytes.
 
-    .venv/bin/python bench/streaming.py --quick
+    .venv/bin/python bench/streaming.py --quick            # CPU, pageable layers
+    .venv/bin/python bench/streaming.py --device cuda      # on a GPU: pinned layers, side-stream copies
 
 Two copies of the same denoiser are loaded: one plain (resident), one under layer streaming with
 every layer streamed. In one run, interleaved so machine load hits all figures alike, it times
@@ -17,10 +18,12 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from offload_core.hosting_tier import HostingTier
 from offload_core.layout import RegionMap
 from offload_core.streaming import StreamingConfig, apply_layer_streaming
 
@@ -48,38 +51,51 @@ def denoiser_inputs(model, frames: int, size: int) -> dict:
             "return_dict": False}
 
 
-def timed(fn: Callable[[], object]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this thread) for one call.
+def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """(wall seconds, the time the ratio uses) for one call.
 
-    The ratio uses thread CPU time: with one torch thread every op runs on this thread, and CPU
-    time does not count the time slices other processes take, which on a shared 2-core machine
-    (load average 5-6 while six engineers test) swing wall times by +-50 % between repeats.
+    CPU: thread CPU time. With one torch thread every op runs on this thread, and CPU time does
+    not count the slices other processes take, which on a shared 2-core machine (load average 5-6
+    while six engineers test) swing wall times by +-50 % between repeats. CUDA: synchronized wall.
     """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+        return wall, wall
     wall, cpu = time.perf_counter(), time.thread_time()
     fn()
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats, finishes in < 40 s")
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--depth", type=int, default=1)
-    parser.add_argument("--size", type=int, default=32, help="latent height = width (32: 256 tokens)")
-    parser.add_argument("--frames", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on shared CPUs)")
-    args = parser.parse_args()
-    repeats = args.repeats or (3 if args.quick else 10)
-    torch.set_num_threads(args.threads)
+@dataclass(frozen=True)
+class Measured:
+    layers: int
+    streamed_bytes: int
+    resident: tuple[tuple[float, float], ...]  # (wall, ratio time) per repeat
+    copy: tuple[tuple[float, float], ...]
+    streamed: tuple[tuple[float, float], ...]
+    peak_bytes: int
+    predicted_peak_bytes: int
+    formula: str  # "non-layer N + resident R + slots S"
 
-    plain, streamed_model = load_denoiser(), load_denoiser()
-    inputs = denoiser_inputs(plain, args.frames, args.size)
-    streamer = apply_layer_streaming(streamed_model, "cpu", StreamingConfig(prefetch_depth=args.depth))
+
+def measure(args: argparse.Namespace, device: torch.device, repeats: int) -> Measured:
+    plain = load_denoiser().to(device)
+    streamed_model = load_denoiser()
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+              for k, v in denoiser_inputs(plain, args.frames, args.size).items()}
+    keys = [f"blocks.{i}" for i in range(len(streamed_model.blocks))]
+    streamer = apply_layer_streaming(streamed_model, device, StreamingConfig(
+        prefetch_depth=args.depth, hosting={key: HostingTier(args.tier) for key in keys}))
     layers = streamer.layers
     # The reference copy moves every layer once into buffers shaped like the ring's slots, used in
     # the same rotation, so it pays the same memory traffic the streamed forward must pay.
     target = RegionMap.covering(layer.layout for layer in layers)
-    slots = [target.carve(torch.zeros(target.nbytes, dtype=torch.uint8)) for _ in range(streamer.ring.n_slots)]
+    slots = [target.carve(torch.zeros(target.nbytes, dtype=torch.uint8, device=device))
+             for _ in range(streamer.ring.n_slots)]
 
     def copy_once() -> int:
         return sum(layer.host.copy_to(slots[i % len(slots)]) for i, layer in enumerate(layers))
@@ -98,47 +114,73 @@ def main() -> None:
         streamed_model(**inputs)  # warm-up: arms the ring; from now each forward copies each layer once
         resident_s, copy_s, streamed_s, copied = [], [], [], []
         for _ in range(repeats):
-            resident_s.append(timed(lambda: plain(**inputs)))
-            copy_s.append(timed(copy_once))
+            resident_s.append(timed(lambda: plain(**inputs), device))
+            copy_s.append(timed(copy_once, device))
             streamer.reset_counters()
-            streamed_s.append(timed(lambda: streamed_model(**inputs)))
+            streamed_s.append(timed(lambda: streamed_model(**inputs), device))
             copied.append(streamer.bytes_copied)
         streamer.finish_use()
+    expected_copy = sum(layer.nbytes if layer.tier is not HostingTier.MAPPED else layer.layout.tensor_bytes
+                        for layer in layers)
+    assert set(copied) == {expected_copy}, f"a steady-state forward copied {copied}, not {expected_copy} B"
+    formula = (f"non-layer {streamer.non_layer_bytes} + resident {streamer.resident_bytes} "
+               f"+ slots {streamer.ring.slot_bytes}")
+    return Measured(len(layers), expected_copy, tuple(resident_s), tuple(copy_s), tuple(streamed_s),
+                    peak, predicted, formula)
 
-    streamed_bytes = sum(layer.nbytes for layer in layers)
-    assert set(copied) == {streamed_bytes}, f"a steady-state forward copied {copied}, not {streamed_bytes} B"
-    # Minimum over repeats: on a shared machine, noise only ever adds time.
-    series = {"resident": resident_s, "copy": copy_s, "streamed": streamed_s}
-    best = {name: min(cpu for _, cpu in v) for name, v in series.items()}
-    best_wall = {name: min(wall for wall, _ in v) for name, v in series.items()}
+
+def report(args: argparse.Namespace, device: torch.device, m: Measured) -> dict:
+    series = {"resident": m.resident, "copy": m.copy, "streamed": m.streamed}
+    # Minima: on a shared machine noise only ever adds time.
+    best = {name: min(t for _, t in v) for name, v in series.items()}
+    best_wall = {name: min(w for w, _ in v) for name, v in series.items()}
     # Paired per repeat (the three timings of one repeat share the machine's load at that moment),
     # then the median: drift and one-off stalls cancel instead of landing in one term of the ratio.
-    paired = [s[1] / (r[1] + c[1]) for r, c, s in zip(resident_s, copy_s, streamed_s)]
+    paired = [s[1] / (r[1] + c[1]) for r, c, s in zip(m.resident, m.copy, m.streamed)]
     overhead_ratio = statistics.median(paired)
     min_ratio = best["streamed"] / (best["resident"] + best["copy"])
-    peak_ratio = peak / predicted
-    print(f"model: medium Wan transformer, {len(layers)} layers streamed, depth {args.depth}, "
-          f"{streamed_bytes / 1e6:.1f} MB streamed per forward, {args.threads} thread(s), {repeats} repeats")
+    wall_ratio = best_wall["streamed"] / (best_wall["resident"] + best_wall["copy"])
+    clock = "cpu" if device.type == "cpu" else "sync"
+    print(f"model: medium Wan transformer on {device}, {m.layers} layers streamed ({args.tier}), depth "
+          f"{args.depth}, {m.streamed_bytes / 1e6:.1f} MB copied per forward, {args.threads} thread(s), "
+          f"{len(paired)} repeats")
     for name, label in (("resident", "resident forward"), ("copy", "copy streamed bytes once"),
                         ("streamed", "streamed forward")):
-        cpu = [c for _, c in series[name]]
-        wall = [w for w, _ in series[name]]
-        print(f"  {label:26s} cpu min {min(cpu) * 1e3:8.1f} ms median {statistics.median(cpu) * 1e3:8.1f} ms"
+        ratio_t, wall = [t for _, t in series[name]], [w for w, _ in series[name]]
+        print(f"  {label:26s} {clock} min {min(ratio_t) * 1e3:8.1f} ms median {statistics.median(ratio_t) * 1e3:8.1f} ms"
               f" | wall min {min(wall) * 1e3:8.1f} ms median {statistics.median(wall) * 1e3:8.1f} ms")
-    print(f"  copy bandwidth            {streamed_bytes / best['copy'] / 1e9:8.2f} GB/s (cpu time)")
-    wall_ratio = best_wall["streamed"] / (best_wall["resident"] + best_wall["copy"])
-    print(f"overhead_ratio = streamed / (resident + copy) = {overhead_ratio:.4f} (cpu time, median of "
-          f"{len(paired)} paired repeats; target <= 1.05); from minima {min_ratio:.4f}; wall-time minima {wall_ratio:.4f}")
-    print(f"peak_ratio = measured {peak} B / predicted {predicted} B = {peak_ratio:.6f} (target 1.0; "
-          f"non-layer {streamer.non_layer_bytes} + resident {streamer.resident_bytes} + slots {streamer.ring.slot_bytes})")
-    print(json.dumps({
-        "bench": "streaming", "model": "medium-wan transformer", "device": "cpu", "depth": args.depth,
-        "layers": len(layers), "streamed_bytes": streamed_bytes, "threads": args.threads, "repeats": repeats,
-        "resident_s": best["resident"], "copy_s": best["copy"], "streamed_s": best["streamed"],
-        "overhead_ratio": round(overhead_ratio, 4), "overhead_ratio_of_minima": round(min_ratio, 4),
-        "wall_overhead_ratio": round(wall_ratio, 4), "peak_bytes": peak, "predicted_peak_bytes": predicted,
-        "peak_ratio": peak_ratio,
-    }))
+    print(f"  copy bandwidth            {m.streamed_bytes / best['copy'] / 1e9:8.2f} GB/s")
+    print(f"overhead_ratio = streamed / (resident + copy) = {overhead_ratio:.4f} ({clock} time, median of "
+          f"{len(paired)} paired repeats; target <= 1.05); from minima {min_ratio:.4f}; wall minima {wall_ratio:.4f}")
+    peak_ratio = m.peak_bytes / m.predicted_peak_bytes
+    print(f"peak_ratio = measured {m.peak_bytes} B / predicted {m.predicted_peak_bytes} B = {peak_ratio:.6f} "
+          f"(target 1.0; {m.formula})")
+    return {"bench": "streaming", "model": "medium-wan transformer", "device": str(device), "tier": args.tier,
+            "depth": args.depth, "layers": m.layers, "copied_bytes_per_forward": m.streamed_bytes,
+            "threads": args.threads, "repeats": len(paired), "clock": clock,
+            "resident_s": best["resident"], "copy_s": best["copy"], "streamed_s": best["streamed"],
+            "overhead_ratio": round(overhead_ratio, 4), "overhead_ratio_of_minima": round(min_ratio, 4),
+            "wall_overhead_ratio": round(wall_ratio, 4), "peak_bytes": m.peak_bytes,
+            "predicted_peak_bytes": m.predicted_peak_bytes, "peak_ratio": peak_ratio}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, finishes in < 40 s")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--depth", type=int, default=1)
+    parser.add_argument("--size", type=int, default=32, help="latent height = width (32: 256 tokens)")
+    parser.add_argument("--frames", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on shared CPUs)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda where there is one")
+    parser.add_argument("--tier", choices=[t.value for t in HostingTier], default=None,
+                        help="hosting tier of every layer (default: pageable on cpu, pinned on cuda)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    args.tier = args.tier or ("pinned" if device.type == "cuda" else "pageable")
+    repeats = args.repeats or (3 if args.quick else 10)
+    torch.set_num_threads(args.threads)
+    print(json.dumps(report(args, device, measure(args, device, repeats))))
 
 
 if __name__ == "__main__":
