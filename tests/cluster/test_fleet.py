@@ -45,3 +45,13 @@ def test_a_bad_fleet_file_is_named(tmp_path):
     typo.write_text(text.replace("prefetch_depth: 1", "prefetch_dept: 1", 1))
     with pytest.raises(ValueError, match=r"unknown keys \['prefetch_dept'\]"):
         load_fleet(typo)
+
+
+def test_every_gpu_of_the_real_table_gets_the_largest_class_it_reaches():
+    from cluster.node import fake_gpus, gpu_table
+
+    for name, (memory, _, _) in gpu_table().items():
+        (gpu,) = fake_gpus(name, 1, "test")
+        profile = profile_for_gpu(gpu)
+        classes = [p.min_memory_gb for p in load_fleet().profiles if p.min_memory_gb * GB <= memory]
+        assert profile.min_memory_gb == max(classes), f"{name} ({memory / GB:.0f} GB) got {profile.name}"

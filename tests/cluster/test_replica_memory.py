@@ -114,3 +114,28 @@ def test_a_replica_without_a_gpu_leases_working_sets_from_host_ram(fleet_nodes):
         assert ray.get(replica.stage_call.remote(GB, 0.0, 1))[0] == "ok"
     finally:
         ray.kill(replica)
+
+
+def test_async_stage_calls_wait_for_the_gpu_without_blocking_the_event_loop():
+    import asyncio
+
+    first, second = _local("async-a"), _local("async-b")
+    ticks = []
+
+    async def scenario():
+        async def ticker():  # keeps running while the second call waits for the GPU
+            for _ in range(5):
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.02)
+
+        async def call(memory, hold_s):
+            async with memory.device_working_set_async(8 * GB, timeout_s=10):
+                await asyncio.sleep(hold_s)
+            return time.monotonic()
+
+        return await asyncio.gather(call(first, 0.6), call(second, 0.0), ticker())
+
+    done_first, done_second, _ = asyncio.run(scenario())
+    assert done_second >= done_first - 0.05, "the second 8 GB working set must wait for the first"
+    assert len(ticks) == 5 and ticks[-1] - ticks[0] < 0.45, "the event loop stalled while a call waited (0.6 s)"
+    assert first.device_budget.leased() == 0
