@@ -282,17 +282,22 @@ class LayerStreamer:
         if self._armed:
             return
         self.ring.allocate()
+        # Allocated on the compute stream (outside the copy-stream context), so the caching
+        # allocator frees them in compute order at finish_use; the copies then wait for it.
+        targets = []
+        for layer in self.layers:
+            if layer.resident:
+                regions = RegionMap.covering([layer.layout])
+                buffer = torch.empty(regions.nbytes, dtype=torch.uint8, device=self.device.device)
+                self._resident_buffers[layer.key] = buffer
+                targets.append((layer, regions.carve(buffer)))
         self.device.copy_waits_for_compute()
         with self.device.on_copy_stream():
-            for layer in self.layers:
-                if layer.resident:
-                    regions = RegionMap.covering([layer.layout])
-                    buffer = torch.empty(regions.nbytes, dtype=torch.uint8, device=self.device.device)
-                    carved = regions.carve(buffer)
-                    self._resident_copied += layer.host.copy_to(carved)
-                    layer.bind(layer.views(carved))
-                    self._resident_buffers[layer.key] = buffer
+            for layer, carved in targets:
+                self._resident_copied += layer.host.copy_to(carved)
             event = self.device.record_copy()
+        for layer, carved in targets:
+            layer.bind(layer.views(carved))
         self.device.compute_waits(event)
         self._armed = True
         logger.info("streamer %s: armed %d resident layers (%d B) and %d slots (%d B)",
