@@ -246,10 +246,6 @@ def check_disjoint(layers: Mapping[str, Sequence[nn.Parameter]], rest: Iterable[
             raise LayoutError(f"a parameter of layer {owner[id(param)]} is also used outside the layer groups")
 
 
-def total_bytes(layouts: Iterable[LayerLayout]) -> int:
-    return sum(layout.nbytes for layout in layouts)
-
-
 def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied weights counted once)."""
     seen: dict[int, int] = {}
@@ -265,5 +261,5 @@ __all__ = [
     "ALIGN_BYTES", "KNOWN_LAYER_GROUPS", "LEGACY_LAYER_GROUPS", "LayerGroup", "LayerLayout", "LayoutError", "RegionMap",
     "TensorMeta", "align_up", "check_disjoint", "declared_layer_groups", "extent_view", "is_placeholder",
     "layer_parameters", "placeholder", "plan_layer_layout", "resolve_layer_group", "storage_extent",
-    "tensor_view", "total_bytes", "unique_storage_bytes",
+    "tensor_view", "unique_storage_bytes",
 ]
