@@ -1,0 +1,180 @@
+"""GPU check: step time and peak device memory, side by side, for three ways to run a denoiser.
+
+- speed: the whole model resident on the device;
+- layerwise: our streaming engine, every layer pinned, copies on a side stream, prefetch depth 1;
+- group offload: diffusers' ``apply_group_offloading(block_level, 1 block per group, use_stream=True)``,
+  the peer implementation;
+on (a) the zoo's medium Wan denoiser and (b) real-size Wan2.1-1.3B blocks with random weights,
+plus measured pinned and pageable host->device bandwidth. Peak memory is
+``torch.cuda.max_memory_allocated`` (weights and activations). Without CUDA the script still runs
+end to end on CPU with a cut-down real-size model (``--real-blocks``), skipping what needs CUDA
+(the side stream, diffusers' streams, bandwidth, CUDA peaks) and saying so. Last line: one JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from offload_core.hosting_tier import HostingTier  # noqa: E402
+from offload_core.layout import declared_layer_groups, resolve_layer_group  # noqa: E402
+from offload_core.streaming import StreamingConfig, apply_layer_streaming  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+MiB = 2**20
+
+
+def medium_denoiser(dtype: torch.dtype):
+    from diffusers import WanTransformer3DModel
+    from zoo.tiny import ensure_medium_wan
+
+    return WanTransformer3DModel.from_pretrained(ensure_medium_wan() / "transformer", torch_dtype=dtype).eval()
+
+
+def real_denoiser(dtype: torch.dtype, blocks: int | None):
+    """Wan2.1-1.3B's transformer at real size (``blocks`` caps the layer count), random weights."""
+    from diffusers import WanTransformer3DModel
+
+    config = json.loads((Path(__file__).resolve().parents[1] / "configs/models/real_model_configs.json").read_text())
+    cfg = dict(config["wan2.1-t2v-1.3b"]["transformer"]["config"])
+    if blocks is not None:
+        cfg["num_layers"] = blocks
+    with torch.device("meta"):
+        model = WanTransformer3DModel.from_config(cfg)
+    model = model.to_empty(device="cpu")
+    keep = set(model._keep_in_fp32_modules or ())  # as from_pretrained(torch_dtype=...) keeps them
+    generator = torch.Generator().manual_seed(0)
+    for name, p in model.named_parameters():  # random weights at a trained model's scale
+        weights = torch.randn(p.shape, generator=generator) * 0.02
+        p.data = weights if keep.intersection(name.split(".")) else weights.to(dtype)
+    for b in model.buffers():
+        b.zero_()
+    return model.eval()
+
+
+def inputs(model, frames: int, height: int, width: int, text_tokens: int, device, dtype):
+    g = torch.Generator().manual_seed(1)
+    cfg = model.config
+    latent = torch.randn(1, cfg.in_channels, frames, height, width, generator=g)
+    text = torch.randn(1, text_tokens, cfg.text_dim, generator=g)
+    return {"hidden_states": latent.to(device, dtype), "timestep": torch.tensor([500], device=device),
+            "encoder_hidden_states": text.to(device, dtype), "return_dict": False}
+
+
+def _sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def time_steps(model, kwargs, steps: int):
+    """Seconds per step (best of ``steps`` after one warm-up) and the output of the last step."""
+    with torch.no_grad():
+        out = model(**kwargs)[0]
+        _sync()
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        best = float("inf")
+        for _ in range(steps):
+            start = time.perf_counter()
+            out = model(**kwargs)[0]
+            _sync()
+            best = min(best, time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if CUDA else None
+    return best, peak, out
+
+
+def run_case(name: str, build, shape, steps: int, device) -> dict:
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    rows, reference = {}, None
+    for way in ("speed", "layerwise", "group_offload"):
+        if way == "group_offload" and not CUDA:
+            rows[way] = {"skipped": "diffusers' use_stream=True needs CUDA streams"}
+            continue
+        model = build(dtype)
+        kwargs = inputs(model, *shape, device, dtype)
+        extra = {}
+        if way == "speed":
+            model.to(device)
+        elif way == "layerwise":
+            keys = [f"{g}.{i}" for g in declared_layer_groups(model)
+                    for i in range(len(resolve_layer_group(model, g).layers))]
+            streamer = apply_layer_streaming(model, device, StreamingConfig(
+                prefetch_depth=1, hosting={k: HostingTier.PINNED for k in keys}))
+            extra = {"predicted_weight_peak_bytes": streamer.predicted_peak_bytes()}
+        else:
+            from diffusers.hooks import apply_group_offloading
+
+            apply_group_offloading(model, onload_device=device, offload_type="block_level",
+                                   num_blocks_per_group=1, use_stream=True)
+        seconds, peak, out = time_steps(model, kwargs, steps)
+        if way == "layerwise":
+            extra["measured_weight_peak_bytes"] = streamer.meter.peak_bytes
+        reference = out if reference is None else reference
+        rows[way] = {"step_s": round(seconds, 4), "peak_allocated_bytes": peak,
+                     "bitwise_equal_to_speed": bool(torch.equal(out, reference)), **extra}
+        del model, kwargs, out
+        gc.collect()
+        if CUDA:
+            torch.cuda.empty_cache()
+    base = rows["speed"]
+    for row in rows.values():
+        if "step_s" in row:
+            row["step_vs_speed"] = round(row["step_s"] / base["step_s"], 3)
+            if CUDA:
+                row["peak_vs_speed"] = round(row["peak_allocated_bytes"] / base["peak_allocated_bytes"], 3)
+    return {"case": name, "input_shape": list(shape), "rows": rows}
+
+
+def bandwidth() -> dict:
+    if not CUDA:
+        return {"skipped": "host->device bandwidth is measured on CUDA only"}
+    from offload_core.planner_facts import measure_link
+
+    link = measure_link(torch.device("cuda"))
+    return {"pinned_GBps": round(link.pinned_Bps / 1e9, 2), "pageable_GBps": round(link.pageable_Bps / 1e9, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3 if CUDA else 1)
+    parser.add_argument("--real-blocks", type=int, default=None if CUDA else 2,
+                        help="cap Wan2.1-1.3B's 30 blocks (default: all on CUDA, 2 on CPU)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    device = torch.device("cuda" if CUDA else "cpu")
+    # Medium: 2 latent frames of 16x16 (2*8*8 = 128 tokens). Real: 480x832 at 21 frames -> 6 latent
+    # frames x 60x104 latents = 9360 tokens, a quarter of the 81-frame default, so all three ways
+    # fit in the 8-minute budget; on CPU a 2x8x8 latent keeps it to seconds.
+    medium_shape = (2, 16, 16, 8)
+    real_shape = (6, 60, 104, 512) if CUDA else (2, 8, 8, 8)
+    print(f"device: {torch.cuda.get_device_name() if CUDA else 'cpu (CUDA-only parts skipped)'}", flush=True)
+    link = bandwidth()
+    print(f"host->device bandwidth: {link}", flush=True)
+    results = []
+    for name, build, shape in (("medium-wan-denoiser", medium_denoiser, medium_shape),
+                               ("wan2.1-1.3b-random", lambda dt: real_denoiser(dt, args.real_blocks), real_shape)):
+        result = run_case(name, build, shape, args.steps, device)
+        results.append(result)
+        print(f"\n{name} {shape}:")
+        print(f"  {'way':14} {'step s':>9} {'vs speed':>8} {'peak MiB':>10} {'vs speed':>8}  bitwise")
+        for way, row in result["rows"].items():
+            if "skipped" in row:
+                print(f"  {way:14} skipped: {row['skipped']}")
+                continue
+            peak = row["peak_allocated_bytes"]
+            print(f"  {way:14} {row['step_s']:>9.4f} {row['step_vs_speed']:>8.2f} "
+                  f"{(peak / MiB if peak else float('nan')):>10.1f} {row.get('peak_vs_speed', float('nan')):>8.2f}  "
+                  f"{row['bitwise_equal_to_speed']}", flush=True)
+    print(json.dumps({"bench": "gpu_check", "cuda": CUDA, "bandwidth": link, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
