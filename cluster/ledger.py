@@ -85,14 +85,23 @@ class LedgerState:
         return next(p for p in self.pools if p.name == name)
 
 
+def _log_decisions_in_this_worker() -> None:
+    """Ray workers have no log handler and a WARNING root: the ledger's INFO decision lines would
+    vanish. Send the cluster loggers to stderr (the worker's .err file, `ray logs`)."""
+    cluster_logger = logging.getLogger("cluster")
+    cluster_logger.setLevel(logging.INFO)
+    if not cluster_logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        cluster_logger.addHandler(handler)
+
+
 class NodeLedger:
     """The actor body: node facts -> pools, epochs, recovery and liveness. Create via :func:`node_ledger`."""
 
     def __init__(self, node_id: str, config: LedgerConfig):
         self._node_id, self._config = node_id, config
-        if not logging.getLogger("cluster").isEnabledFor(logging.INFO):
-            # Ray workers log WARNING and up by default; the ledger's grants are decisions to keep.
-            logging.getLogger("cluster").setLevel(logging.INFO)
+        _log_decisions_in_this_worker()
         facts = probe_node(node_id, reserve=config.reserve_bytes)
         profile = profile_for_gpu(facts.gpus[0] if facts.gpus else None)
         spendable = facts.ram.spendable
