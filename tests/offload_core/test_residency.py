@@ -269,3 +269,20 @@ def test_tiny_pipeline_peak_and_bytes_moved_equal_the_plan_in_every_mode(family,
         del res, comps, call
         gc.collect()
     assert len(seen) >= 2, "the modes should exercise more than one strategy mix"
+
+
+def test_the_report_shows_parked_weights_and_pinned_layers_of_each_component(cpu_capacity):
+    cpu_capacity(10_000)
+    models = toys()
+    res = PipelineResidency.apply(models, toy_plan(10_000), "cpu")
+    with torch.no_grad(), res.stage(["a"]):
+        models["a"](torch.randn(1, 16))
+    report = res.report()
+    a = report.component("a")
+    fresh = Toy(0)
+    non_layer = sum(p.numel() * 4 for m in (fresh.embed, fresh.head) for p in m.parameters())
+    assert a.parked_bytes == non_layer and a.device_bytes == 0
+    assert a.host_pinned_bytes == sum(layer.nbytes for layer in res.components["a"].streamer.layers)
+    assert dict(a.layer_tiers)["pinned"] == 4
+    assert report.to_json()["totals"]["parked_bytes"] == 2 * non_layer
+    res.remove()
