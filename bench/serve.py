@@ -29,7 +29,8 @@ import torch  # noqa: E402
 
 from deployments import families, media  # noqa: E402
 from deployments.offload import StageResidency  # noqa: E402
-from deployments.spec import GenerationSpec, OffloadMode  # noqa: E402
+from deployments.spec import GenerationSpec  # noqa: E402
+from offload_core.planner import PerformanceMode  # noqa: E402
 
 CONCURRENCY = (1, 2, 4)
 
@@ -55,12 +56,19 @@ def in_process(facts, spec: GenerationSpec, repeats: int) -> float:
     return _median_s(lambda: [media.png_bytes(f[0]) for f in families.reference_frames(pipe, facts, spec)], repeats)
 
 
-def in_process_offloaded(facts, spec: GenerationSpec, mode: OffloadMode, repeats: int) -> float:
+def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode, repeats: int) -> float:
+    from cluster.replica_memory import ReplicaMemory
+
     cpu = torch.device("cpu")
+    memory = ReplicaMemory.open_local("bench", cpu)
     stages = {}
     for stage in ("encode", "denoise", "decode"):
         pipe = families.load_stage_pipeline(facts, stage, torch.float32)
-        stages[stage] = (pipe, StageResidency(families.stage_modules(pipe, facts, stage), mode, cpu))
+        uses = families.uses_per_request(facts, stage, spec.steps, spec.guidance_scale)
+        residency = StageResidency(stage, families.stage_modules(pipe, facts, stage), uses, mode, cpu,
+                                   device_capacity=memory.device_budget.capacity(),
+                                   host_budget=memory.host_budget, owner=f"bench-{stage}")
+        stages[stage] = (pipe, residency)
 
     def under(stage, fn):
         pipe, residency = stages[stage]
@@ -79,7 +87,7 @@ def in_process_offloaded(facts, spec: GenerationSpec, mode: OffloadMode, repeats
     return _median_s(once, repeats)
 
 
-def start_service(model_path: str, mode: OffloadMode):
+def start_service(model_path: str, mode: PerformanceMode):
     import ray
     from ray import serve
 
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--medium", action="store_true", help="the medium Wan (~300 MB denoiser)")
     parser.add_argument("--size", default=None)
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--mode", default="auto", choices=[m.value for m in OffloadMode])
+    parser.add_argument("--mode", default="auto", choices=[m.value for m in PerformanceMode])
     args = parser.parse_args(argv)
 
     import httpx
@@ -138,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = args.steps or (2 if args.quick else 8)
     repeats, per_level = (3, 6) if args.quick else (10, 16)
     width, height = (int(v) for v in size.split("x"))
-    mode = OffloadMode(args.mode)
+    mode = PerformanceMode(args.mode)
     spec = GenerationSpec("bench", "a lighthouse at dawn", None, height, width, 1, steps, facts.default_guidance, 0, 1)
     body = {"prompt": spec.prompt, "size": size, "num_inference_steps": steps, "seed": 0}
 

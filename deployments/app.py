@@ -14,11 +14,11 @@ import pathlib
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 
-from deployments.families import FamilyFacts, read_family_facts
+from deployments.families import FamilyFacts, read_family_facts, uses_per_request
 from deployments.ingress import Ingress, IngressConfig
 from deployments.schemas import Limits
-from deployments.spec import OffloadMode
 from deployments.stages import DTYPES, Denoiser, StageConfig, TextEncoder, VaeDecoder
+from offload_core.planner import PerformanceMode
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 class StageArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    offload_mode: OffloadMode = OffloadMode.AUTO
+    # offload_core's performance mode: auto (fastest plan that fits), speed, memory, balanced.
+    offload_mode: PerformanceMode = PerformanceMode.AUTO
 
 
 class AppArgs(BaseModel):
@@ -70,7 +71,10 @@ def resolve_model_folder(args: AppArgs) -> pathlib.Path:
 
 
 def _stage(args: AppArgs, facts: FamilyFacts, stage: str, options: StageArgs) -> StageConfig:
-    return StageConfig(args.app_name, facts, stage, options.offload_mode, args.dtype, args.device_timeout_s)
+    # Planned for the default request; a request with more steps streams the same plan longer.
+    uses = uses_per_request(facts, stage, args.limits.default_steps, facts.default_guidance)
+    return StageConfig(args.app_name, facts, stage, options.offload_mode, tuple(uses.items()), args.dtype,
+                       args.device_timeout_s)
 
 
 def build_app(args: AppArgs | dict) -> Application:

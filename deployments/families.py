@@ -81,6 +81,14 @@ def read_family_facts(folder: str | pathlib.Path) -> FamilyFacts:
     return FamilyFacts(family, str(root), vae_scale * 2, 1, False, False, DEFAULT_GUIDANCE[family])
 
 
+def uses_per_request(facts: FamilyFacts, stage: str, steps: int, guidance_scale: float) -> dict[str, int]:
+    """Forward passes per request of each of the stage's components (what the planner weighs bytes by)."""
+    # Wan runs classifier-free guidance when guidance > 1: two encoder and two transformer passes.
+    cfg = 2 if facts.family is Family.WAN and guidance_scale > 1.0 else 1
+    per_stage = {"encode": cfg, "denoise": steps * cfg, "decode": 1}
+    return {name: per_stage[stage] for name in STAGE_MODULES[facts.family][stage]}
+
+
 def _pipeline_class(family: Family):
     import diffusers
 

@@ -35,5 +35,6 @@ class StageMetrics:
     def record(self, stats: StageStats) -> None:
         self._latency.observe(stats.seconds)
         self._streamed.observe(float(stats.bytes_streamed))
-        self._streamed_total.inc(float(stats.bytes_streamed))
+        if stats.bytes_streamed > 0:  # Ray counters refuse increments of 0 (a resident plan moves nothing)
+            self._streamed_total.inc(float(stats.bytes_streamed))
         self._peak.set(float(stats.device_peak_bytes))

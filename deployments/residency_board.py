@@ -22,7 +22,7 @@ class ReplicaResidency:
     stage: str
     device: str
     mode: str
-    components: tuple  # tuple[ComponentPlacement, ...]
+    plan: tuple[str, ...]  # the planner's explanation: one line for the plan, one per component
     predicted_peak_bytes: int
     last_device_peak_bytes: int
     last_bytes_streamed: int
@@ -31,7 +31,7 @@ class ReplicaResidency:
 
     def to_json(self) -> dict:
         return {"replica": self.replica, "stage": self.stage, "device": self.device, "mode": self.mode,
-                "components": [c.to_json() for c in self.components],
+                "plan": list(self.plan),
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "last_device_peak_bytes": self.last_device_peak_bytes,
                 "last_bytes_streamed": self.last_bytes_streamed, "weights": self.weights}

@@ -19,17 +19,6 @@ class Family(enum.Enum):
     FLUX = "flux"
 
 
-class OffloadMode(enum.Enum):
-    # Let the planner choose from the facts (device capacity, layer bytes, uses per request).
-    AUTO = "auto"
-    # Fastest: as many layers resident on the device as fit; host copies pinned.
-    SPEED = "speed"
-    # Least device memory: every layer streams through the prefetch ring.
-    MEMORY = "memory"
-    # Half the layers resident, the rest streamed with a deeper prefetch.
-    BALANCED = "balanced"
-
-
 @dataclass(frozen=True)
 class GenerationSpec:
     """One validated generation request, as every stage sees it."""

@@ -24,8 +24,8 @@ from deployments.metrics import StageMetrics
 from deployments.memory import CLUSTER_DEVICE_BUSY, DeviceBusy, open_replica_memory
 from deployments.offload import StageResidency
 from deployments.residency_board import ReplicaResidency, get_board
-from deployments.spec import (DenoiseProgress, EncodedPrompt, GenerationSpec, OffloadMode, StageOutput,
-                              StageStats)
+from deployments.spec import DenoiseProgress, EncodedPrompt, GenerationSpec, StageOutput, StageStats
+from offload_core.planner import PerformanceMode
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,9 @@ class StageConfig:
     app_name: str
     facts: FamilyFacts
     stage: str  # "encode" | "denoise" | "decode"
-    mode: OffloadMode
+    mode: PerformanceMode
+    # Forward passes per request of each of the stage's components (the planner weighs bytes by it).
+    uses_per_request: tuple[tuple[str, int], ...]
     dtype: str
     # How long a call waits for its device working set before answering 503 (Retry-After).
     device_timeout_s: float
@@ -67,9 +69,12 @@ class StageWorker:
         self.device = _replica_device()
         self.replica = _replica_id(config.stage)
         self.pipe = families.load_stage_pipeline(config.facts, config.stage, DTYPES[config.dtype])
-        self.residency = StageResidency(families.stage_modules(self.pipe, config.facts, config.stage),
-                                        config.mode, self.device)
         self.memory = open_replica_memory(self.replica, self.device)
+        self.residency = StageResidency(
+            config.stage, families.stage_modules(self.pipe, config.facts, config.stage),
+            dict(config.uses_per_request), config.mode, self.device,
+            device_capacity=self.memory.device_budget.capacity(), host_budget=self.memory.host_budget,
+            owner=self.replica)
         self.metrics = StageMetrics(config.stage)
         # One call at a time per replica: the pipeline object (scheduler state) is not reentrant.
         self._lock = threading.Lock()
@@ -103,10 +108,10 @@ class StageWorker:
             raise DeviceBusy.from_cluster(exc) from None
 
     def report(self) -> ReplicaResidency:
-        core = self.residency.report()
         return ReplicaResidency(self.replica, self.config.stage, str(self.device), self.config.mode.value,
-                                self.residency.placements(), self.residency.predicted_peak_bytes(),
-                                self._last.device_peak_bytes, self._last.bytes_streamed, core.to_json())
+                                self.residency.plan.explain(), self.residency.predicted_peak_bytes(),
+                                self._last.device_peak_bytes, self._last.bytes_streamed,
+                                self.residency.report().to_json())
 
     def close(self) -> None:
         """Replica shutdown: unhook the engine and give back every lease this replica holds."""

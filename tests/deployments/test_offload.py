@@ -1,16 +1,21 @@
-"""A stage's components run under the streaming engine as its offload mode says, bitwise unchanged."""
+"""A stage's components run under the planner's plan for its mode, bitwise unchanged, as predicted."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from cluster.replica_memory import ReplicaMemory
 from deployments import families
-from deployments.offload import StageResidency, Strategy
-from deployments.spec import GenerationSpec, OffloadMode
+from deployments.offload import StageResidency
+from deployments.spec import GenerationSpec
+from offload_core.planner import PerformanceMode
+from offload_core.strategy import Strategy
 from zoo.tiny import ensure_tiny_wan
 
 CPU = torch.device("cpu")
 SPEC = GenerationSpec("r", "a cat", None, 16, 16, 1, 2, 5.0, 3, 1)
+# 4 blocks of the tiny Wan transformer: small enough that capacity, not speed, decides.
+CAPACITY = 64 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
@@ -18,35 +23,49 @@ def facts():
     return families.read_family_facts(ensure_tiny_wan())
 
 
-def _denoise_under(facts, mode):
+def _denoise_under(facts, mode, capacity=CAPACITY):
     encoded = families.encode(families.load_stage_pipeline(facts, "encode", torch.float32), facts, SPEC, CPU)
     pipe = families.load_stage_pipeline(facts, "denoise", torch.float32)
-    residency = StageResidency(families.stage_modules(pipe, facts, "denoise"), mode, CPU)
+    memory = ReplicaMemory.open_local("test-denoise", CPU)
+    uses = families.uses_per_request(facts, "denoise", SPEC.steps, SPEC.guidance_scale)
+    residency = StageResidency("denoise", families.stage_modules(pipe, facts, "denoise"), uses, mode, CPU,
+                               device_capacity=capacity, host_budget=memory.host_budget, owner="test-denoise")
     residency.prepare_for_use()
     latents = families.denoise(pipe, facts, encoded, SPEC)
     residency.finish_use()
     return latents, residency, encoded
 
 
-@pytest.mark.parametrize("mode, resident_layers", [(OffloadMode.MEMORY, 0), (OffloadMode.BALANCED, 2),
-                                                   (OffloadMode.SPEED, 4)])
-def test_each_offload_mode_streams_the_denoiser_and_keeps_its_output_bitwise(facts, mode, resident_layers):
+def test_uses_per_request_count_guidance_passes():
+    wan = families.read_family_facts(ensure_tiny_wan())
+    assert families.uses_per_request(wan, "denoise", 20, 5.0) == {"transformer": 40}
+    assert families.uses_per_request(wan, "denoise", 20, 1.0) == {"transformer": 20}
+    assert families.uses_per_request(wan, "encode", 20, 5.0) == {"text_encoder": 2}
+
+
+@pytest.mark.parametrize("mode, strategy", [(PerformanceMode.MEMORY, Strategy.LAYERWISE),
+                                            (PerformanceMode.SPEED, Strategy.RESIDENT)])
+def test_each_mode_runs_its_plan_with_bitwise_output_and_the_predicted_peak(facts, mode, strategy):
     latents, residency, encoded = _denoise_under(facts, mode)
     plain = families.denoise(families.load_stage_pipeline(facts, "denoise", torch.float32), facts, encoded, SPEC)
     assert torch.equal(latents, plain), f"{mode.value} offload changed the denoiser's latents"
-    (placement,) = residency.placements()
-    assert (placement.strategy, placement.layers, placement.resident_layers) == \
-        (Strategy.STREAMED, 4, resident_layers)
+    assert residency.plan.component("transformer").strategy is strategy
+    assert residency.device_peak_bytes() == residency.predicted_peak_bytes(), "measured peak != planned peak"
     residency.remove()
 
 
-def test_a_memory_mode_call_streams_every_layer_each_step_and_the_report_counts_host_bytes(facts):
-    latents, residency, _ = _denoise_under(facts, OffloadMode.MEMORY)
+def test_memory_mode_streams_every_layer_and_the_report_puts_them_on_the_host(facts):
+    _, residency, _ = _denoise_under(facts, PerformanceMode.MEMORY)
+    plan = residency.plan
+    assert residency.bytes_streamed() == plan.bytes_moved_per_request > 0
     weights = residency.report().component("transformer")
-    layer_bytes = weights.host_pageable_bytes  # MEMORY hosts all 4 equal layers pageable
-    assert dict(weights.layer_tiers)["pageable"] == 4 and layer_bytes > 0
-    # guidance 5.0 > 1: two transformer passes per step x 2 steps = 16 layer copies, plus the one
-    # layer the depth-1 ring prefetches ahead for the next use.
-    assert residency.bytes_streamed() in (16 * layer_bytes // 4, 17 * layer_bytes // 4)
-    assert 0 < residency.device_peak_bytes() <= residency.predicted_peak_bytes()
+    assert weights.host_bytes > 0 and sum(n for _, n in weights.layer_tiers) == 4
+    residency.remove()
+
+
+def test_a_device_too_small_for_speed_gets_a_streamed_auto_plan(facts):
+    # Room for the non-layer weights and two layer slots, not for all four blocks at once.
+    _, residency, _ = _denoise_under(facts, PerformanceMode.AUTO, capacity=200_000)
+    assert residency.plan.component("transformer").strategy is Strategy.LAYERWISE
+    assert residency.device_peak_bytes() <= 200_000
     residency.remove()

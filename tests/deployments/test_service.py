@@ -145,8 +145,9 @@ def test_models_and_residency_describe_the_served_model_and_every_replica(client
     assert sorted(r["stage"] for r in replicas) == ["decode", "denoise", "encode"]
     denoiser = next(r for r in replicas if r["stage"] == "denoise")
     (component,) = denoiser["weights"]["components"]
-    assert component["name"] == "transformer" and component["host_pageable_bytes"] > 0
-    assert denoiser["components"][0]["strategy"] == "streamed"
+    assert component["name"] == "transformer" and component["device_bytes"] + component["host_pageable_bytes"] > 0
+    assert any(line.startswith("transformer: ") for line in denoiser["plan"]), denoiser["plan"]
+    assert denoiser["last_device_peak_bytes"] == denoiser["predicted_peak_bytes"]
 
 
 def test_concurrent_requests_all_succeed_with_their_own_results(client):
