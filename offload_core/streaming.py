@@ -156,10 +156,18 @@ class StreamedLayer:
             param.data = empty
 
     def pre_forward(self) -> None:
-        self._streamer.before_layer(self)
+        if torch.is_inference_mode_enabled():
+            # A slot allocated (or a view made) inside a caller's inference_mode would be an
+            # inference tensor, and the next copy into it from a forward under plain no_grad would
+            # raise ("inplace update to inference tensor outside InferenceMode"): the engine's
+            # tensors outlive any one forward, so they are made as normal tensors.
+            with torch.inference_mode(False):
+                self._streamer.before_layer(self)
+        else:
+            self._streamer.before_layer(self)
 
     def post_forward(self) -> None:
-        self._streamer.after_layer(self)
+        self._streamer.after_layer(self)  # only rebinds placeholders and records events
 
 
 class LayerStreamer:
@@ -214,9 +222,10 @@ class LayerStreamer:
     # -- lifecycle --------------------------------------------------------------------------------
     def prepare_for_use(self) -> None:
         """Arm resident layers and issue the first copies, before the first forward needs them."""
-        self._arm()
-        if self.ring.n_slots:
-            self.ring.prefetch(0)
+        with torch.inference_mode(False):
+            self._arm()
+            if self.ring.n_slots:
+                self.ring.prefetch(0)
 
     def finish_use(self, keep_resident: bool | None = None) -> None:
         """Force-release streamed layers; resident layers and slots too unless kept."""

@@ -445,3 +445,28 @@ def test_a_refused_pin_leaves_the_model_as_it_was(monkeypatch):
     apply_layer_streaming(model, "cpu")
     with torch.no_grad():
         assert torch.equal(model(x), expected)
+
+
+def test_streaming_under_inference_mode_then_no_grad_stays_exact():
+    model, inputs = WAN.build(), WAN.inputs()
+    expected = WAN.run(model, inputs)
+    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(resident=1, keep_resident=True))
+    with torch.inference_mode():  # views made here are inference tensors, reused under no_grad below
+        assert torch.equal(model(**inputs, return_dict=False)[0], expected)
+    assert torch.equal(WAN.run(model, inputs), expected)
+    streamer.finish_use(keep_resident=False)
+
+
+def test_mixed_dtype_layers_stream_one_flat_buffer_per_dtype():
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(3, 8)
+    for block in model.blocks[1:]:  # bf16 scales, fp32 matmuls: fp32 * bf16 promotes to fp32
+        block.scale.data = block.scale.data.to(torch.bfloat16)
+    with torch.no_grad():
+        expected = model(x)
+    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=2))
+    assert [layer.layout.dtypes for layer in streamer.layers] == [(torch.float32,)] + [(torch.bfloat16, torch.float32)] * 3
+    assert [len(layer.host_tensors()) for layer in streamer.layers] == [1, 2, 2, 2]
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    assert streamer.meter.peak_bytes == streamer.predicted_peak_bytes()
