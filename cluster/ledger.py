@@ -12,7 +12,8 @@ served by priority = bytes x uses per request), or is refused with the numbers.
 Dead owners are found by observation (cluster/liveness.py) every ``liveness_interval_s`` and
 their leases reclaimed. The actor restarts forever (max_restarts=-1); a restarted ledger has a
 new epoch, holds new grants for ``recovery_s`` while replicas re-register what they hold (their
-clients heartbeat the epoch), so no accounting is lost. The client side is cluster/ledger_client.py.
+clients heartbeat the epoch), so no accounting is lost. The accounting itself is
+cluster/pools.py (pure asyncio); the replica side is cluster/ledger_client.py.
 """
 from __future__ import annotations
 
@@ -60,9 +61,14 @@ class LedgerConfig:
     heartbeat_s: float = 2.0  # how often a client checks the ledger's epoch
 
     def __post_init__(self):
-        assert self.recovery_s >= 2 * self.heartbeat_s, (
-            "recovery_s must cover two client heartbeats, or a restarted ledger grants bytes that "
-            "an idle replica still holds but has not re-registered yet")
+        if self.recovery_s < 2 * self.heartbeat_s:
+            raise ValueError(f"recovery_s={self.recovery_s} must cover two client heartbeats ({self.heartbeat_s} s "
+                             "each), or a restarted ledger grants bytes an idle replica still holds but has not "
+                             "re-registered yet")
+        if self.owner_cap_fraction is not None and not 0.0 < self.owner_cap_fraction <= 1.0:
+            raise ValueError(f"owner_cap_fraction must be in (0, 1], got {self.owner_cap_fraction}")
+        if min(self.liveness_interval_s, self.heartbeat_s) <= 0:
+            raise ValueError("liveness_interval_s and heartbeat_s must be > 0")
 
 
 @dataclass(frozen=True)

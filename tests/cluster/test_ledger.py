@@ -3,14 +3,22 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import ray
 
-from cluster.ledger import HOST_POOL, NAMESPACE, ledger_name, node_ledger
+from cluster.ledger import HOST_POOL, NAMESPACE, LedgerConfig, ledger_name, node_ledger
 from cluster.liveness import actor_info
 from offload_core.budget import Lease, Refusal
 from offload_core.host_memory import default_reserve
 from tests.cluster.conftest import FAST, MiB
 from tests.cluster.replicas import on_node
+
+
+def test_a_ledger_config_that_could_lose_accounting_is_refused():
+    with pytest.raises(ValueError, match="must cover two client heartbeats"):
+        LedgerConfig(heartbeat_s=2.0, recovery_s=3.0)
+    with pytest.raises(ValueError, match="owner_cap_fraction"):
+        LedgerConfig(owner_cap_fraction=1.5)
 
 
 def _state(node_id):
