@@ -8,8 +8,8 @@ dtype, tensors at ``ALIGN_BYTES``-aligned offsets), so predicted bytes equal mea
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -141,7 +141,8 @@ def layer_facts(key: str, layer: nn.Module) -> LayerFacts:
     return LayerFacts(key, flat, tensor_bytes, params)
 
 
-def _groups(model: nn.Module, layer_groups: Sequence[str] | None) -> tuple[str, ...]:
+def streamable_groups(model: nn.Module, layer_groups: Sequence[str] | None) -> tuple[str, ...]:
+    """The given groups, else the model's declared ones; none declared: () (resident or model offload only)."""
     if layer_groups is not None:
         return tuple(layer_groups)
     try:
@@ -155,7 +156,7 @@ def profile_component(name: str, model: nn.Module, *, uses_per_request: int,
                       layer_groups: Sequence[str] | None = None,
                       tables: HostTablesConfig = HostTablesConfig()) -> ComponentProfile:
     """Read a component's facts from the module (real or meta). Compute defaults to 0 s per layer."""
-    groups = _groups(model, layer_groups)
+    groups = streamable_groups(model, layer_groups)
     layers: list[LayerFacts] = []
     in_layers: set[int] = set()
     for path in groups:

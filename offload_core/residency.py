@@ -11,6 +11,7 @@ host->device bytes moved, which the plan predicts exactly.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 from dataclasses import dataclass
@@ -335,8 +336,6 @@ class PipelineResidency:
 
 def _lease_pins(plan: PipelinePlan, budget: MemoryBudget | None, owner: str):
     """Lease the plan's pinned bytes; if refused, the plan's pins become pageable (and it says so)."""
-    import dataclasses
-
     if budget is None or plan.pinned_bytes == 0:
         return plan, None
     granted = budget.request(plan.pinned_bytes, owner, purpose="pinned-layers")

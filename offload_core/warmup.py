@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from offload_core.host_tables import HostTablesConfig
-from offload_core.planner_facts import ComponentProfile, _groups, profile_component
+from offload_core.planner_facts import ComponentProfile, profile_component, streamable_groups
 from offload_core.layout import resolve_layer_group
 
 
@@ -48,7 +48,7 @@ def measure_warmup(components: Mapping[str, nn.Module], run: Callable[[], object
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     handles, timers = [], {}
     for name, model in components.items():
-        groups = _groups(model, (layer_groups or {}).get(name))
+        groups = streamable_groups(model, (layer_groups or {}).get(name))
         layers = [layer for path in groups for layer in resolve_layer_group(model, path).layers]
         timers[name] = ([_Timer(sync) for _ in layers], _Timer(sync))
         for layer, timer in zip(layers, timers[name][0]):
