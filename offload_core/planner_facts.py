@@ -111,6 +111,11 @@ class PipelineFacts:
     park_fraction: float = DEFAULT_PARK_FRACTION  # the parking gate's fraction of headroom
 
     def __post_init__(self) -> None:
+        for field_name in ("device_capacity", "host_lease_bytes", "working_set_bytes"):
+            if getattr(self, field_name) < 0:
+                raise ValueError(f"{field_name} must be >= 0, got {getattr(self, field_name)}")
+        if not 0.0 <= self.park_fraction:
+            raise ValueError(f"park_fraction must be >= 0, got {self.park_fraction}")
         names = [c.name for c in self.components]
         staged = [n for s in self.stages for n in s.components]
         if sorted(names) != sorted(staged):

@@ -118,3 +118,12 @@ def test_an_infeasible_plan_says_why_with_the_numbers():
     lines = plan.explain()
     assert lines[0].startswith("auto plan") and "INFEASIBLE" in lines[0]
     assert lines[1].startswith("dit: ")
+
+
+def test_facts_refuse_negative_sizes_and_components_outside_the_stages():
+    with pytest.raises(ValueError, match="device_capacity must be >= 0"):
+        one_component(capacity=-1)
+    with pytest.raises(ValueError, match="each must be in one stage"):
+        PipelineFacts((uniform(),), (Stage("denoise", ("other",)),), 10, LinkFacts(1.0, 1.0), 0)
+    with pytest.raises(ValueError, match="bandwidths must be > 0"):
+        LinkFacts(0.0, 1.0)
