@@ -75,7 +75,7 @@ class PrefetchRing:
         self._last_use = [None] * self.n_slots
         self._device.copy_waits_for_compute()
         logger.debug("ring on %s: allocated %d slots x %d B for %d streamed layers",
-                    self._device.device, self.n_slots, nbytes, len(self._layers))
+                     self._device.device, self.n_slots, nbytes, len(self._layers))
 
     def deallocate(self) -> None:
         """Release every layer and drop the slots (stage teardown)."""
