@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import ray
@@ -35,6 +36,9 @@ from offload_core.budget import Lease, Refusal
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "offload-serve"
+# Answers kept for retried requests: a retry comes within one client backoff (<= 60 s); 4096
+# answers cover ~70 grants/s for a minute, far above a node's replica start rate.
+ANSWERS_KEPT = 4096
 HOST_POOL = "host"
 
 
@@ -121,6 +125,7 @@ class NodeLedger:
         self._restarted = actor_info(ray.get_runtime_context().get_actor_id()).get("NumRestarts", 0) > 0
         self._recovering_until = time.monotonic() + config.recovery_s if self._restarted else 0.0
         self._reclaimer: asyncio.Task | None = None
+        self._answers: OrderedDict[str, asyncio.Future] = OrderedDict()  # request_id -> answer
         logger.info("ledger %s epoch %s%s: host pool %.2f GB (%s%s); per-replica cap %.2f GB (%.0f %%); "
                     "GPU pools: %s", node_id, self._epoch,
                     " (restarted: grants wait %.1f s for re-registration)" % config.recovery_s if self._restarted else "",
@@ -147,22 +152,37 @@ class NodeLedger:
     # ---- leasing ---------------------------------------------------------------------------
     async def request(self, pool: str, nbytes: int, ref: OwnerRef, priority: float = 0.0, purpose: str = "",
                       client_epoch: str | None = None, wait_s: float = 0.0,
-                      owner: str | None = None) -> Lease | Refusal | StaleEpoch:
+                      owner: str | None = None, request_id: str | None = None) -> Lease | Refusal | StaleEpoch:
         """Grant ``nbytes`` of ``pool`` to the process ``ref`` (leases named ``owner``, default ref.owner).
 
         Fits now -> Lease. Else waits up to ``wait_s`` (higher ``priority`` served first) -> Lease
         or Refusal. A client that saw an older epoch gets StaleEpoch and must re-register first.
+        A repeated ``request_id`` (a client's retry) gets the first call's answer.
         """
         self._ensure_reclaimer()
         if client_epoch is not None and client_epoch != self._epoch:
             return StaleEpoch(self._epoch)
+        if request_id is not None and request_id in self._answers:
+            return await asyncio.shield(self._answers[request_id])
+        answer = asyncio.ensure_future(self._answer(pool, nbytes, ref, owner, priority, purpose, wait_s))
+        if request_id is not None:
+            self._answers[request_id] = answer
+            while len(self._answers) > ANSWERS_KEPT:
+                self._answers.popitem(last=False)
+        return await asyncio.shield(answer)
+
+    async def _answer(self, pool, nbytes, ref, owner, priority, purpose, wait_s) -> Lease | Refusal:
         await self._recovered()
         return await self._pools.request(pool, nbytes, ref, owner=owner, priority=priority, purpose=purpose,
                                          wait_s=wait_s)
 
-    async def release(self, pool: str, lease_id: str, client_epoch: str | None = None) -> StaleEpoch | None:
+    async def release(self, pool: str, lease_id: str, client_epoch: str | None = None,
+                      missing_ok: bool = False) -> StaleEpoch | None:
+        """Give a lease back; ``missing_ok`` for a client's retry, whose first attempt may have run."""
         if client_epoch is not None and client_epoch != self._epoch:
             return StaleEpoch(self._epoch)
+        if missing_ok and lease_id not in {lease.lease_id for lease in self._pools.outstanding(pool)}:
+            return None
         self._pools.release(pool, lease_id)
         return None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 
 import ray
 from ray.exceptions import RayActorError
@@ -39,7 +40,7 @@ class LedgerClient:
         self._held: dict[str, tuple[str, Lease]] = {}  # lease_id -> (pool, lease)
         self._lock = threading.RLock()
         self._closed = threading.Event()
-        self._epoch = self._call(lambda: handle.epoch.remote())
+        self._epoch = self._call(lambda retry: handle.epoch.remote())
         self._heartbeat = threading.Thread(target=self._beat, name=f"ledger-heartbeat-{owner}", daemon=True)
         self._heartbeat.start()
 
@@ -51,14 +52,15 @@ class LedgerClient:
         return LedgerBudget(self, pool)
 
     def state(self):
-        return self._call(lambda: self._handle.state.remote())
+        return self._call(lambda retry: self._handle.state.remote())
 
     def request(self, pool: str, nbytes: int, owner: str, priority: float = 0.0, purpose: str = "",
                 wait_s: float = 0.0) -> Lease | Refusal:
+        request_id = uuid.uuid4().hex  # a retried call gets the first call's answer, never a 2nd grant
         while True:
             epoch = self._epoch
-            result = self._call(lambda: self._handle.request.remote(
-                pool, int(nbytes), self.ref, float(priority), purpose, epoch, float(wait_s), owner),
+            result = self._call(lambda retry: self._handle.request.remote(
+                pool, int(nbytes), self.ref, float(priority), purpose, epoch, float(wait_s), owner, request_id),
                 extra_s=wait_s)
             if isinstance(result, StaleEpoch):
                 self._reregister()
@@ -74,7 +76,8 @@ class LedgerClient:
                 raise KeyError(f"lease {lease.lease_id} of {lease.owner} is not held by this replica")
         while True:
             epoch = self._epoch
-            stale = self._call(lambda: self._handle.release.remote(pool, lease.lease_id, epoch))
+            # A retried release may find the first attempt already gave the lease back.
+            stale = self._call(lambda retry: self._handle.release.remote(pool, lease.lease_id, epoch, retry))
             if not isinstance(stale, StaleEpoch):
                 break
             self._reregister()
@@ -82,10 +85,10 @@ class LedgerClient:
             self._held.pop(lease.lease_id, None)
 
     def outstanding(self, pool: str, owner: str | None) -> tuple[Lease, ...]:
-        return self._call(lambda: self._handle.outstanding.remote(pool, owner))
+        return self._call(lambda retry: self._handle.outstanding.remote(pool, owner))
 
     def capacity(self, pool: str) -> int:
-        return self._call(lambda: self._handle.capacity.remote(pool))
+        return self._call(lambda retry: self._handle.capacity.remote(pool))
 
     def close(self) -> int:
         """Release everything this replica holds; stop the heartbeat. Returns the bytes given back."""
@@ -98,24 +101,28 @@ class LedgerClient:
 
     # ---- internals -------------------------------------------------------------------------
     def _call(self, submit, extra_s: float = 0.0):
-        """ray.get one ledger call, riding out a ledger restart up to the bound."""
+        """ray.get one ledger call, riding out a ledger restart up to the bound.
+
+        ``submit(retry: bool)`` makes the call; ``retry`` is True when an earlier attempt may have
+        run (Ray cannot tell after ActorUnavailableError), so the call can be made idempotent.
+        """
         deadline = time.monotonic() + LEDGER_UNAVAILABLE_TIMEOUT_S
-        backoff = 0.05
+        backoff, retry = 0.05, False
         while True:
             try:
-                return ray.get(submit(), timeout=CALL_TIMEOUT_S + extra_s)
+                return ray.get(submit(retry), timeout=CALL_TIMEOUT_S + extra_s)
             except RayActorError as exc:
                 if time.monotonic() > deadline:
                     raise LedgerUnavailable(f"node ledger unreachable for {LEDGER_UNAVAILABLE_TIMEOUT_S:.0f} s: "
                                             f"{exc}") from exc
                 time.sleep(backoff)
-                backoff = min(backoff * 2, 1.0)
+                backoff, retry = min(backoff * 2, 1.0), True
 
     def _reregister(self) -> None:
         with self._lock:
             held = tuple(self._held.values())
             # Re-registered under the process's ref: all its leases share one liveness fate.
-            new_epoch = self._call(lambda: self._handle.readopt.remote(held, self.ref))
+            new_epoch = self._call(lambda retry: self._handle.readopt.remote(held, self.ref))
             logger.info("ledger restarted (epoch %s -> %s): %s re-registered %d lease(s), %d B",
                         self._epoch, new_epoch, self.ref.owner, len(held), sum(l.nbytes for _, l in held))
             self._epoch = new_epoch
@@ -127,7 +134,7 @@ class LedgerClient:
             if not holding:
                 continue
             try:
-                epoch = self._call(lambda: self._handle.epoch.remote())
+                epoch = self._call(lambda retry: self._handle.epoch.remote())
             except LedgerUnavailable as exc:
                 logger.info("ledger heartbeat of %s failed, retrying next beat: %s", self.ref.owner, exc)
                 continue

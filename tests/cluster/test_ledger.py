@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from cluster.ledger import HOST_POOL, NAMESPACE, LedgerConfig, ledger_name, node_ledger
-from cluster.liveness import actor_info
+from cluster.liveness import OwnerRef, actor_info
 from offload_core.budget import Lease, Refusal
 from offload_core.host_memory import default_reserve
 from tests.cluster.conftest import FAST, MiB
@@ -67,6 +67,21 @@ def test_replicas_starting_at_once_never_lease_more_than_the_node_spendable(flee
         for r in replicas:
             ray.kill(r)
     assert _state(node.node_id).pool(HOST_POOL).leased == before.leased, "closing must give every pin back"
+
+
+def test_a_retried_request_gets_the_first_answer_not_a_second_lease(fleet_nodes):
+    handle = node_ledger(fleet_nodes.big.node_id)
+    ref = OwnerRef.of_this_process("retrying-driver")
+    before = _state(fleet_nodes.big.node_id).pool(HOST_POOL).leased
+    first, again = ray.get([handle.request.remote(HOST_POOL, 64 * MiB, ref, 1.0, "t", None, 0.0, None, "req-1")
+                            for _ in range(2)])
+    assert isinstance(first, Lease) and first == again
+    assert _state(fleet_nodes.big.node_id).pool(HOST_POOL).leased == before + 64 * MiB
+    ray.get(handle.release.remote(HOST_POOL, first.lease_id))
+    assert ray.get(handle.release.remote(HOST_POOL, first.lease_id, None, True)) is None  # a retried release
+    with pytest.raises(KeyError, match="not outstanding"):
+        ray.get(handle.release.remote(HOST_POOL, first.lease_id))
+    assert _state(fleet_nodes.big.node_id).pool(HOST_POOL).leased == before
 
 
 def test_one_replica_cannot_take_more_than_its_cap(fleet_nodes):
