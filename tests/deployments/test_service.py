@@ -150,6 +150,20 @@ def test_models_and_residency_describe_the_served_model_and_every_replica(client
     assert denoiser["last_device_peak_bytes"] == denoiser["predicted_peak_bytes"]
 
 
+def test_stage_metrics_reach_prometheus_with_a_series_per_stage(client, ray_cluster):
+    client.post(IMAGES, json={"prompt": "metrics", "seed": 1})
+    url = f"http://127.0.0.1:{ray_cluster.head_node.metrics_export_port}/metrics"
+    wanted = {f'ray_offload_serve_{name}{{' for name in ("stage_latency_seconds_count",
+                                                        "bytes_streamed_per_request_count",
+                                                        "device_peak_bytes")}
+    deadline, seen = time.monotonic() + 30, set()
+    while time.monotonic() < deadline and seen != wanted:
+        lines = httpx.get(url, timeout=10).text.splitlines()
+        seen = {w for w in wanted for line in lines if line.startswith(w) and 'stage="denoise"' in line}
+        time.sleep(1)
+    assert seen == wanted, f"missing from Prometheus: {wanted - seen}"
+
+
 def test_concurrent_requests_all_succeed_with_their_own_results(client):
     bodies = [{"prompt": f"scene {i}", "seed": i, "num_inference_steps": 2} for i in range(3)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
