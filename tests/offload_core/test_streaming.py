@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from offload_core.hosting_tier import HostingTier
-from offload_core.layout import ALIGN_BYTES, align_up, declared_layer_groups, resolve_layer_group
+from offload_core.layout import align_up, declared_layer_groups, resolve_layer_group
 from offload_core.streaming import (AlreadyStreamedError, ResidentPlacement, StreamingConfig,
                                     apply_layer_streaming)
 from tests.offload_core.tiny_models import ALL_CASES, FLUX, WAN, Stack
@@ -115,7 +115,6 @@ def test_measured_peak_equals_non_layer_plus_resident_plus_slots(depth, resident
     assert streamer.predicted_peak_bytes() == formula
     WAN.run(model, inputs)
     assert streamer.meter.peak_bytes == formula
-    assert ALIGN_BYTES == 512
 
 
 def test_multi_group_init_calls_to_once_with_every_layer_weight_a_placeholder(monkeypatch):
@@ -143,12 +142,11 @@ def test_multi_group_init_calls_to_once_with_every_layer_weight_a_placeholder(mo
     apply_layer_streaming(model, "cpu")
     assert len(calls) == 1, f"model.to was called {len(calls)} times; a later group would move twice"
     assert all(n == 0 for n in calls[0]), "a layer weight was still materialized when model.to ran"
-    group_bytes = {path: sum(p.numel() * p.element_size() for layer in resolve_layer_group(model, path).layers
-                             for p in layer.parameters()) for path in declared_layer_groups(model)}
-    # bytes are measured after apply from the layouts, since parameters are placeholders now
+    # Group bytes from the layouts (the parameters are placeholders by now).
     streamer = model._offload_layer_streamer
     group_bytes = {path: sum(l.nbytes for l in streamer.layers if l.key.startswith(path + "."))
-                   for path in group_bytes}
+                   for path in declared_layer_groups(model)}
+    assert len(set(group_bytes.values())) == 2, "the groups must differ in size for the order to show"
     largest = max(group_bytes, key=group_bytes.get)
     assert consolidated[0].startswith(largest + "."), f"moved {consolidated[0]} first; largest group is {largest}"
 
