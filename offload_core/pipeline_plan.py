@@ -74,6 +74,7 @@ class ComponentPlan:
     host_tables: bool  # gather qualifying token tables on the host
     hosting: tuple[tuple[str, HostingTier], ...]  # per layer key; empty unless LAYERWISE
     prediction: ComponentPrediction | None = None
+    uses_per_request: int = 1  # from the facts: ranks the component's claim on pins
 
     def streaming_config(self):
         """The engine's configuration for this component (LAYERWISE only)."""

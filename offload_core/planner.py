@@ -37,7 +37,8 @@ _GATE_ROUNDS = 4
 
 
 def _base(profile: ComponentProfile, strategy: Strategy, park: bool, tables: bool) -> ComponentPlan:
-    return ComponentPlan(profile.name, strategy, profile.layer_groups, 0, 1, park, tables, ())
+    return ComponentPlan(profile.name, strategy, profile.layer_groups, 0, 1, park, tables, (),
+                         uses_per_request=max(1, profile.uses_per_request))
 
 
 def _options(profile: ComponentProfile, override: ComponentOverride) -> list[ComponentPlan]:

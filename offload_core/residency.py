@@ -20,7 +20,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from offload_core.budget import Lease, MemoryBudget
+from offload_core.budget import MemoryBudget
 from offload_core.device import get_device, normalize_device
 from offload_core.host_tables import HostTables, HostTablesConfig, select_host_tables
 from offload_core.hosting_tier import HostingTier
@@ -167,11 +167,11 @@ class PipelineResidency:
     """Every component of a pipeline under its plan, and the lifecycle of its stages."""
 
     def __init__(self, components: dict[str, _Component], plan: PipelinePlan, device: torch.device,
-                 lease: Lease | None, budget: MemoryBudget | None):
+                 hosting, budget: MemoryBudget | None):
         self.components = components
         self.plan = plan
         self.device = device
-        self._lease, self._budget = lease, budget
+        self._hosting, self._budget = hosting, budget  # hosting.HostingPlan and its one lease
         self._peak = 0
         self._handles = [m.register_forward_pre_hook(lambda *_: self._sample())
                          for c in components.values() for m in c.hooked_modules()]
@@ -183,12 +183,12 @@ class PipelineResidency:
     def apply(cls, components: Mapping[str, nn.Module], plan: PipelinePlan, device: torch.device | str,
               budget: MemoryBudget | None = None, *, owner: str = "pipeline",
               tables: HostTablesConfig = HostTablesConfig()) -> PipelineResidency:
-        """Put each component under its plan; leases the plan's pinned bytes from ``budget`` if given."""
+        """Put each component under its plan; with a host ``budget``, its tiers are leased (and fitted) first."""
         missing = {c.name for c in plan.components} ^ set(components)
         if missing:
             raise ValueError(f"plan and components disagree on {sorted(missing)}")
         device = normalize_device(device)
-        plan, lease = _lease_pins(plan, budget, owner)
+        plan, hosting = _host_leases(plan, components, budget, owner)
         built: dict[str, _Component] = {}
         for cplan in plan.components:
             module = components[cplan.name]
@@ -203,7 +203,7 @@ class PipelineResidency:
                 built[cplan.name] = _Layerwise(*args, park_fraction=plan.park_fraction,
                                                parked=bool(cplan.prediction and cplan.prediction.parked))
             logger.info("residency %s: %s", cplan.name, cplan.explain())
-        return cls(built, plan, device, lease, budget)
+        return cls(built, plan, device, hosting, budget)
 
     # -- the lifecycle ------------------------------------------------------------------------
     def prepare_for_use(self, stage_components: Sequence[str]) -> None:
@@ -318,14 +318,14 @@ class PipelineResidency:
                                 device=self.device)
 
     def remove(self) -> None:
-        """Undo everything: hooks, streamers, host tables; give the pinned lease back."""
+        """Undo everything: hooks, streamers, host tables; give the host lease back."""
         for handle in self._handles:
             handle.remove()
         for c in self.components.values():
             c.remove()
-        if self._lease is not None:
-            self._budget.release(self._lease)
-            self._lease = None
+        if self._hosting is not None:
+            self._hosting.release(self._budget)
+            self._hosting = None
 
     def _pick(self, names: Sequence[str]) -> list[_Component]:
         unknown = [n for n in names if n not in self.components]
@@ -334,16 +334,34 @@ class PipelineResidency:
         return [self.components[n] for n in names]
 
 
-def _lease_pins(plan: PipelinePlan, budget: MemoryBudget | None, owner: str):
-    """Lease the plan's pinned bytes; if refused, the plan's pins become pageable (and it says so)."""
-    if budget is None or plan.pinned_bytes == 0:
+def _host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget: MemoryBudget | None,
+                 owner: str):
+    """Fit the plan's tiers to the host budget with ``hosting.plan_hosting`` (one lease, net cost).
+
+    The plan's tiers are ceilings; the host-memory plan may demote layers (pageable mapped -> MAPPED,
+    then pins given back) when the node is short. Tiers that change are applied and said, in the
+    plan's notes and the log: bytes moved for a layer turned MAPPED are its tensor bytes, no longer
+    the predicted flat bytes.
+    """
+    from offload_core.hosting import HostingPolicy, facts_from_module, plan_hosting
+
+    streamed = [c for c in plan.components if c.strategy is Strategy.LAYERWISE]
+    if budget is None or not streamed:
         return plan, None
-    granted = budget.request(plan.pinned_bytes, owner, purpose="pinned-layers")
-    if isinstance(granted, Lease):
-        return plan, granted
-    logger.info("residency %s: pinned lease of %d B refused (%s); planned pins become pageable",
-                owner, plan.pinned_bytes, granted.reason)
-    demoted = tuple(dataclasses.replace(c, hosting=tuple((k, HostingTier.PAGEABLE if t is HostingTier.PINNED else t)
-                                                         for k, t in c.hosting)) for c in plan.components)
-    return dataclasses.replace(plan, components=demoted, pinned_bytes=0,
-                               notes=(*plan.notes, f"pinned lease refused: {granted.reason}")), None
+    facts = [facts_from_module(c.name, components[c.name], c.layer_groups or None, c.uses_per_request,
+                               resident_keys=[key for key, _ in c.hosting[:c.resident_layers]]) for c in streamed]
+    # The plan's tiers are the ceilings: the host may only lower them.
+    policy = HostingPolicy(wanted={c.name: dict(c.hosting) for c in streamed})
+    hosting = plan_hosting(facts, budget, owner, policy)
+    changed, components_ = [], []
+    for c in plan.components:
+        if c.strategy is Strategy.LAYERWISE:
+            tiers = hosting.tiers_for(c.name)
+            moved = [key for key, tier in c.hosting if tiers[key] is not tier]
+            if moved:
+                changed.append(f"{c.name}: {len(moved)} layers re-tiered by the host budget ({hosting.component(c.name).reason})")
+                c = dataclasses.replace(c, hosting=tuple((key, tiers[key]) for key, _ in c.hosting))
+        components_.append(c)
+    for line in changed:
+        logger.info("residency %s: %s", owner, line)
+    return dataclasses.replace(plan, components=tuple(components_), notes=(*plan.notes, *changed)), hosting

@@ -174,21 +174,40 @@ def test_next_stage_first_layers_are_prefetched_only_when_headroom_allows(cpu_ca
     res.remove()
 
 
-def test_a_refused_pinned_lease_turns_planned_pins_pageable_and_remove_gives_leases_back(cpu_capacity):
+def mapped_toys(tmp_path):
+    """Toys whose weights are views of a safetensors file mapping, as from_pretrained leaves them."""
+    from safetensors.torch import load_file, save_file
+
+    models = {}
+    for i, name in enumerate("ab"):
+        path = tmp_path / f"{name}.safetensors"
+        save_file(Toy(i).state_dict(), str(path))
+        models[name] = Toy(i)
+        models[name].load_state_dict(load_file(str(path)), assign=True)
+    return models
+
+
+def test_the_host_budget_fits_the_planned_tiers_with_one_lease_given_back_on_remove(cpu_capacity, tmp_path):
     cpu_capacity(10_000)
     plan = toy_plan(10_000)
-    assert plan.pinned_bytes > 0
-    short = InProcessLedger(plan.pinned_bytes - 1)
-    res = PipelineResidency.apply(toys(), plan, "cpu", short, owner="toy")
-    assert all(layer.tier is HostingTier.PAGEABLE for c in res.components.values() for layer in c.streamer.layers)
-    assert any("refused" in note for note in res.plan.notes)
-    res.remove()
-    enough = InProcessLedger(plan.pinned_bytes)
-    res = PipelineResidency.apply(toys(), plan, "cpu", enough, owner="toy")
-    assert enough.leased() == plan.pinned_bytes
+    layer_bytes = 1536  # a Toy layer's tensors (1088 B, all mapped) copied out into its 512-aligned flat buffer
+    enough = InProcessLedger(10**6)
+    res = PipelineResidency.apply(mapped_toys(tmp_path), plan, "cpu", enough, owner="toy")
+    assert enough.leased() == 8 * layer_bytes, "one lease for the net anonymous cost of every copied layer"
     assert all(layer.tier is HostingTier.PINNED for c in res.components.values() for layer in c.streamer.layers)
     res.remove()
     assert enough.leased() == 0
+
+    short = InProcessLedger(5 * layer_bytes)  # room for 5 of the 8 layers' copies
+    res = PipelineResidency.apply(mapped_toys(tmp_path), plan, "cpu", short, owner="toy")
+    tiers = [layer.tier for c in res.components.values() for layer in c.streamer.layers]
+    assert tiers.count(HostingTier.MAPPED) == 3 and short.leased() == 5 * layer_bytes
+    assert any("re-tiered by the host budget" in note for note in res.plan.notes)
+    x = torch.randn(2, 16)
+    with torch.no_grad(), res.stage(["b"]):
+        assert torch.equal(res.components["b"].module(x), Toy(1)(x)), "mapped layers stream bitwise equal"
+    res.remove()
+    assert short.leased() == 0
 
 
 # ---- the tiny pipelines: predictions equal measurements --------------------------------------
