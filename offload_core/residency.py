@@ -23,7 +23,6 @@ from torch import nn
 from offload_core.budget import MemoryBudget
 from offload_core.device import get_device, normalize_device
 from offload_core.host_tables import HostTables, HostTablesConfig, select_host_tables
-from offload_core.hosting_tier import HostingTier
 from offload_core.meter import DeviceWeightMeter
 from offload_core.parking import Parking
 from offload_core.pipeline_plan import ComponentPlan, PipelinePlan
