@@ -283,6 +283,10 @@ def test_tiny_pipeline_peak_and_bytes_moved_equal_the_plan_in_every_mode(family,
             assert torch.equal(out, reference), f"{mode.value}: output differs from the plain pipeline"
             assert measured.peak_device_bytes == plan.peak_device_bytes, (mode.value, request)
             assert measured.bytes_moved == plan.bytes_moved_per_request, (mode.value, request)
+        for name, c in res.components.items():
+            if c.streamer is not None:  # the engine's own formula and meter agree with the plan too
+                predicted = plan.component(name).prediction.in_use_bytes
+                assert predicted == c.streamer.predicted_peak_bytes() == c.streamer.meter.peak_bytes, name
         seen.add(tuple(c.strategy for c in plan.components))
         res.remove()
         del res, comps, call
