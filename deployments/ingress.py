@@ -105,7 +105,12 @@ class Ingress:
         assert isinstance(latents, StageOutput), "the denoiser's stream must end with the latents"
         decoded: StageOutput = await self.decoder.decode.remote(latents, spec)
         enc: StageOutput = await encoded
-        return Generated(spec, decoded.value, (enc.stats, latents.stats, decoded.stats))
+        stats = (enc.stats, latents.stats, decoded.stats)
+        per_stage = ", ".join(f"{s.stage} {s.seconds:.3f} s ({s.bytes_streamed} B streamed, peak "
+                              f"{s.device_peak_bytes} B)" for s in stats)
+        logger.info("request %s: %dx%d, %d frame(s), n=%d, %d steps: %s", spec.request_id, spec.width,
+                    spec.height, spec.num_frames, spec.n, spec.steps, per_stage)
+        return Generated(spec, decoded.value, stats)
 
     def _body(self, generated: Generated, data: list[dict]) -> dict:
         return {"created": int(time.time()), "id": generated.spec.request_id, "seed": generated.spec.seed,
@@ -124,7 +129,8 @@ class Ingress:
             generated = await self._generate(spec)
         except Exception as exc:  # mapped to 503 (overload, lost replica) or a logged 500
             return errors.overload_or_failure(exc, self.config.retry_after_s, spec.request_id)
-        result = render(generated)
+        # PNG / H.264 encoding takes a core for a while on large outputs: off the event loop.
+        result = await asyncio.to_thread(render, generated)
         return result if isinstance(result, Response) else JSONResponse(result)
 
     async def _events(self, spec: GenerationSpec, render) -> AsyncIterator[str]:
@@ -147,7 +153,7 @@ class Ingress:
             response = errors.overload_or_failure(exc, self.config.retry_after_s, spec.request_id)
             yield _sse("error", {"status": response.status_code, **json.loads(response.body)})
             return
-        yield _sse("result", render(generated))
+        yield _sse("result", await asyncio.to_thread(render, generated))
 
     # -- routes ---------------------------------------------------------------------------------
     @api.get("/health")
