@@ -3,7 +3,10 @@
 Each replica (a Ray actor on the node) asks for host RAM in chunks until the node's spendable is
 asked for twice over, all replicas at the same moment after a barrier. Printed: the most ever
 leased over the spendable (must stay <= 1.0), granted/refused counts, and grant latency
-(one ``request`` round trip from the replica, p50/p99). The last line is one JSON object.
+(one ``request`` round trip from the replica, p50/p99). Then the same replicas share one fake
+"12 GB" GPU (the node advertises accelerator_type:RTX3060) and run stage calls whose 4 GB
+working sets fit two at a time: the most ever leased over the GPU pool (<= 1.0) and the time a
+call waited for its working set. The last line is one JSON object.
 
     .venv/bin/python bench/ledger.py --quick      # 8 replicas x 16 requests, < 60 s
     .venv/bin/python bench/ledger.py              # 24 replicas x 40 requests
@@ -50,6 +53,20 @@ class Replica:
             granted, refused = granted + isinstance(got, Lease), refused + (not isinstance(got, Lease))
         return latencies, granted, refused
 
+    def stage_calls(self, nbytes: int, count: int, hold_s: float, start_at: float) -> list[float]:
+        """Stage calls that lease a working set on the shared GPU: seconds each waited for it."""
+        pool = f"gpu:{int(ray.get_gpu_ids()[0])}"
+        time.sleep(max(0.0, start_at - time.time()))
+        waits = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            got = self.client.request(pool, nbytes, self.client.ref.owner, 1.0, "working-set", wait_s=60.0)
+            waits.append(time.perf_counter() - t0)
+            assert isinstance(got, Lease), f"a 60 s wait for {nbytes} B should always be served: {got}"
+            time.sleep(hold_s)
+            self.client.release(pool, got)
+        return waits
+
     def close(self) -> int:
         return self.client.close()
 
@@ -68,14 +85,15 @@ def main() -> None:
     replicas = args.replicas or (8 if args.quick else 24)
     requests = args.requests or (16 if args.quick else 40)
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
-             namespace="offload-serve-bench")
+    # One fake 12 GB GPU (cluster/node.py sizes it from the gpus table when NVML sees none).
+    ray.init(num_cpus=2, num_gpus=1, resources={"accelerator_type:RTX3060": 1}, include_dashboard=False,
+             object_store_memory=100 * 2**20, log_to_driver=False, namespace="offload-serve-bench")
     try:
         ledger = node_ledger(config=CONFIG)
         spendable = ray.get(ledger.state.remote()).pool(HOST_POOL).capacity
         # Demand = 2x spendable in total, so the pool runs full and the refusal path is exercised.
         chunk = max(1, 2 * spendable // (replicas * requests))
-        actors = [Replica.remote(f"bench-{i}") for i in range(replicas)]
+        actors = [Replica.options(num_gpus=1 / replicas).remote(f"bench-{i}") for i in range(replicas)]
         t0 = time.perf_counter()
         ray.get([a.ready.remote() for a in actors])
         startup_s = time.perf_counter() - t0
@@ -83,6 +101,12 @@ def main() -> None:
         state = ray.get(ledger.state.remote()).pool(HOST_POOL)
         ray.get([a.close.remote() for a in actors])
         left = ray.get(ledger.state.remote()).pool(HOST_POOL).leased
+        gpu_capacity = ray.get(ledger.state.remote()).pool("gpu:0").capacity
+        working_set = int(gpu_capacity * 0.36)  # two fit, three never (2 x 0.36 < 1 < 3 x 0.36)
+        calls = max(2, requests // 4)
+        waits = [w for ws in ray.get([a.stage_calls.remote(working_set, calls, 0.01, time.time() + 1.0)
+                                      for a in actors]) for w in ws]
+        gpu = ray.get(ledger.state.remote()).pool("gpu:0")
     finally:
         ray.shutdown()
 
@@ -96,12 +120,20 @@ def main() -> None:
         "grant_latency_p50_ms": round(1e3 * statistics.median(latencies), 3),
         "grant_latency_p99_ms": round(1e3 * percentile(latencies, 0.99), 3),
         "replica_startup_s": round(startup_s, 2),
+        "gpu_pool_bytes": gpu_capacity, "working_set_bytes": working_set, "stage_calls": len(waits),
+        "gpu_peak_over_capacity": round(gpu.peak_leased / gpu_capacity, 4),
+        "working_set_wait_p50_ms": round(1e3 * statistics.median(waits), 3),
+        "working_set_wait_p99_ms": round(1e3 * percentile(waits, 0.99), 3),
+        "gpu_leased_after_calls_bytes": gpu.leased,
     }
     print(f"{replicas} replicas x {requests} requests of {chunk / 2**20:.1f} MiB against "
           f"{spendable / 2**30:.2f} GiB spendable (started in {startup_s:.1f} s)")
     print(f"peak leased / spendable: {figures['peak_over_spendable']:.4f} (must be <= 1.0); "
           f"granted {granted}, refused {refused}; left after close: {left} B")
     print(f"grant latency: p50 {figures['grant_latency_p50_ms']:.2f} ms, p99 {figures['grant_latency_p99_ms']:.2f} ms")
+    print(f"shared {gpu_capacity / 1e9:.2f} GB GPU pool, {len(waits)} stage calls of {working_set / 1e9:.2f} GB: "
+          f"peak leased / pool {figures['gpu_peak_over_capacity']:.4f} (must be <= 1.0); working-set wait "
+          f"p50 {figures['working_set_wait_p50_ms']:.2f} ms, p99 {figures['working_set_wait_p99_ms']:.2f} ms")
     print(json.dumps(figures))
 
 
