@@ -72,9 +72,11 @@ def print_residency(replicas: list[dict]) -> None:
         print(f"  {replica['stage']:8s} {replica['replica']} on {replica['device']}, mode {replica['mode']}, "
               f"predicted device peak {replica['predicted_peak_bytes']} B, last call streamed "
               f"{replica['last_bytes_streamed']} B")
+        for line in replica["plan"][1:]:
+            print(f"    plan  {line}")
         for c in replica["weights"]["components"]:
             tiers = ", ".join(f"{n} {tier}" for tier, n in c["layer_tiers"].items())
-            print(f"    {c['name']}: device {c['device_bytes']} B, host pinned {c['host_pinned_bytes']} B, "
+            print(f"    where {c['name']}: device {c['device_bytes']} B, host pinned {c['host_pinned_bytes']} B, "
                   f"mapped {c['host_mapped_bytes']} B, pageable {c['host_pageable_bytes']} B, parked "
                   f"{c['parked_bytes']} B; streamed layers: {tiers or 'none'}")
 
