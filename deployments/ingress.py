@@ -174,9 +174,9 @@ class Ingress:
     async def residency(self, request: Request):
         if (denied := self._unauthorized(request)) is not None:
             return denied
-        reports = await self.board.snapshot.remote()
-        alive = live_replicas()
-        return {"replicas": [r.to_json() for r in reports if r.replica in alive]}
+        alive = frozenset(await asyncio.to_thread(live_replicas))  # a GCS round trip: off the event loop
+        reports = await self.board.snapshot.remote(alive)
+        return {"replicas": [r.to_json() for r in reports]}
 
     @api.post("/v1/images/generations")
     async def images(self, request: Request):

@@ -45,11 +45,11 @@ class ResidencyBoard:
     def publish(self, report: ReplicaResidency) -> None:
         self._reports[report.replica] = report
 
-    def snapshot(self) -> tuple[ReplicaResidency, ...]:
+    def snapshot(self, alive: frozenset[str]) -> tuple[ReplicaResidency, ...]:
+        """Reports of the replicas in ``alive``; the others (killed, scaled down) are dropped for good."""
+        for replica in set(self._reports) - alive:
+            del self._reports[replica]
         return tuple(self._reports.values())
-
-    def forget(self, replica: str) -> None:
-        self._reports.pop(replica, None)
 
 
 def board_name(app_name: str) -> str:

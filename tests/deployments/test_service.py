@@ -210,4 +210,7 @@ def test_a_killed_denoiser_replica_is_replaced_and_later_requests_succeed(client
         assert later.status_code == 503 and "retry-after" in later.headers, later.text
         time.sleep(1)
     assert _pngs(later) == expected
-    assert _replica_actor("Denoiser") != victim
+    replacement = _replica_actor("Denoiser")
+    assert replacement != victim
+    listed = {r["replica"] for r in client.get("/v1/residency").json()["replicas"]}
+    assert replacement in listed and victim not in listed, "residency must list live replicas only"
