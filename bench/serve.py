@@ -80,7 +80,7 @@ def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode, rep
 
     def once():
         encoded = under("encode", lambda p: families.encode(p, facts, spec, cpu))
-        latents = under("denoise", lambda p: families.denoise(p, facts, encoded, spec))
+        latents = under("denoise", lambda p: families.denoise(p, facts, encoded, spec, cpu))
         frames = under("decode", lambda p: families.decode(p, facts, latents, spec))
         return [media.png_bytes(f[0]) for f in frames]
 

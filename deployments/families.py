@@ -129,6 +129,11 @@ def generator_for(spec: GenerationSpec) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(spec.seed)
 
 
+# Stage outputs cross Ray on the CPU: a CUDA tensor would be rebuilt on the receiver's GPU (the
+# ingress has none). The copy back to the device is exact, so results stay bitwise.
+CPU = torch.device("cpu")
+
+
 @torch.no_grad()
 def encode(pipe, facts: FamilyFacts, spec: GenerationSpec, device: torch.device) -> EncodedPrompt:
     if facts.family is Family.WAN:
@@ -136,15 +141,16 @@ def encode(pipe, facts: FamilyFacts, spec: GenerationSpec, device: torch.device)
             prompt=spec.prompt, negative_prompt=spec.negative_prompt,
             do_classifier_free_guidance=spec.guidance_scale > 1.0, num_videos_per_prompt=spec.n,
             max_sequence_length=512, device=device)
-        return EncodedPrompt(positive, negative_prompt_embeds=negative)
+        return EncodedPrompt(positive, negative_prompt_embeds=negative).to(CPU)
     positive, pooled, _text_ids = pipe.encode_prompt(
         prompt=spec.prompt, prompt_2=None, device=device, num_images_per_prompt=spec.n, max_sequence_length=512)
-    return EncodedPrompt(positive, pooled_prompt_embeds=pooled)
+    return EncodedPrompt(positive, pooled_prompt_embeds=pooled).to(CPU)
 
 
-def denoise(pipe, facts: FamilyFacts, encoded: EncodedPrompt, spec: GenerationSpec,
+def denoise(pipe, facts: FamilyFacts, encoded: EncodedPrompt, spec: GenerationSpec, device: torch.device,
             on_step: Callable[[DenoiseProgress], None] | None = None) -> torch.Tensor:
-    """Latents exactly as ``pipe(..., output_type="latent")`` returns them."""
+    """Latents exactly as ``pipe(..., output_type="latent")`` returns them, on the CPU."""
+    encoded = encoded.to(device)  # the pipelines cast embeddings' dtype, never their device
 
     def step_end(_pipe, i, _t, _tensors):
         if on_step is not None:
@@ -158,10 +164,10 @@ def denoise(pipe, facts: FamilyFacts, encoded: EncodedPrompt, spec: GenerationSp
         # The embeddings already hold n rows, so one video per embedding row.
         out = pipe(prompt_embeds=encoded.prompt_embeds, negative_prompt_embeds=encoded.negative_prompt_embeds,
                    num_frames=spec.num_frames, num_videos_per_prompt=1, **common)
-        return out.frames
+        return out.frames.to(CPU)
     out = pipe(prompt_embeds=encoded.prompt_embeds, pooled_prompt_embeds=encoded.pooled_prompt_embeds,
                num_images_per_prompt=1, **common)
-    return out.images
+    return out.images.to(CPU)
 
 
 @torch.no_grad()

@@ -45,6 +45,13 @@ class EncodedPrompt:
     # Flux's CLIP pooled embedding; None for Wan.
     pooled_prompt_embeds: torch.Tensor | None = None
 
+    def to(self, device: torch.device) -> "EncodedPrompt":
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return EncodedPrompt(move(self.prompt_embeds), move(self.negative_prompt_embeds),
+                             move(self.pooled_prompt_embeds))
+
 
 @dataclass(frozen=True)
 class DenoiseProgress:

@@ -116,10 +116,7 @@ class StageWorker:
     def close(self) -> None:
         """Replica shutdown: unhook the engine and give back every lease this replica holds."""
         self.residency.remove()
-        close = getattr(self.memory, "close", None)
-        if close is not None:
-            freed = close()
-            logger.info("%s: shut down, released %s B of leases", self.replica, freed)
+        logger.info("%s: shut down, released %d B of leases", self.replica, self.memory.close())
 
     def publish(self) -> None:
         if not ray.is_initialized():
@@ -162,10 +159,13 @@ class Denoiser:
         worker = self.worker
         prompt: EncodedPrompt = encoded.value
 
+        def denoise():
+            return families.denoise(worker.pipe, worker.config.facts, prompt, spec, worker.device,
+                                    on_step=events.put)
+
         def work() -> None:
             try:
-                events.put(worker.run(lambda: families.denoise(worker.pipe, worker.config.facts, prompt, spec,
-                                                               on_step=events.put)))
+                events.put(worker.run(denoise))
             except BaseException as exc:  # re-raised below, in the caller's thread
                 events.put(_Failed(exc))
 

@@ -15,7 +15,7 @@ def _staged(facts, spec):
     device = torch.device("cpu")
     steps = []
     encoded = families.encode(families.load_stage_pipeline(facts, "encode", F32), facts, spec, device)
-    latents = families.denoise(families.load_stage_pipeline(facts, "denoise", F32), facts, encoded, spec,
+    latents = families.denoise(families.load_stage_pipeline(facts, "denoise", F32), facts, encoded, spec, device,
                                on_step=steps.append)
     frames = families.decode(families.load_stage_pipeline(facts, "decode", F32), facts, latents, spec)
     return frames, steps

@@ -31,7 +31,7 @@ def _denoise_under(facts, mode, capacity=CAPACITY):
     residency = StageResidency("denoise", families.stage_modules(pipe, facts, "denoise"), uses, mode, CPU,
                                device_capacity=capacity, host_budget=memory.host_budget, owner="test-denoise")
     residency.prepare_for_use()
-    latents = families.denoise(pipe, facts, encoded, SPEC)
+    latents = families.denoise(pipe, facts, encoded, SPEC, CPU)
     residency.finish_use()
     return latents, residency, encoded
 
@@ -47,7 +47,8 @@ def test_uses_per_request_count_guidance_passes():
                                             (PerformanceMode.SPEED, Strategy.RESIDENT)])
 def test_each_mode_runs_its_plan_with_bitwise_output_and_the_predicted_peak(facts, mode, strategy):
     latents, residency, encoded = _denoise_under(facts, mode)
-    plain = families.denoise(families.load_stage_pipeline(facts, "denoise", torch.float32), facts, encoded, SPEC)
+    plain_pipe = families.load_stage_pipeline(facts, "denoise", torch.float32)
+    plain = families.denoise(plain_pipe, facts, encoded, SPEC, CPU)
     assert torch.equal(latents, plain), f"{mode.value} offload changed the denoiser's latents"
     assert residency.plan.component("transformer").strategy is strategy
     assert residency.device_peak_bytes() == residency.predicted_peak_bytes(), "measured peak != planned peak"
