@@ -70,11 +70,16 @@ def resolve_model_folder(args: AppArgs) -> pathlib.Path:
     return tiny.ensure_tiny_wan() if args.tiny_family == "wan" else tiny.ensure_tiny_flux()
 
 
-def _stage(args: AppArgs, facts: FamilyFacts, stage: str, options: StageArgs) -> StageConfig:
-    # Planned for the default request; a request with more steps streams the same plan longer.
-    uses = uses_per_request(facts, stage, args.limits.default_steps, facts.default_guidance)
-    return StageConfig(args.app_name, facts, stage, options.offload_mode, tuple(uses.items()), args.dtype,
-                       args.device_timeout_s)
+def stage_configs(args: AppArgs, facts: FamilyFacts) -> dict[str, StageConfig]:
+    """What each stage replica is built with, by stage ("encode", "denoise", "decode")."""
+    options = {"encode": args.encoder, "denoise": args.denoiser, "decode": args.decoder}
+    configs = {}
+    for stage, stage_args in options.items():
+        # Planned for the default request; a request with more steps streams the same plan longer.
+        uses = uses_per_request(facts, stage, args.limits.default_steps, facts.default_guidance)
+        configs[stage] = StageConfig(args.app_name, facts, stage, stage_args.offload_mode, tuple(uses.items()),
+                                     args.dtype, args.device_timeout_s)
+    return configs
 
 
 def build_app(args: AppArgs | dict) -> Application:
@@ -91,9 +96,10 @@ def build_app(args: AppArgs | dict) -> Application:
     logger.info("building %s: %s model %r from %s; offload modes encoder=%s denoiser=%s decoder=%s",
                 args.app_name, facts.family.value, model_id, facts.folder, args.encoder.offload_mode.value,
                 args.denoiser.offload_mode.value, args.decoder.offload_mode.value)
-    encoder = TextEncoder.options(**stage).bind(_stage(args, facts, "encode", args.encoder))
-    denoiser = Denoiser.options(**stage).bind(_stage(args, facts, "denoise", args.denoiser))
-    decoder = VaeDecoder.options(**stage).bind(_stage(args, facts, "decode", args.decoder))
+    configs = stage_configs(args, facts)
+    encoder = TextEncoder.options(**stage).bind(configs["encode"])
+    denoiser = Denoiser.options(**stage).bind(configs["denoise"])
+    decoder = VaeDecoder.options(**stage).bind(configs["decode"])
     config = IngressConfig(args.app_name, model_id, facts, args.limits, token, args.retry_after_s)
     return Ingress.options(ray_actor_options=actor, max_ongoing_requests=args.ingress_max_ongoing_requests).bind(
         encoder, denoiser, decoder, config)

@@ -1,8 +1,8 @@
 """The HTTP request bodies (OpenAI images API + extras) and their checks against the configured limits.
 
-Pydantic checks each field's type and static range; :func:`to_spec` checks what depends on the
-configured model and limits. Either way a bad field becomes :class:`FieldError` naming it, which
-the ingress answers with a 4xx JSON error (never a 500).
+Pydantic checks each field's type and static range; :func:`image_spec` and :func:`video_spec`
+check what depends on the configured model and limits. Either way a bad field becomes
+:class:`FieldError` naming it, which the ingress answers with a 4xx JSON error (never a 500).
 """
 from __future__ import annotations
 
