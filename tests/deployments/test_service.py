@@ -184,6 +184,32 @@ def test_beyond_the_queue_requests_get_503_with_retry_after_never_500(client):
             assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "queue_full"
 
 
+def test_a_device_held_elsewhere_gets_503_with_retry_after_then_serves_when_freed(client):
+    """Neighbours holding the node ledger's whole device pool: the stage waits its 1 s, then 503."""
+    from cluster.replica_memory import ReplicaMemory
+
+    held = []  # the ledger caps each owner at a share of the pool, so it takes a few neighbours
+    try:
+        for i in range(8):
+            neighbour = ReplicaMemory.open(f"test-neighbour-{i}", "cpu")
+            pool = neighbour.device_budget
+            got = pool.request(pool.available(), neighbour.owner)
+            got = got or pool.request(got.available, neighbour.owner)
+            held.append((neighbour, got))
+            if pool.available() < 1024:
+                break
+        assert pool.available() < 1024, "the neighbours could not fill the device pool"
+        busy = client.post(IMAGES, json={"prompt": "while busy", "seed": 1})
+        assert busy.status_code == 503, busy.text
+        assert busy.json()["error"]["code"] == "device_busy" and int(busy.headers["retry-after"]) >= 1
+    finally:
+        for neighbour, lease in held:
+            if lease:
+                neighbour.device_budget.release(lease)
+            neighbour.close()
+    assert client.post(IMAGES, json={"prompt": "when free", "seed": 1}).status_code == 200
+
+
 def _replica_actor(deployment: str):
     prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
