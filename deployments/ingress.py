@@ -55,6 +55,8 @@ class Generated:
 @serve.deployment(name="Ingress")
 @serve.ingress(api)
 class Ingress:
+    """Validates requests, drives encoder -> denoiser -> decoder, and encodes the frames."""
+
     def __init__(self, encoder: DeploymentHandle, denoiser: DeploymentHandle, decoder: DeploymentHandle,
                  config: IngressConfig):
         self.encoder, self.denoiser, self.decoder = encoder, denoiser, decoder
@@ -73,25 +75,25 @@ class Ingress:
         return errors.error_json(401, "missing or wrong bearer token", "authorization", "invalid_api_key",
                                  "authentication_error", {"WWW-Authenticate": "Bearer"})
 
-    async def _parse(self, request: Request, model: type, to_spec: Callable):
-        """(parsed request, spec) or an error response: auth, JSON, fields, then limits."""
+    async def _parse(self, request: Request, model: type, to_spec: Callable) -> tuple | JSONResponse:
+        """(parsed body, GenerationSpec), or the 4xx answer: checks auth, JSON, fields, then limits."""
         if (denied := self._unauthorized(request)) is not None:
-            return None, denied
+            return denied
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return None, errors.error_json(400, f"body is not valid JSON: {exc}", "body", "invalid_json",
-                                           "invalid_request_error")
+            return errors.error_json(400, f"body is not valid JSON: {exc}", "body", "invalid_json",
+                                     "invalid_request_error")
         if not isinstance(body, dict):
-            return None, errors.error_json(400, "body must be a JSON object", "body", "invalid_json",
-                                           "invalid_request_error")
+            return errors.error_json(400, "body must be a JSON object", "body", "invalid_json",
+                                     "invalid_request_error")
         try:
             parsed = model.model_validate(body)
             return parsed, to_spec(parsed, self.config.facts, self.config.limits, self.config.model_id)
         except ValidationError as exc:
-            return None, errors.validation_error(exc)
+            return errors.validation_error(exc)
         except FieldError as exc:
-            return None, errors.field_error(exc)
+            return errors.field_error(exc)
 
     async def _generate(self, spec: GenerationSpec, on_progress=None) -> Generated:
         encoded = self.encoder.encode.remote(spec)
@@ -180,16 +182,18 @@ class Ingress:
 
     @api.post("/v1/images/generations")
     async def images(self, request: Request):
-        parsed, spec = await self._parse(request, ImageRequest, image_spec)
-        if parsed is None:
-            return spec
+        checked = await self._parse(request, ImageRequest, image_spec)
+        if isinstance(checked, JSONResponse):
+            return checked
+        parsed, spec = checked
         return await self._respond(spec, parsed.stream, self._image_body)
 
     @api.post("/v1/videos/generations")
     async def videos(self, request: Request):
-        parsed, spec = await self._parse(request, VideoRequest, video_spec)
-        if parsed is None:
-            return spec
+        checked = await self._parse(request, VideoRequest, video_spec)
+        if isinstance(checked, JSONResponse):
+            return checked
+        parsed, spec = checked
         fps = parsed.fps or self.config.limits.default_fps
         if parsed.stream and parsed.response_format == "mp4":
             return errors.field_error(FieldError("stream", "a stream of events carries JSON; use "
