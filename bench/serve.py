@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from deployments import families, media  # noqa: E402
 from deployments.offload import StageResidency  # noqa: E402
-from deployments.spec import GenerationSpec  # noqa: E402
+from deployments.spec import GenerationSpec, PipelineStage  # noqa: E402
 from offload_core.planner import PerformanceMode  # noqa: E402
 
 CONCURRENCY = (1, 2, 4)
@@ -62,12 +62,12 @@ def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode, rep
     cpu = torch.device("cpu")
     memory = ReplicaMemory.open_local("bench", cpu)
     stages = {}
-    for stage in ("encode", "denoise", "decode"):
+    for stage in PipelineStage:
         pipe = families.load_stage_pipeline(facts, stage, torch.float32)
         uses = families.uses_per_request(facts, stage, spec.steps, spec.guidance_scale)
-        residency = StageResidency(stage, families.stage_modules(pipe, facts, stage), uses, mode, cpu,
+        residency = StageResidency(stage.value, families.stage_modules(pipe, facts, stage), uses, mode, cpu,
                                    device_capacity=memory.device_budget.capacity(),
-                                   host_budget=memory.host_budget, owner=f"bench-{stage}")
+                                   host_budget=memory.host_budget, owner=f"bench-{stage.value}")
         stages[stage] = (pipe, residency)
 
     def under(stage, fn):
@@ -79,9 +79,9 @@ def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode, rep
             residency.finish_use()
 
     def once():
-        encoded = under("encode", lambda p: families.encode(p, facts, spec, cpu))
-        latents = under("denoise", lambda p: families.denoise(p, facts, encoded, spec, cpu))
-        frames = under("decode", lambda p: families.decode(p, facts, latents, spec))
+        encoded = under(PipelineStage.ENCODE, lambda p: families.encode(p, facts, spec, cpu))
+        latents = under(PipelineStage.DENOISE, lambda p: families.denoise(p, facts, encoded, spec, cpu))
+        frames = under(PipelineStage.DECODE, lambda p: families.decode(p, facts, latents, spec))
         return [media.png_bytes(f[0]) for f in frames]
 
     return _median_s(once, repeats)

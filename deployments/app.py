@@ -17,6 +17,7 @@ from ray.serve import Application
 from deployments.families import FamilyFacts, read_family_facts, uses_per_request
 from deployments.ingress import Ingress, IngressConfig
 from deployments.schemas import Limits
+from deployments.spec import PipelineStage
 from deployments.stages import DTYPES, Denoiser, StageConfig, TextEncoder, VaeDecoder
 from offload_core.planner import PerformanceMode
 
@@ -71,8 +72,9 @@ def resolve_model_folder(args: AppArgs) -> pathlib.Path:
 
 
 def stage_configs(args: AppArgs, facts: FamilyFacts) -> dict[str, StageConfig]:
-    """What each stage replica is built with, by stage ("encode", "denoise", "decode")."""
-    options = {"encode": args.encoder, "denoise": args.denoiser, "decode": args.decoder}
+    """What each stage replica is built with, by stage."""
+    options = {PipelineStage.ENCODE: args.encoder, PipelineStage.DENOISE: args.denoiser,
+               PipelineStage.DECODE: args.decoder}
     configs = {}
     for stage, stage_args in options.items():
         # Planned for the default request; a request with more steps streams the same plan longer.
@@ -97,9 +99,9 @@ def build_app(args: AppArgs | dict) -> Application:
                 args.app_name, facts.family.value, model_id, facts.folder, args.encoder.offload_mode.value,
                 args.denoiser.offload_mode.value, args.decoder.offload_mode.value)
     configs = stage_configs(args, facts)
-    encoder = TextEncoder.options(**stage).bind(configs["encode"])
-    denoiser = Denoiser.options(**stage).bind(configs["denoise"])
-    decoder = VaeDecoder.options(**stage).bind(configs["decode"])
+    encoder = TextEncoder.options(**stage).bind(configs[PipelineStage.ENCODE])
+    denoiser = Denoiser.options(**stage).bind(configs[PipelineStage.DENOISE])
+    decoder = VaeDecoder.options(**stage).bind(configs[PipelineStage.DECODE])
     config = IngressConfig(args.app_name, model_id, facts, args.limits, token, args.retry_after_s)
     return Ingress.options(ray_actor_options=actor, max_ongoing_requests=args.ingress_max_ongoing_requests).bind(
         encoder, denoiser, decoder, config)

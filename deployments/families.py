@@ -17,20 +17,21 @@ from typing import Callable
 
 import torch
 
-from deployments.spec import DenoiseProgress, EncodedPrompt, Family, GenerationSpec
+from deployments.spec import DenoiseProgress, EncodedPrompt, Family, GenerationSpec, PipelineStage
 
 logger = logging.getLogger(__name__)
 
 PIPELINE_CLASSES = {"WanPipeline": Family.WAN, "FluxPipeline": Family.FLUX}
 
 # Module components (the ones offload_core manages) and helpers each stage needs, per family.
+ENCODE, DENOISE, DECODE = PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineStage.DECODE
 STAGE_MODULES = {
-    Family.WAN: {"encode": ("text_encoder",), "denoise": ("transformer",), "decode": ("vae",)},
-    Family.FLUX: {"encode": ("text_encoder", "text_encoder_2"), "denoise": ("transformer",), "decode": ("vae",)},
+    Family.WAN: {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)},
+    Family.FLUX: {ENCODE: ("text_encoder", "text_encoder_2"), DENOISE: ("transformer",), DECODE: ("vae",)},
 }
 STAGE_HELPERS = {
-    Family.WAN: {"encode": ("tokenizer",), "denoise": ("scheduler",), "decode": ()},
-    Family.FLUX: {"encode": ("tokenizer", "tokenizer_2"), "denoise": ("scheduler",), "decode": ()},
+    Family.WAN: {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()},
+    Family.FLUX: {ENCODE: ("tokenizer", "tokenizer_2"), DENOISE: ("scheduler",), DECODE: ()},
 }
 # The pipelines' own default guidance (WanPipeline.__call__: 5.0, FluxPipeline.__call__: 3.5).
 DEFAULT_GUIDANCE = {Family.WAN: 5.0, Family.FLUX: 3.5}
@@ -81,12 +82,12 @@ def read_family_facts(folder: str | pathlib.Path) -> FamilyFacts:
     return FamilyFacts(family, str(root), vae_scale * 2, 1, False, False, DEFAULT_GUIDANCE[family])
 
 
-def uses_per_request(facts: FamilyFacts, stage: str, steps: int, guidance_scale: float) -> dict[str, int]:
+def uses_per_request(facts: FamilyFacts, stage: PipelineStage, steps: int, guidance_scale: float) -> dict[str, int]:
     """Forward passes per request of each of the stage's components (what the planner weighs bytes by)."""
     # Wan runs classifier-free guidance when guidance > 1: two encoder and two transformer passes.
     cfg = 2 if facts.family is Family.WAN and guidance_scale > 1.0 else 1
-    per_stage = {"encode": cfg, "denoise": steps * cfg, "decode": 1}
-    return {name: per_stage[stage] for name in STAGE_MODULES[facts.family][stage]}
+    per_stage = {ENCODE: cfg, DENOISE: steps * cfg, DECODE: 1}
+    return {name: per_stage[PipelineStage(stage)] for name in STAGE_MODULES[facts.family][stage]}
 
 
 def _pipeline_class(family: Family):
@@ -95,7 +96,7 @@ def _pipeline_class(family: Family):
     return diffusers.WanPipeline if family is Family.WAN else diffusers.FluxPipeline
 
 
-def load_stage_pipeline(facts: FamilyFacts, stage: str, dtype: torch.dtype):
+def load_stage_pipeline(facts: FamilyFacts, stage: PipelineStage, dtype: torch.dtype):
     """The family's pipeline with only ``stage``'s components loaded (the rest None), safetensors only."""
     cls = _pipeline_class(facts.family)
     keep = set(STAGE_MODULES[facts.family][stage]) | set(STAGE_HELPERS[facts.family][stage])
@@ -105,7 +106,7 @@ def load_stage_pipeline(facts: FamilyFacts, stage: str, dtype: torch.dtype):
     pipe = cls.from_pretrained(facts.folder, use_safetensors=True, dtype=dtype, **skipped)
     pipe.set_progress_bar_config(disable=True)
     _restore_scale_factors(pipe, facts)
-    logger.info("stage %s loaded %s from %s: components %s, skipped %s", stage, cls.__name__, facts.folder,
+    logger.info("stage %s loaded %s from %s: components %s, skipped %s", PipelineStage(stage).value, cls.__name__, facts.folder,
                 sorted(keep), sorted(skipped))
     return pipe
 
@@ -120,7 +121,7 @@ def _restore_scale_factors(pipe, facts: FamilyFacts) -> None:
         pipe.vae_scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
 
 
-def stage_modules(pipe, facts: FamilyFacts, stage: str) -> dict[str, torch.nn.Module]:
+def stage_modules(pipe, facts: FamilyFacts, stage: PipelineStage) -> dict[str, torch.nn.Module]:
     return {name: getattr(pipe, name) for name in STAGE_MODULES[facts.family][stage]}
 
 

@@ -19,6 +19,14 @@ class Family(enum.Enum):
     FLUX = "flux"
 
 
+class PipelineStage(str, enum.Enum):
+    """One Serve deployment each; a str so it reads as its value in JSON, tags and dict keys."""
+
+    ENCODE = "encode"  # the text encoder(s): once per request (twice with Wan's guidance)
+    DENOISE = "denoise"  # the transformer: once or twice per step, the stage worth streaming
+    DECODE = "decode"  # the VAE: once per request
+
+
 @dataclass(frozen=True)
 class GenerationSpec:
     """One validated generation request, as every stage sees it."""

@@ -25,7 +25,7 @@ from deployments.metrics import StageMetrics
 from deployments.memory import CLUSTER_DEVICE_BUSY, DeviceBusy, open_replica_memory
 from deployments.offload import StageResidency
 from deployments.residency_board import ReplicaResidency, get_board
-from deployments.spec import DenoiseProgress, EncodedPrompt, GenerationSpec, StageOutput, StageStats
+from deployments.spec import DenoiseProgress, EncodedPrompt, GenerationSpec, PipelineStage, StageOutput, StageStats
 from offload_core.planner import PerformanceMode
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class StageConfig:
 
     app_name: str
     facts: FamilyFacts
-    stage: str  # "encode" | "denoise" | "decode"
+    stage: PipelineStage
     mode: PerformanceMode
     # Forward passes per request of each of the stage's components (the planner weighs bytes by it).
     uses_per_request: tuple[tuple[str, int], ...]
@@ -55,11 +55,11 @@ def _replica_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _replica_id(stage: str) -> str:
+def _replica_id(stage: PipelineStage) -> str:
     try:
         return serve.get_replica_context().replica_id.to_full_id_str()
     except RuntimeError:  # constructed outside Serve (benchmarks, unit tests of a worker)
-        return f"local-{stage}"
+        return f"local-{stage.value}"
 
 
 class StageWorker:
@@ -72,18 +72,18 @@ class StageWorker:
         self.pipe = families.load_stage_pipeline(config.facts, config.stage, DTYPES[config.dtype])
         self.memory = open_replica_memory(self.replica, self.device)
         self.residency = StageResidency(
-            config.stage, families.stage_modules(self.pipe, config.facts, config.stage),
+            config.stage.value, families.stage_modules(self.pipe, config.facts, config.stage),
             dict(config.uses_per_request), config.mode, self.device,
             device_capacity=self.memory.device_budget.capacity(), host_budget=self.memory.host_budget,
             owner=self.replica)
-        self.metrics = StageMetrics(config.stage)
+        self.metrics = StageMetrics(config.stage.value)
         # One call at a time per replica: the pipeline object (scheduler state) is not reentrant.
         self._lock = threading.Lock()
-        self._last = StageStats(config.stage, self.replica, 0.0, 0, 0)
+        self._last = StageStats(config.stage.value, self.replica, 0.0, 0, 0)
         self._board = None
         # Reports are built after the response is on its way: one reads /proc/self/maps and walks
         # every tensor (a few ms per call on the tiny zoo, more on a 14B model).
-        self._publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"publish-{config.stage}")
+        self._publisher = concurrent.futures.ThreadPoolExecutor(1, f"publish-{config.stage.value}")
         self.publish()
 
     def run(self, work: Callable[[], object]) -> StageOutput:
@@ -94,7 +94,7 @@ class StageWorker:
                 value = work()
             finally:
                 self.residency.finish_use()
-            stats = StageStats(self.config.stage, self.replica, time.perf_counter() - start,
+            stats = StageStats(self.config.stage.value, self.replica, time.perf_counter() - start,
                                self.residency.bytes_streamed(), self.residency.device_peak_bytes())
         self.metrics.record(stats)
         self._last = stats
@@ -112,7 +112,7 @@ class StageWorker:
             raise DeviceBusy.from_cluster(exc) from None
 
     def report(self) -> ReplicaResidency:
-        return ReplicaResidency(self.replica, self.config.stage, str(self.device), self.config.mode.value,
+        return ReplicaResidency(self.replica, self.config.stage.value, str(self.device), self.config.mode.value,
                                 self.residency.plan.explain(), self.residency.predicted_peak_bytes(),
                                 self._last.device_peak_bytes, self._last.bytes_streamed,
                                 self.residency.report().to_json())

@@ -3,22 +3,24 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
-
 from ray.serve import Application
 
 from deployments.app import AppArgs, build_app, resolve_model_folder, stage_configs
 from deployments.families import read_family_facts
+from deployments.spec import PipelineStage
 from offload_core.planner import PerformanceMode
+
+ENCODE, DENOISE, DECODE = PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineStage.DECODE
 
 
 def test_each_stage_is_configured_with_its_mode_and_uses_per_request():
     args = AppArgs.model_validate({"tiny_family": "wan", "denoiser": {"offload_mode": "memory"}})
     configs = stage_configs(args, read_family_facts(resolve_model_folder(args)))
     assert {s: c.mode for s, c in configs.items()} == {
-        "encode": PerformanceMode.AUTO, "denoise": PerformanceMode.MEMORY, "decode": PerformanceMode.AUTO}
+        ENCODE: PerformanceMode.AUTO, DENOISE: PerformanceMode.MEMORY, DECODE: PerformanceMode.AUTO}
     # 20 default steps x 2 guidance passes: what the planner weighs the denoiser's bytes by
-    assert dict(configs["denoise"].uses_per_request) == {"transformer": 40}
-    assert dict(configs["encode"].uses_per_request) == {"text_encoder": 2}
+    assert dict(configs[DENOISE].uses_per_request) == {"transformer": 40}
+    assert dict(configs[ENCODE].uses_per_request) == {"text_encoder": 2}
     assert isinstance(build_app(args), Application)
 
 

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from deployments import families
-from deployments.spec import Family, GenerationSpec
+from deployments.spec import Family, GenerationSpec, PipelineStage
+
+ENCODE, DENOISE, DECODE = PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineStage.DECODE
 from zoo.tiny import ensure_tiny_flux, ensure_tiny_wan
 
 F32 = torch.float32
@@ -14,10 +16,10 @@ F32 = torch.float32
 def _staged(facts, spec):
     device = torch.device("cpu")
     steps = []
-    encoded = families.encode(families.load_stage_pipeline(facts, "encode", F32), facts, spec, device)
-    latents = families.denoise(families.load_stage_pipeline(facts, "denoise", F32), facts, encoded, spec, device,
+    encoded = families.encode(families.load_stage_pipeline(facts, ENCODE, F32), facts, spec, device)
+    latents = families.denoise(families.load_stage_pipeline(facts, DENOISE, F32), facts, encoded, spec, device,
                                on_step=steps.append)
-    frames = families.decode(families.load_stage_pipeline(facts, "decode", F32), facts, latents, spec)
+    frames = families.decode(families.load_stage_pipeline(facts, DECODE, F32), facts, latents, spec)
     return frames, steps
 
 
@@ -49,11 +51,11 @@ def test_a_different_seed_changes_the_output():
 
 def test_each_stage_loads_only_its_own_components():
     facts = families.read_family_facts(ensure_tiny_wan())
-    encoder = families.load_stage_pipeline(facts, "encode", F32)
+    encoder = families.load_stage_pipeline(facts, ENCODE, F32)
     assert encoder.text_encoder is not None and encoder.transformer is None and encoder.vae is None
-    denoiser = families.load_stage_pipeline(facts, "denoise", F32)
+    denoiser = families.load_stage_pipeline(facts, DENOISE, F32)
     assert denoiser.transformer is not None and denoiser.text_encoder is None and denoiser.vae is None
-    decoder = families.load_stage_pipeline(facts, "decode", F32)
+    decoder = families.load_stage_pipeline(facts, DECODE, F32)
     assert decoder.vae is not None and decoder.text_encoder is None and decoder.transformer is None
 
 

@@ -7,12 +7,13 @@ import torch
 from cluster.replica_memory import ReplicaMemory
 from deployments import families
 from deployments.offload import StageResidency
-from deployments.spec import GenerationSpec
+from deployments.spec import GenerationSpec, PipelineStage
 from offload_core.planner import PerformanceMode
 from offload_core.strategy import Strategy
 from zoo.tiny import ensure_tiny_wan
 
 CPU = torch.device("cpu")
+ENCODE, DENOISE = PipelineStage.ENCODE, PipelineStage.DENOISE
 SPEC = GenerationSpec("r", "a cat", None, 16, 16, 1, 2, 5.0, 3, 1)
 # 4 blocks of the tiny Wan transformer: small enough that capacity, not speed, decides.
 CAPACITY = 64 * 1024 * 1024
@@ -24,11 +25,11 @@ def facts():
 
 
 def _denoise_under(facts, mode, capacity=CAPACITY):
-    encoded = families.encode(families.load_stage_pipeline(facts, "encode", torch.float32), facts, SPEC, CPU)
-    pipe = families.load_stage_pipeline(facts, "denoise", torch.float32)
+    encoded = families.encode(families.load_stage_pipeline(facts, ENCODE, torch.float32), facts, SPEC, CPU)
+    pipe = families.load_stage_pipeline(facts, DENOISE, torch.float32)
     memory = ReplicaMemory.open_local("test-denoise", CPU)
-    uses = families.uses_per_request(facts, "denoise", SPEC.steps, SPEC.guidance_scale)
-    residency = StageResidency("denoise", families.stage_modules(pipe, facts, "denoise"), uses, mode, CPU,
+    uses = families.uses_per_request(facts, DENOISE, SPEC.steps, SPEC.guidance_scale)
+    residency = StageResidency("denoise", families.stage_modules(pipe, facts, DENOISE), uses, mode, CPU,
                                device_capacity=capacity, host_budget=memory.host_budget, owner="test-denoise")
     residency.prepare_for_use()
     latents = families.denoise(pipe, facts, encoded, SPEC, CPU)
@@ -38,16 +39,16 @@ def _denoise_under(facts, mode, capacity=CAPACITY):
 
 def test_uses_per_request_count_guidance_passes():
     wan = families.read_family_facts(ensure_tiny_wan())
-    assert families.uses_per_request(wan, "denoise", 20, 5.0) == {"transformer": 40}
-    assert families.uses_per_request(wan, "denoise", 20, 1.0) == {"transformer": 20}
-    assert families.uses_per_request(wan, "encode", 20, 5.0) == {"text_encoder": 2}
+    assert families.uses_per_request(wan, DENOISE, 20, 5.0) == {"transformer": 40}
+    assert families.uses_per_request(wan, DENOISE, 20, 1.0) == {"transformer": 20}
+    assert families.uses_per_request(wan, ENCODE, 20, 5.0) == {"text_encoder": 2}
 
 
 @pytest.mark.parametrize("mode, strategy", [(PerformanceMode.MEMORY, Strategy.LAYERWISE),
                                             (PerformanceMode.SPEED, Strategy.RESIDENT)])
 def test_each_mode_runs_its_plan_with_bitwise_output_and_the_predicted_peak(facts, mode, strategy):
     latents, residency, encoded = _denoise_under(facts, mode)
-    plain_pipe = families.load_stage_pipeline(facts, "denoise", torch.float32)
+    plain_pipe = families.load_stage_pipeline(facts, DENOISE, torch.float32)
     plain = families.denoise(plain_pipe, facts, encoded, SPEC, CPU)
     assert torch.equal(latents, plain), f"{mode.value} offload changed the denoiser's latents"
     assert residency.plan.component("transformer").strategy is strategy
