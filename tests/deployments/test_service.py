@@ -8,7 +8,6 @@ import json
 import time
 
 import httpx
-import numpy as np
 import pytest
 import ray
 import torch
