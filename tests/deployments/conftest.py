@@ -30,9 +30,10 @@ def tiny_args(**overrides):
 
     limits = Limits(max_width=64, max_height=64, max_steps=4, max_n=2, max_prompt_chars=200, max_frames=9,
                     default_size="16x16", default_steps=2, default_frames=5, default_fps=4)
-    # A queue of 2 per stage: the concurrency test (3 clients) fits, the burst test (12) overflows.
+    # A queue of 4 per stage: the concurrency test (3 clients) fits with room for a request the
+    # router still counts from the test before; the burst test (16 clients) overflows it.
     base = dict(app_name=APP, limits=limits, api_token_env=TOKEN_ENV, replica_num_cpus=0.0, device_timeout_s=1.0,
-                stage_max_queued_requests=2,
+                stage_max_queued_requests=4,
                 # The denoiser streams every layer (memory), so requests exercise the engine; the
                 # others take the planner's choice (on a CPU with room to spare: resident).
                 denoiser=StageArgs(offload_mode=PerformanceMode.MEMORY),
