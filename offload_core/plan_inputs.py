@@ -1,9 +1,9 @@
 """Pipeline facts for the plan CLI: real-size models on the meta device, or a local diffusers folder.
 
 Shapes and dtypes are all the byte figures need, so components are built under
-``torch.device("meta")`` from published configs (configs/models/real_model_configs.json) or from
-a folder's own config files: a 14B model plans on a laptop. diffusers/transformers are imported
-inside the functions (offload_core never imports them at module import time).
+``torch.device("meta")`` (by :mod:`offload_core.real_models`) from published configs
+(configs/models/real_model_configs.json) or from a folder's own config files: a 14B model plans
+on a laptop.
 
 Uses per request and tokens per use follow the pipelines' defaults; per-layer compute is
 estimated from FLOPs at a sustained fraction of the GPU's dense BF16 rate.
@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from offload_core import real_models
 from offload_core.host_memory import default_reserve
 from offload_core.host_tables import HostTablesConfig
 from offload_core.layout import LayoutError, declared_layer_groups, resolve_layer_group
@@ -27,11 +28,9 @@ from offload_core.planner_facts import (ComponentProfile, LinkFacts, PipelineFac
 
 logger = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[1]
-REAL_CONFIGS = REPO / "configs" / "models" / "real_model_configs.json"
 GiB = 1024**3
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# safetensors header dtype names of the floating types a folder's weights may be stored in.
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # Vendor dense BF16 tensor-core TFLOPs (no sparsity); H100 is the PCIe card's figure.
 DENSE_BF16_TFLOPS = {"RTX3060": 25, "L4": 121, "A10G": 70, "RTX4090": 165, "L40S": 362, "A100-40GB": 312,
                      "A100-80GB": 312, "H100": 756, "H200": 989}
@@ -56,53 +55,17 @@ class GpuSpec:
     flops: float  # sustained FLOP/s used for compute estimates
 
 
-def _raw() -> dict[str, Any]:
-    return json.loads(REAL_CONFIGS.read_text())
-
-
 def gpu_spec(name: str) -> GpuSpec:
-    raw = _raw()
-    gpus = {k: v for k, v in raw["gpus"].items() if not k.startswith("_")}
-    if name not in gpus:
-        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(gpus)}")
-    link = gpus[name]["link"]
-    bandwidths = raw["host_to_device_bandwidth_measured_pinned_GBps"]
-    pinned = next(v for k, v in bandwidths.items() if not k.startswith("_") and link.startswith(k))
-    return GpuSpec(name, int(gpus[name]["memory_gb"]) * GiB, float(pinned) * 1e9,
+    """The config file's GPU facts plus the compute rate the planner's time estimates use."""
+    try:
+        facts = real_models.gpu_facts(name)
+    except real_models.UnknownModel as error:
+        # The CLI reports ValueErrors as bad arguments (exit 2); args[0] is the message unquoted.
+        raise ValueError(error.args[0]) from error
+    if facts.pinned_host_to_device_GBps is None:
+        raise ValueError(f"GPU {name!r}: no measured pinned bandwidth for its link {facts.link!r}")
+    return GpuSpec(name, facts.memory_bytes, facts.pinned_host_to_device_GBps * 1e9,
                    DENSE_BF16_TFLOPS[name] * 1e12 * SUSTAINED_FRACTION)
-
-
-def _entry(model_name: str) -> dict[str, Any]:
-    raw = _raw()
-    models = [k for k, v in raw.items() if isinstance(v, dict) and ("pipeline" in v or "same_as" in v)]
-    if model_name not in models:
-        raise ValueError(f"unknown model {model_name!r}; known: {', '.join(models)}")
-    entry = json.loads(json.dumps(raw[model_name]))
-    if "same_as" in entry:
-        base = _entry(entry.pop("same_as"))
-        base["transformer"]["config"].update(entry.pop("transformer_overrides", {}))
-        base.update(entry)
-        entry = base
-    return entry
-
-
-def build_meta(class_name: str, config: Mapping[str, Any], dtype: torch.dtype) -> nn.Module:
-    """``class_name`` (a diffusers or transformers class) at full size on the meta device, in ``dtype``."""
-    import diffusers
-    import transformers
-
-    with torch.device("meta"):
-        if hasattr(diffusers, class_name):
-            module = getattr(diffusers, class_name).from_config(dict(config))
-        else:
-            cls = getattr(transformers, class_name)
-            module = cls(cls.config_class(**config))
-    # diffusers keeps ``_keep_in_fp32_modules`` (Wan: norms, time embedder) in fp32: count them so.
-    keep = set(getattr(module, "_keep_in_fp32_modules", None) or ())
-    for name, param in module.named_parameters():
-        if param.is_floating_point() and not keep.intersection(name.split(".")):
-            param.data = param.data.to(dtype)
-    return module.eval()
 
 
 def _groups(model: nn.Module, declared: tuple[str, ...] | None, notes: list[str], name: str) -> tuple[str, ...]:
@@ -135,14 +98,17 @@ def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_se
                      pageable_Bps: float = PAGEABLE_GBPS * 1e9, steps: int | None = None,
                      tables: HostTablesConfig = HostTablesConfig()) -> tuple[PipelineFacts, list[str]]:
     """Facts for a real-size model from the published configs, planned for ``gpu`` and ``host_ram``."""
-    entry = _entry(model_name)
-    defaults = dict(entry["pipeline_defaults"])
+    try:
+        specs = [real_models.component_spec(model_name, c) for c in real_models.component_names(model_name)]
+        pipeline, defaults = real_models.pipeline_class(model_name), real_models.pipeline_defaults(model_name)
+    except real_models.UnknownModel as error:
+        # The CLI reports ValueErrors as bad arguments (exit 2); args[0] is the message unquoted.
+        raise ValueError(error.args[0]) from error
     if steps is not None:
         defaults["num_inference_steps"] = steps
-    load = {name: (spec["class"], spec["config"], _DTYPES[spec.get("dtype", "float32")],
-                   tuple(spec["layer_groups"]) if "layer_groups" in spec else None)
-            for name, spec in entry.items() if isinstance(spec, dict) and "class" in spec and name != "scheduler"}
-    return _facts(entry["pipeline"], load, defaults, gpu, host_ram, working_set, pageable_Bps, tables)
+    # An empty layer_groups (none declared) lets _groups fall back to the model's own declaration.
+    load = {s.component: (s.class_name, s.config, s.dtype, s.layer_groups) for s in specs}
+    return _facts(pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables)
 
 
 def folder_facts(folder: Path, gpu: GpuSpec, host_ram: int, *, working_set: int = 3 * GiB,
@@ -175,7 +141,7 @@ def _folder_dtype(component_dir: Path) -> torch.dtype:
     for path in sorted(component_dir.glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
             for key in f.keys():
-                dtype = _DTYPES.get(f.get_slice(key).get_dtype())
+                dtype = _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
                 if dtype is not None:
                     return dtype
     raise ValueError(f"{component_dir}: no floating-point safetensors weights found")
@@ -187,7 +153,7 @@ def _facts(pipeline, load, defaults, gpu: GpuSpec, host_ram: int, working_set: i
     work = _uses_and_tokens(pipeline, defaults)
     profiles: list[ComponentProfile] = []
     for name, (class_name, config, dtype, groups) in load.items():
-        module = build_meta(class_name, config, dtype)
+        module = real_models.build_meta(class_name, config, dtype)
         uses, tokens = work[name]
         profile = profile_component(name, module, uses_per_request=uses, tables=tables,
                                     layer_groups=_groups(module, groups, notes, name))

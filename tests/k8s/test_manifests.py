@@ -17,7 +17,7 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
 from tests.k8s.strict import CRD_DIR, closed, crd_errors, crd_schema, kuberay_rule_errors, unknown_keys
-from zoo.real import UnknownModel, component_spec, meta_component
+from offload_core.real_models import UnknownModel, component_spec, meta_component
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"

@@ -1,9 +1,7 @@
 """Host-resident embedding tables: selection rules, the round trip, the host gather, device bytes."""
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,8 +11,8 @@ from torch import nn
 
 from offload_core.host_tables import (HostTablesConfig, TableVerdict, apply_host_tables, declared_table_names,
                                       device_weight_bytes, select_host_tables)
+from offload_core.real_models import meta_component
 
-REPO = Path(__file__).resolve().parents[2]
 LOW = HostTablesConfig(min_bytes=1024)
 
 
@@ -119,19 +117,8 @@ def test_host_gather_output_is_bitwise_equal_to_a_plain_lookup():
     assert not hosted.shared._forward_hooks and not hosted.shared._forward_pre_hooks
 
 
-def _meta_umt5_xxl() -> nn.Module:
-    try:
-        from zoo.real import meta_component
-        return meta_component("wan2.1-t2v-14b", "text_encoder")
-    except ImportError:  # the zoo's builder not landed yet: same config, same class
-        from transformers import UMT5Config, UMT5EncoderModel
-        spec = json.loads((REPO / "configs/models/real_model_configs.json").read_text())["wan2.1-t2v-1.3b"]
-        with torch.device("meta"):
-            return UMT5EncoderModel(UMT5Config(**spec["text_encoder"]["config"]))
-
-
 def test_real_size_umt5_xxl_device_bytes_drop_by_exactly_the_3_91_gib_table():
-    model = _meta_umt5_xxl()
+    model = meta_component("wan2.1-t2v-14b", "text_encoder")
     before = device_weight_bytes(model)
     tables = apply_host_tables(model, "meta", HostTablesConfig(), move=False)
     table_bytes = 256384 * 4096 * 4

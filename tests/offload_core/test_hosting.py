@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+from offload_core import real_models
 from offload_core.budget import InProcessLedger, MemoryBudget
 from offload_core.hosting import (
     GiB, ComponentFacts, HostingPolicy, LayerFacts, denoiser_uses, facts_from_module, plan_hosting)
@@ -182,7 +183,7 @@ def test_facts_from_a_loaded_model_measure_mapped_bytes(tmp_path):
 
 # --- real scale, on the meta device -------------------------------------------------------------
 # The case: a DiT of which 50.5 of 61.7 GiB are views of the checkpoint mapping (81.8 %),
-# on a host with 5.3 GiB spendable. The zoo's Wan2.1-14B DiT is 26.7 GiB in its published dtype
+# on a host with 5.3 GiB spendable. The real-size Wan2.1-14B DiT is 26.7 GiB in its published dtype
 # (bf16, fp32 norms) and 53.3 GiB in fp32; the same mapped share and spendable figure apply.
 MAPPED_SHARE = 50.5 / 61.7
 SPENDABLE = int(5.3 * GiB)
@@ -190,11 +191,9 @@ SPENDABLE = int(5.3 * GiB)
 
 @pytest.fixture(scope="module")
 def wan14b():
-    from zoo import real
-
-    return (real.meta_component("wan2.1-t2v-14b", "transformer"),
-            real.meta_component("wan2.1-t2v-14b", "text_encoder"),
-            denoiser_uses(real.pipeline_defaults("wan2.1-t2v-14b")))
+    return (real_models.meta_component("wan2.1-t2v-14b", "transformer"),
+            real_models.meta_component("wan2.1-t2v-14b", "text_encoder"),
+            denoiser_uses(real_models.pipeline_defaults("wan2.1-t2v-14b")))
 
 
 @pytest.mark.parametrize("dtype", [None, torch.float32], ids=["published", "fp32"])

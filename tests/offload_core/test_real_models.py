@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from zoo.real import (
+from offload_core.real_models import (
     UnknownModel,
     component_spec,
     gpu_facts,

@@ -4,6 +4,9 @@ Planning a 14B denoiser needs its exact parameter shapes and dtypes, not its wei
 the module under ``torch.device("meta")`` gives both and allocates nothing, so real-scale plans
 run on a laptop. Every config key in the json is passed through, because the library defaults
 describe small variants (T5's default d_model is 512, umT5-XXL's is 4096).
+
+diffusers and transformers are imported inside :func:`build_meta` only: offload_core stays
+importable with torch alone.
 """
 from __future__ import annotations
 
@@ -11,17 +14,17 @@ import copy
 import json
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-from zoo.paths import repo_root
-
-CONFIG_PATH = repo_root() / "configs" / "models" / "real_model_configs.json"
+# Found from this file (offload_core/real_models.py), not from zoo: offload_core imports no sibling package.
+CONFIG_PATH = Path(__file__).resolve().parents[1] / "configs" / "models" / "real_model_configs.json"
 COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "vae")
-# Classes the json may name, by library; anything else is a typo or an unreviewed model.
+# Classes the json or a local folder may name, by library; anything else is a typo or an unreviewed model.
 _DIFFUSERS_CLASSES = frozenset({"WanTransformer3DModel", "FluxTransformer2DModel", "AutoencoderKLWan", "AutoencoderKL"})
 _TRANSFORMERS_CLASSES = frozenset({"UMT5EncoderModel", "T5EncoderModel", "CLIPTextModel"})
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,6 +85,16 @@ def _model_entry(model_name: str) -> dict[str, Any]:
     return base
 
 
+def pipeline_class(model_name: str) -> str:
+    """The diffusers pipeline class the model is published as (``WanPipeline``, ``FluxPipeline``)."""
+    return _model_entry(model_name)["pipeline"]
+
+
+def component_names(model_name: str) -> tuple[str, ...]:
+    """The model's components in the config file's order (the order plans list them in)."""
+    return tuple(name for name in _model_entry(model_name) if name in COMPONENTS)
+
+
 def component_spec(model_name: str, component: str) -> ComponentSpec:
     """The published class, dtype, config and layer groups of one component of a real model."""
     entry = _model_entry(model_name)
@@ -102,18 +115,18 @@ def component_spec(model_name: str, component: str) -> ComponentSpec:
     )
 
 
-def _instantiate(spec: ComponentSpec) -> nn.Module:
-    config = dict(spec.config)
-    if spec.class_name in _DIFFUSERS_CLASSES:
+def _instantiate(class_name: str, config: Mapping[str, Any]) -> nn.Module:
+    if class_name in _DIFFUSERS_CLASSES:
         import diffusers
 
-        return getattr(diffusers, spec.class_name).from_config(config)
-    if spec.class_name in _TRANSFORMERS_CLASSES:
+        return getattr(diffusers, class_name).from_config(dict(config))
+    if class_name in _TRANSFORMERS_CLASSES:
         import transformers
 
-        cls = getattr(transformers, spec.class_name)
+        cls = getattr(transformers, class_name)
         return cls(cls.config_class(**config))
-    raise ValueError(f"{spec.model_name}/{spec.component}: class {spec.class_name!r} is not one the zoo builds")
+    known = ", ".join(sorted(_DIFFUSERS_CLASSES | _TRANSFORMERS_CLASSES))
+    raise ValueError(f"class {class_name!r} is not one built on the meta device; known: {known}")
 
 
 def _cast(module: nn.Module, dtype: torch.dtype) -> None:
@@ -143,16 +156,24 @@ def _retyped(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype)
 
 
+def build_meta(class_name: str, config: Mapping[str, Any], dtype: torch.dtype) -> nn.Module:
+    """``class_name`` (a diffusers or transformers class) at full size on the meta device, in ``dtype``.
+
+    Allocates nothing; floating tensors are cast as diffusers' loader would (see :func:`_cast`).
+    """
+    with torch.device("meta"):
+        module = _instantiate(class_name, config)
+    _cast(module, dtype)
+    module.eval()
+    stray = [n for n, t in module.state_dict().items() if t.device.type != "meta"]
+    assert not stray, f"{class_name}: tensors allocated off the meta device: {stray[:3]}"
+    return module
+
+
 def meta_component(model_name: str, component: str) -> nn.Module:
     """Build a real-size component on the meta device in its published dtype; allocates nothing."""
     spec = component_spec(model_name, component)
-    with torch.device("meta"):
-        module = _instantiate(spec)
-    _cast(module, spec.dtype)
-    module.eval()
-    stray = [n for n, t in module.state_dict().items() if t.device.type != "meta"]
-    assert not stray, f"{model_name}/{component}: tensors allocated off the meta device: {stray[:3]}"
-    return module
+    return build_meta(spec.class_name, spec.config, spec.dtype)
 
 
 def pipeline_defaults(model_name: str) -> dict[str, Any]:
