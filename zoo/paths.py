@@ -20,7 +20,3 @@ def zoo_root() -> Path:
     root.mkdir(parents=True, exist_ok=True)
     return root
 
-
-def repo_root() -> Path:
-    """The checkout this package was imported from (for configs/models/)."""
-    return _REPO_ROOT
