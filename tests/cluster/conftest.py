@@ -31,7 +31,9 @@ class Fleet:
     big: FakeNode  # H100, 80 GB, 64 GB RAM
 
 
-@pytest.fixture(scope="session")
+# Package scope: the fake GPU nodes go when tests/cluster is done, so later packages' replicas
+# (tests/deployments fills its own node's ledger) only ever land on the head node.
+@pytest.fixture(scope="package")
 def fleet_nodes(ray_cluster):
     specs = {"small": ("RTX3060", 8), "l4": ("L4", 16), "big": ("H100", 64)}
     added, nodes = [], {}
