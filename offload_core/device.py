@@ -137,6 +137,10 @@ class Device:
         """Count ``meter``'s current bytes as used when computing CPU headroom."""
         self._meters.add(meter)
 
+    def untrack(self, meter: DeviceWeightMeter) -> None:
+        """Stop counting ``meter`` (its model left the engine): explicit, not left to the GC."""
+        self._meters.discard(meter)
+
     def headroom_bytes(self) -> int:
         """Bytes a new allocation may still take on this device.
 

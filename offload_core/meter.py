@@ -70,6 +70,11 @@ class DeviceWeightMeter:
         # Returns None on purpose: a hook's return value would replace the inputs or the output.
         self.sample()
 
+    def close(self) -> None:
+        """Stop sampling and stop counting in the device's headroom (the streamer is removed)."""
+        self.detach()
+        get_device(self._device).untrack(self)
+
     def detach(self) -> None:
         """Stop sampling at hooks (benchmarks time forwards without the ~1 us/parameter walks)."""
         for handle in self._handles:

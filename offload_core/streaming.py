@@ -247,7 +247,7 @@ class LayerStreamer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self.meter.detach()
+        self.meter.close()
         for layer in self.layers:
             for param, host in zip(layer.params, layer.host.host_views()):
                 param.data = host

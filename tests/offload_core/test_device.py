@@ -42,6 +42,22 @@ def test_cpu_headroom_is_configured_capacity_minus_tracked_weight_bytes():
         device.configure(saved)
 
 
+def test_a_closed_meter_stops_counting_in_headroom_while_its_model_still_lives():
+    device = get_device("cpu")
+    saved = device.facts
+    try:
+        device.configure(DeviceFacts(capacity_bytes=10_000))
+        before = device.headroom_bytes()
+        model = nn.Linear(10, 10)
+        meter = DeviceWeightMeter(model, "cpu", track_headroom=True)
+        assert device.headroom_bytes() == before - 440
+        meter.close()  # explicit, as LayerStreamer.remove() does: no reliance on garbage collection
+        assert device.headroom_bytes() == before
+        assert meter.current_bytes >= 0 and model.weight.numel() == 100, "closing must not touch the model"
+    finally:
+        device.configure(saved)
+
+
 def test_without_a_configured_capacity_cpu_headroom_is_host_ram_available():
     import psutil
 

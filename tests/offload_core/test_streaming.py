@@ -292,6 +292,24 @@ def test_remove_gives_back_a_plain_model():
     apply_layer_streaming(model, "cpu")  # and it can be streamed again
 
 
+def test_a_removed_streamer_stops_counting_in_cpu_headroom_while_the_model_lives():
+    from offload_core.device import DeviceFacts, get_device
+
+    device = get_device("cpu")
+    saved = device.facts
+    try:
+        device.configure(DeviceFacts(capacity_bytes=1 << 30))
+        before = device.headroom_bytes()
+        model, x = Stack(), torch.randn(3, 8)
+        streamer = apply_layer_streaming(model, "cpu")
+        model(x)
+        assert device.headroom_bytes() < before, "a streamed model's device weights count against headroom"
+        streamer.remove()
+        assert device.headroom_bytes() == before, "remove() must untrack the meter, not leave it to the GC"
+    finally:
+        device.configure(saved)
+
+
 def test_a_model_already_under_streaming_is_refused():
     model = Stack()
     apply_layer_streaming(model, "cpu")
