@@ -1,6 +1,8 @@
 """The device context: one per device, synchronous no-ops on CPU, headroom from configured facts."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from torch import nn
@@ -45,6 +47,8 @@ def test_cpu_headroom_is_configured_capacity_minus_tracked_weight_bytes():
 def test_a_closed_meter_stops_counting_in_headroom_while_its_model_still_lives():
     device = get_device("cpu")
     saved = device.facts
+    gc.collect()  # earlier tests' meters go now; with the collector off only this meter counts
+    gc.disable()
     try:
         device.configure(DeviceFacts(capacity_bytes=10_000))
         before = device.headroom_bytes()
@@ -55,6 +59,7 @@ def test_a_closed_meter_stops_counting_in_headroom_while_its_model_still_lives()
         assert device.headroom_bytes() == before
         assert meter.current_bytes >= 0 and model.weight.numel() == 100, "closing must not touch the model"
     finally:
+        gc.enable()
         device.configure(saved)
 
 

@@ -1,6 +1,8 @@
 """The layer streamer on CPU: bitwise equality, what is materialized when, peak bytes, init, errors."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -297,6 +299,10 @@ def test_a_removed_streamer_stops_counting_in_cpu_headroom_while_the_model_lives
 
     device = get_device("cpu")
     saved = device.facts
+    # Earlier tests' streamers may still be tracked until the collector frees them: collect them
+    # now and keep the collector off, so only this test's meter can change the headroom.
+    gc.collect()
+    gc.disable()
     try:
         device.configure(DeviceFacts(capacity_bytes=1 << 30))
         before = device.headroom_bytes()
@@ -307,6 +313,7 @@ def test_a_removed_streamer_stops_counting_in_cpu_headroom_while_the_model_lives
         streamer.remove()
         assert device.headroom_bytes() == before, "remove() must untrack the meter, not leave it to the GC"
     finally:
+        gc.enable()
         device.configure(saved)
 
 
