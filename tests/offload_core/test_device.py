@@ -1,8 +1,6 @@
 """The device context: one per device, synchronous no-ops on CPU, headroom from configured facts."""
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from torch import nn
@@ -29,38 +27,27 @@ def test_cpu_stream_and_event_operations_are_synchronous_no_ops():
     assert torch.equal(copied, torch.ones(3))
 
 
-def test_cpu_headroom_is_configured_capacity_minus_tracked_weight_bytes():
+def test_cpu_headroom_is_configured_capacity_minus_tracked_weight_bytes(cpu_capacity):
+    cpu_capacity(10_000)
     device = get_device("cpu")
-    saved = device.facts
-    try:
-        device.configure(DeviceFacts(capacity_bytes=10_000))
-        before = device.headroom_bytes()
-        model = nn.Linear(10, 10)  # 440 B of weights
-        meter = DeviceWeightMeter(model, "cpu", track_headroom=True)
-        assert device.headroom_bytes() == before - 440
-        del meter  # tracked weakly: a dropped meter stops counting
-        assert device.headroom_bytes() == before
-    finally:
-        device.configure(saved)
+    before = device.headroom_bytes()
+    model = nn.Linear(10, 10)  # 440 B of weights
+    meter = DeviceWeightMeter(model, "cpu", track_headroom=True)
+    assert device.headroom_bytes() == before - 440
+    del meter  # tracked weakly: a dropped meter stops counting
+    assert device.headroom_bytes() == before
 
 
-def test_a_closed_meter_stops_counting_in_headroom_while_its_model_still_lives():
+def test_a_closed_meter_stops_counting_in_headroom_while_its_model_still_lives(cpu_capacity):
+    cpu_capacity(10_000)
     device = get_device("cpu")
-    saved = device.facts
-    gc.collect()  # earlier tests' meters go now; with the collector off only this meter counts
-    gc.disable()
-    try:
-        device.configure(DeviceFacts(capacity_bytes=10_000))
-        before = device.headroom_bytes()
-        model = nn.Linear(10, 10)
-        meter = DeviceWeightMeter(model, "cpu", track_headroom=True)
-        assert device.headroom_bytes() == before - 440
-        meter.close()  # explicit, as LayerStreamer.remove() does: no reliance on garbage collection
-        assert device.headroom_bytes() == before
-        assert meter.current_bytes >= 0 and model.weight.numel() == 100, "closing must not touch the model"
-    finally:
-        gc.enable()
-        device.configure(saved)
+    before = device.headroom_bytes()
+    model = nn.Linear(10, 10)
+    meter = DeviceWeightMeter(model, "cpu", track_headroom=True)
+    assert device.headroom_bytes() == before - 440
+    meter.close()  # explicit, as LayerStreamer.remove() does: no reliance on garbage collection
+    assert device.headroom_bytes() == before
+    assert model.weight.numel() == 100, "closing the meter must not touch the model"
 
 
 def test_without_a_configured_capacity_cpu_headroom_is_host_ram_available():

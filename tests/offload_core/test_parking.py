@@ -1,11 +1,9 @@
 """Parking non-layer weights between uses: the headroom gate both ways, placeholders, round trip."""
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
-from offload_core.device import DeviceFacts, get_device
 from offload_core.layout import placeholder
 from offload_core.parking import Parking, ParkVerdict
 
@@ -96,15 +94,6 @@ def test_a_component_of_layer_weights_only_has_nothing_to_park():
     blocks = nn.ModuleList([nn.Linear(4, 4)])
     parking = Parking("b", blocks, "cpu", exclude=list(blocks.parameters()))
     assert parking.park_if_it_pays(headroom=0).verdict is ParkVerdict.EMPTY
-
-
-@pytest.fixture
-def cpu_capacity():
-    """Configure the CPU device's capacity for one test, then put the previous facts back."""
-    device = get_device("cpu")
-    before = device.facts
-    yield lambda nbytes: device.configure(DeviceFacts(capacity_bytes=nbytes))
-    device.configure(before)
 
 
 def test_the_gate_reads_the_configured_cpu_capacity_both_ways(cpu_capacity):

@@ -1,14 +1,11 @@
 """Component residency: the stage lifecycle, strategies, and predictions equal to measurements."""
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from torch import nn
 
 from offload_core.budget import InProcessLedger
-from offload_core.device import DeviceFacts, get_device
 from offload_core.host_tables import HostTablesConfig
 from offload_core.hosting_tier import HostingTier
 from offload_core.planner import ComponentOverride, PerformanceMode, plan_pipeline
@@ -20,16 +17,6 @@ from offload_core.warmup import measure_warmup, profiles_from_warmup
 LINK = LinkFacts(pinned_Bps=25e9, pageable_Bps=8e9)
 # The tiny umT5 table is 256384 x 32 fp32 = 32.8 MB: under the 256 MiB default, so tests lower it.
 TABLES = HostTablesConfig(min_bytes=1 << 20)
-
-
-@pytest.fixture
-def cpu_capacity():
-    """Configure the CPU device's capacity (the headroom fact) for one test, then restore it."""
-    device = get_device("cpu")
-    before = device.facts
-    yield lambda nbytes: device.configure(DeviceFacts(capacity_bytes=nbytes))
-    gc.collect()  # drop meters of this test's streamers: the device counts live ones in its headroom
-    device.configure(before)
 
 
 class Toy(nn.Module):

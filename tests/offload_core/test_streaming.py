@@ -1,8 +1,6 @@
 """The layer streamer on CPU: bitwise equality, what is materialized when, peak bytes, init, errors."""
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
@@ -294,27 +292,18 @@ def test_remove_gives_back_a_plain_model():
     apply_layer_streaming(model, "cpu")  # and it can be streamed again
 
 
-def test_a_removed_streamer_stops_counting_in_cpu_headroom_while_the_model_lives():
-    from offload_core.device import DeviceFacts, get_device
+def test_a_removed_streamer_stops_counting_in_cpu_headroom_while_the_model_lives(cpu_capacity):
+    from offload_core.device import get_device
 
+    cpu_capacity(1 << 30)
     device = get_device("cpu")
-    saved = device.facts
-    # Earlier tests' streamers may still be tracked until the collector frees them: collect them
-    # now and keep the collector off, so only this test's meter can change the headroom.
-    gc.collect()
-    gc.disable()
-    try:
-        device.configure(DeviceFacts(capacity_bytes=1 << 30))
-        before = device.headroom_bytes()
-        model, x = Stack(), torch.randn(3, 8)
-        streamer = apply_layer_streaming(model, "cpu")
-        model(x)
-        assert device.headroom_bytes() < before, "a streamed model's device weights count against headroom"
-        streamer.remove()
-        assert device.headroom_bytes() == before, "remove() must untrack the meter, not leave it to the GC"
-    finally:
-        gc.enable()
-        device.configure(saved)
+    before = device.headroom_bytes()
+    model, x = Stack(), torch.randn(3, 8)
+    streamer = apply_layer_streaming(model, "cpu")
+    model(x)
+    assert device.headroom_bytes() < before, "a streamed model's device weights count against headroom"
+    streamer.remove()
+    assert device.headroom_bytes() == before, "remove() must untrack the meter, not leave it to the GC"
 
 
 def test_a_model_already_under_streaming_is_refused():
