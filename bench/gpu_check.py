@@ -91,10 +91,13 @@ def time_steps(model, kwargs, steps: int):
     return best, peak, out
 
 
-def run_case(name: str, build, shape, steps: int, device) -> dict:
+def run_case(name: str, build, shape, steps: int, device, mapped: bool = False) -> dict:
     dtype = torch.bfloat16 if CUDA else torch.float32
     rows, reference = {}, None
-    for way in ("speed", "layerwise", "group_offload"):
+    for way in ("speed", "layerwise", "layerwise_pageable", "layerwise_mapped", "group_offload"):
+        if way == "layerwise_mapped" and not mapped:
+            rows[way] = {"skipped": "random weights are not on a file mapping"}
+            continue
         if way == "group_offload" and not CUDA:
             rows[way] = {"skipped": "diffusers' use_stream=True needs CUDA streams"}
             continue
@@ -103,11 +106,13 @@ def run_case(name: str, build, shape, steps: int, device) -> dict:
         extra = {}
         if way == "speed":
             model.to(device)
-        elif way == "layerwise":
+        elif way.startswith("layerwise"):
+            tier = {"layerwise": HostingTier.PINNED, "layerwise_pageable": HostingTier.PAGEABLE,
+                    "layerwise_mapped": HostingTier.MAPPED}[way]
             keys = [f"{g}.{i}" for g in declared_layer_groups(model)
                     for i in range(len(resolve_layer_group(model, g).layers))]
             streamer = apply_layer_streaming(model, device, StreamingConfig(
-                prefetch_depth=1, hosting={k: HostingTier.PINNED for k in keys}))
+                prefetch_depth=1, hosting={k: tier for k in keys}))
             extra = {"predicted_weight_peak_bytes": streamer.predicted_peak_bytes()}
         else:
             from diffusers.hooks import apply_group_offloading
@@ -115,7 +120,7 @@ def run_case(name: str, build, shape, steps: int, device) -> dict:
             apply_group_offloading(model, onload_device=device, offload_type="block_level",
                                    num_blocks_per_group=1, use_stream=True)
         seconds, peak, out = time_steps(model, kwargs, steps)
-        if way == "layerwise":
+        if way.startswith("layerwise"):
             extra["measured_weight_peak_bytes"] = streamer.meter.peak_bytes
             streamer.remove()  # unlocks the page-locked layer buffers (cudaHostUnregister) before they go
         reference = out if reference is None else reference
@@ -148,7 +153,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3 if CUDA else 1)
     parser.add_argument("--real-blocks", type=int, default=None if CUDA else 2,
                         help="cap Wan2.1-1.3B's 30 blocks (default: all on CUDA, 2 on CPU)")
+    parser.add_argument("--require-cuda", action="store_true", help="exit 2 when CUDA is not available")
     args = parser.parse_args()
+    if args.require_cuda and not CUDA:
+        parser.exit(2, "gpu_check: --require-cuda given but torch sees no CUDA device\n")
     logging.basicConfig(level=logging.WARNING)
     device = torch.device("cuda" if CUDA else "cpu")
     # Medium: 2 latent frames of 16x16 (2*8*8 = 128 tokens). Real: 480x832 at 21 frames -> 6 latent
@@ -160,21 +168,22 @@ def main() -> None:
     link = bandwidth()
     print(f"host->device bandwidth: {link}", flush=True)
     results = []
-    for name, build, shape in (("medium-wan-denoiser", medium_denoiser, medium_shape),
-                               ("wan2.1-1.3b-random", lambda dt: real_denoiser(dt, args.real_blocks), real_shape)):
-        result = run_case(name, build, shape, args.steps, device)
+    for name, build, shape, mapped in (
+            ("medium-wan-denoiser", medium_denoiser, medium_shape, True),
+            ("wan2.1-1.3b-random", lambda dt: real_denoiser(dt, args.real_blocks), real_shape, False)):
+        result = run_case(name, build, shape, args.steps, device, mapped)
         results.append(result)
         print(f"\n{name} {shape}:")
-        print(f"  {'way':14} {'step s':>9} {'vs speed':>8} {'peak MiB':>10} {'vs speed':>8}  bitwise")
+        print(f"  {'way':19} {'step s':>9} {'vs speed':>8} {'peak MiB':>10} {'vs speed':>8}  bitwise")
         for way, row in result["rows"].items():
             if "skipped" in row:
-                print(f"  {way:14} skipped: {row['skipped']}")
+                print(f"  {way:19} skipped: {row['skipped']}")
                 continue
             peak = row["peak_allocated_bytes"]
-            print(f"  {way:14} {row['step_s']:>9.4f} {row['step_vs_speed']:>8.2f} "
+            print(f"  {way:19} {row['step_s']:>9.4f} {row['step_vs_speed']:>8.2f} "
                   f"{(peak / MiB if peak else float('nan')):>10.1f} {row.get('peak_vs_speed', float('nan')):>8.2f}  "
                   f"{row['bitwise_equal_to_speed']}", flush=True)
-    print(json.dumps({"bench": "gpu_check", "cuda": CUDA, "bandwidth": link, "results": results}))
+    print("\n" + json.dumps({"bench": "gpu_check", "cuda": CUDA, "bandwidth": link, "results": results}))
 
 
 if __name__ == "__main__":
