@@ -28,7 +28,10 @@ demo: $(STAMP)
 
 # One BLAS thread per process: Ray workers and the test process share 2 cores, and oversubscribed
 # threads made the engine's tests 4x slower here (12 s vs 48 s).
+# The house first (seconds): pyflakes and import order, then the import contracts in pyproject.toml.
 test: $(STAMP)
+	$(VENV)/bin/ruff check -q offload_core cluster deployments zoo bench tests
+	$(VENV)/bin/lint-imports --no-cache
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests
 
 clean-zoo:

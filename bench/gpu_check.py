@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offload_core.hosting_tier import HostingTier  # noqa: E402
+from offload_core.host.tier import HostingTier  # noqa: E402
 from offload_core.layout import declared_layer_groups, resolve_layer_group  # noqa: E402
-from offload_core.streaming import StreamingConfig, apply_layer_streaming  # noqa: E402
+from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 MiB = 2**20
@@ -34,6 +34,7 @@ MiB = 2**20
 
 def medium_denoiser(dtype: torch.dtype):
     from diffusers import WanTransformer3DModel
+
     from zoo.tiny import ensure_medium_wan
 
     return WanTransformer3DModel.from_pretrained(ensure_medium_wan() / "transformer", torch_dtype=dtype).eval()
@@ -142,7 +143,7 @@ def run_case(name: str, build, shape, steps: int, device, mapped: bool = False) 
 def bandwidth() -> dict:
     if not CUDA:
         return {"skipped": "host->device bandwidth is measured on CUDA only"}
-    from offload_core.planner_facts import measure_link
+    from offload_core.planner.facts import measure_link
 
     link = measure_link(torch.device("cuda"))
     return {"pinned_GBps": round(link.pinned_Bps / 1e9, 2), "pageable_GBps": round(link.pageable_Bps / 1e9, 2)}

@@ -10,7 +10,7 @@ anonymous bytes are subtracted, so a ratio is the weights' own anonymous cost:
 
 - ``loaded``: diffusers ``from_pretrained`` only. In diffusers 0.42 (low_cpu_mem_usage, the
   default) same-dtype weights stay views of the safetensors mapping, so this is ~0; the child
-  checks the mapped share with offload_core.maps and reports it, because if a loader ever copies
+  checks the mapped share with offload_core.host.maps and reports it, because if a loader ever copies
   the weights out the other ratios would measure the loader, not the engine.
 - ``pageable``: every layer PAGEABLE (consolidated into flat anonymous buffers, originals freed):
   target <= 1.05, i.e. no second copy anywhere.
@@ -39,8 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 MODES = ("baseline", "loaded", "pageable", "mapped")
 MiB = 1024**2
 # What every measured process has imported before it forks: the baseline's whole content.
-PRELOAD = ["torch", "diffusers.models.transformers.transformer_wan", "offload_core.streaming",
-           "offload_core.maps"]
+PRELOAD = ["torch", "diffusers.models.transformers.transformer_wan", "offload_core.streaming.engine",
+           "offload_core.host.maps"]
 
 
 def smaps_rollup() -> dict[str, int]:
@@ -59,9 +59,9 @@ def child(mode: str, folder: str) -> dict:
     import torch
     from diffusers import WanTransformer3DModel
 
-    from offload_core.hosting_tier import HostingTier
-    from offload_core.maps import MapsSnapshot
-    from offload_core.streaming import StreamingConfig, apply_layer_streaming
+    from offload_core.host.maps import MapsSnapshot
+    from offload_core.host.tier import HostingTier
+    from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
 
     torch.set_num_threads(1)
     result = {"mode": mode}

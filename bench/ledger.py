@@ -29,7 +29,7 @@ import ray  # noqa: E402
 
 from cluster.ledger import HOST_POOL, LedgerConfig, node_ledger  # noqa: E402
 from cluster.ledger_client import LedgerClient  # noqa: E402
-from offload_core.budget import Lease  # noqa: E402
+from offload_core.host.budget import Lease  # noqa: E402
 
 # Every replica may take the whole pool: the pool's limit, not the per-replica cap, is under test.
 CONFIG = LedgerConfig(owner_cap_fraction=1.0)

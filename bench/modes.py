@@ -24,12 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offload_core.device import DeviceFacts, get_device  # noqa: E402
-from offload_core.host_tables import HostTablesConfig  # noqa: E402
-from offload_core.planner import PerformanceMode, plan_pipeline  # noqa: E402
-from offload_core.planner_facts import LinkFacts, PipelineFacts, Stage  # noqa: E402
-from offload_core.residency import PipelineResidency  # noqa: E402
-from offload_core.warmup import measure_warmup, profiles_from_warmup  # noqa: E402
+from offload_core.planner.facts import LinkFacts, PipelineFacts, Stage  # noqa: E402
+from offload_core.planner.search import PerformanceMode, plan_pipeline  # noqa: E402
+from offload_core.planner.warmup import measure_warmup, profiles_from_warmup  # noqa: E402
+from offload_core.residency.lifecycle import PipelineResidency  # noqa: E402
+from offload_core.streaming.device import DeviceFacts, get_device  # noqa: E402
+from offload_core.tables import HostTablesConfig  # noqa: E402
 
 # Configured link figures (no GPU here): PCIe Gen4 x16 pinned, and the pageable figure the real
 # model configs note. They shape time predictions only; bytes do not depend on them.
@@ -68,6 +68,7 @@ def wan(folder_fn, steps: int):
 def flux(steps: int):
     def load():
         from diffusers import FluxPipeline
+
         from zoo.tiny import ensure_tiny_flux
 
         pipe = FluxPipeline.from_pretrained(ensure_tiny_flux())

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from deployments import families, media  # noqa: E402
 from deployments.offload import StageResidency  # noqa: E402
 from deployments.spec import GenerationSpec, PipelineStage  # noqa: E402
-from offload_core.planner import PerformanceMode  # noqa: E402
+from offload_core.planner.search import PerformanceMode  # noqa: E402
 
 CONCURRENCY = (1, 2, 4)
 

@@ -23,14 +23,15 @@ from typing import Callable
 
 import torch
 
-from offload_core.hosting_tier import HostingTier
+from offload_core.host.tier import HostingTier
 from offload_core.layout import RegionMap
-from offload_core.streaming import StreamingConfig, apply_layer_streaming
+from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
 
 
 def load_denoiser():
     """The zoo's medium Wan transformer (~300 MB fp32), loaded from its local diffusers folder."""
     from diffusers import WanTransformer3DModel
+
     from zoo.tiny import ensure_medium_wan
 
     model = WanTransformer3DModel.from_pretrained(ensure_medium_wan() / "transformer").eval()

@@ -18,7 +18,7 @@ from cluster.node import GB, GpuFacts
 logger = logging.getLogger(__name__)
 
 FLEET_YAML = Path(__file__).resolve().parents[1] / "configs" / "fleet" / "fleet.yaml"
-MODES = ("SPEED", "BALANCED", "MEMORY", "AUTO")  # offload_core.planner.PerformanceMode names
+MODES = ("SPEED", "BALANCED", "MEMORY", "AUTO")  # offload_core.planner.search.PerformanceMode names
 # NVML reports a little less or more than the nominal size (a "24 GB" L4: 23034 MiB = 24.15 GB;
 # an "80 GB" A100-40GB-class card never reaches 72). 10 % tolerance keeps each card in its class.
 MEMORY_TOLERANCE = 0.9
@@ -47,7 +47,7 @@ class FleetProfile:
 
     def performance_mode(self):
         """The planner's PerformanceMode member for this profile's mode."""
-        from offload_core.planner import PerformanceMode
+        from offload_core.planner.search import PerformanceMode
 
         return PerformanceMode[self.mode]
 

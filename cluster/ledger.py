@@ -31,7 +31,7 @@ from cluster.fleet import profile_for_gpu
 from cluster.liveness import OwnerRef, actor_info, find_dead
 from cluster.node import GB, probe_node
 from cluster.pools import LeasePools, PoolState
-from offload_core.budget import Lease, Refusal
+from offload_core.host.budget import Lease, Refusal
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def ledger_name(node_id: str) -> str:
 @dataclass(frozen=True)
 class LedgerConfig:
     # Kept out of the host pool for the OS, Python heaps and the page cache of mapped weights;
-    # None: offload_core.host_memory's default, max(5 % of total, 2 GiB).
+    # None: offload_core.host.ram's default, max(5 % of total, 2 GiB).
     reserve_bytes: int | None = None
     # Most of the host pool one replica may hold; None takes the node's fleet profile's
     # host_pin_cap_fraction (0.5 on 12-24 GB nodes: two replicas can always pin something).

@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError
 
 from cluster.ledger import LedgerConfig, StaleEpoch
 from cluster.liveness import OwnerRef
-from offload_core.budget import Lease, MemoryBudget, Refusal
+from offload_core.host.budget import Lease, MemoryBudget, Refusal
 
 logger = logging.getLogger(__name__)
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from offload_core.host_memory import HostRam, MemoryFacts, host_ram_available
+from offload_core.host.ram import HostRam, MemoryFacts, host_ram_available
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from cluster.liveness import OwnerRef
-from offload_core.budget import Lease, Refusal
+from offload_core.host.budget import Lease, Refusal
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from cluster.fleet import FleetProfile, profile_for_gpu
 from cluster.ledger import HOST_POOL, LedgerConfig, gpu_pool
 from cluster.node import GB, GpuFacts, NodeFacts, probe_node
-from offload_core.budget import InProcessLedger, Lease, MemoryBudget, Refusal
+from offload_core.host.budget import InProcessLedger, Lease, MemoryBudget, Refusal
 
 if TYPE_CHECKING:  # duck-typed: replicas pass torch.device, the ledger side never imports torch
     import torch

@@ -12,9 +12,13 @@ from typing import Sequence
 
 from cluster.node import GB, GpuFacts
 from cluster.replica_memory import ReplicaMemory
-from offload_core.planner import ComponentOverride, PerformanceMode, plan_pipeline
-from offload_core.planner_facts import ComponentProfile, LinkFacts, PipelineFacts, Stage
-from offload_core.strategy import Strategy
+from offload_core.planner.facts import ComponentProfile, LinkFacts, PipelineFacts, Stage
+from offload_core.planner.search import (
+    ComponentOverride,
+    PerformanceMode,
+    plan_pipeline,
+)
+from offload_core.planner.strategy import Strategy
 
 logger = logging.getLogger(__name__)
 

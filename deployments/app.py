@@ -19,7 +19,7 @@ from deployments.ingress import Ingress, IngressConfig
 from deployments.schemas import Limits
 from deployments.spec import PipelineStage
 from deployments.stages import DTYPES, Denoiser, StageConfig, TextEncoder, VaeDecoder
-from offload_core.planner import PerformanceMode
+from offload_core.planner.search import PerformanceMode
 
 logger = logging.getLogger(__name__)
 

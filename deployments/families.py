@@ -17,7 +17,13 @@ from typing import Callable
 
 import torch
 
-from deployments.spec import DenoiseProgress, EncodedPrompt, Family, GenerationSpec, PipelineStage
+from deployments.spec import (
+    DenoiseProgress,
+    EncodedPrompt,
+    Family,
+    GenerationSpec,
+    PipelineStage,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,14 @@ from ray.serve.handle import DeploymentHandle
 from deployments import errors, media
 from deployments.families import FamilyFacts
 from deployments.residency_board import get_board, live_replicas
-from deployments.schemas import FieldError, ImageRequest, Limits, VideoRequest, image_spec, video_spec
+from deployments.schemas import (
+    FieldError,
+    ImageRequest,
+    Limits,
+    VideoRequest,
+    image_spec,
+    video_spec,
+)
 from deployments.spec import DenoiseProgress, GenerationSpec, StageOutput
 
 logger = logging.getLogger(__name__)

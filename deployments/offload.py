@@ -1,8 +1,8 @@
 """One stage replica's components under offload_core: planned, applied, measured, reported.
 
-The planner (``offload_core.planner.plan_pipeline``) turns the components' facts, the replica's
+The planner (``offload_core.planner.search.plan_pipeline``) turns the components' facts, the replica's
 device capacity (its pool of the node ledger) and the stage's offload mode into one explainable
-plan; ``offload_core.residency.PipelineResidency`` applies it and runs the stage lifecycle. The
+plan; ``offload_core.residency.lifecycle.PipelineResidency`` applies it and runs the stage lifecycle. The
 plan is logged once per component by offload_core and returned as JSON by ``/v1/residency``.
 """
 from __future__ import annotations
@@ -13,10 +13,16 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from offload_core.budget import MemoryBudget
-from offload_core.planner import PerformanceMode, PipelinePlan, plan_pipeline
-from offload_core.planner_facts import LinkFacts, PipelineFacts, Stage, measure_link, profile_component
-from offload_core.residency import PipelineResidency, RequestFigures
+from offload_core.host.budget import MemoryBudget
+from offload_core.planner.facts import (
+    LinkFacts,
+    PipelineFacts,
+    Stage,
+    measure_link,
+    profile_component,
+)
+from offload_core.planner.search import PerformanceMode, PipelinePlan, plan_pipeline
+from offload_core.residency.lifecycle import PipelineResidency, RequestFigures
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +78,7 @@ class StageResidency:
         return self.plan.peak_device_bytes
 
     def report(self):
-        """``offload_core.report.ResidencyReport``: bytes per place per component, each byte once."""
+        """``offload_core.residency.report.ResidencyReport``: bytes per place per component, each byte once."""
         return self._residency.report()
 
     def remove(self) -> None:

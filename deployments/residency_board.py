@@ -26,7 +26,7 @@ class ReplicaResidency:
     predicted_peak_bytes: int
     last_device_peak_bytes: int
     last_bytes_streamed: int
-    # offload_core.report's ResidencyReport.to_json(): bytes per place per component, each byte once.
+    # offload_core.residency.report's ResidencyReport.to_json(): bytes per place per component, each byte once.
     weights: dict
 
     def to_json(self) -> dict:

@@ -21,12 +21,19 @@ from ray import serve
 
 from deployments import families
 from deployments.families import FamilyFacts
-from deployments.metrics import StageMetrics
 from deployments.memory import CLUSTER_DEVICE_BUSY, DeviceBusy, open_replica_memory
+from deployments.metrics import StageMetrics
 from deployments.offload import StageResidency
 from deployments.residency_board import ReplicaResidency, get_board
-from deployments.spec import DenoiseProgress, EncodedPrompt, GenerationSpec, PipelineStage, StageOutput, StageStats
-from offload_core.planner import PerformanceMode
+from deployments.spec import (
+    DenoiseProgress,
+    EncodedPrompt,
+    GenerationSpec,
+    PipelineStage,
+    StageOutput,
+    StageStats,
+)
+from offload_core.planner.search import PerformanceMode
 
 logger = logging.getLogger(__name__)
 

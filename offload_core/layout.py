@@ -38,6 +38,11 @@ LEGACY_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = {
 }
 
 
+# Set on a model while it is streamed; a second apply_layer_streaming would stream placeholders,
+# and the hosting plan must read layer bytes from the host copies instead of the parameters.
+STREAMER_ATTRIBUTE = "_offload_layer_streamer"
+
+
 class LayoutError(ValueError):
     """A layer group or layer that cannot be streamed, with the path and the reason."""
 

@@ -26,7 +26,14 @@ from diffusers import (
     WanPipeline,
     WanTransformer3DModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    T5Config,
+    T5EncoderModel,
+    UMT5Config,
+    UMT5EncoderModel,
+)
 
 from zoo.cache import ensure_built
 from zoo.paths import zoo_root

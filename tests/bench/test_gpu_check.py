@@ -6,8 +6,8 @@ import os
 import subprocess
 from pathlib import Path
 
-import torch
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -47,7 +47,7 @@ class LeasingReplica:
 
     def plan_hosting(self, components) -> dict:
         """offload_core's hosting plan against the node ledger's host pool."""
-        from offload_core.hosting import plan_hosting
+        from offload_core.host.hosting import plan_hosting
 
         plan = plan_hosting(components, self.memory.host_budget, self.memory.owner)
         return {"lease": plan.lease, "reasons": plan.reasons,

@@ -9,8 +9,8 @@ from ray import serve
 
 from cluster.ledger import HOST_POOL, node_ledger
 from cluster.replica_memory import ReplicaMemory
-from tests.conftest import free_port
 from tests.cluster.conftest import FAST
+from tests.conftest import free_port
 
 GB = 10**9
 APP = "cluster-autoscale-test"

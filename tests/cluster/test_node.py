@@ -4,7 +4,14 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from cluster.node import GB, GpuFacts, fake_gpus, injected_facts, probe_node, probe_nvml_gpus
+from cluster.node import (
+    GB,
+    GpuFacts,
+    fake_gpus,
+    injected_facts,
+    probe_node,
+    probe_nvml_gpus,
+)
 
 
 def test_a_node_without_an_nvidia_driver_has_no_gpus(monkeypatch):

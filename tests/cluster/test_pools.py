@@ -8,7 +8,7 @@ import pytest
 
 from cluster.liveness import OwnerRef
 from cluster.pools import LeasePools
-from offload_core.budget import Lease, Refusal
+from offload_core.host.budget import Lease, Refusal
 
 
 def _ref(name: str, pid: int = 1) -> OwnerRef:

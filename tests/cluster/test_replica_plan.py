@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import ray
 
-from offload_core.planner_facts import ComponentProfile, LayerFacts, Stage
+from offload_core.planner.facts import ComponentProfile, LayerFacts, Stage
 from tests.cluster.conftest import FAST
 from tests.cluster.replicas import on_node
 

@@ -26,7 +26,7 @@ def serve_base_url(ray_cluster) -> str:
 def tiny_args(**overrides):
     from deployments.app import AppArgs, StageArgs
     from deployments.schemas import Limits
-    from offload_core.planner import PerformanceMode
+    from offload_core.planner.search import PerformanceMode
 
     limits = Limits(max_width=64, max_height=64, max_steps=4, max_n=2, max_prompt_chars=200, max_frames=9,
                     default_size="16x16", default_steps=2, default_frames=5, default_fps=4)

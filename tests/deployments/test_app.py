@@ -8,7 +8,7 @@ from ray.serve import Application
 from deployments.app import AppArgs, build_app, resolve_model_folder, stage_configs
 from deployments.families import read_family_facts
 from deployments.spec import PipelineStage
-from offload_core.planner import PerformanceMode
+from offload_core.planner.search import PerformanceMode
 
 ENCODE, DENOISE, DECODE = PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineStage.DECODE
 

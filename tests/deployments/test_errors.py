@@ -10,7 +10,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster import replica_memory
 from deployments import errors
 from deployments.memory import DeviceBusy
-from offload_core.budget import Refusal
+from offload_core.host.budget import Refusal
 
 
 def _body(response) -> dict:

@@ -8,8 +8,8 @@ from cluster.replica_memory import ReplicaMemory
 from deployments import families
 from deployments.offload import StageResidency
 from deployments.spec import GenerationSpec, PipelineStage
-from offload_core.planner import PerformanceMode
-from offload_core.strategy import Strategy
+from offload_core.planner.search import PerformanceMode
+from offload_core.planner.strategy import Strategy
 from zoo.tiny import ensure_tiny_wan
 
 CPU = torch.device("cpu")

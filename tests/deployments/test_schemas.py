@@ -5,7 +5,14 @@ import pytest
 from pydantic import ValidationError
 
 from deployments.families import read_family_facts
-from deployments.schemas import FieldError, ImageRequest, Limits, VideoRequest, image_spec, video_spec
+from deployments.schemas import (
+    FieldError,
+    ImageRequest,
+    Limits,
+    VideoRequest,
+    image_spec,
+    video_spec,
+)
 from zoo.tiny import ensure_tiny_flux, ensure_tiny_wan
 
 LIMITS = Limits(max_width=64, max_height=64, max_steps=4, max_n=2, max_prompt_chars=20, max_frames=9,

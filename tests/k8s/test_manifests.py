@@ -16,8 +16,19 @@ import yaml
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
-from tests.k8s.strict import CRD_DIR, closed, crd_errors, crd_schema, kuberay_rule_errors, unknown_keys
-from offload_core.real_models import UnknownModel, component_spec, meta_component
+from offload_core.planner.real_models import (
+    UnknownModel,
+    component_spec,
+    meta_component,
+)
+from tests.k8s.strict import (
+    CRD_DIR,
+    closed,
+    crd_errors,
+    crd_schema,
+    kuberay_rule_errors,
+    unknown_keys,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"

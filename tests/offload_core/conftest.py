@@ -5,7 +5,7 @@ import gc
 
 import pytest
 
-from offload_core.device import DeviceFacts, get_device
+from offload_core.streaming.device import DeviceFacts, get_device
 
 
 @pytest.fixture

@@ -5,11 +5,22 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core.hosting_tier import HostingTier
-from offload_core.host_layer import HostLayer
-from offload_core.layout import (ALIGN_BYTES, KNOWN_LAYER_GROUPS, LayoutError, RegionMap, check_disjoint,
-                                 declared_layer_groups, is_placeholder, placeholder, plan_layer_layout,
-                                 resolve_layer_group, storage_extent, tensor_view)
+from offload_core.host.tier import HostingTier
+from offload_core.layout import (
+    ALIGN_BYTES,
+    KNOWN_LAYER_GROUPS,
+    LayoutError,
+    RegionMap,
+    check_disjoint,
+    declared_layer_groups,
+    is_placeholder,
+    placeholder,
+    plan_layer_layout,
+    resolve_layer_group,
+    storage_extent,
+    tensor_view,
+)
+from offload_core.streaming.host_layer import HostLayer
 from tests.offload_core.tiny_models import CLIP, FLUX, T5, UMT5, WAN, WAN_VAE, Stack
 
 

@@ -9,7 +9,14 @@ import torch
 from diffusers import FluxPipeline, WanPipeline
 from safetensors import safe_open
 
-from zoo.tiny import UMT5_VOCAB_ROWS, WanSizes, build_wan, ensure_medium_wan, ensure_tiny_flux, ensure_tiny_wan
+from zoo.tiny import (
+    UMT5_VOCAB_ROWS,
+    WanSizes,
+    build_wan,
+    ensure_medium_wan,
+    ensure_tiny_flux,
+    ensure_tiny_wan,
+)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,367 @@
+"""The per-layer hosting plan: which streamed layers are PINNED, PAGEABLE or left MAPPED.
+
+Pinned layers copy to the device asynchronously at full link speed (a Wan2.1 step: 1.03 s pinned
+vs 1.90 s pageable), but pinned and pageable copies are anonymous memory the node must hold, and
+the node's RAM is shared. The rules, each pinned by a test:
+
+- Pins are offered in *pin order*: components ranked by weight bytes x uses per request (a
+  denoiser runs ``num_inference_steps`` times per request, an encoder or decoder once; a missing
+  uses figure is an error, never a silent fallback to raw bytes), and within a component
+  streamed layers first in streamed order, then resident ones (copied at most once per request).
+- The cost is the NET anonymous cost: only bytes copied out of a file mapping into anonymous
+  memory count (plus the flat buffer's 512 B alignment padding). Consolidating an
+  already-anonymous layer (e.g. a fused qkv) frees the original, so it is a wash.
+- The plan asks the budget for ONE lease for its whole net cost: asking per tier would test each
+  tier against the same free bytes and so double-charge them.
+- If the cost does not fit: demote unpinned (pageable) mapping-backed layers to MAPPED, tail of
+  the pin order first; then give pins back from the tail until it fits. Never over-commit: the
+  lease is granted or the plan shrinks to what the ledger says is free.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from offload_core.host.budget import Lease, MemoryBudget, Refusal
+from offload_core.host.maps import MapsSnapshot
+from offload_core.host.tier import HostingTier
+from offload_core.layout import (
+    STREAMER_ATTRIBUTE,
+    declared_layer_groups,
+    layer_parameters,
+    plan_layer_layout,
+)
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024**3
+# Another replica may take bytes between our look at `available()` and our request; each refusal
+# re-fits the plan to the figure it reports. Five rounds is far more than two replicas racing need;
+# the last round asks for nothing copied, which any ledger grants.
+_MAX_REQUEST_ROUNDS = 5
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """One streamed (or resident) layer as the host sees it now."""
+
+    key: str  # "blocks.3": the engine's layer key
+    nbytes: int  # the layer's tensor bytes
+    mapped_bytes: int  # views of a file mapping now: copying them out costs anonymous memory
+    anon_bytes: int  # already anonymous: consolidating them frees the original, a wash
+    resident: bool = False
+    # Alignment gaps the consolidated flat buffer adds (the engine aligns each tensor to 512 B):
+    # a few hundred KB for a 14B layer, but 12 % of a toy layer, and a ledger must not undercount.
+    padding_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        assert min(self.nbytes, self.mapped_bytes, self.anon_bytes, self.padding_bytes) >= 0, \
+            f"{self.key}: negative bytes would let a plan spend memory it does not account"
+        if self.mapped_bytes + self.anon_bytes != self.nbytes:
+            raise ValueError(f"layer {self.key}: mapped {self.mapped_bytes} B + anonymous {self.anon_bytes} B "
+                             f"must equal its {self.nbytes} B")
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the layer's own host buffers once consolidated (PINNED or PAGEABLE)."""
+        return self.nbytes + self.padding_bytes
+
+    @property
+    def consolidation_cost(self) -> int:
+        """Net anonymous bytes consolidating adds: the mapped part copied out, plus padding."""
+        return self.mapped_bytes + self.padding_bytes
+
+
+@dataclass(frozen=True)
+class ComponentFacts:
+    """A component's layers in streamed order then resident, and how often a request uses it."""
+
+    name: str
+    layers: tuple[LayerFacts, ...]
+    # Denoiser: the pipeline's default num_inference_steps; encoder/decoder: 1. Required: ranking
+    # by raw bytes would give a 25 GiB text encoder used once the pins a 27 GiB DiT uses 50 times.
+    uses_per_request: int | None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not isinstance(self.uses_per_request, int) or self.uses_per_request < 1:
+            raise ValueError(f"component {self.name}: uses_per_request must be an int >= 1 (the denoiser's "
+                             f"num_inference_steps, 1 for an encoder/decoder), got {self.uses_per_request!r}")
+        keys = [layer.key for layer in self.layers]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"component {self.name}: duplicate layer keys")
+        flags = [layer.resident for layer in self.layers]
+        if flags != sorted(flags):
+            raise ValueError(f"component {self.name}: layers must be streamed first (in streamed order), "
+                             f"then resident; got resident flags {flags}")
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def priority(self) -> int:
+        """Bytes moved per request if streamed: what a pin saves, per byte pinned, is proportional."""
+        return self.weight_bytes * self.uses_per_request
+
+
+def denoiser_uses(pipeline_defaults: Mapping[str, object]) -> int:
+    """A denoiser's uses per request: the pipeline's default ``num_inference_steps``."""
+    steps = pipeline_defaults.get("num_inference_steps")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"pipeline defaults carry no usable num_inference_steps (got {steps!r}); "
+                         "a denoiser's uses per request cannot be guessed")
+    return steps
+
+
+def facts_from_module(
+    name: str,
+    model,
+    layer_groups: Sequence[str] | None,
+    uses_per_request: int | None,
+    *,
+    resident_keys: Sequence[str] = (),
+    maps: MapsSnapshot | None = None,
+    mapped_fraction: float | None = None,
+) -> ComponentFacts:
+    """Per-layer facts of a model: bytes from shapes and dtypes, mapped bytes measured or given.
+
+    Layers and their tensors are the engine's: ``layer_groups`` None means the class's declared
+    groups, only parameters stream (buffers stay with the non-layer rest), and the padding is
+    that of the engine's flat layout.
+    On a real model the mapped bytes are measured with ``maps`` (a fresh snapshot if None). A
+    meta-device model has no addresses, so ``mapped_fraction`` says what share of each layer is a
+    view of the checkpoint mapping (the fact the caller measured on a real host).
+    """
+    if mapped_fraction is not None and not 0.0 <= mapped_fraction <= 1.0:
+        raise ValueError(f"mapped_fraction must be within [0, 1], got {mapped_fraction}")
+    if mapped_fraction is None and maps is None:
+        maps = MapsSnapshot.take()
+    if getattr(model, STREAMER_ATTRIBUTE, None) is not None:
+        raise ValueError(f"component {name}: facts must be taken before apply_layer_streaming; a streamed "
+                         "layer's parameters are placeholders and would all measure 0 B")
+    groups = declared_layer_groups(model) if layer_groups is None else tuple(layer_groups)
+    streamed, resident, known = [], [], set()
+    for group in groups:
+        for i, layer in enumerate(model.get_submodule(group)):
+            key = f"{group}.{i}"
+            known.add(key)
+            named = layer_parameters(layer)
+            tensors = [p.data for _, p in named]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            mapped = (int(nbytes * mapped_fraction) if mapped_fraction is not None
+                      else maps.mapped_bytes(tensors))
+            padding = plan_layer_layout(key, [(n, p.data) for n, p in named]).nbytes - nbytes
+            facts = LayerFacts(key, nbytes, mapped, nbytes - mapped, resident=key in resident_keys,
+                               padding_bytes=max(0, padding))
+            (resident if facts.resident else streamed).append(facts)
+    unknown = set(resident_keys) - known
+    if unknown:
+        raise ValueError(f"component {name}: resident keys {sorted(unknown)} are not layers of {list(groups)}")
+    return ComponentFacts(name, tuple(streamed + resident), uses_per_request)
+
+
+@dataclass(frozen=True)
+class ComponentHosting:
+    """The plan for one component: a tier per layer key, the bytes per tier, and why."""
+
+    name: str
+    rank: int  # 1 = offered pins first
+    priority: int  # weight bytes x uses per request
+    tiers: tuple[tuple[str, HostingTier], ...]
+    pinned_bytes: int
+    pageable_bytes: int
+    mapped_bytes: int
+    net_cost: int  # anonymous bytes this plan adds for the component
+    reason: str
+
+    def tiers_for(self) -> dict[str, HostingTier]:
+        return dict(self.tiers)
+
+    def count(self, tier: HostingTier) -> int:
+        return sum(1 for _, t in self.tiers if t is tier)
+
+    def log_line(self) -> str:
+        c = {t: self.count(t) for t in HostingTier}
+        return (f"hosting {self.name}: {c[HostingTier.PINNED]} pinned ({_gib(self.pinned_bytes)}), "
+                f"{c[HostingTier.PAGEABLE]} pageable ({_gib(self.pageable_bytes)}), "
+                f"{c[HostingTier.MAPPED]} mapped ({_gib(self.mapped_bytes)}), net anonymous cost "
+                f"{_gib(self.net_cost)}; {self.reason}")
+
+
+@dataclass(frozen=True)
+class HostingPlan:
+    """Tiers for every component of a replica, and the one lease that pays for them."""
+
+    components: tuple[ComponentHosting, ...]
+    lease: Lease
+    net_cost: int
+    available: int  # what the ledger had free when the plan was fitted
+    reasons: tuple[str, ...]
+
+    def component(self, name: str) -> ComponentHosting:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(f"no component {name!r} in the hosting plan (have {[c.name for c in self.components]})")
+
+    def tiers_for(self, name: str) -> dict[str, HostingTier]:
+        """Layer key -> tier, ready for the engine's StreamingConfig.hosting."""
+        return self.component(name).tiers_for()
+
+    def release(self, budget: MemoryBudget) -> None:
+        """Give the plan's lease back; call once the layers' host buffers are freed."""
+        budget.release(self.lease)
+
+
+@dataclass
+class _Slot:
+    """A layer's place in the pin order while the plan is being fitted."""
+
+    component: ComponentFacts
+    layer: LayerFacts
+    tier: HostingTier
+    wanted: HostingTier  # before the host was consulted, for the log's "why"
+
+    @property
+    def cost(self) -> int:
+        return 0 if self.tier is HostingTier.MAPPED else self.layer.consolidation_cost
+
+
+@dataclass(frozen=True)
+class HostingPolicy:
+    """What a replica wants before the host is consulted."""
+
+    # The best tier any layer may get: PINNED (pin along the pin order), PAGEABLE (pin nothing,
+    # e.g. a host whose driver refuses to lock more), MAPPED (copy nothing: memory mode).
+    ceiling: HostingTier = HostingTier.PINNED
+    # Cap on gross pinned bytes (e.g. what the driver lets one process lock); None: no cap.
+    max_pinned_bytes: int | None = None
+    purpose: str = "host-weights"  # written on the lease, for the ledger's reports
+    # Per component, per layer key: the best tier a planner wants for that layer (a performance
+    # mode may want resident layers pageable, say); layers not named get ``ceiling``.
+    wanted: Mapping[str, Mapping[str, HostingTier]] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ceiling, HostingTier):
+            raise TypeError(f"ceiling must be a HostingTier, got {self.ceiling!r}")
+        wanted = {c: dict(tiers) for c, tiers in (self.wanted or {}).items()}
+        bad = [(c, k, t) for c, tiers in wanted.items() for k, t in tiers.items() if not isinstance(t, HostingTier)]
+        if bad:
+            raise TypeError(f"wanted tiers must be HostingTier values, got {bad[:3]}")
+        object.__setattr__(self, "wanted", wanted)  # a private copy: the caller's dicts may change
+        if self.max_pinned_bytes is not None and self.max_pinned_bytes < 0:
+            raise ValueError(f"max_pinned_bytes must be >= 0, got {self.max_pinned_bytes}")
+
+    def best_tier(self, component: str, key: str) -> HostingTier:
+        return self.wanted.get(component, {}).get(key, self.ceiling)
+
+    def check_names(self, components: Sequence[ComponentFacts]) -> None:
+        """Wanted tiers for unknown components or layers are a caller's mistake, not a no-op."""
+        keys = {c.name: {layer.key for layer in c.layers} for c in components}
+        unknown = [(c, k) for c, tiers in self.wanted.items() for k in tiers if k not in keys.get(c, ())]
+        if unknown:
+            raise ValueError(f"wanted tiers name layers the facts do not have: {unknown[:4]}")
+
+
+def plan_hosting(
+    components: Sequence[ComponentFacts],
+    budget: MemoryBudget,
+    owner: str,
+    policy: HostingPolicy | None = None,
+) -> HostingPlan:
+    """Fit per-layer tiers to ``budget`` and take one lease for their net anonymous cost."""
+    policy = policy or HostingPolicy()
+    names = [c.name for c in components]
+    if len(set(names)) != len(names):
+        raise ValueError(f"component names must be unique, got {names}")
+    policy.check_names(components)
+    ranked = sorted(components, key=lambda c: c.priority, reverse=True)
+    slots = _wanted(ranked, policy)
+    purpose = policy.purpose
+    reasons: list[str] = []
+    available = budget.available()
+    for _ in range(_MAX_REQUEST_ROUNDS - 1):
+        reasons.extend(_fit(slots, available))
+        granted = _request(budget, slots, owner, ranked, purpose)
+        if isinstance(granted, Lease):
+            break
+        reasons.append(f"ledger refused {_gib(granted.nbytes)} ({granted.reason}); refitting to "
+                       f"{_gib(granted.available)}")
+        available = granted.available
+    else:
+        reasons.extend(_fit(slots, 0))
+        granted = _request(budget, slots, owner, ranked, purpose)
+        assert isinstance(granted, Lease), f"a ledger refused a zero-byte lease: {granted}"
+    plan = HostingPlan(tuple(_summarize(c, i + 1, slots, available) for i, c in enumerate(ranked)),
+                       granted, sum(s.cost for s in slots), available, tuple(reasons))
+    for c in plan.components:
+        logger.info(c.log_line())
+    return plan
+
+
+def _wanted(ranked: Sequence[ComponentFacts], policy: HostingPolicy) -> list[_Slot]:
+    """The tiers wanted before the host is consulted: pins along the pin order up to the cap."""
+    slots, pinned, pin_open, cap = [], 0, True, policy.max_pinned_bytes
+    for comp in ranked:
+        for layer in comp.layers:
+            best = policy.best_tier(comp.name, layer.key)
+            if best is HostingTier.PINNED and pin_open and (cap is None or pinned + layer.host_bytes <= cap):
+                tier, pinned = HostingTier.PINNED, pinned + layer.host_bytes
+            else:
+                # The pin order is a priority order: once one layer misses the cap, later ones
+                # do not jump ahead of it.
+                pin_open = pin_open and best is not HostingTier.PINNED
+                copy_nothing = best is HostingTier.MAPPED and layer.mapped_bytes > 0
+                tier = HostingTier.MAPPED if copy_nothing else HostingTier.PAGEABLE
+            slots.append(_Slot(comp, layer, tier, tier))
+    return slots
+
+
+def _fit(slots: list[_Slot], available: int) -> list[str]:
+    """Demote pageable mapped layers, then give pins back, tail of the pin order first."""
+    reasons = []
+    cost = sum(s.cost for s in slots)
+    for from_tier in (HostingTier.PAGEABLE, HostingTier.PINNED):
+        moved = 0
+        for slot in reversed(slots):
+            if cost <= available:
+                break
+            if slot.tier is from_tier and slot.cost > 0:
+                cost -= slot.cost
+                slot.tier = HostingTier.MAPPED
+                moved += 1
+        if moved:
+            verb = "demoted pageable layers to mapped" if from_tier is HostingTier.PAGEABLE else "gave back pins"
+            reasons.append(f"{verb}: {moved} layers, to fit {_gib(available)} free")
+    assert cost <= available or all(s.cost == 0 for s in slots), "fit left a cost no demotion can cut"
+    return reasons
+
+
+def _request(budget: MemoryBudget, slots: list[_Slot], owner: str,
+             ranked: Sequence[ComponentFacts], purpose: str) -> Lease | Refusal:
+    cost = sum(s.cost for s in slots)
+    priority = float(ranked[0].priority) if ranked else 0.0
+    return budget.request(cost, owner, priority=priority, purpose=purpose)
+
+
+def _summarize(comp: ComponentFacts, rank: int, slots: list[_Slot], available: int) -> ComponentHosting:
+    mine = [s for s in slots if s.component is comp]
+    by_tier = {t: sum(s.layer.nbytes if t is HostingTier.MAPPED else s.layer.host_bytes
+                      for s in mine if s.tier is t) for t in HostingTier}
+    given_back = sum(1 for s in mine if s.wanted is HostingTier.PINNED and s.tier is HostingTier.MAPPED)
+    left_mapped = sum(1 for s in mine if s.wanted is HostingTier.PAGEABLE and s.tier is HostingTier.MAPPED)
+    why = f"rank {rank} ({_gib(comp.weight_bytes)} x {comp.uses_per_request} uses/request); "
+    if given_back or left_mapped:
+        why += (f"host has {_gib(available)} free for the whole plan: {given_back} pins given back and "
+                f"{left_mapped} pageable layers left mapped, from the tail of the pin order")
+    else:
+        why += f"everything wanted fits the {_gib(available)} free"
+    return ComponentHosting(comp.name, rank, comp.priority, tuple((s.layer.key, s.tier) for s in mine),
+                            by_tier[HostingTier.PINNED], by_tier[HostingTier.PAGEABLE],
+                            by_tier[HostingTier.MAPPED], sum(s.cost for s in mine), why)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB"

@@ -1,0 +1,95 @@
+"""Plan a pipeline for a GPU without one: ``python -m offload_core.plan --model wan2.1-t2v-14b --gpu L4 --host-ram 64GiB``.
+
+Plans a real-size model from configs/models/real_model_configs.json (``--model``) or a local
+diffusers folder (``--model-dir``), built on torch's meta device, and prints a readable table, or
+one JSON object with ``--json``. Bad arguments exit with status 2 and a message naming them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from offload_core.planner.inputs import folder_facts, gpu_spec, real_model_facts
+from offload_core.planner.pipeline_plan import PerformanceMode, PipelinePlan
+from offload_core.planner.search import plan_pipeline
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """``64GiB``, ``512MB``, ``1073741824`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (try 64GiB, 512MB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m offload_core.plan", description=__doc__.splitlines()[0])
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a real model in configs/models/real_model_configs.json, e.g. wan2.1-t2v-14b")
+    source.add_argument("--model-dir", type=Path, help="a local diffusers pipeline folder")
+    p.add_argument("--gpu", required=True, help="a GPU in the config file's 'gpus', e.g. L4, H100")
+    p.add_argument("--host-ram", required=True, type=parse_bytes, help="host RAM of the node, e.g. 64GiB")
+    p.add_argument("--mode", default="auto", choices=[m.value for m in PerformanceMode])
+    p.add_argument("--working-set", default="3GiB", type=parse_bytes,
+                   help="device memory kept for activations (default 3GiB)")
+    p.add_argument("--steps", type=int, help="denoising steps (default: the model's published default)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p
+
+
+def table(plan: PipelinePlan) -> str:
+    """A readable table: one row per component, then the totals and the plan's reasons."""
+    gib = 2**30
+    rows = [("component", "strategy", "resident", "depth", "pinned/pageable", "in use GiB", "idle GiB",
+             "moved GiB/req", "time s/req")]
+    for c in plan.components:
+        p = c.prediction
+        tiers = dict.fromkeys(("pinned", "pageable"), 0)
+        for _, tier in c.hosting:
+            tiers[tier.value] = tiers.get(tier.value, 0) + 1
+        layers = len(c.hosting)
+        strategy = c.strategy.value + ("+park" if p.parked else "") + ("+tables" if c.host_tables else "")
+        rows.append((c.name, strategy, f"{c.resident_layers}/{layers}" if layers else "-",
+                     str(c.prefetch_depth) if layers else "-",
+                     f"{tiers['pinned']}/{tiers['pageable']}" if layers else "-",
+                     f"{p.in_use_bytes / gib:.2f}", f"{p.idle_bytes / gib:.2f}", f"{p.bytes_moved / gib:.1f}",
+                     f"{p.time_s:.1f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join([plan.explain()[0], "", *lines, "", *plan.notes])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        _parser().error(f"--steps must be >= 1, got {args.steps}")
+    try:
+        gpu = gpu_spec(args.gpu)
+        if args.model:
+            facts, notes = real_model_facts(args.model, gpu, args.host_ram, working_set=args.working_set,
+                                            steps=args.steps)
+        else:
+            if not (args.model_dir / "model_index.json").is_file():
+                raise ValueError(f"--model-dir {args.model_dir} has no model_index.json: not a diffusers folder")
+            facts, notes = folder_facts(args.model_dir, gpu, args.host_ram, working_set=args.working_set,
+                                        steps=args.steps)
+    except ValueError as error:
+        _parser().error(str(error))
+    plan = plan_pipeline(facts, PerformanceMode(args.mode))
+    plan = type(plan)(**{**plan.__dict__, "notes": (*plan.notes, *notes)})
+    if args.json:
+        print(json.dumps(plan.to_dict()))
+    else:
+        print(table(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The cost model: device bytes, bytes moved and time of a component plan, in the engine's terms.
+
+Byte figures follow the engine exactly, so predictions equal what its meter and counters see:
+- a streamed layer occupies its flat layout (one buffer per dtype, 512-byte aligned tensors);
+  the ring has min(depth + 1, streamed layers) slots, each sized per dtype to the largest
+  streamed layer; a resident layer has its own flat buffer;
+- PINNED and PAGEABLE layers copy their flat buffers, MAPPED ones copy tensor by tensor;
+- per request, ``prepare_for_use`` arms the resident layers and prefetches the first
+  ``slots`` layers, each use enters every streamed layer once (each entry issues the copy
+  ``slots - 1`` layers ahead, wrapping into the next use), so U uses copy
+  ``U * streamed + slots - 1`` layers in cyclic order; ``finish_use`` releases the wrapped ones.
+Times: pinned copies run on a side stream and overlap compute; pageable (and mapped) copies are
+staged by the driver synchronously and do not.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from offload_core.host.tier import HostingTier
+from offload_core.planner.facts import ComponentProfile, LayerFacts, LinkFacts
+from offload_core.planner.pipeline_plan import ComponentPlan, ComponentPrediction
+from offload_core.planner.strategy import Strategy
+
+
+def copy_bytes(layer: LayerFacts, tier: HostingTier) -> int:
+    """Bytes one host->device copy of ``layer`` moves from ``tier``."""
+    return layer.tensor_bytes if tier is HostingTier.MAPPED else layer.nbytes
+
+
+def slot_region_bytes(streamed: Sequence[LayerFacts]) -> int:
+    """One ring slot: per dtype the largest streamed layer's flat bytes, summed over dtypes."""
+    largest: dict[str, int] = {}
+    for layer in streamed:
+        for dtype, nbytes in layer.flat_bytes:
+            largest[dtype] = max(largest.get(dtype, 0), nbytes)
+    return sum(largest.values())
+
+
+def n_slots(plan: ComponentPlan, n_streamed: int) -> int:
+    return min(plan.prefetch_depth + 1, n_streamed)
+
+
+def non_layer_device_bytes(profile: ComponentProfile, plan: ComponentPlan) -> int:
+    return profile.non_layer_bytes - (profile.table_bytes if plan.host_tables else 0)
+
+
+def _split(profile: ComponentProfile, plan: ComponentPlan):
+    r = min(plan.resident_layers, len(profile.layers))
+    return profile.layers[:r], profile.layers[r:]
+
+
+def device_bytes(profile: ComponentProfile, plan: ComponentPlan, parked: bool) -> tuple[int, int]:
+    """(in use, idle) device weight bytes of the component under ``plan``; ``parked``: the gate parks it."""
+    rest = non_layer_device_bytes(profile, plan)
+    if plan.strategy is not Strategy.LAYERWISE:
+        whole = rest + sum(layer.tensor_bytes for layer in profile.layers)
+        return whole, (whole if plan.strategy is Strategy.RESIDENT else 0)
+    resident, streamed = _split(profile, plan)
+    slots = n_slots(plan, len(streamed)) * slot_region_bytes(streamed)
+    in_use = rest + sum(layer.nbytes for layer in resident) + slots
+    return in_use, (0 if parked else rest)
+
+
+def _tiers(plan: ComponentPlan) -> dict[str, HostingTier]:
+    return dict(plan.hosting)
+
+
+def _streamed_copy_bytes(streamed: Sequence[LayerFacts], tiers: dict[str, HostingTier], slots: int,
+                        uses: int) -> dict[HostingTier, int]:
+    """Bytes per tier the streamed layers copy in one request (see the module docstring)."""
+    out = {tier: 0 for tier in HostingTier}
+    if not streamed:
+        return out
+    count = uses * len(streamed) + slots - 1 if uses else slots
+    full, rem = divmod(count, len(streamed))
+    for i, layer in enumerate(streamed):
+        tier = tiers[layer.key]
+        out[tier] += (full + (1 if i < rem else 0)) * copy_bytes(layer, tier)
+    return out
+
+
+def predict(profile: ComponentProfile, plan: ComponentPlan, link: LinkFacts, parked: bool) -> ComponentPrediction:
+    """Device bytes, bytes moved and time per request of one component under ``plan``.
+
+    ``parked``: whether the parking gate parks its non-layer weights between uses (the planner
+    predicts the gate; see ``planner._gates``).
+    """
+    parked = parked and plan.strategy is Strategy.LAYERWISE and plan.park
+    in_use, idle = device_bytes(profile, plan, parked)
+    uses = profile.uses_per_request
+    compute = uses * profile.compute_s_per_use
+    if plan.strategy is Strategy.RESIDENT:
+        return ComponentPrediction(in_use, idle, 0, 0.0, compute, compute, False)
+    if plan.strategy is Strategy.MODEL_OFFLOAD:
+        # The host copy is pageable: one synchronous copy of the whole component per request.
+        seconds = in_use / link.pageable_Bps
+        return ComponentPrediction(in_use, idle, in_use, seconds, compute, compute + seconds, False)
+    tiers = _tiers(plan)
+    resident, streamed = _split(profile, plan)
+    restore = non_layer_device_bytes(profile, plan) if parked else 0
+    moved = {tier: 0 for tier in HostingTier}
+    for layer in resident:
+        moved[tiers[layer.key]] += copy_bytes(layer, tiers[layer.key])
+    # Once per request, before the first use: parked weights back, residents armed.
+    once_s = restore / link.pageable_Bps + sum(_seconds(n, t, link) for t, n in moved.items())
+    for tier, nbytes in _streamed_copy_bytes(streamed, tiers, n_slots(plan, len(streamed)), uses).items():
+        moved[tier] += nbytes
+    per_use_pinned = sum(copy_bytes(l, tiers[l.key]) for l in streamed
+                         if tiers[l.key] is HostingTier.PINNED) / link.pinned_Bps
+    per_use_sync = sum(copy_bytes(l, tiers[l.key]) for l in streamed
+                       if tiers[l.key] is not HostingTier.PINNED) / link.pageable_Bps
+    per_use = max(profile.compute_s_per_use, per_use_pinned) + per_use_sync
+    transfer = restore / link.pageable_Bps + sum(_seconds(n, t, link) for t, n in moved.items())
+    return ComponentPrediction(in_use, idle, restore + sum(moved.values()), transfer, compute,
+                               once_s + uses * per_use, parked)
+
+
+def _seconds(nbytes: int, tier: HostingTier, link: LinkFacts) -> float:
+    return nbytes / (link.pinned_Bps if tier is HostingTier.PINNED else link.pageable_Bps)

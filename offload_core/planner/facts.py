@@ -1,0 +1,224 @@
+"""The facts a plan is made from: layer bytes, uses, bandwidths, compute time, device and host limits.
+
+Facts are read from the models themselves (real ones, or real-size ones on torch's ``meta``
+device: shapes and dtypes are all the byte figures need) plus a few measured or configured
+figures. Layer bytes are counted exactly as the engine lays layers out (one flat buffer per
+dtype, tensors at ``ALIGN_BYTES``-aligned offsets), so predicted bytes equal measured ones.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from offload_core.layout import (
+    LayoutError,
+    align_up,
+    declared_layer_groups,
+    resolve_layer_group,
+    storage_extent,
+)
+from offload_core.tables import HostTablesConfig, TableVerdict, select_host_tables
+
+logger = logging.getLogger(__name__)
+
+# 0.1: parking 10 % of the free device memory is worth a restore copy per use (a few ms for
+# 0.5 GiB at 25 GB/s); below that the restore costs more than the room it frees is worth.
+DEFAULT_PARK_FRACTION = 0.1
+
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """One streamable layer: what its flat buffers take on the host and in a device slot."""
+
+    key: str  # "blocks.3"
+    # (dtype name, aligned flat bytes) sorted by dtype name, as offload_core.layout lays it out.
+    flat_bytes: tuple[tuple[str, int], ...]
+    # Bytes the tensors themselves span: what a MAPPED layer copies (tensor by tensor), and what
+    # the layer takes on the device when its component is plainly resident.
+    tensor_bytes: int
+    params: int  # parameter count, for FLOP estimates
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.flat_bytes)
+
+
+@dataclass(frozen=True)
+class ComponentProfile:
+    """One pipeline component, as the planner sees it."""
+
+    name: str  # "transformer"
+    class_name: str
+    layer_groups: tuple[str, ...]  # empty: not streamable (RESIDENT or MODEL_OFFLOAD only)
+    layers: tuple[LayerFacts, ...]  # in the order they run
+    non_layer_bytes: int  # parameters outside the layer groups (tied ones once), hostable tables included
+    table_bytes: int  # of those, the bytes of tables that qualify for host gathers
+    uses_per_request: int  # forward passes over the layers per request (steps x CFG passes for a denoiser)
+    # Seconds of compute per layer per use (measured on a warm-up, or estimated from FLOPs).
+    compute_s_per_layer: tuple[float, ...]
+    # Non-layer compute per use (embeddings, heads, norms), seconds.
+    compute_s_rest: float = 0.0
+
+    def __post_init__(self) -> None:
+        assert len(self.compute_s_per_layer) == len(self.layers), (
+            f"{self.name}: {len(self.compute_s_per_layer)} compute times for {len(self.layers)} layers; "
+            "the cost model would pair times with the wrong layers")
+        if self.uses_per_request < 0:
+            raise ValueError(f"{self.name}: uses_per_request must be >= 0, got {self.uses_per_request}")
+
+    @property
+    def layer_bytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.non_layer_bytes + self.layer_bytes
+
+    @property
+    def compute_s_per_use(self) -> float:
+        return sum(self.compute_s_per_layer) + self.compute_s_rest
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the pipeline and the components it runs, in order."""
+
+    name: str
+    components: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LinkFacts:
+    """Host->device bandwidth, bytes per second, for each kind of host memory."""
+
+    pinned_Bps: float
+    pageable_Bps: float
+    measured: bool = False  # True when measured on this device, False when configured
+
+    def __post_init__(self) -> None:
+        if self.pinned_Bps <= 0 or self.pageable_Bps <= 0:
+            raise ValueError(f"bandwidths must be > 0, got pinned={self.pinned_Bps} pageable={self.pageable_Bps}")
+
+
+@dataclass(frozen=True)
+class PipelineFacts:
+    """Everything the planner needs, and nothing it would have to ask the machine for."""
+
+    components: tuple[ComponentProfile, ...]
+    stages: tuple[Stage, ...]
+    device_capacity: int  # bytes the device may hold (weights + working set)
+    link: LinkFacts
+    host_lease_bytes: int  # host bytes this replica may page-lock (its lease of the node budget)
+    working_set_bytes: int = 0  # activations etc. kept free of weights
+    device_name: str = "device"
+    park_fraction: float = DEFAULT_PARK_FRACTION  # the parking gate's fraction of headroom
+
+    def __post_init__(self) -> None:
+        for field_name in ("device_capacity", "host_lease_bytes", "working_set_bytes"):
+            if getattr(self, field_name) < 0:
+                raise ValueError(f"{field_name} must be >= 0, got {getattr(self, field_name)}")
+        if not 0.0 <= self.park_fraction:
+            raise ValueError(f"park_fraction must be >= 0, got {self.park_fraction}")
+        names = [c.name for c in self.components]
+        staged = [n for s in self.stages for n in s.components]
+        if sorted(names) != sorted(staged):
+            raise ValueError(f"stages name components {staged}, facts describe {names}: each must be in one stage")
+
+    def component(self, name: str) -> ComponentProfile:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(f"no component {name!r}; components: {[c.name for c in self.components]}")
+
+    @property
+    def weight_budget(self) -> int:
+        return self.device_capacity - self.working_set_bytes
+
+
+def layer_facts(key: str, layer: nn.Module) -> LayerFacts:
+    """The layer's flat bytes per dtype, computed like ``layout.plan_layer_layout`` (works on meta)."""
+    cursor: dict[torch.dtype, int] = {}
+    params = tensor_bytes = 0
+    for _name, tensor in layer.named_parameters():
+        offset = align_up(cursor.get(tensor.dtype, 0))
+        extent = storage_extent(tensor) * tensor.element_size()
+        cursor[tensor.dtype] = offset + extent
+        tensor_bytes += extent
+        params += tensor.numel()
+    flat = tuple(sorted(((str(d).removeprefix("torch."), align_up(n)) for d, n in cursor.items())))
+    return LayerFacts(key, flat, tensor_bytes, params)
+
+
+def streamable_groups(model: nn.Module, layer_groups: Sequence[str] | None) -> tuple[str, ...]:
+    """The given groups, else the model's declared ones; none declared: () (resident or model offload only)."""
+    if layer_groups is not None:
+        return tuple(layer_groups)
+    try:
+        return declared_layer_groups(model)
+    except LayoutError:
+        return ()
+
+
+def profile_component(name: str, model: nn.Module, *, uses_per_request: int,
+                      compute_s_per_layer: Sequence[float] | None = None, compute_s_rest: float = 0.0,
+                      layer_groups: Sequence[str] | None = None,
+                      tables: HostTablesConfig = HostTablesConfig()) -> ComponentProfile:
+    """Read a component's facts from the module (real or meta). Compute defaults to 0 s per layer."""
+    groups = streamable_groups(model, layer_groups)
+    layers: list[LayerFacts] = []
+    in_layers: set[int] = set()
+    for path in groups:
+        for i, layer in enumerate(resolve_layer_group(model, path).layers):
+            layers.append(layer_facts(f"{path}.{i}", layer))
+            in_layers.update(id(p) for p in layer.parameters())
+    rest = {id(p): p for p in model.parameters() if id(p) not in in_layers}
+    non_layer = sum(p.numel() * p.element_size() for p in rest.values())
+    table_bytes = sum(d.nbytes for d in select_host_tables(model, tables) if d.verdict is TableVerdict.HOSTED)
+    compute = tuple(compute_s_per_layer) if compute_s_per_layer is not None else (0.0,) * len(layers)
+    return ComponentProfile(name, type(model).__name__, groups, tuple(layers), non_layer, table_bytes,
+                            int(uses_per_request), compute, compute_s_rest)
+
+
+def estimate_layer_compute_s(layer: LayerFacts, tokens: int, device_flops: float) -> float:
+    """2 FLOPs per parameter per token (the matmuls), at the device's sustained FLOP rate.
+
+    Attention's seq^2 term is left out, so this underestimates long-sequence compute: the planner
+    then hides less transfer than it could, which errs toward more resident layers, never stalls.
+    """
+    return 2.0 * layer.params * tokens / device_flops
+
+
+def with_compute(profile: ComponentProfile, tokens: int, device_flops: float) -> ComponentProfile:
+    """The profile with per-layer compute estimated from FLOPs for ``tokens`` tokens per use."""
+    times = tuple(estimate_layer_compute_s(layer, tokens, device_flops) for layer in profile.layers)
+    rest_params = profile.non_layer_bytes // 2  # ~2 B per parameter (bf16); the estimate is a floor anyway
+    rest = 2.0 * rest_params * tokens / device_flops
+    return ComponentProfile(profile.name, profile.class_name, profile.layer_groups, profile.layers,
+                            profile.non_layer_bytes, profile.table_bytes, profile.uses_per_request, times, rest)
+
+
+def measure_link(device: torch.device, nbytes: int = 256 * 1024 * 1024, repeats: int = 3) -> LinkFacts:
+    """Measure pinned and pageable host->device bandwidth once (CUDA only)."""
+    assert torch.device(device).type == "cuda", "host->device bandwidth is measured on CUDA; configure it elsewhere"
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    figures = {}
+    for pinned in (True, False):
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        dst.copy_(src, non_blocking=pinned)
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            dst.copy_(src, non_blocking=pinned)
+        end.record()
+        torch.cuda.synchronize(device)
+        figures[pinned] = nbytes * repeats / (start.elapsed_time(end) / 1e3)
+    logger.info("link %s: pinned %.1f GB/s, pageable %.1f GB/s (measured, %d MiB x %d)",
+                device, figures[True] / GB, figures[False] / GB, nbytes >> 20, repeats)
+    return LinkFacts(figures[True], figures[False], measured=True)

@@ -1,0 +1,176 @@
+"""Pipeline facts for the plan CLI: real-size models on the meta device, or a local diffusers folder.
+
+Shapes and dtypes are all the byte figures need, so components are built under
+``torch.device("meta")`` (by :mod:`offload_core.planner.real_models`) from published configs
+(configs/models/real_model_configs.json) or from a folder's own config files: a 14B model plans
+on a laptop.
+
+Uses per request and tokens per use follow the pipelines' defaults; per-layer compute is
+estimated from FLOPs at a sustained fraction of the GPU's dense BF16 rate.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from offload_core.host.ram import default_reserve
+from offload_core.layout import (
+    LayoutError,
+    declared_layer_groups,
+    resolve_layer_group,
+)
+from offload_core.planner import real_models
+from offload_core.planner.facts import (
+    ComponentProfile,
+    LinkFacts,
+    PipelineFacts,
+    Stage,
+    profile_component,
+    with_compute,
+)
+from offload_core.tables import HostTablesConfig
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024**3
+# safetensors header dtype names of the floating types a folder's weights may be stored in.
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# Vendor dense BF16 tensor-core TFLOPs (no sparsity); H100 is the PCIe card's figure.
+DENSE_BF16_TFLOPS = {"RTX3060": 25, "L4": 121, "A10G": 70, "RTX4090": 165, "L40S": 362, "A100-40GB": 312,
+                     "A100-80GB": 312, "H100": 756, "H200": 989}
+# Diffusion transformers sustain ~40 % of peak in practice (attention, norms, launch gaps).
+SUSTAINED_FRACTION = 0.4
+# The json's note: pageable copies measured ~8 GB/s single-threaded on an x86 H100 host.
+PAGEABLE_GBPS = 8.0
+STAGES = {
+    "WanPipeline": (Stage("encode", ("text_encoder",)), Stage("denoise", ("transformer",)), Stage("decode", ("vae",))),
+    "FluxPipeline": (Stage("encode", ("text_encoder", "text_encoder_2")), Stage("denoise", ("transformer",)),
+                     Stage("decode", ("vae",))),
+}
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """What the CLI knows of a GPU model: memory, link bandwidth, compute rate."""
+
+    name: str
+    memory_bytes: int
+    pinned_Bps: float
+    flops: float  # sustained FLOP/s used for compute estimates
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """The config file's GPU facts plus the compute rate the planner's time estimates use."""
+    try:
+        facts = real_models.gpu_facts(name)
+    except real_models.UnknownModel as error:
+        # The CLI reports ValueErrors as bad arguments (exit 2); args[0] is the message unquoted.
+        raise ValueError(error.args[0]) from error
+    if facts.pinned_host_to_device_GBps is None:
+        raise ValueError(f"GPU {name!r}: no measured pinned bandwidth for its link {facts.link!r}")
+    return GpuSpec(name, facts.memory_bytes, facts.pinned_host_to_device_GBps * 1e9,
+                   DENSE_BF16_TFLOPS[name] * 1e12 * SUSTAINED_FRACTION)
+
+
+def _groups(model: nn.Module, declared: tuple[str, ...] | None, notes: list[str], name: str) -> tuple[str, ...]:
+    try:
+        groups = declared or declared_layer_groups(model)
+        for path in groups:
+            resolve_layer_group(model, path)
+        return tuple(groups)
+    except LayoutError as error:
+        notes.append(f"{name}: no streamable layer groups ({error}); planned resident or model-offloaded")
+        return ()
+
+
+def _uses_and_tokens(pipeline: str, defaults: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """(uses per request, tokens per use) per component, from the pipeline's generation defaults."""
+    steps, cfg = int(defaults["num_inference_steps"]), float(defaults.get("guidance_scale", 1.0))
+    h, w, seq = int(defaults["height"]), int(defaults["width"]), int(defaults.get("max_sequence_length", 512))
+    if pipeline == "WanPipeline":
+        passes = 2 if cfg > 1.0 else 1  # conditional + unconditional forward per step
+        frames = (int(defaults["num_frames"]) - 1) // 4 + 1  # 4x temporal VAE compression
+        return {"text_encoder": (passes, seq), "transformer": (steps * passes, frames * (h // 16) * (w // 16)),
+                # the Wan VAE decodes one latent frame per decoder pass
+                "vae": (frames, (h // 4) * (w // 4))}
+    # FLUX.1-dev is guidance-distilled: one transformer pass per step.
+    return {"text_encoder": (1, 77), "text_encoder_2": (1, seq), "transformer": (steps, (h // 16) * (w // 16) + seq),
+            "vae": (1, (h // 4) * (w // 4))}
+
+
+def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_set: int = 3 * GiB,
+                     pageable_Bps: float = PAGEABLE_GBPS * 1e9, steps: int | None = None,
+                     tables: HostTablesConfig = HostTablesConfig()) -> tuple[PipelineFacts, list[str]]:
+    """Facts for a real-size model from the published configs, planned for ``gpu`` and ``host_ram``."""
+    try:
+        specs = [real_models.component_spec(model_name, c) for c in real_models.component_names(model_name)]
+        pipeline, defaults = real_models.pipeline_class(model_name), real_models.pipeline_defaults(model_name)
+    except real_models.UnknownModel as error:
+        # The CLI reports ValueErrors as bad arguments (exit 2); args[0] is the message unquoted.
+        raise ValueError(error.args[0]) from error
+    if steps is not None:
+        defaults["num_inference_steps"] = steps
+    # An empty layer_groups (none declared) lets _groups fall back to the model's own declaration.
+    load = {s.component: (s.class_name, s.config, s.dtype, s.layer_groups) for s in specs}
+    return _facts(pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables)
+
+
+def folder_facts(folder: Path, gpu: GpuSpec, host_ram: int, *, working_set: int = 3 * GiB,
+                 pageable_Bps: float = PAGEABLE_GBPS * 1e9, steps: int | None = None,
+                 tables: HostTablesConfig = HostTablesConfig()) -> tuple[PipelineFacts, list[str]]:
+    """Facts for a local diffusers folder: each component built on meta from its own config file."""
+    index = json.loads((folder / "model_index.json").read_text())
+    pipeline = index["_class_name"]
+    if pipeline not in STAGES:
+        raise ValueError(f"{folder}: pipeline {pipeline!r} is not one the planner knows ({sorted(STAGES)})")
+    load = {}
+    for name in (n for s in STAGES[pipeline] for n in s.components):
+        config_path = folder / name / "config.json"
+        config = {k: v for k, v in json.loads(config_path.read_text()).items() if not k.startswith("_")}
+        class_name = index[name][1]
+        load[name] = (class_name, config, _folder_dtype(folder / name), None)
+    defaults = {"WanPipeline": {"height": 480, "width": 832, "num_frames": 81, "num_inference_steps": 50,
+                                "guidance_scale": 5.0, "max_sequence_length": 512},
+                "FluxPipeline": {"height": 1024, "width": 1024, "num_inference_steps": 28,
+                                 "max_sequence_length": 512}}[pipeline]
+    if steps is not None:
+        defaults["num_inference_steps"] = steps
+    return _facts(pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables)
+
+
+def _folder_dtype(component_dir: Path) -> torch.dtype:
+    """The dtype of the first floating tensor in the component's safetensors files (header only)."""
+    from safetensors import safe_open
+
+    for path in sorted(component_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                dtype = _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
+                if dtype is not None:
+                    return dtype
+    raise ValueError(f"{component_dir}: no floating-point safetensors weights found")
+
+
+def _facts(pipeline, load, defaults, gpu: GpuSpec, host_ram: int, working_set: int, pageable_Bps: float,
+           tables: HostTablesConfig) -> tuple[PipelineFacts, list[str]]:
+    notes: list[str] = []
+    work = _uses_and_tokens(pipeline, defaults)
+    profiles: list[ComponentProfile] = []
+    for name, (class_name, config, dtype, groups) in load.items():
+        module = real_models.build_meta(class_name, config, dtype)
+        uses, tokens = work[name]
+        profile = profile_component(name, module, uses_per_request=uses, tables=tables,
+                                    layer_groups=_groups(module, groups, notes, name))
+        profiles.append(with_compute(profile, tokens, gpu.flops))
+    lease = max(0, host_ram - default_reserve(host_ram))
+    notes.append(f"host: {host_ram / GiB:.0f} GiB, {lease / GiB:.1f} GiB may be pinned after the reserve; "
+                 f"compute estimated at {gpu.flops / 1e12:.0f} TFLOP/s sustained")
+    facts = PipelineFacts(tuple(profiles), STAGES[pipeline], gpu.memory_bytes, LinkFacts(gpu.pinned_Bps, pageable_Bps),
+                          lease, working_set_bytes=working_set, device_name=gpu.name)
+    return facts, notes

@@ -1,0 +1,171 @@
+"""The plan: per component how its weights are kept, and what the planner predicts it costs.
+
+A plan is frozen and explainable (``explain()`` gives one line per decision with its numbers).
+It configures the engine directly (``ComponentPlan.streaming_config()``), so nothing downstream
+reads loose flags. Users pin fields by hand with :class:`ComponentOverride`.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from offload_core.host.tier import HostingTier
+from offload_core.planner.facts import Stage
+from offload_core.planner.strategy import Strategy
+
+GiB = 1024**3
+
+
+class PerformanceMode(enum.Enum):
+    # Everything resident: no copies at all; needs the whole pipeline to fit on the device.
+    SPEED = "speed"
+    # The least device memory: every component streamed (or model-offloaded), nothing resident,
+    # non-layer weights parked between uses, big token tables gathered on the host.
+    MEMORY = "memory"
+    # The fastest plan that stays within half the device (or the memory plan, if that is bigger):
+    # leaves room for activations of larger requests and for neighbours on a shared GPU.
+    BALANCED = "balanced"
+    # The fastest plan that fits the device; the default.
+    AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class ComponentOverride:
+    """Fields of one component's plan pinned by hand; None leaves the field to the planner."""
+
+    strategy: Strategy | None = None
+    resident_layers: int | None = None
+    prefetch_depth: int | None = None
+    park: bool | None = None
+    host_tables: bool | None = None
+    hosting: HostingTier | None = None  # one tier for every layer of the component
+
+    def __post_init__(self) -> None:
+        if self.resident_layers is not None and self.resident_layers < 0:
+            raise ValueError(f"resident_layers must be >= 0, got {self.resident_layers}")
+        if self.prefetch_depth is not None and self.prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
+
+
+@dataclass(frozen=True)
+class ComponentPrediction:
+    """What the cost model predicts for one component, per request."""
+
+    in_use_bytes: int  # device weight bytes at peak while its stage runs (non-layer + resident + slots)
+    idle_bytes: int  # device weight bytes while other stages run
+    bytes_moved: int  # host->device bytes per request
+    transfer_s: float  # time those copies take on the link
+    compute_s: float  # compute per request (all uses)
+    time_s: float  # compute plus the transfer time not hidden behind it
+    parked: bool  # the parking gate is predicted to park its non-layer weights between uses
+
+
+@dataclass(frozen=True)
+class ComponentPlan:
+    """How one component keeps its weights."""
+
+    name: str
+    strategy: Strategy
+    layer_groups: tuple[str, ...]
+    resident_layers: int  # the leading layers in execution order
+    prefetch_depth: int
+    park: bool  # park non-layer weights between uses (headroom-gated at run time)
+    host_tables: bool  # gather qualifying token tables on the host
+    hosting: tuple[tuple[str, HostingTier], ...]  # per layer key; empty unless LAYERWISE
+    prediction: ComponentPrediction | None = None
+    uses_per_request: int = 1  # from the facts: ranks the component's claim on pins
+
+    def tier_bytes(self, layer_bytes: dict[str, int]) -> dict[HostingTier, int]:
+        out = {tier: 0 for tier in HostingTier}
+        for key, tier in self.hosting:
+            out[tier] += layer_bytes[key]
+        return out
+
+    def explain(self) -> str:
+        p = self.prediction
+        what = {
+            Strategy.RESIDENT: "resident",
+            Strategy.MODEL_OFFLOAD: "model offload (in for its stage, out after)",
+            Strategy.LAYERWISE: (f"layerwise: {self.resident_layers}/{len(self.hosting)} layers resident, "
+                                 f"depth {self.prefetch_depth}, "
+                                 + ", ".join(f"{n} {t.value}" for t, n in _tier_counts(self.hosting).items() if n)),
+        }[self.strategy]
+        parked = p.parked if p is not None else self.park
+        extras = [x for x, on in (("parked between uses", parked), ("parking gated off: headroom ample", self.park and not parked),
+                                  ("tables on host", self.host_tables)) if on]
+        line = f"{self.name}: {what}" + (f"; {', '.join(extras)}" if extras else "")
+        if p is not None:
+            line += (f" | device {_gib(p.in_use_bytes)} in use, {_gib(p.idle_bytes)} idle | moves "
+                     f"{_gib(p.bytes_moved)}/request in {p.transfer_s:.3f} s | {p.time_s:.3f} s "
+                     f"({p.compute_s:.3f} s compute)")
+        return line
+
+
+def _tier_counts(hosting) -> dict[HostingTier, int]:
+    counts = {tier: 0 for tier in HostingTier}
+    for _, tier in hosting:
+        counts[tier] += 1
+    return counts
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """One plan for a whole pipeline, with its predictions and the reasons behind it."""
+
+    mode: PerformanceMode
+    components: tuple[ComponentPlan, ...]
+    stages: tuple[Stage, ...]
+    device_name: str
+    device_capacity: int
+    weight_budget: int  # capacity minus the working set: what weights may take
+    peak_device_bytes: int  # predicted: max over stages of in-use + the others' idle bytes
+    peak_stage: str
+    bytes_moved_per_request: int
+    transfer_s_per_request: float
+    compute_s_per_request: float
+    time_s_per_request: float
+    pinned_bytes: int  # host bytes the plan page-locks
+    feasible: bool
+    park_fraction: float  # the parking gate's fraction of headroom, as predicted and as run
+    notes: tuple[str, ...] = field(default=())
+
+    def component(self, name: str) -> ComponentPlan:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(f"plan has no component {name!r}; it has {[c.name for c in self.components]}")
+
+    def stage_of(self, component: str) -> Stage:
+        for stage in self.stages:
+            if component in stage.components:
+                return stage
+        raise KeyError(component)
+
+    def explain(self) -> tuple[str, ...]:
+        head = (f"{self.mode.value} plan on {self.device_name} ({_gib(self.device_capacity)}, weights may take "
+                f"{_gib(self.weight_budget)}): {'feasible' if self.feasible else 'INFEASIBLE'}; predicted peak "
+                f"{_gib(self.peak_device_bytes)} in stage {self.peak_stage}; {_gib(self.bytes_moved_per_request)} "
+                f"moved and {self.time_s_per_request:.2f} s per request ({self.compute_s_per_request:.2f} s compute, "
+                f"{self.transfer_s_per_request:.2f} s transfer); {_gib(self.pinned_bytes)} pinned")
+        return (head, *(c.explain() for c in self.components), *self.notes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: enums as their values."""
+        def plain(value):
+            if isinstance(value, enum.Enum):
+                return value.value
+            if isinstance(value, dict):
+                return {k: plain(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [plain(v) for v in value]
+            return value
+
+        out = plain(asdict(self))
+        for comp, plan in zip(out["components"], self.components):
+            comp["hosting"] = {t.value: n for t, n in _tier_counts(plan.hosting).items()}
+        return out

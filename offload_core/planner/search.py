@@ -1,0 +1,240 @@
+"""The planner: performance modes and the search that turns facts into one explainable plan.
+
+``plan_pipeline(facts, mode)``:
+- SPEED: every component resident.
+- MEMORY: every streamable component layerwise with nothing resident, parked between uses, its
+  big token tables on the host; components without layer groups are model-offloaded.
+- AUTO (default): the fastest plan that fits ``facts.weight_budget``. Every combination of
+  per-component strategies is tried; in each, resident layers are added greedily (best time
+  saved per device byte first) while streaming is not yet hidden behind compute, and stop at
+  the first addition that no longer fits. The greedy path does not depend on the capacity, so
+  a bigger device only ever extends it: more memory never plans slower.
+- BALANCED: the fastest plan within max(half the weight budget, the memory plan's peak).
+Ties go to fewer bytes moved, then to the smaller peak. Overrides pin any field by hand.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import Mapping
+
+from offload_core.host.tier import HostingTier
+from offload_core.planner.cost_model import non_layer_device_bytes, predict
+from offload_core.planner.facts import ComponentProfile, PipelineFacts
+from offload_core.planner.pipeline_plan import (  # noqa: F401 (re-exported)
+    ComponentOverride,
+    ComponentPlan,
+    PerformanceMode,
+    PipelinePlan,
+)
+from offload_core.planner.strategy import Strategy
+
+logger = logging.getLogger(__name__)
+
+# BALANCED keeps weights within half the device: the other half holds activations of larger
+# requests (a 720p Wan2.1 step needs several GiB) or a neighbour replica on a shared GPU.
+BALANCED_FRACTION = 0.5
+# Gate predictions converge in two rounds for pipelines of one component per stage; a gate that
+# flips back and forth (parking A frees room so B no longer parks) is settled by the last round.
+_GATE_ROUNDS = 4
+
+
+def _base(profile: ComponentProfile, strategy: Strategy, park: bool, tables: bool) -> ComponentPlan:
+    return ComponentPlan(profile.name, strategy, profile.layer_groups, 0, 1, park, tables, (),
+                         uses_per_request=max(1, profile.uses_per_request))
+
+
+def _options(profile: ComponentProfile, override: ComponentOverride) -> list[ComponentPlan]:
+    """The strategy combinations worth trying for one component (overrides applied)."""
+    tables = (False, True) if profile.table_bytes else (False,)
+    opts = [_base(profile, Strategy.RESIDENT, False, t) for t in tables]
+    opts += [_base(profile, Strategy.MODEL_OFFLOAD, False, t) for t in tables]
+    if profile.layers:
+        opts += [_base(profile, Strategy.LAYERWISE, park, t) for park in (False, True) for t in tables]
+    pinned = [_override(o, override) for o in opts]
+    return list({(o.strategy, o.park, o.host_tables, o.resident_layers, o.prefetch_depth): o
+                 for o in pinned}.values())
+
+
+def _override(plan: ComponentPlan, o: ComponentOverride) -> ComponentPlan:
+    fields = {k: v for k, v in dataclasses.asdict(o).items() if v is not None and k != "hosting"}
+    return dataclasses.replace(plan, **fields)
+
+
+def _assign_hosting(facts: PipelineFacts, plans: dict[str, ComponentPlan],
+                    overrides: Mapping[str, ComponentOverride]) -> dict[str, ComponentPlan]:
+    """Tiers per layer: pins along the pin order (bytes x uses, streamed before resident) up to the lease."""
+    ranked = sorted((p for p in facts.components if plans[p.name].strategy is Strategy.LAYERWISE),
+                    key=lambda p: p.layer_bytes * p.uses_per_request, reverse=True)
+    left, pin_open, out = facts.host_lease_bytes, True, dict(plans)
+    for profile in ranked:
+        plan = plans[profile.name]
+        r = min(plan.resident_layers, len(profile.layers))
+        order = list(profile.layers[r:]) + list(profile.layers[:r])
+        forced = overrides.get(profile.name, ComponentOverride()).hosting
+        tiers = {}
+        for layer in order:
+            if forced is not None:
+                tiers[layer.key] = forced
+            elif pin_open and layer.nbytes <= left:
+                tiers[layer.key], left = HostingTier.PINNED, left - layer.nbytes
+            else:
+                pin_open = False  # a priority order: later layers do not jump ahead of a missed one
+                tiers[layer.key] = HostingTier.PAGEABLE
+        out[profile.name] = dataclasses.replace(plan, hosting=tuple((l.key, tiers[l.key]) for l in profile.layers))
+    return out
+
+
+def _predict(profile, plan, link, parked: bool, cache: dict | None):
+    """``predict``, memoized within one search (the greedy re-evaluates unchanged components often)."""
+    if cache is None:
+        return predict(profile, plan, link, parked)
+    key = (profile.name, plan, parked)
+    if key not in cache:
+        cache[key] = predict(profile, plan, link, parked)
+    return cache[key]
+
+
+def _gates(facts: PipelineFacts, plans: dict[str, ComponentPlan], preds: dict) -> dict[str, bool]:
+    """Predict the parking gate of each component, as the residency runs it at ``finish_use``.
+
+    At a stage's end its components' layers are released first; then, in stage order, each
+    gated component parks iff its non-layer bytes exceed ``park_fraction`` of the headroom left:
+    capacity minus the other stages' idle bytes, its stage's non-layer bytes, and minus what the
+    stage's earlier components just parked.
+    """
+    parked = {}
+    for stage in facts.stages:
+        current = sum(preds[n].idle_bytes for n in plans if n not in stage.components)
+        # Layers released, model-offloaded components gone: what stays is non-layer bytes and residents.
+        current += sum(non_layer_device_bytes(facts.component(n), plans[n])
+                       if plans[n].strategy is Strategy.LAYERWISE else preds[n].idle_bytes for n in stage.components)
+        for name in stage.components:
+            nbytes = non_layer_device_bytes(facts.component(name), plans[name])
+            gate = (plans[name].strategy is Strategy.LAYERWISE and plans[name].park and nbytes > 0
+                    and nbytes > facts.park_fraction * (facts.device_capacity - current))
+            parked[name] = gate
+            current -= nbytes if gate else 0
+    return parked
+
+
+def _predict_all(facts: PipelineFacts, plans: dict[str, ComponentPlan], cache: dict | None) -> dict:
+    """Predictions with the gates predicted: iterated to a fixed point (the steady state of requests)."""
+    parked = {n: p.park for n, p in plans.items()}
+    for _ in range(_GATE_ROUNDS):
+        preds = {p.name: _predict(p, plans[p.name], facts.link, parked[p.name], cache) for p in facts.components}
+        settled = _gates(facts, plans, preds)
+        if settled == parked:
+            break
+        parked = settled
+    return preds
+
+
+def _evaluate(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str, ComponentPlan],
+              overrides: Mapping[str, ComponentOverride], budget: int, cache: dict | None = None) -> PipelinePlan:
+    plans = _assign_hosting(facts, plans, overrides)
+    preds = _predict_all(facts, plans, cache)
+    done = {n: dataclasses.replace(plans[n], prediction=preds[n]) for n in plans}
+    peak, peak_stage = -1, ""
+    for stage in facts.stages:
+        bytes_ = sum(done[n].prediction.in_use_bytes if n in stage.components else done[n].prediction.idle_bytes
+                     for n in done)
+        if bytes_ > peak:
+            peak, peak_stage = bytes_, stage.name
+    profiles = {p.name: p for p in facts.components}
+    pinned = sum(l.nbytes for n, c in done.items() for l in profiles[n].layers
+                 if dict(c.hosting).get(l.key) is HostingTier.PINNED)
+    preds = [c.prediction for c in done.values()]
+    return PipelinePlan(
+        mode=mode, components=tuple(done[p.name] for p in facts.components), stages=facts.stages,
+        device_name=facts.device_name, device_capacity=facts.device_capacity, weight_budget=budget,
+        peak_device_bytes=peak, peak_stage=peak_stage,
+        bytes_moved_per_request=sum(p.bytes_moved for p in preds),
+        transfer_s_per_request=sum(p.transfer_s for p in preds),
+        compute_s_per_request=sum(p.compute_s for p in preds),
+        time_s_per_request=sum(p.time_s for p in preds), pinned_bytes=pinned,
+        feasible=peak <= budget, park_fraction=facts.park_fraction)
+
+
+def _fill_residents(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str, ComponentPlan],
+                    overrides: Mapping[str, ComponentOverride], budget: int, cache: dict) -> PipelinePlan:
+    """Add resident layers, best time saved per device byte first, until hidden or out of room."""
+    current = _evaluate(facts, mode, plans, overrides, budget, cache)
+    open_ = [p for p in facts.components if plans[p.name].strategy is Strategy.LAYERWISE
+             and overrides.get(p.name, ComponentOverride()).resident_layers is None and p.uses_per_request > 1]
+    while open_:
+        best = None
+        for profile in open_:
+            plan = plans[profile.name]
+            if plan.resident_layers >= len(profile.layers):
+                continue
+            trial = _evaluate(facts, mode, {**plans, profile.name: dataclasses.replace(
+                plan, resident_layers=plan.resident_layers + 1)}, overrides, budget, cache)
+            gain = current.time_s_per_request - trial.time_s_per_request
+            cost = max(trial.peak_device_bytes - current.peak_device_bytes, 1)
+            if gain > 1e-12 and (best is None or gain / cost > best[0]):
+                best = (gain / cost, profile.name, trial)
+        if best is None or not best[2].feasible:
+            break
+        plans = {**plans, best[1]: best[2].component(best[1])}
+        current = best[2]
+    return current
+
+
+def _key(plan: PipelinePlan):
+    # Equal predicted times: fewer bytes moved first (the compute estimate is a floor, so a plan
+    # that copies less is the safer bet, and host memory bandwidth is shared), then the smaller peak.
+    return (not plan.feasible, round(plan.time_s_per_request, 9), plan.bytes_moved_per_request, plan.peak_device_bytes)
+
+
+def _fixed(facts: PipelineFacts, mode: PerformanceMode, overrides, budget: int) -> PipelinePlan:
+    plans = {}
+    for p in facts.components:
+        if mode is PerformanceMode.SPEED:
+            plan = _base(p, Strategy.RESIDENT, False, False)
+        elif p.layers:
+            plan = _base(p, Strategy.LAYERWISE, True, bool(p.table_bytes))
+        else:
+            plan = _base(p, Strategy.MODEL_OFFLOAD, False, bool(p.table_bytes))
+        plans[p.name] = _override(plan, overrides.get(p.name, ComponentOverride()))
+    return _evaluate(facts, mode, plans, overrides, budget)
+
+
+def _search(facts: PipelineFacts, mode: PerformanceMode, overrides, budget: int) -> PipelinePlan:
+    options = [_options(p, overrides.get(p.name, ComponentOverride())) for p in facts.components]
+    best, cache = None, {}
+    for combo in itertools.product(*options):
+        plans = {p.name: plan for p, plan in zip(facts.components, combo)}
+        candidate = _fill_residents(facts, mode, plans, overrides, budget, cache)
+        if best is None or _key(candidate) < _key(best):
+            best = candidate
+    return best
+
+
+def plan_pipeline(facts: PipelineFacts, mode: PerformanceMode | str = PerformanceMode.AUTO,
+                  overrides: Mapping[str, ComponentOverride] | None = None) -> PipelinePlan:
+    """One plan for ``facts`` in ``mode``; ``overrides`` pin fields per component name."""
+    mode = PerformanceMode(mode)
+    overrides = dict(overrides or {})
+    unknown = set(overrides) - {p.name for p in facts.components}
+    if unknown:
+        raise ValueError(f"overrides name unknown components {sorted(unknown)}")
+    budget = facts.weight_budget
+    if mode in (PerformanceMode.SPEED, PerformanceMode.MEMORY):
+        plan = _fixed(facts, mode, overrides, budget)
+        why = f"{mode.value} mode: strategies fixed by the mode"
+    else:
+        if mode is PerformanceMode.BALANCED:
+            floor = _fixed(facts, PerformanceMode.MEMORY, overrides, budget).peak_device_bytes
+            budget = min(budget, max(int(BALANCED_FRACTION * budget), floor))
+        plan = _search(facts, mode, overrides, budget)
+        plan = dataclasses.replace(plan, weight_budget=facts.weight_budget, feasible=plan.peak_device_bytes <= budget)
+        why = (f"{mode.value} mode: fastest of every strategy combination within {budget / 2**30:.2f} GiB of weights, "
+               "resident layers added while streaming was not hidden behind compute")
+    if not plan.feasible:
+        why += f"; no plan fits: predicted peak {plan.peak_device_bytes} B > budget {budget} B"
+    plan = dataclasses.replace(plan, notes=(why, *(f"override {n}: {o}" for n, o in overrides.items())))
+    for line in plan.explain():
+        logger.info("plan: %s", line)
+    return plan

@@ -1,0 +1,375 @@
+"""Component residency: each component kept per its plan's strategy, and the stage lifecycle.
+
+``PipelineResidency.apply(components, plan, device)`` puts every component in its strategy:
+RESIDENT (moved once), MODEL_OFFLOAD (starts parked on the host, in for its stage, out after)
+or LAYERWISE (the streaming engine, with optional parking of non-layer weights and host-gathered
+token tables). A stage then runs between ``prepare_for_use(stage_components)`` and
+``finish_use(stage_components)``; ``finish_request()`` closes the request and returns what it
+measured: device weight bytes at peak (sampled at every layer hook of every component) and
+host->device bytes moved, which the plan predicts exactly.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from offload_core.host.budget import MemoryBudget
+from offload_core.planner.pipeline_plan import ComponentPlan, PipelinePlan
+from offload_core.planner.strategy import Strategy
+from offload_core.residency.host_tables import HostTables
+from offload_core.residency.parking import Parking
+from offload_core.streaming.device import get_device, normalize_device
+from offload_core.streaming.engine import ResidentPlacement, StreamingConfig, apply_layer_streaming
+from offload_core.streaming.meter import DeviceWeightMeter
+from offload_core.tables import HostTablesConfig, select_host_tables
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LifecycleError", "PipelineResidency", "RequestFigures", "Strategy", "UseState"]
+
+
+def streaming_config(plan: ComponentPlan) -> StreamingConfig:
+    """The engine's configuration for one LAYERWISE component of a plan."""
+    assert plan.strategy is Strategy.LAYERWISE, f"{plan.name} is {plan.strategy.value}, not streamed"
+    return StreamingConfig(layer_groups=plan.layer_groups or None, prefetch_depth=plan.prefetch_depth,
+                           resident=plan.resident_layers, resident_placement=ResidentPlacement.LEADING,
+                           keep_resident=False, hosting=dict(plan.hosting))
+
+
+class LifecycleError(RuntimeError):
+    """A lifecycle call out of order (finish before prepare, prepare twice)."""
+
+
+class UseState(enum.Enum):
+    OUT = "out"  # between uses: layers released, non-layer weights parked if the gate said so
+    PREFETCHED = "prefetched"  # prepared early, while the previous stage still runs
+    IN_USE = "in_use"  # prepared for its stage
+
+
+@dataclass(frozen=True)
+class RequestFigures:
+    """What one request measured."""
+
+    peak_device_bytes: int  # distinct device storages of all components' parameters, at peak
+    bytes_moved: int  # host->device bytes: streamed and resident layers, restores
+
+
+class _Component:
+    """One component under its strategy; subclasses implement the strategy."""
+
+    def __init__(self, name: str, module: nn.Module, plan: ComponentPlan, device: torch.device,
+                 tables: HostTables):
+        self.name, self.module, self.plan, self.device, self.tables = name, module, plan, device, tables
+        self.state = UseState.OUT
+        self.parking: Parking | None = None
+        self.streamer = None
+        self.meter: DeviceWeightMeter | None = None
+
+    def prepare(self) -> None:
+        """Bring the component in for its stage."""
+
+    def finish(self) -> None:
+        """Release it after its stage."""
+
+    def gate(self) -> None:
+        """After the whole stage finished: park non-layer weights if the gate says it pays."""
+
+    def bytes_moved(self) -> int:
+        return self.parking.bytes_restored if self.parking is not None else 0
+
+    def reset_counters(self) -> None:
+        if self.parking is not None:
+            self.parking.bytes_restored = 0
+
+    def hooked_modules(self) -> list[nn.Module]:
+        return [self.module]
+
+    def remove(self) -> None:
+        self.tables.remove()
+
+
+class _Resident(_Component):
+    def __init__(self, *args):
+        super().__init__(*args)
+        with self.tables.detached():
+            self.module.to(self.device)
+            self.meter = DeviceWeightMeter(self.module, self.device, track_headroom=True)
+
+
+class _ModelOffload(_Component):
+    def __init__(self, *args):
+        super().__init__(*args)
+        with self.tables.detached():
+            self.meter = DeviceWeightMeter(self.module, self.device, track_headroom=True)
+            self.parking = Parking(self.name, self.module, self.device)
+        # Buffers are small and read every call: they live on the device for good.
+        for buf_owner in self.module.modules():
+            for key, buf in buf_owner._buffers.items():
+                if buf is not None:
+                    buf_owner._buffers[key] = buf.to(self.device)
+        if all(p.device.type == "cpu" for p in self.module.parameters()):
+            self.parking.park_from_host()
+        else:
+            self.parking.park()
+
+    def prepare(self) -> None:
+        self.parking.restore()
+
+    def finish(self) -> None:
+        self.parking.park()  # the strategy itself says out after the stage: no gate
+
+
+class _Layerwise(_Component):
+    def __init__(self, *args, park_fraction: float, parked: bool):
+        super().__init__(*args)
+
+        with self.tables.detached():
+            self.streamer = apply_layer_streaming(self.module, self.device, streaming_config(self.plan))
+            self.meter = self.streamer.meter
+            if self.plan.park:
+                layer_params = [p for layer in self.streamer.layers for p in layer.params]
+                self.parking = Parking(self.name, self.module, self.device, exclude=layer_params,
+                                       fraction=park_fraction)
+        if self.parking is not None and parked:
+            # Start as the planner predicts the gate leaves it between requests, so the first
+            # request moves what every later one does.
+            self.parking.park()
+
+    def prepare(self) -> None:
+        if self.parking is not None:
+            self.parking.restore()
+        self.streamer.prepare_for_use()
+
+    def finish(self) -> None:
+        self.streamer.finish_use()
+
+    def gate(self) -> None:
+        if self.parking is not None:
+            self.parking.park_if_it_pays()
+
+    def bytes_moved(self) -> int:
+        return super().bytes_moved() + self.streamer.bytes_copied
+
+    def reset_counters(self) -> None:
+        super().reset_counters()
+        self.streamer.reset_counters()
+
+    def hooked_modules(self) -> list[nn.Module]:
+        return [self.module, *(layer.module for layer in self.streamer.layers)]
+
+    def remove(self) -> None:
+        if self.parking is not None and self.parking.parked:
+            self.parking.restore()
+        self.streamer.remove()
+        super().remove()
+
+
+class PipelineResidency:
+    """Every component of a pipeline under its plan, and the lifecycle of its stages."""
+
+    def __init__(self, components: dict[str, _Component], plan: PipelinePlan, device: torch.device,
+                 hosting, budget: MemoryBudget | None):
+        self.components = components
+        self.plan = plan
+        self.device = device
+        self._hosting, self._budget = hosting, budget  # hosting.HostingPlan and its one lease
+        self._peak = 0
+        self._handles = [m.register_forward_pre_hook(lambda *_: self._sample())
+                         for c in components.values() for m in c.hooked_modules()]
+        self._handles += [m.register_forward_hook(lambda *_: self._sample(), always_call=True)
+                          for c in components.values() for m in c.hooked_modules()]
+        self.finish_request()
+
+    @classmethod
+    def apply(cls, components: Mapping[str, nn.Module], plan: PipelinePlan, device: torch.device | str,
+              budget: MemoryBudget | None = None, *, owner: str = "pipeline",
+              tables: HostTablesConfig = HostTablesConfig()) -> PipelineResidency:
+        """Put each component under its plan; with a host ``budget``, its tiers are leased (and fitted) first."""
+        missing = {c.name for c in plan.components} ^ set(components)
+        if missing:
+            raise ValueError(f"plan and components disagree on {sorted(missing)}")
+        device = normalize_device(device)
+        plan, hosting = _host_leases(plan, components, budget, owner)
+        built: dict[str, _Component] = {}
+        for cplan in plan.components:
+            module = components[cplan.name]
+            host = HostTables(module, select_host_tables(module, tables) if cplan.host_tables else ())
+            host.install(device)
+            args = (cplan.name, module, cplan, device, host)
+            if cplan.strategy is Strategy.RESIDENT:
+                built[cplan.name] = _Resident(*args)
+            elif cplan.strategy is Strategy.MODEL_OFFLOAD:
+                built[cplan.name] = _ModelOffload(*args)
+            else:
+                built[cplan.name] = _Layerwise(*args, park_fraction=plan.park_fraction,
+                                               parked=bool(cplan.prediction and cplan.prediction.parked))
+            logger.info("residency %s: %s", cplan.name, cplan.explain())
+        return cls(built, plan, device, hosting, budget)
+
+    # -- the lifecycle ------------------------------------------------------------------------
+    def prepare_for_use(self, stage_components: Sequence[str]) -> None:
+        """Before a stage: restore parked weights, arm resident layers, issue the first copies."""
+        for c in self._pick(stage_components):
+            if c.state is UseState.IN_USE:
+                raise LifecycleError(f"{c.name} is already in use: finish_use it before preparing it again")
+            if c.state is UseState.OUT:
+                c.prepare()
+            c.state = UseState.IN_USE
+        self._sample()
+
+    def finish_use(self, stage_components: Sequence[str]) -> None:
+        """After a stage: release every streamed layer first, then park non-layer weights if the gate says so.
+
+        Releasing the whole stage before any gate runs gives each gate the headroom the stage
+        leaves behind (the planner predicts the gates in the same order).
+        """
+        self._sample()
+        picked = self._pick(stage_components)
+        for c in picked:
+            if c.state is not UseState.IN_USE:
+                raise LifecycleError(f"{c.name} is {c.state.value}, not in use: nothing to finish")
+        for c in picked:
+            c.finish()
+            c.state = UseState.OUT
+        for c in picked:
+            c.gate()
+
+    def prefetch_next(self, stage_components: Sequence[str]) -> tuple[str, ...]:
+        """While a stage runs, prepare the next stage's streamed components if headroom allows.
+
+        Each component comes in only when the device's real headroom covers its planned in-use
+        bytes; the plan's peak does not include this overlap, so it is taken only from spare room.
+        Returns the components prefetched.
+        """
+        done = []
+        for c in self._pick(stage_components):
+            if c.state is not UseState.OUT or c.plan.strategy is not Strategy.LAYERWISE:
+                continue
+            need = c.plan.prediction.in_use_bytes if c.plan.prediction else 0
+            headroom = get_device(self.device).headroom_bytes()
+            if headroom < need:
+                logger.info("prefetch %s: declined, headroom %d B < %d B in use", c.name, headroom, need)
+                continue
+            logger.info("prefetch %s: its first layers come in now, headroom %d B >= %d B", c.name, headroom, need)
+            c.prepare()
+            c.state = UseState.PREFETCHED
+            done.append(c.name)
+        self._sample()
+        return tuple(done)
+
+    @contextlib.contextmanager
+    def following_calls(self) -> Iterator[None]:
+        """Drive the lifecycle from the pipeline's own calls (one ``pipe(...)`` runs every stage).
+
+        The first call into any module of a component that is out finishes the components of
+        other stages still in use and prepares the component's whole stage. Hooks are prepended,
+        so they run before the engine's layer hooks.
+        """
+        handles = [m.register_forward_pre_hook(lambda *_, name=name: self._enter(name), prepend=True)
+                   for name, c in self.components.items() for m in c.module.modules()]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _enter(self, name: str) -> None:
+        if self.components[name].state is UseState.IN_USE:
+            return
+        stage = self.plan.stage_of(name)
+        others = [n for n, c in self.components.items() if c.state is UseState.IN_USE and n not in stage.components]
+        if others:
+            self.finish_use(others)
+        self.prepare_for_use([n for n in stage.components if self.components[n].state is not UseState.IN_USE])
+
+    @contextlib.contextmanager
+    def stage(self, stage_components: Sequence[str]) -> Iterator[None]:
+        self.prepare_for_use(stage_components)
+        try:
+            yield
+        finally:
+            self.finish_use(stage_components)
+
+    def finish_request(self) -> RequestFigures:
+        """Close a request: finish what is still in use, report its figures, reset for the next."""
+        open_ = [c.name for c in self.components.values() if c.state is not UseState.OUT]
+        if open_:
+            for name in open_:
+                self.components[name].state = UseState.IN_USE
+            self.finish_use(open_)
+        figures = RequestFigures(self._peak, sum(c.bytes_moved() for c in self.components.values()))
+        for c in self.components.values():
+            c.reset_counters()
+        self._peak = self._measure()
+        return figures
+
+    # -- what the device holds ----------------------------------------------------------------
+    def _measure(self) -> int:
+        return sum(c.meter.measure() for c in self.components.values())
+
+    def _sample(self) -> None:
+        self._peak = max(self._peak, self._measure())
+
+    def report(self):
+        from offload_core.residency.report import residency_report
+
+        return residency_report({n: c.module for n, c in self.components.items()},
+                                streamers={n: c.streamer for n, c in self.components.items() if c.streamer},
+                                parkings={n: c.parking for n, c in self.components.items() if c.parking},
+                                device=self.device)
+
+    def remove(self) -> None:
+        """Undo everything: hooks, streamers, host tables; give the host lease back."""
+        for handle in self._handles:
+            handle.remove()
+        for c in self.components.values():
+            c.remove()
+        if self._hosting is not None:
+            self._hosting.release(self._budget)
+            self._hosting = None
+
+    def _pick(self, names: Sequence[str]) -> list[_Component]:
+        unknown = [n for n in names if n not in self.components]
+        if unknown:
+            raise KeyError(f"unknown components {unknown}; this pipeline has {sorted(self.components)}")
+        return [self.components[n] for n in names]
+
+
+def _host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget: MemoryBudget | None,
+                 owner: str):
+    """Fit the plan's tiers to the host budget with ``hosting.plan_hosting`` (one lease, net cost).
+
+    The plan's tiers are ceilings; the host-memory plan may demote layers (pageable mapped -> MAPPED,
+    then pins given back) when the node is short. Tiers that change are applied and said, in the
+    plan's notes and the log: bytes moved for a layer turned MAPPED are its tensor bytes, no longer
+    the predicted flat bytes.
+    """
+    from offload_core.host.hosting import HostingPolicy, facts_from_module, plan_hosting
+
+    streamed = [c for c in plan.components if c.strategy is Strategy.LAYERWISE]
+    if budget is None or not streamed:
+        return plan, None
+    facts = [facts_from_module(c.name, components[c.name], c.layer_groups or None, c.uses_per_request,
+                               resident_keys=[key for key, _ in c.hosting[:c.resident_layers]]) for c in streamed]
+    # The plan's tiers are the ceilings: the host may only lower them.
+    policy = HostingPolicy(wanted={c.name: dict(c.hosting) for c in streamed})
+    hosting = plan_hosting(facts, budget, owner, policy)
+    changed, components_ = [], []
+    for c in plan.components:
+        if c.strategy is Strategy.LAYERWISE:
+            tiers = hosting.tiers_for(c.name)
+            moved = [key for key, tier in c.hosting if tiers[key] is not tier]
+            if moved:
+                changed.append(f"{c.name}: {len(moved)} layers re-tiered by the host budget ({hosting.component(c.name).reason})")
+                c = dataclasses.replace(c, hosting=tuple((key, tiers[key]) for key, _ in c.hosting))
+        components_.append(c)
+    for line in changed:
+        logger.info("residency %s: %s", owner, line)
+    return dataclasses.replace(plan, components=tuple(components_), notes=(*plan.notes, *changed)), hosting

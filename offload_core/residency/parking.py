@@ -1,0 +1,147 @@
+"""Park a component's non-layer weights on the host between uses, when the device is short.
+
+After ``finish_use`` released the streamed layers, a component still holds its non-layer
+parameters on the device (embeddings, norms, projections: 0.1-1 GiB for the models we serve).
+Parking copies them once to a pageable host copy, points every parameter at a zero-element
+placeholder shared per (device, dtype), and restores them before the next use. Weights do not
+change between inference requests, so the host copy is kept and later parks copy nothing.
+
+The gate is real headroom (driver free + the allocator's reserved-but-unallocated bytes): park
+only if the bytes exceed ``fraction`` of it. When headroom is ample the device copy stays and any
+held host copy is dropped: it would be host memory spent for nothing.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from offload_core.layout import placeholder
+from offload_core.planner.facts import DEFAULT_PARK_FRACTION
+from offload_core.streaming.device import get_device, normalize_device
+
+logger = logging.getLogger(__name__)
+
+
+def device_headroom(device: torch.device | str) -> int:
+    """Real headroom: CUDA driver free + allocator reserved-but-unallocated; CPU: configured capacity - in use."""
+    return get_device(device).headroom_bytes()
+
+
+class ParkVerdict(enum.Enum):
+    PARKED = "parked"  # weights on the host, placeholders on the device
+    KEPT = "kept"  # headroom ample: weights stay on the device, host copy dropped
+    EMPTY = "empty"  # nothing to park (every parameter is a layer weight or a hosted table)
+
+
+@dataclass(frozen=True)
+class ParkDecision:
+    """One gate decision, with the numbers that made it."""
+
+    verdict: ParkVerdict
+    nbytes: int
+    headroom: int
+    fraction: float
+
+    def explain(self) -> str:
+        return (f"{self.verdict.value}: {self.nbytes} B non-layer weights vs {self.fraction:.0%} of "
+                f"{self.headroom} B headroom = {int(self.fraction * self.headroom)} B")
+
+
+class Parking:
+    """The parkable (non-layer, non-hosted) parameters of one component and their host copies."""
+
+    def __init__(self, name: str, module: nn.Module, device: torch.device | str,
+                 exclude: Iterable[torch.Tensor] = (), fraction: float = DEFAULT_PARK_FRACTION):
+        if not 0.0 <= fraction:
+            raise ValueError(f"fraction must be >= 0, got {fraction}")
+        self.name = name
+        self.device = normalize_device(device)
+        self.fraction = fraction
+        excluded = {id(t) for t in exclude}
+        unique = {id(p): p for p in module.parameters() if id(p) not in excluded}
+        self._params: tuple[nn.Parameter, ...] = tuple(unique.values())
+        self._host: dict[int, torch.Tensor] = {}
+        self.parked = False
+        self.bytes_to_host = 0  # device->host copies, once per weight while the host copy is kept
+        self.bytes_restored = 0  # host->device copies on restore
+        self.last_decision: ParkDecision | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the parkable parameters take on the device when in use."""
+        if self.parked:
+            return sum(h.numel() * h.element_size() for h in self._host.values())
+        return sum(p.numel() * p.element_size() for p in self._params)
+
+    def parked_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The host copies held now (parked or kept for a cheap next park), for the residency report."""
+        return tuple(self._host.values())
+
+    def decide(self, headroom: int) -> ParkDecision:
+        nbytes = self.nbytes
+        if nbytes == 0:
+            verdict = ParkVerdict.EMPTY
+        else:
+            verdict = ParkVerdict.PARKED if nbytes > self.fraction * headroom else ParkVerdict.KEPT
+        return ParkDecision(verdict, nbytes, int(headroom), self.fraction)
+
+    def park_if_it_pays(self, headroom: int | None = None) -> ParkDecision:
+        """The gate: park when the bytes exceed ``fraction`` of headroom, else keep and drop host copies.
+
+        ``headroom`` defaults to the device's real headroom, measured now.
+        """
+        decision = self.decide(device_headroom(self.device) if headroom is None else headroom)
+        if decision != self.last_decision:
+            logger.info("parking %s: %s", self.name, decision.explain())
+        self.last_decision = decision
+        if decision.verdict is ParkVerdict.PARKED:
+            self.park()
+        elif decision.verdict is ParkVerdict.KEPT:
+            self._host.clear()
+        return decision
+
+    def park(self) -> None:
+        if self.parked:
+            return
+        for p in self._params:
+            if id(p) not in self._host:  # copied once: a kept host copy is reused by later parks
+                host = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+                host.copy_(p.data)
+                self._host[id(p)] = host
+                self.bytes_to_host += host.numel() * host.element_size()
+            p.data = placeholder(self.device, p.dtype)
+        self.parked = True
+
+    def park_from_host(self) -> None:
+        """Start parked from weights that are still host tensors: they become the host copies, uncopied.
+
+        For a component that starts off the device (model offload): moving it to the device only
+        to copy it back would need its whole size free on the device for nothing.
+        """
+        assert not self.parked, f"{self.name}: already parked"
+        for p in self._params:
+            assert p.device.type == "cpu", f"{self.name}: {tuple(p.shape)} is on {p.device}, not a host tensor"
+            self._host[id(p)] = p.data
+            p.data = placeholder(self.device, p.dtype)
+        self.parked = True
+
+    def restore(self) -> None:
+        """Bring parked weights back before use; a fresh device allocation, never a host alias."""
+        if not self.parked:
+            return
+        for p in self._params:
+            host = self._host[id(p)]
+            restored = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            restored.copy_(host, non_blocking=True)
+            p.data = restored
+            self.bytes_restored += host.numel() * host.element_size()
+        self.parked = False
+
+    def drop_host_copies(self) -> None:
+        assert not self.parked, f"{self.name}: dropping the host copies of parked weights would lose them"
+        self._host.clear()

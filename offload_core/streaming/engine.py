@@ -1,0 +1,430 @@
+"""The layer streamer: per-layer hooks that bring each layer's weights to the device just in time.
+
+``apply_layer_streaming(model, device, config)`` moves every layer of the model's layer groups to
+the host (one flat buffer per dtype, or left mapped), moves the rest of the model to the device
+with ONE ``model.to``, and hooks each layer: the pre-hook waits for the layer's copy and prefetches
+the next ``prefetch_depth`` layers into a fixed ring of device slots; the post-hook releases the
+layer to its zero-element placeholder. Resident layers are copied once, lazily, at the first
+forward (or ``prepare_for_use``) and released only by ``finish_use``.
+
+Peak device weight bytes = non-layer + resident + slots, exactly (see ``predicted_peak_bytes``).
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import threading
+import types
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from offload_core.host.tier import HostingTier
+from offload_core.layout import (
+    STREAMER_ATTRIBUTE,
+    LayerLayout,
+    LayoutError,
+    RegionMap,
+    check_disjoint,
+    declared_layer_groups,
+    layer_parameters,
+    placeholder,
+    plan_layer_layout,
+    resolve_layer_group,
+    tensor_view,
+    unique_storage_bytes,
+)
+from offload_core.streaming.device import Device, get_device
+from offload_core.streaming.host_layer import HostLayer
+from offload_core.streaming.meter import DeviceWeightMeter
+from offload_core.streaming.ring import PrefetchRing
+
+logger = logging.getLogger(__name__)
+
+
+
+class AlreadyStreamedError(RuntimeError):
+    """The model already has layer streaming applied (call ``remove()`` first)."""
+
+
+class ConcurrentForwardError(RuntimeError):
+    """A second thread entered a streamed layer while another thread's layer was running.
+
+    The ring holds one model's layers at a time: a second forward would release the running
+    layer's weights under it (on CUDA, overwrite its slot while kernels still read it).
+    """
+
+
+class ResidentPlacement(enum.Enum):
+    # The first layers in execution order: simplest, and the first layers are ready with no wait.
+    LEADING = "leading"
+    # Evenly spaced: each resident layer's compute gives the copy stream time to catch up on the
+    # next streamed layer, which hides more transfer time when copies are slower than compute.
+    STRIDED = "strided"
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    """How to stream one model. Validated on construction."""
+
+    layer_groups: tuple[str, ...] | None = None  # None: the class's declared groups
+    prefetch_depth: int = 1  # layers copied ahead of the running one (slots = depth + 1)
+    resident: int | float = 0  # an int counts layers; a float in [0, 1] is a fraction of them
+    resident_placement: ResidentPlacement = ResidentPlacement.LEADING
+    keep_resident: bool = False  # keep resident layers (and slots) across finish_use
+    hosting: Mapping[str, HostingTier] | None = None  # per layer key ("blocks.3"); default PAGEABLE
+
+    def __post_init__(self) -> None:
+        if self.layer_groups is not None:
+            if isinstance(self.layer_groups, str) or not all(isinstance(p, str) for p in self.layer_groups):
+                raise TypeError(f"layer_groups must be a tuple of dotted paths, got {self.layer_groups!r}")
+            if len(set(self.layer_groups)) != len(self.layer_groups) or not self.layer_groups:
+                raise ValueError(f"layer_groups must be non-empty and distinct, got {self.layer_groups!r}")
+            object.__setattr__(self, "layer_groups", tuple(self.layer_groups))
+        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be an int >= 1, got {self.prefetch_depth!r}")
+        if isinstance(self.resident, bool) or not isinstance(self.resident, (int, float)):
+            raise TypeError(f"resident must be a layer count (int) or a fraction (float), got {self.resident!r}")
+        if isinstance(self.resident, int) and self.resident < 0:
+            raise ValueError(f"resident count must be >= 0, got {self.resident}")
+        if isinstance(self.resident, float) and not 0.0 <= self.resident <= 1.0:
+            raise ValueError(f"resident fraction must be in [0, 1], got {self.resident}")
+        if not isinstance(self.resident_placement, ResidentPlacement):
+            raise TypeError(f"resident_placement must be a ResidentPlacement, got {self.resident_placement!r}")
+        if self.hosting is not None:
+            bad = {k: v for k, v in self.hosting.items() if not isinstance(v, HostingTier)}
+            if bad:
+                raise TypeError(f"hosting values must be HostingTier, got {bad!r}")
+            object.__setattr__(self, "hosting", types.MappingProxyType(dict(self.hosting)))
+
+    def resident_count(self, n_layers: int) -> int:
+        """Resident layers out of ``n_layers``; a fraction rounds down (never over the device plan)."""
+        if isinstance(self.resident, float):
+            return math.floor(self.resident * n_layers)
+        return min(self.resident, n_layers)
+
+
+def choose_resident(n_layers: int, count: int, placement: ResidentPlacement) -> frozenset[int]:
+    """Indices (in execution order) of the layers kept resident."""
+    if count <= 0:
+        return frozenset()
+    if placement is ResidentPlacement.LEADING:
+        return frozenset(range(count))
+    return frozenset(math.floor(i * n_layers / count) for i in range(count))
+
+
+class StreamedLayer:
+    """One layer under streaming: its host copy, its parameters, and its hooks' entry points."""
+
+    def __init__(self, key: str, module: nn.Module, params: tuple[nn.Parameter, ...], host: HostLayer,
+                 resident: bool, device: torch.device, streamer: LayerStreamer):
+        self.key = key
+        self.module = module
+        self.params = params
+        self.host = host
+        self.resident = resident
+        self.position = -1  # in the ring's streamed order; set for streamed layers only
+        self._placeholders = tuple(placeholder(device, p.dtype) for p in params)
+        self._streamer = streamer
+
+    @property
+    def layout(self) -> LayerLayout:
+        return self.host.layout
+
+    @property
+    def tier(self) -> HostingTier:
+        return self.host.tier
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer occupies on the device when materialized (its flat layout)."""
+        return self.layout.nbytes
+
+    def host_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.host.host_tensors()
+
+    @property
+    def materialized(self) -> bool:
+        return any(p.numel() > 0 for p in self.params)
+
+    def views(self, regions: Mapping[torch.dtype, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Each parameter's view of the device ``regions`` (shape and strides as the original)."""
+        return tuple(tensor_view(regions[meta.dtype], meta) for meta in self.layout.tensors)
+
+    def bind(self, views: tuple[torch.Tensor, ...]) -> None:
+        """Point every parameter at its device view (from :meth:`views`)."""
+        for param, view in zip(self.params, views):
+            param.data = view
+
+    def release(self) -> None:
+        """Point every parameter back at the shared zero-element placeholder."""
+        for param, empty in zip(self.params, self._placeholders):
+            param.data = empty
+
+    def pre_forward(self) -> None:
+        if torch.is_inference_mode_enabled():
+            # A slot allocated (or a view made) inside a caller's inference_mode would be an
+            # inference tensor, and the next copy into it from a forward under plain no_grad would
+            # raise ("inplace update to inference tensor outside InferenceMode"): the engine's
+            # tensors outlive any one forward, so they are made as normal tensors.
+            with torch.inference_mode(False):
+                self._streamer.before_layer(self)
+        else:
+            self._streamer.before_layer(self)
+
+    def post_forward(self) -> None:
+        self._streamer.after_layer(self)  # only rebinds placeholders and records events
+
+
+class LayerStreamer:
+    """The streaming state of one model: layers, ring, resident layers, counters, meter."""
+
+    def __init__(self, model: nn.Module, device: Device, config: StreamingConfig, non_layer_bytes: int):
+        self.model = model
+        self.device = device
+        self.config = config
+        self.non_layer_bytes = non_layer_bytes
+        self.layers: tuple[StreamedLayer, ...] = ()
+        self.ring: PrefetchRing | None = None
+        self.meter = DeviceWeightMeter(model, device.device, track_headroom=True)
+        self._resident_buffers: dict[str, torch.Tensor] = {}
+        self._resident_copied = 0
+        self._armed = False
+        self._handles: list = []
+        self._running: tuple[int, StreamedLayer] | None = None  # (thread id, layer) inside a forward
+        self._running_lock = threading.Lock()
+
+    def _start(self, layers: tuple[StreamedLayer, ...]) -> None:
+        self.layers = layers
+        streamed = [layer for layer in layers if not layer.resident]
+        for position, layer in enumerate(streamed):
+            layer.position = position
+        self.ring = PrefetchRing(self.device, streamed, self.config.prefetch_depth)
+        for layer in layers:
+            self._handles.append(layer.module.register_forward_pre_hook(
+                lambda _module, _args, layer=layer: layer.pre_forward()))
+            self._handles.append(layer.module.register_forward_hook(
+                lambda _module, _args, _output, layer=layer: layer.post_forward(), always_call=True))
+        # After the engine's hooks, so the meter samples what they materialized.
+        self.meter.attach([self.model, *(layer.module for layer in layers)])
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers if layer.resident)
+
+    def predicted_peak_bytes(self) -> int:
+        """Device weight bytes at peak: non-layer + resident + slots."""
+        return self.non_layer_bytes + self.resident_bytes + self.ring.slot_bytes
+
+    @property
+    def bytes_copied(self) -> int:
+        """Host->device bytes copied since the last ``reset_counters`` (streamed and resident)."""
+        return self.ring.bytes_copied + self._resident_copied
+
+    def reset_counters(self) -> None:
+        self.ring.bytes_copied = 0
+        self._resident_copied = 0
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def prepare_for_use(self) -> None:
+        """Arm resident layers and issue the first copies, before the first forward needs them."""
+        with torch.inference_mode(False):
+            self._arm()
+            if self.ring.n_slots:
+                self.ring.prefetch(0)
+
+    def finish_use(self, keep_resident: bool | None = None) -> None:
+        """Force-release streamed layers; resident layers and slots too unless kept."""
+        keep = self.config.keep_resident if keep_resident is None else keep_resident
+        self.ring.release_all()
+        if not keep:
+            for layer in self.layers:
+                if layer.resident:
+                    layer.release()
+            self._resident_buffers = {}
+            self.ring.deallocate()
+            self._armed = False
+        logger.info("streamer %s: finished use, %s resident layers (%d B) and slots",
+                    type(self.model).__name__, "kept" if keep else "released", self.resident_bytes)
+
+    def remove(self) -> None:
+        """Undo streaming: hooks removed, layers back as plain host tensors (views of their buffers)."""
+        self.finish_use(keep_resident=False)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.meter.close()
+        for layer in self.layers:
+            for param, host in zip(layer.params, layer.host.host_views()):
+                param.data = host
+            layer.host.free()
+        delattr(self.model, STREAMER_ATTRIBUTE)
+        logger.info("streamer %s: removed; layer weights are host tensors again", type(self.model).__name__)
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def before_layer(self, layer: StreamedLayer) -> None:
+        self._claim(layer)
+        self._arm()
+        if not layer.resident:
+            self.ring.enter(layer.position)
+
+    def after_layer(self, layer: StreamedLayer) -> None:
+        with self._running_lock:
+            # The forward hook also runs (always_call) when this thread's pre-hook was refused:
+            # then the layer belongs to another thread's forward and must be left alone.
+            owned = self._running == (threading.get_ident(), layer)
+        if not owned:
+            return
+        try:
+            if not layer.resident:
+                self.ring.exit(layer.position)
+        finally:
+            with self._running_lock:
+                self._running = None
+
+    def _claim(self, layer: StreamedLayer) -> None:
+        me = threading.get_ident()
+        with self._running_lock:
+            if self._running is not None and self._running[0] != me:
+                raise ConcurrentForwardError(
+                    f"{type(self.model).__name__}: layer {layer.key} entered by thread {me} while "
+                    f"{self._running[1].key} runs in thread {self._running[0]}; serialize forwards "
+                    "of a streamed model (one request at a time per replica)")
+            self._running = (me, layer)
+
+    def _arm(self) -> None:
+        """Copy resident layers to the device and allocate the ring, once per use (lazily)."""
+        if self._armed:
+            return
+        self.ring.allocate()
+        # Allocated on the compute stream (outside the copy-stream context), so the caching
+        # allocator frees them in compute order at finish_use; the copies then wait for it.
+        targets = []
+        for layer in self.layers:
+            if layer.resident:
+                regions = RegionMap.covering([layer.layout])
+                buffer = torch.empty(regions.nbytes, dtype=torch.uint8, device=self.device.device)
+                self._resident_buffers[layer.key] = buffer
+                targets.append((layer, regions.carve(buffer)))
+        self.device.copy_waits_for_compute()
+        with self.device.on_copy_stream():
+            for layer, carved in targets:
+                self._resident_copied += layer.host.copy_to(carved)
+            event = self.device.record_copy()
+        for layer, carved in targets:
+            layer.bind(layer.views(carved))
+        self.device.compute_waits(event)
+        self._armed = True
+        logger.info("streamer %s: armed %d resident layers (%d B) and %d slots (%d B)",
+                    type(self.model).__name__, len(self._resident_buffers), self.resident_bytes,
+                    self.ring.n_slots, self.ring.slot_bytes)
+
+
+def apply_layer_streaming(model: nn.Module, device: torch.device | str,
+                          config: StreamingConfig | None = None) -> LayerStreamer:
+    """Stream ``model``'s layer groups onto ``device``; returns the streamer that controls it."""
+    config = config or StreamingConfig()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_layer_streaming needs an nn.Module, got {type(model).__name__}")
+    if getattr(model, STREAMER_ATTRIBUTE, None) is not None:
+        raise AlreadyStreamedError(f"{type(model).__name__} is already under layer streaming; call remove() first")
+    context = get_device(device)
+    paths = config.layer_groups or declared_layer_groups(model)
+    entries = _collect_layers(model, paths)
+    layer_ids = {id(p) for entry in entries for p in entry.params}
+    check_disjoint({e.key: e.params for e in entries}, (p for p in model.parameters() if id(p) not in layer_ids))
+    tiers = _tiers(entries, config.hosting or {})
+
+    streamer = LayerStreamer(model, context, config, non_layer_bytes=0)
+    hosts = _move_layers_off(entries, tiers, context)
+    model.to(context.device)  # ONE move of the non-layer rest; every layer weight is a placeholder now
+    streamer.non_layer_bytes = unique_storage_bytes(p for p in model.parameters() if id(p) not in layer_ids)
+    if isinstance(config.resident, int) and config.resident > len(entries):
+        logger.info("streaming %s: resident=%d asked, only %d layers: all layers resident",
+                    type(model).__name__, config.resident, len(entries))
+    resident = choose_resident(len(entries), config.resident_count(len(entries)), config.resident_placement)
+    layers = tuple(StreamedLayer(e.key, e.module, e.params, hosts[e.key], i in resident, context.device, streamer)
+                   for i, e in enumerate(entries))
+    streamer._start(layers)
+    setattr(model, STREAMER_ATTRIBUTE, streamer)
+    counts = {tier.value: sum(1 for l in layers if l.tier is tier) for tier in HostingTier}
+    logger.info("streaming %s on %s: %d layers in %s (%d B), %d resident (%s), depth %d -> %d slots; "
+                "predicted peak %d B = non-layer %d + resident %d + slots %d; hosting %s",
+                type(model).__name__, context.device, len(layers), list(paths), sum(l.nbytes for l in layers),
+                len(resident), config.resident_placement.value, config.prefetch_depth, streamer.ring.n_slots,
+                streamer.predicted_peak_bytes(), streamer.non_layer_bytes, streamer.resident_bytes,
+                streamer.ring.slot_bytes, counts)
+    return streamer
+
+
+@dataclass(frozen=True)
+class _LayerEntry:
+    """One layer found in a group, before it is moved: where it is and how it will be laid out."""
+
+    group: int  # index of its group in execution order
+    key: str  # "single_transformer_blocks.2"
+    module: nn.Module
+    params: tuple[nn.Parameter, ...]  # in layout.tensors order
+    layout: LayerLayout
+
+
+def _collect_layers(model: nn.Module, paths: tuple[str, ...]) -> tuple[_LayerEntry, ...]:
+    """Every layer of every group, in execution order (groups in the order they run)."""
+    entries = []
+    for index, path in enumerate(paths):
+        for i, module in enumerate(resolve_layer_group(model, path).layers):
+            key = f"{path}.{i}"
+            named = layer_parameters(module)
+            layout = plan_layer_layout(key, [(n, p.data) for n, p in named])
+            entries.append(_LayerEntry(index, key, module, tuple(p for _, p in named), layout))
+    return tuple(entries)
+
+
+def _tiers(entries: tuple[_LayerEntry, ...], hosting: Mapping[str, HostingTier]) -> dict[str, HostingTier]:
+    """Each layer's hosting tier (PAGEABLE unless named), checked before anything moves."""
+    keys = [e.key for e in entries]
+    unknown = sorted(set(hosting) - set(keys))
+    if unknown:
+        raise ValueError(f"hosting names layers that are not streamed: {unknown} (layers: {keys[:6]}...)")
+    tiers = {key: hosting.get(key, HostingTier.PAGEABLE) for key in keys}
+    for entry in entries:
+        off_host = [name for name, p in zip((m.name for m in entry.layout.tensors), entry.params)
+                    if p.device.type != "cpu"]
+        if tiers[entry.key] is HostingTier.MAPPED and off_host:
+            raise LayoutError(f"layer {entry.key} is planned MAPPED, which keeps host tensors as they are, "
+                              f"but {off_host[0]} is on {entry.params[0].device}")
+    return tiers
+
+
+def _move_layers_off(entries: tuple[_LayerEntry, ...], tiers: Mapping[str, HostingTier],
+                     context: Device) -> dict[str, HostLayer]:
+    """Consolidate every layer on the host and release it, the largest group first.
+
+    Largest first: when the model starts on the device, freeing the biggest group first leaves
+    the most room for everything after it; each layer is released as soon as it is copied, so
+    the host holds at most one layer twice. If a layer cannot be moved (a refused pin), the
+    layers already moved get their weights back where they were and the error propagates.
+    """
+    group_bytes: dict[int, int] = {}
+    for entry in entries:
+        group_bytes[entry.group] = group_bytes.get(entry.group, 0) + entry.layout.nbytes
+    order = sorted(entries, key=lambda e: -group_bytes[e.group])  # stable: layers keep their order
+    moved: list[tuple[_LayerEntry, HostLayer, list[torch.device]]] = []
+    try:
+        for entry in order:
+            host = HostLayer.consolidate(entry.layout, [p.data for p in entry.params], tiers[entry.key],
+                                         context.device)
+            moved.append((entry, host, [p.device for p in entry.params]))
+            for param in entry.params:
+                param.data = placeholder(context.device, param.dtype)
+    except Exception:
+        for entry, host, devices in moved:
+            for param, view, where in zip(entry.params, host.host_views(), devices):
+                param.data = view.to(where)
+            host.free()
+        raise
+    hosts = {entry.key: host for entry, host, _ in moved}
+    return hosts

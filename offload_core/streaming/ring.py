@@ -1,0 +1,158 @@
+"""The prefetch ring: a fixed set of device slots reused by streamed layers in execution order.
+
+``depth + 1`` slots, each one device allocation carved into one region per dtype sized to the
+largest streamed layer. Entering streamed layer ``k`` waits for its copy and issues the copies of
+layers ``k+1 .. k+depth`` (wrapping, so the last layer prefetches the next step's first layer);
+leaving it releases its slot. Nothing is allocated per prefetch, so the device holds exactly
+``slots x slot bytes`` of streamed weights at any time.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Mapping, NamedTuple, Protocol, Sequence
+
+import torch
+
+from offload_core.layout import LayerLayout, RegionMap
+from offload_core.streaming.device import Device
+from offload_core.streaming.host_layer import HostLayer
+
+logger = logging.getLogger(__name__)
+
+
+class RingLayer(Protocol):
+    """What the ring needs of a streamed layer (``engine.RingLayer``), without importing the engine."""
+
+    host: HostLayer
+
+    @property
+    def layout(self) -> LayerLayout: ...
+
+    def views(self, regions: Mapping[torch.dtype, torch.Tensor]) -> tuple[torch.Tensor, ...]: ...
+
+    def bind(self, views: tuple[torch.Tensor, ...]) -> None: ...
+
+
+class InFlight(NamedTuple):
+    """A slot and the copy event that fills it, carried together until the compute stream waits."""
+
+    slot: int
+    event: object | None  # torch.cuda.Event; None on CPU (copies are synchronous) or once waited
+
+
+class PrefetchRing:
+    """Slots and in-flight copies for the streamed (non-resident) layers of one model."""
+
+    def __init__(self, device: Device, layers: Sequence[RingLayer], depth: int):
+        self._device = device
+        self._layers = tuple(layers)
+        # More slots than layers would only hold a layer twice: cap at the number of layers.
+        self.n_slots = min(depth + 1, len(self._layers))
+        self.regions = RegionMap.covering(layer.layout for layer in self._layers)
+        self._buffers: list[torch.Tensor] = []
+        self._carved: list[dict[torch.dtype, torch.Tensor]] = []
+        self._free: collections.deque[int] = collections.deque()
+        self._last_use: list[object | None] = []
+        self._in_flight: dict[int, InFlight] = {}
+        # Parameter views per (layer position, slot), made once per allocation: building a view
+        # costs ~5 us per parameter (slice, dtype view, as_strided), paid at every entry otherwise.
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.bytes_copied = 0
+        self.out_of_order_entries = 0  # entries that found their layer not prefetched (after a cold start)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Device bytes of all slots together (the 'slots' term of the peak formula)."""
+        return self.n_slots * self.regions.nbytes
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self._buffers)
+
+    def materialized(self) -> tuple[int, ...]:
+        """Positions (in streamed order) whose weights occupy a slot now."""
+        return tuple(sorted(self._in_flight))
+
+    def allocate(self) -> None:
+        """Allocate the slots once per use; the copy stream then waits for the allocating stream."""
+        if self._buffers or not self.n_slots:
+            return
+        nbytes = self.regions.nbytes
+        self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self._device.device)
+                         for _ in range(self.n_slots)]
+        self._carved = [self.regions.carve(buffer) for buffer in self._buffers]
+        self._free = collections.deque(range(self.n_slots))
+        self._last_use = [None] * self.n_slots
+        self._device.copy_waits_for_compute()
+        logger.debug("ring on %s: allocated %d slots x %d B for %d streamed layers",
+                     self._device.device, self.n_slots, nbytes, len(self._layers))
+
+    def deallocate(self) -> None:
+        """Release every layer and drop the slots (stage teardown)."""
+        self.release_all()
+        self._device.compute_waits_for_copies()
+        self._buffers, self._carved, self._free, self._last_use = [], [], collections.deque(), []
+        self._views = {}
+
+    def prefetch(self, position: int) -> None:
+        """Issue copies for ``position`` and the layers after it, as far as free slots allow."""
+        self.allocate()
+        for step in range(self.n_slots):
+            ahead = (position + step) % len(self._layers)
+            if ahead not in self._in_flight:
+                if not self._free:
+                    return
+                self._issue(ahead)
+
+    def enter(self, position: int) -> None:
+        """Before streamed layer ``position`` runs: have it on the device, waited, and prefetch."""
+        self.allocate()
+        window = {(position + step) % len(self._layers) for step in range(self.n_slots)}
+        stale = [held for held in self._in_flight if held not in window]
+        if stale or position not in self._in_flight:
+            if self._in_flight:
+                # Layers ran out of the order they were declared in: still correct, but the stale
+                # copies were wasted. Said once at INFO, then counted (a model that always runs
+                # out of order would otherwise log a line per layer).
+                self.out_of_order_entries += 1
+                log = logger.info if self.out_of_order_entries == 1 else logger.debug
+                log("ring: layer %d entered while %s were prefetched; releasing %s (occurrence %d)",
+                    position, self.materialized(), sorted(stale), self.out_of_order_entries)
+            for held in stale:
+                self._release(held)
+        if position not in self._in_flight:
+            self._issue(position)
+        held = self._in_flight[position]
+        self._device.compute_waits(held.event)
+        self._in_flight[position] = InFlight(held.slot, None)
+        self.prefetch(position)
+
+    def exit(self, position: int) -> None:
+        """After streamed layer ``position`` ran: give its slot back (no-op if already released)."""
+        if position in self._in_flight:
+            self._release(position)
+
+    def release_all(self) -> None:
+        for position in list(self._in_flight):
+            self._release(position)
+
+    def _issue(self, position: int) -> None:
+        slot = self._free.popleft()
+        layer = self._layers[position]
+        # The slot's previous layer may still be read by queued kernels: copy only after them.
+        self._device.copy_waits(self._last_use[slot])
+        with self._device.on_copy_stream():
+            self.bytes_copied += layer.host.copy_to(self._carved[slot])
+            event = self._device.record_copy()
+        views = self._views.get((position, slot))
+        if views is None:
+            views = self._views[(position, slot)] = layer.views(self._carved[slot])
+        layer.bind(views)
+        self._in_flight[position] = InFlight(slot, event)
+
+    def _release(self, position: int) -> None:
+        held = self._in_flight.pop(position)
+        self._layers[position].release()
+        self._last_use[held.slot] = self._device.record_compute()
+        self._free.append(held.slot)

@@ -1,0 +1,72 @@
+"""The plan CLI: a readable table, one JSON object, local folders, and clear errors for bad input."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload_core.planner.cli import main, parse_bytes
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def test_wan_14b_on_an_l4_prints_a_table_row_per_component(capsys):
+    code, out = run(capsys, "--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "64GiB")
+    assert code == 0
+    assert out.startswith("auto plan on L4 (24.00 GiB") and "feasible" in out
+    rows = {line.split()[0] for line in out.splitlines() if line.split()}
+    assert {"transformer", "text_encoder", "vae"} <= rows
+
+
+def test_json_is_one_object_with_the_plan_and_its_predictions(capsys):
+    code, out = run(capsys, "--model", "flux.1-dev", "--gpu", "H100", "--host-ram", "128GiB", "--mode", "memory",
+                    "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["mode"] == "memory" and plan["feasible"] is True
+    assert {c["name"] for c in plan["components"]} == {"transformer", "text_encoder", "text_encoder_2", "vae"}
+    assert plan["peak_device_bytes"] <= plan["weight_budget"]
+    assert all(c["prediction"]["in_use_bytes"] > 0 for c in plan["components"])
+
+
+def test_a_local_diffusers_folder_is_planned_from_its_own_configs(capsys):
+    from zoo.tiny import ensure_tiny_wan
+
+    code, out = run(capsys, "--model-dir", str(ensure_tiny_wan()), "--gpu", "RTX3060", "--host-ram", "16GiB",
+                    "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["mode"] == "auto"
+    assert {c["name"] for c in plan["components"]} == {"text_encoder", "transformer", "vae"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "wan2.1-t2v-14b", "--gpu", "TPU", "--host-ram", "64GiB"], "unknown GPU 'TPU'"),
+    (["--model", "sd-9", "--gpu", "L4", "--host-ram", "64GiB"], "unknown model 'sd-9'"),
+    (["--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "lots"], "not a byte size: 'lots'"),
+    (["--model-dir", "/nonexistent", "--gpu", "L4", "--host-ram", "64GiB"], "has no model_index.json"),
+])
+def test_bad_arguments_exit_2_naming_what_was_wrong(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_byte_sizes_take_binary_and_decimal_units():
+    assert parse_bytes("64GiB") == 64 * 2**30 and parse_bytes("512MB") == 512 * 10**6 and parse_bytes("7") == 7
+
+
+def test_runs_as_a_module():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "offload_core.plan", "--model", "wan2.1-t2v-1.3b", "--gpu", "RTX3060",
+                           "--host-ram", "32GiB", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["device_name"] == "RTX3060"

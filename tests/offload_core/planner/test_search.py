@@ -1,0 +1,140 @@
+"""The planner: modes, monotone feasible plans for real-size models, residents hiding transfer, overrides."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from offload_core.host.tier import HostingTier
+from offload_core.planner.facts import (
+    ComponentProfile,
+    LayerFacts,
+    LinkFacts,
+    PipelineFacts,
+    Stage,
+)
+from offload_core.planner.inputs import GiB, GpuSpec, real_model_facts
+from offload_core.planner.search import (
+    ComponentOverride,
+    PerformanceMode,
+    plan_pipeline,
+)
+from offload_core.planner.strategy import Strategy
+from offload_core.residency.lifecycle import streaming_config
+
+DEVICES_GB = (12, 24, 48, 80, 141)
+# One link and compute rate for every size, so only memory changes between the plans compared.
+GPU = GpuSpec("test-gpu", 24 * GiB, pinned_Bps=25e9, flops=100e12)
+
+
+@pytest.fixture(scope="module", params=["wan2.1-t2v-14b", "flux.1-dev"])
+def real_facts(request):
+    facts, _notes = real_model_facts(request.param, GPU, 64 * GiB)
+    return facts
+
+
+def sized(facts: PipelineFacts, gb: int) -> PipelineFacts:
+    return dataclasses.replace(facts, device_capacity=gb * GiB, device_name=f"{gb}GB")
+
+
+def test_real_size_plans_are_feasible_on_every_device_and_more_memory_never_plans_slower(real_facts):
+    times = []
+    for gb in DEVICES_GB:
+        plan = plan_pipeline(sized(real_facts, gb), PerformanceMode.AUTO)
+        assert plan.feasible and plan.peak_device_bytes <= plan.weight_budget, plan.explain()
+        times.append(plan.time_s_per_request)
+        assert plan_pipeline(sized(real_facts, gb), PerformanceMode.MEMORY).feasible
+    assert all(later <= earlier for earlier, later in zip(times, times[1:])), times
+    assert times[-1] < times[0], "a 141 GB device should plan faster than a 12 GB one"
+
+
+def test_speed_mode_is_all_resident_and_fits_only_the_big_devices(real_facts):
+    fits = [plan_pipeline(sized(real_facts, gb), PerformanceMode.SPEED).feasible for gb in DEVICES_GB]
+    plan = plan_pipeline(sized(real_facts, 141), PerformanceMode.SPEED)
+    assert all(c.strategy is Strategy.RESIDENT for c in plan.components)
+    assert plan.bytes_moved_per_request == 0
+    assert fits[0] is False and fits[-1] is True
+
+
+def test_memory_mode_streams_with_nothing_resident_and_the_smallest_peak(real_facts):
+    facts = sized(real_facts, 24)
+    memory = plan_pipeline(facts, PerformanceMode.MEMORY)
+    for c in memory.components:
+        assert c.resident_layers == 0
+        assert c.strategy is (Strategy.LAYERWISE if c.hosting else Strategy.MODEL_OFFLOAD)
+    for mode in (PerformanceMode.AUTO, PerformanceMode.BALANCED, PerformanceMode.SPEED):
+        assert memory.peak_device_bytes <= plan_pipeline(facts, mode).peak_device_bytes
+
+
+def test_balanced_stays_within_half_the_device_when_memory_mode_fits_there(real_facts):
+    facts = sized(real_facts, 80)
+    balanced = plan_pipeline(facts, PerformanceMode.BALANCED)
+    assert balanced.peak_device_bytes <= facts.weight_budget // 2
+    assert balanced.time_s_per_request >= plan_pipeline(facts, PerformanceMode.AUTO).time_s_per_request
+
+
+def uniform(n=10, layer_bytes=1000, compute_s=1.0, uses=10, non_layer=500, name="dit"):
+    layers = tuple(LayerFacts(f"blocks.{i}", (("float32", layer_bytes),), layer_bytes, layer_bytes // 4)
+                   for i in range(n))
+    return ComponentProfile(name, "Toy", ("blocks",), layers, non_layer, 0, uses, (compute_s,) * n)
+
+
+def one_component(capacity, link=LinkFacts(pinned_Bps=500.0, pageable_Bps=100.0), lease=10**9, **kw):
+    return PipelineFacts((uniform(**kw),), (Stage("denoise", ("dit",)),), capacity, link, lease)
+
+
+def test_resident_layers_are_added_until_streaming_hides_behind_compute():
+    # A layer copies in 2 s and computes in 1 s: 10 s of compute per use hides 5 streamed layers.
+    plan = plan_pipeline(one_component(capacity=9_000), PerformanceMode.AUTO)
+    dit = plan.component("dit")
+    assert dit.strategy is Strategy.LAYERWISE and dit.resident_layers == 5
+    assert dit.prediction.time_s == pytest.approx(10 * 10.0 + 5 * 1000 / 500.0)  # compute + resident copy once
+    # Less room: as many residents as fit (non-layer 500 + r x 1000 + 2 slots x 1000 <= 5500).
+    assert plan_pipeline(one_component(capacity=5_500), PerformanceMode.AUTO).component("dit").resident_layers == 3
+
+
+def test_when_everything_fits_auto_plans_the_speed_plan():
+    auto = plan_pipeline(one_component(capacity=10**6), PerformanceMode.AUTO)
+    assert auto.component("dit").strategy is Strategy.RESIDENT and auto.bytes_moved_per_request == 0
+
+
+def test_a_hand_pinned_field_is_kept_and_the_rest_is_still_planned():
+    facts = one_component(capacity=9_000)
+    plan = plan_pipeline(facts, PerformanceMode.AUTO, {"dit": ComponentOverride(prefetch_depth=2, resident_layers=1)})
+    dit = plan.component("dit")
+    assert (dit.prefetch_depth, dit.resident_layers, dit.strategy) == (2, 1, Strategy.LAYERWISE)
+    assert any("override dit" in note for note in plan.notes)
+    with pytest.raises(ValueError, match="unknown components"):
+        plan_pipeline(facts, PerformanceMode.AUTO, {"nope": ComponentOverride(park=True)})
+
+
+def test_pins_follow_the_host_lease_in_layer_order():
+    plan = plan_pipeline(one_component(capacity=4_000, lease=3_500), PerformanceMode.MEMORY)
+    tiers = [tier for _, tier in plan.component("dit").hosting]
+    assert tiers == [HostingTier.PINNED] * 3 + [HostingTier.PAGEABLE] * 7
+    assert plan.pinned_bytes == 3_000
+
+
+def test_the_plan_configures_the_engine():
+    dit = plan_pipeline(one_component(capacity=9_000), PerformanceMode.AUTO).component("dit")
+    config = streaming_config(dit)
+    assert config.layer_groups == ("blocks",) and config.resident == dit.resident_layers
+    assert config.prefetch_depth == dit.prefetch_depth and dict(config.hosting) == dict(dit.hosting)
+
+
+def test_an_infeasible_plan_says_why_with_the_numbers():
+    plan = plan_pipeline(one_component(capacity=100), PerformanceMode.AUTO)
+    assert not plan.feasible
+    assert "no plan fits" in plan.notes[0] and str(plan.peak_device_bytes) in plan.notes[0]
+    lines = plan.explain()
+    assert lines[0].startswith("auto plan") and "INFEASIBLE" in lines[0]
+    assert lines[1].startswith("dit: ")
+
+
+def test_facts_refuse_negative_sizes_and_components_outside_the_stages():
+    with pytest.raises(ValueError, match="device_capacity must be >= 0"):
+        one_component(capacity=-1)
+    with pytest.raises(ValueError, match="each must be in one stage"):
+        PipelineFacts((uniform(),), (Stage("denoise", ("other",)),), 10, LinkFacts(1.0, 1.0), 0)
+    with pytest.raises(ValueError, match="bandwidths must be > 0"):
+        LinkFacts(0.0, 1.0)
