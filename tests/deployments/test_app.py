@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
-from ray.serve import Application
 
 from deployments.app import AppArgs, build_app, resolve_model_folder, stage_configs
 from deployments.families import read_family_facts
+from deployments.ingress import IngressConfig
+from deployments.schemas import Limits
 from deployments.spec import PipelineStage
 from offload_core.planner.search import PerformanceMode
 
@@ -21,7 +22,27 @@ def test_each_stage_is_configured_with_its_mode_and_uses_per_request():
     # 20 default steps x 2 guidance passes: what the planner weighs the denoiser's bytes by
     assert dict(configs[DENOISE].uses_per_request) == {"transformer": 40}
     assert dict(configs[ENCODE].uses_per_request) == {"text_encoder": 2}
-    assert isinstance(build_app(args), Application)
+
+
+def test_the_ingress_is_bound_to_the_three_stages_with_their_configs_and_serve_options(monkeypatch):
+    monkeypatch.setenv("OFFLOAD_SERVE_WIRING_TOKEN", "s3cret")
+    args = AppArgs.model_validate({
+        "app_name": "wired", "model_id": "my-model", "decoder": {"offload_mode": "balanced"},
+        "limits": {"max_steps": 30}, "api_token_env": "OFFLOAD_SERVE_WIRING_TOKEN", "retry_after_s": 3,
+        "replica_num_cpus": 0.5, "stage_max_queued_requests": 5, "ingress_max_ongoing_requests": 9})
+    ingress = build_app(args)._bound_deployment  # Serve keeps the bound graph here, unbuilt
+    assert (ingress.name, ingress.ray_actor_options, ingress.max_ongoing_requests) == ("Ingress", {"num_cpus": 0.5}, 9)
+    *stages, config = ingress.init_args
+    facts = read_family_facts(resolve_model_folder(args))
+    assert config == IngressConfig("wired", "my-model", facts, Limits(max_steps=30), "s3cret", 3)
+    expected = stage_configs(args, facts)
+    bound = [stage._bound_deployment for stage in stages]
+    assert [(d.name, d.init_args) for d in bound] == [
+        ("TextEncoder", (expected[ENCODE],)), ("Denoiser", (expected[DENOISE],)), ("VaeDecoder", (expected[DECODE],))]
+    assert expected[DECODE].mode is PerformanceMode.BALANCED and expected[DECODE].app_name == "wired"
+    # One call at a time per stage replica (its pipeline is not reentrant); the rest queue, then 503.
+    assert {(d.ray_actor_options["num_cpus"], d.max_ongoing_requests, d.max_queued_requests) for d in bound} == {
+        (0.5, 1, 5)}
 
 
 def test_unknown_args_and_modes_are_refused_by_name():

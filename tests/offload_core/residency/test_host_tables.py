@@ -131,15 +131,18 @@ def test_real_size_umt5_xxl_device_bytes_drop_by_exactly_the_3_91_gib_table():
 VOCAB, DIM = 64, 8
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Each rank holds vocab/world rows; out-of-range ids give zeros; all_reduce sums the parts."""
+class VocabParallelEmbedding(nn.Embedding):
+    """Each rank holds vocab/world rows; out-of-range ids give zeros; all_reduce sums the parts.
+
+    An ``nn.Embedding`` whose weight nothing else holds: untied and far over the threshold, so the
+    tensor-parallel rule is the only one that keeps it on the device.
+    """
 
     def __init__(self, full: torch.Tensor, rank: int, world: int):
-        super().__init__()
-        self.tp_size = world
         per = full.shape[0] // world
+        super().__init__(per, full.shape[1], _weight=full[rank * per:(rank + 1) * per].clone())
+        self.tp_size = world
         self.start, self.end = rank * per, (rank + 1) * per
-        self.weight = nn.Parameter(full[self.start:self.end].clone())
 
     def forward(self, ids):
         outside = (ids < self.start) | (ids >= self.end)
