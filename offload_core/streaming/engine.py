@@ -323,15 +323,18 @@ class LayerStreamer:
                     self.ring.n_slots, self.ring.slot_bytes)
 
 
-def apply_layer_streaming(model: nn.Module, device: torch.device | str,
+def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,
                           config: StreamingConfig | None = None) -> LayerStreamer:
-    """Stream ``model``'s layer groups onto ``device``; returns the streamer that controls it."""
+    """Stream ``model``'s layer groups onto ``device``; returns the streamer that controls it.
+
+    ``device`` may be a :class:`Device` itself (the simulated accelerator, a test's device).
+    """
     config = config or StreamingConfig()
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_layer_streaming needs an nn.Module, got {type(model).__name__}")
     if getattr(model, STREAMER_ATTRIBUTE, None) is not None:
         raise AlreadyStreamedError(f"{type(model).__name__} is already under layer streaming; call remove() first")
-    context = get_device(device)
+    context = device if isinstance(device, Device) else get_device(device)
     paths = config.layer_groups or declared_layer_groups(model)
     entries = _collect_layers(model, paths)
     layer_ids = {id(p) for entry in entries for p in entry.params}

@@ -1,0 +1,254 @@
+"""A simulated accelerator: data on the CPU, computed for real, timed on a virtual clock by CUDA's rules.
+
+CI has no GPU, and a CPU run cannot show whether copies overlap compute: on CPU every copy is
+synchronous. :class:`SimDevice` is a :class:`~offload_core.streaming.device.Device` whose tensors
+live on the CPU (so outputs stay bitwise checkable against the plain model) while every copy and
+every kernel advances a virtual clock under the rules a real GPU imposes:
+
+- two streams, the compute stream (the current one) and the copy stream; an operation starts when
+  its stream reached it, its host thread issued it and the engine it needs is free;
+- one host->device copy engine: copies serialise on it whatever stream issued them;
+- a copy from PINNED memory is asynchronous: the host thread issues it and goes on;
+- a copy from PAGEABLE or MAPPED memory is staged by the driver and blocks the host thread until
+  it lands (that host thread cannot launch kernels meanwhile);
+- kernels launch asynchronously on the current stream; events mark a stream's position, a wait
+  makes a stream start nothing before the event;
+- host threads other than the one that launches kernels (a staging copier) have their own clocks;
+  a host memcpy costs ``bytes / host_memcpy_Bps`` on its thread's clock.
+
+Bandwidths are :class:`SimLink` inputs; per-layer compute times are attached with
+:meth:`SimDevice.charge_layer_compute`. Every operation is also checked against the clock: a kernel
+that reads a buffer before the copy into it landed, or a copy that overwrites a buffer a queued
+kernel or copy still reads, raises :class:`StreamHazardError`: the data on the CPU is computed in
+program order and would hide such a race, the clock does not.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from offload_core.host.tier import HostingTier
+from offload_core.streaming.device import Device, DeviceFacts
+
+logger = logging.getLogger(__name__)
+
+# Two operations touching one buffer may meet exactly at an instant; float sums of durations can
+# differ in the last bits, so a hazard needs an overlap of more than a femtosecond.
+_EPSILON_S = 1e-15
+LAUNCH_THREAD = "launch"  # the host thread that runs the forward and launches kernels
+
+
+@dataclass(frozen=True)
+class SimLink:
+    """The simulated machine's rates. Defaults: PCIe Gen4 x16 (the brief's 25 / 10 GB/s)."""
+
+    pinned_Bps: float = 25e9  # DMA from page-locked memory
+    pageable_Bps: float = 10e9  # through the driver's own staging buffer, host thread blocked
+    mapped_Bps: float = 10e9  # a page-cached file mapping goes through the same driver staging
+    host_memcpy_Bps: float = 12e9  # one host thread's memcpy (pageable -> pinned staging buffer)
+    launch_s: float = 0.0  # host time to launch a kernel or issue a copy
+
+    def __post_init__(self) -> None:
+        for name in ("pinned_Bps", "pageable_Bps", "mapped_Bps", "host_memcpy_Bps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SimLink.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.launch_s < 0:
+            raise ValueError(f"SimLink.launch_s must be >= 0, got {self.launch_s!r}")
+
+    def h2d_Bps(self, source: HostingTier) -> float:
+        return {HostingTier.PINNED: self.pinned_Bps, HostingTier.PAGEABLE: self.pageable_Bps,
+                HostingTier.MAPPED: self.mapped_Bps}[source]
+
+
+class StreamHazardError(RuntimeError):
+    """An operation would touch a buffer before (or while) another one on the clock still does."""
+
+
+@dataclass(frozen=True)
+class SimEvent:
+    """A recorded stream position: the virtual time its stream's queued work completes."""
+
+    time: float
+
+
+class SimStream(enum.Enum):
+    COMPUTE = "compute"  # the current stream: kernels, and what the engine records as compute
+    COPY = "copy"  # the side stream host->device copies run on
+
+
+class _InterceptCopies(TorchFunctionMode):
+    """Routes every ``copy_`` issued inside it through the simulator's clock (then does it for real)."""
+
+    def __init__(self, sim: SimDevice, host_memcpy: bool):
+        super().__init__()
+        self._sim = sim
+        self._host_memcpy = host_memcpy
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "copy_":
+            dst, src = args[0], args[1]
+            if self._host_memcpy:
+                self._sim._host_memcpy(dst, src)
+            else:
+                self._sim._h2d_copy(dst, src)
+        return func(*args, **(kwargs or {}))
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+class SimDevice(Device):
+    """A CPU-backed device with CUDA's copy, kernel and event timing on a virtual clock."""
+
+    def __init__(self, link: SimLink | None = None, facts: DeviceFacts | None = None):
+        super().__init__(torch.device("cpu"), facts or DeviceFacts())
+        self.link = link or SimLink()
+        self._ready = {SimStream.COMPUTE: 0.0, SimStream.COPY: 0.0}
+        self._stream = SimStream.COMPUTE
+        self._h2d_free = 0.0  # the one host->device copy engine
+        self._clocks = {LAUNCH_THREAD: 0.0}
+        self._thread = LAUNCH_THREAD
+        self._host_memory: dict[int, HostingTier] = {}
+        self._last_write: dict[int, float] = {}
+        self._last_read: dict[int, float] = {}
+        self.copies = 0
+        self.kernels = 0
+        self.blocked_s = 0.0  # launch-thread time spent blocked in copies from pageable/mapped memory
+
+    # -- the clock --------------------------------------------------------------------------------
+    @property
+    def now(self) -> float:
+        """The launch thread's virtual time."""
+        return self._clocks[LAUNCH_THREAD]
+
+    def stream_ready(self, stream: SimStream) -> float:
+        return self._ready[stream]
+
+    def register_host_memory(self, tensors: Iterable[torch.Tensor], tier: HostingTier) -> None:
+        """Say which memory copies read from; unregistered host memory is PAGEABLE (CUDA's rule)."""
+        for tensor in tensors:
+            self._host_memory[_storage(tensor)] = tier
+
+    def register_streamer(self, streamer) -> None:
+        """Register every streamed layer's host copy under its hosting tier."""
+        for layer in streamer.layers:
+            self.register_host_memory(layer.host_tensors(), layer.tier)
+
+    def charge_layer_compute(self, streamer, seconds: Mapping[str, float]) -> list:
+        """Launch a kernel of ``seconds[layer.key]`` whenever a layer runs; returns the hook handles.
+
+        The hook runs before the engine's own post-hook (``prepend``): the kernel is queued while
+        the layer's weights are still bound, so it reads them, and the engine's last-use event
+        for the slot is recorded after it, as on a GPU.
+        """
+        missing = sorted({layer.key for layer in streamer.layers} - set(seconds))
+        if missing:
+            raise ValueError(f"charge_layer_compute: no compute time for layers {missing}")
+        handles = []
+        for layer in streamer.layers:
+            def charge(_module, _args, _output, layer=layer):
+                reads = {_storage(p) for p in layer.params if p.numel() > 0}
+                self.launch_kernel(seconds[layer.key], reads)
+            handles.append(layer.module.register_forward_hook(charge, prepend=True))
+        return handles
+
+    def launch_kernel(self, seconds: float, reads: Iterable[int] = ()) -> None:
+        """Queue a kernel of ``seconds`` on the compute stream reading the storages ``reads``."""
+        start = max(self._clocks[self._thread], self._ready[SimStream.COMPUTE])
+        reads = tuple(reads)
+        self._check(start, reads=reads, writes=(), what=f"a {seconds:.3g} s kernel")
+        end = start + seconds
+        self._ready[SimStream.COMPUTE] = end
+        for storage in reads:
+            self._last_read[storage] = max(self._last_read.get(storage, 0.0), end)
+        self._clocks[self._thread] += self.link.launch_s
+        self.kernels += 1
+
+    def _h2d_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        nbytes = dst.numel() * dst.element_size()
+        source = self._host_memory.get(_storage(src), HostingTier.PAGEABLE)
+        clock = self._clocks[self._thread]
+        start = max(clock, self._ready[self._stream], self._h2d_free)
+        self._check(start, reads=(_storage(src),), writes=(_storage(dst),), what=f"a {source.value} copy")
+        end = start + nbytes / self.link.h2d_Bps(source)
+        self._ready[self._stream] = end
+        self._h2d_free = end
+        self._touch(end, reads=(_storage(src),), writes=(_storage(dst),))
+        if source is not HostingTier.PINNED:
+            # The driver stages pageable memory itself and returns only once the copy landed.
+            self.blocked_s += end - clock
+            clock = end
+        self._clocks[self._thread] = clock + self.link.launch_s
+        self.copies += 1
+
+    def _host_memcpy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        nbytes = dst.numel() * dst.element_size()
+        start = self._clocks[self._thread]
+        self._check(start, reads=(_storage(src),), writes=(_storage(dst),), what="a host memcpy")
+        end = start + nbytes / self.link.host_memcpy_Bps
+        self._touch(end, reads=(_storage(src),), writes=(_storage(dst),))
+        self._clocks[self._thread] = end
+
+    def _check(self, start: float, reads: tuple[int, ...], writes: tuple[int, ...], what: str) -> None:
+        for storage in reads:
+            landed = self._last_write.get(storage, 0.0)
+            if landed > start + _EPSILON_S:
+                raise StreamHazardError(f"{what} at t={start:.9f} s reads a buffer whose last write "
+                                        f"lands at t={landed:.9f} s: a missing wait")
+        for storage in writes:
+            busy = max(self._last_read.get(storage, 0.0), self._last_write.get(storage, 0.0))
+            if busy > start + _EPSILON_S:
+                raise StreamHazardError(f"{what} at t={start:.9f} s overwrites a buffer still in use "
+                                        f"until t={busy:.9f} s: a missing wait")
+
+    def _touch(self, end: float, reads: tuple[int, ...], writes: tuple[int, ...]) -> None:
+        for storage in reads:
+            self._last_read[storage] = max(self._last_read.get(storage, 0.0), end)
+        for storage in writes:
+            self._last_write[storage] = end
+
+    # -- the Device interface -----------------------------------------------------------------------
+    def on_copy_stream(self) -> contextlib.AbstractContextManager[None]:
+        return self.on_stream(SimStream.COPY)
+
+    @contextlib.contextmanager
+    def on_stream(self, stream: SimStream) -> Iterator[None]:
+        """Host->device copies issued inside run on ``stream`` (the engine uses the copy stream)."""
+        previous, self._stream = self._stream, stream
+        try:
+            with _InterceptCopies(self, host_memcpy=False):
+                yield
+        finally:
+            self._stream = previous
+
+    def record_copy(self) -> SimEvent:
+        return SimEvent(self._ready[SimStream.COPY])
+
+    def record_compute(self) -> SimEvent:
+        return SimEvent(self._ready[SimStream.COMPUTE])
+
+    def compute_waits(self, event: SimEvent | None) -> None:
+        if event is not None:
+            self._ready[SimStream.COMPUTE] = max(self._ready[SimStream.COMPUTE], event.time)
+
+    def copy_waits(self, event: SimEvent | None) -> None:
+        if event is not None:
+            self._ready[SimStream.COPY] = max(self._ready[SimStream.COPY], event.time)
+
+    def copy_waits_for_compute(self) -> None:
+        self.copy_waits(self.record_compute())
+
+    def compute_waits_for_copies(self) -> None:
+        self.compute_waits(self.record_copy())
+
+    def synchronize(self) -> None:
+        """The launch thread waits for every stream (as ``torch.cuda.synchronize``)."""
+        thread = self._thread
+        self._clocks[thread] = max(self._clocks[thread], *self._ready.values())
