@@ -44,10 +44,16 @@ class QueueTimeout(BatchingError):
 class BatchingConfig:
     max_batch: int = 4  # requests sharing one forward (each may bring n rows, doubled when guided)
     max_wait_s: float = 600.0  # a waiting request fails with QueueTimeout after this
+    # When an idle replica gets a request, it waits this long for others before the first forward
+    # (like Serve's batch_wait_timeout_s): requests sent together then share every step instead of
+    # the later ones joining one step behind. 10 ms is 1 % of a ~1 s streamed FLUX.1-dev forward.
+    gather_s: float = 0.01
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {self.max_batch!r}")
+        if not self.gather_s >= 0:
+            raise ValueError(f"gather_s must be >= 0, got {self.gather_s!r}")
         if not self.max_wait_s > 0:
             raise ValueError(f"max_wait_s must be > 0, got {self.max_wait_s!r}")
 
@@ -192,6 +198,7 @@ class StepBatcher:
                     self._wake.wait()
                 if self._closed:
                     return
+            time.sleep(self.batch.config.gather_s)  # outside the lock: others may submit meanwhile
             try:
                 self._around_busy(self._run_busy)
             except Exception as exc:  # a failed prepare/lease fails what was waiting, not the loop
