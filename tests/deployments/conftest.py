@@ -11,6 +11,7 @@ TOKEN_ENV = "OFFLOAD_SERVE_TEST_TOKEN"
 TOKEN = "test-token-1234"
 APP = "svc-test"
 PREFIX = "/svc"
+MAX_STEPS = 200
 
 
 def serve_base_url(ray_cluster) -> str:
@@ -28,7 +29,9 @@ def tiny_args(**overrides):
     from deployments.schemas import Limits
     from offload_core.planner.search import PerformanceMode
 
-    limits = Limits(max_width=64, max_height=64, max_steps=4, max_n=2, max_prompt_chars=200, max_frames=9,
+    # max_steps 200: room for one request long enough (~1 s of denoising here) that a replica
+    # killed after its first step is surely still denoising it; every other test asks for <= 4.
+    limits = Limits(max_width=64, max_height=64, max_steps=MAX_STEPS, max_n=2, max_prompt_chars=200, max_frames=9,
                     default_size="16x16", default_steps=2, default_frames=5, default_fps=4)
     # A queue of 4 per stage: the concurrency test (3 clients) fits with room for a request the
     # router still counts from the test before; the burst test (16 clients) overflows it.

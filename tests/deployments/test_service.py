@@ -15,7 +15,7 @@ from PIL import Image
 
 from deployments import families, media
 from deployments.spec import GenerationSpec
-from tests.deployments.conftest import APP
+from tests.deployments.conftest import APP, MAX_STEPS
 from zoo.tiny import ensure_tiny_wan
 
 IMAGES, VIDEOS = "/v1/images/generations", "/v1/videos/generations"
@@ -108,7 +108,7 @@ def test_a_streaming_client_sees_denoising_step_k_of_n_then_the_result(client):
 @pytest.mark.parametrize("body, param, status", [
     ({"prompt": "a cat", "size": "24x16"}, "size", 400),
     ({"prompt": "a cat", "size": "128x128"}, "size", 400),
-    ({"prompt": "a cat", "num_inference_steps": 50}, "num_inference_steps", 400),
+    ({"prompt": "a cat", "num_inference_steps": MAX_STEPS + 1}, "num_inference_steps", 400),
     ({"prompt": "a cat", "num_inference_steps": 0}, "num_inference_steps", 400),
     ({"prompt": "a cat", "n": 9}, "n", 400),
     ({"prompt": ""}, "prompt", 400),
@@ -218,17 +218,40 @@ def _replica_actor(deployment: str):
     return names[0]
 
 
-def test_a_killed_denoiser_replica_is_replaced_and_later_requests_succeed(client):
+def _sse_events(response):
+    """(event, data) pairs of a Server-Sent Events response, as they arrive."""
+    name = None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            yield name, json.loads(line[len("data: "):])
+
+
+def test_a_denoiser_replica_killed_mid_request_fails_that_request_with_503_then_is_replaced(client):
     """Last in the module: the replacement replica reloads its stage (~10 s on a busy 2-CPU box)."""
     victim = _replica_actor("Denoiser")
     body = {"prompt": "after the storm", "seed": 8, "num_inference_steps": 4, "size": "64x64"}
     expected = _pngs(client.post(IMAGES, json=body))
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        in_flight = [pool.submit(client.post, IMAGES, json=body) for _ in range(2)]
-        time.sleep(0.3)
-        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
-        during = [f.result() for f in in_flight]
-    assert {r.status_code for r in during} <= {200, 503}, [r.text for r in during]
+    # The kill is sent once step 1 of MAX_STEPS has been reported: the victim is then denoising
+    # this request, with ~1 s of steps still to go (5 ms each here).
+    long = {"prompt": "mid-storm", "seed": 9, "num_inference_steps": MAX_STEPS, "size": "64x64", "n": 2,
+            "stream": True}
+    with client.stream("POST", IMAGES, json=long) as response:
+        events = _sse_events(response)
+        seen = []
+        for name, data in events:
+            seen.append((name, data))
+            if name == "progress":
+                ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+                break
+        seen.extend(events)
+    names = [name for name, _ in seen]
+    assert names[:2] == ["accepted", "progress"], names
+    assert names[-1] == "error", f"the kill did not land mid-request: {names[-3:]}"
+    assert set(names[1:-1]) == {"progress"} and names.count("progress") < MAX_STEPS, "the denoiser finished"
+    error = seen[-1][1]
+    assert (error["status"], error["error"]["code"]) == (503, "replica_unavailable"), error
     deadline, later = time.monotonic() + 90, None
     while time.monotonic() < deadline:
         later = client.post(IMAGES, json=body)
