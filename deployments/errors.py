@@ -15,6 +15,7 @@ from ray.serve import exceptions as serve_errors
 
 from deployments.memory import DeviceBusy
 from deployments.schemas import FieldError
+from deployments.spec import RequestRejected
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +25,23 @@ _UNAVAILABLE = (ray_errors.RayActorError, ray_errors.ActorDiedError, ray_errors.
                 serve_errors.RequestCancelledError, ray_errors.ObjectLostError)
 
 
+# A message or param echoes what the client sent (an unknown key, a path); 500 characters are
+# enough to recognise it, and the bound keeps a 1 MiB key out of the answer and the log.
+_MAX_ECHO_CHARS = 500
+
+
+def _printable(text: str | None) -> str | None:
+    """Text that encodes as UTF-8: a lone surrogate in an echoed key would make the answer a 500."""
+    if text is None:
+        return None
+    text = text if len(text) <= _MAX_ECHO_CHARS else text[:_MAX_ECHO_CHARS] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_json(status: int, message: str, param: str | None, code: str, kind: str,
                headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """The OpenAI error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {"error": {"message": _printable(message), "type": kind, "param": _printable(param), "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -49,10 +64,21 @@ def _causes(exc: BaseException):
         seen += 1
 
 
+def internal_error(request_id: str, exc: BaseException) -> JSONResponse:
+    """A 500 whose body carries the request id that the logged traceback also carries."""
+    logger.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
+    return error_json(500, f"internal error in request {request_id}; the server log has the details", None,
+                      "internal_error", "server_error", {"X-Request-Id": request_id})
+
+
 def overload_or_failure(exc: BaseException, retry_after_s: int, request_id: str) -> JSONResponse:
-    """503 + Retry-After for overload and lost replicas; 500 (logged) for anything else."""
+    """4xx for request-caused stage errors, 503 + Retry-After for overload and lost replicas; 500
+    (logged with the request id) for anything else."""
     retry = {"Retry-After": str(retry_after_s)}
     for cause in _causes(exc):
+        if isinstance(cause, RequestRejected):
+            logger.info("request %s refused by a stage: %s; %d", request_id, cause, cause.status)
+            return error_json(cause.status, cause.message, cause.param, "invalid_value", "invalid_request_error")
         if isinstance(cause, serve_errors.BackPressureError):
             logger.info("request %s refused: stage queue full (%s); 503, retry after %d s",
                         request_id, cause, retry_after_s)
@@ -68,5 +94,4 @@ def overload_or_failure(exc: BaseException, retry_after_s: int, request_id: str)
                         request_id, type(cause).__name__, retry_after_s)
             return error_json(503, "a stage replica was lost mid-request and is being replaced; retry",
                               None, "replica_unavailable", "overloaded", retry)
-    logger.exception("request %s failed", request_id, exc_info=exc)
-    return error_json(500, f"internal error in request {request_id}", None, "internal_error", "server_error")
+    return internal_error(request_id, exc)

@@ -9,13 +9,31 @@ from __future__ import annotations
 import re
 import secrets
 import uuid
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from deployments.families import FamilyFacts
 from deployments.spec import GenerationSpec
 
-SIZE_PATTERN = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+# ASCII digits only, matched in full: "\d" would take full-width and Arabic-Indic digits, and "$"
+# a trailing newline.
+SIZE_PATTERN = re.compile(r"([0-9]{1,5})x([0-9]{1,5})", re.ASCII)
+# OpenAI does not bound ``user``; it is logged, so it is bounded here.
+MAX_USER_CHARS = 256
+
+
+def _valid_unicode(value: str) -> str:
+    """Refuse lone UTF-16 surrogates (JSON "\\ud800"): tokenizers raise TypeError on them, a 500."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode: {exc.reason} at character {exc.start}") from None
+    return value
+
+
+# Every string field of a request: valid Unicode, or a 400 naming the field.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 
 class FieldError(ValueError):
@@ -47,32 +65,32 @@ class _Generation(BaseModel):
     # Unknown fields are errors (a typo like "num_inference_step" must not be silently ignored).
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str
-    model: str | None = None
-    size: str | None = None
+    prompt: Text
+    model: Text | None = None
+    size: Text | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0.0, le=100.0)
-    negative_prompt: str | None = None
+    negative_prompt: Text | None = None
     # Server-Sent Events: "progress" events (denoising step k of n), then one "result" event.
     stream: bool = False
-    user: str | None = None  # OpenAI's end-user id; accepted and ignored
+    user: Text | None = Field(None, max_length=MAX_USER_CHARS)  # OpenAI's end-user id; accepted and ignored
 
 
 class ImageRequest(_Generation):
     n: int = Field(1, ge=1)
-    response_format: str = "b64_json"
+    response_format: Text = "b64_json"
 
 
 class VideoRequest(_Generation):
     num_frames: int | None = Field(None, ge=1)
     fps: int | None = Field(None, ge=1, le=60)
     # "b64_json": JSON with the mp4 in base64; "mp4": the bytes themselves, as video/mp4.
-    response_format: str = "b64_json"
+    response_format: Text = "b64_json"
 
 
 def parse_size(size: str, facts: FamilyFacts, limits: Limits) -> tuple[int, int]:
-    match = SIZE_PATTERN.match(size)
+    match = SIZE_PATTERN.fullmatch(size)
     if not match:
         raise FieldError("size", f"{size!r} is not of the form WIDTHxHEIGHT, e.g. '256x256'")
     width, height = int(match.group(1)), int(match.group(2))
@@ -114,7 +132,7 @@ def _steps(req: _Generation, limits: Limits) -> int:
 
 def _spec(req: _Generation, facts: FamilyFacts, limits: Limits, n: int, frames: int) -> GenerationSpec:
     _check_prompt(req, facts, limits)
-    width, height = parse_size(req.size or limits.default_size, facts, limits)
+    width, height = parse_size(limits.default_size if req.size is None else req.size, facts, limits)
     guidance = facts.default_guidance if req.guidance_scale is None else req.guidance_scale
     seed = secrets.randbelow(2**31) if req.seed is None else req.seed
     return GenerationSpec(uuid.uuid4().hex, req.prompt, req.negative_prompt, height, width, frames,

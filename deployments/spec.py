@@ -87,3 +87,15 @@ class StageOutput:
 
     value: torch.Tensor | EncodedPrompt
     stats: StageStats
+
+
+class RequestRejected(ValueError):
+    """A stage could not serve this request because of what the request asked (HTTP 4xx naming
+    ``param``), as opposed to a fault of the server. Pickles itself: it crosses Ray to the ingress."""
+
+    def __init__(self, param: str, message: str, status: int = 400):
+        super().__init__(f"{param}: {message}")
+        self.param, self.message, self.status = param, message, status
+
+    def __reduce__(self):
+        return (RequestRejected, (self.param, self.message, self.status))

@@ -6,14 +6,14 @@ length of every call, and returns tensors (Ray's object store carries them, neve
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import AsyncIterator, Callable
 
 import ray
 import torch
@@ -27,7 +27,6 @@ from deployments.offload import StageResidency
 from deployments.residency_board import ReplicaResidency, get_board
 from deployments.spec import (
     DenoiseProgress,
-    EncodedPrompt,
     GenerationSpec,
     PipelineStage,
     StageOutput,
@@ -53,6 +52,37 @@ class StageConfig:
     dtype: str
     # How long a call waits for its device working set before answering 503 (Retry-After).
     device_timeout_s: float
+
+
+class RequestCancelled(RuntimeError):
+    """The request's client went away; its call stopped at a step boundary (nobody reads the answer)."""
+
+
+class CancelFlag:
+    """One request's cancellation: set by whoever learns that its client left, checked by the
+    Denoiser's step loop at every step boundary (Serve cancels the call's task, but it cannot
+    interrupt the synchronous worker thread that runs the steps; this flag does)."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._event = threading.Event()
+        self.reason = ""
+        self.stopped_at_step: int | None = None  # the boundary where the step loop saw the flag
+
+    def cancel(self, reason: str) -> None:
+        if not self._event.is_set():
+            self.reason = reason
+            self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def raise_if_cancelled(self, step: int) -> None:
+        """Called at each step boundary (``step`` steps done): stop here if the request was cancelled."""
+        if self._event.is_set():
+            self.stopped_at_step = step
+            raise RequestCancelled(f"request {self.request_id} cancelled after step {step}: {self.reason}")
 
 
 def _replica_device() -> torch.device:
@@ -92,6 +122,11 @@ class StageWorker:
         # every tensor (a few ms per call on the tiny zoo, more on a 14B model).
         self._publisher = concurrent.futures.ThreadPoolExecutor(1, f"publish-{config.stage.value}")
         self.publish()
+
+    @property
+    def busy(self) -> bool:
+        """A call holds this replica (its pipeline and its device working set)."""
+        return self._lock.locked()
 
     def run(self, work: Callable[[], object]) -> StageOutput:
         with self._lock, self._working_set():
@@ -166,34 +201,56 @@ class _Failed:
 class Denoiser:
     def __init__(self, config: StageConfig):
         self.worker = StageWorker(config)
+        self.in_flight: dict[str, CancelFlag] = {}  # request id -> its flag, while its call runs
+        self.last_cancelled: CancelFlag | None = None
 
-    def denoise(self, encoded: StageOutput, spec: GenerationSpec) -> Iterator[DenoiseProgress | StageOutput]:
-        """Streams ``DenoiseProgress`` after every step, then the latents as the last item."""
-        events: queue.Queue = queue.Queue()
-        worker = self.worker
-        prompt: EncodedPrompt = encoded.value
+    async def denoise(self, encoded: StageOutput, spec: GenerationSpec) -> AsyncIterator[DenoiseProgress | StageOutput]:
+        """Streams ``DenoiseProgress`` after every step, then the latents as the last item.
 
-        def denoise():
-            return families.denoise(worker.pipe, worker.config.facts, prompt, spec, worker.device,
-                                    on_step=events.put)
+        The steps run in a worker thread. If this generator is closed early (the caller was
+        cancelled: Serve throws ``CancelledError`` in here when the client disconnects), the
+        request's :class:`CancelFlag` is set and the step loop stops at the next step boundary,
+        which gives the replica and its device lease back.
+        """
+        flag = CancelFlag(spec.request_id)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        worker, prompt = self.worker, encoded.value
+
+        def put(item) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, item)
+
+        def on_step(progress: DenoiseProgress) -> None:
+            flag.raise_if_cancelled(progress.step)
+            put(progress)
 
         def work() -> None:
             try:
-                events.put(worker.run(denoise))
-            except BaseException as exc:  # re-raised below, in the caller's thread
-                events.put(_Failed(exc))
+                put(worker.run(lambda: families.denoise(worker.pipe, worker.config.facts, prompt, spec, worker.device,
+                                                        on_step=on_step)))
+            except RequestCancelled as exc:  # nobody waits for an answer: say so, and why, once
+                logger.info("%s: %s; replica free (lease and call lock given back)", worker.replica, exc)
+            except BaseException as exc:  # re-raised below, in the caller's task
+                put(_Failed(exc))
 
+        self.in_flight[spec.request_id] = flag
         thread = threading.Thread(target=work, name=f"denoise-{spec.request_id}", daemon=True)
         thread.start()
-        while True:
-            item = events.get()
-            if isinstance(item, _Failed):
-                thread.join()
-                raise item.error
-            yield item
-            if isinstance(item, StageOutput):
-                break
-        thread.join()
+        try:
+            while True:
+                item = await events.get()
+                if isinstance(item, _Failed):
+                    raise item.error
+                yield item
+                if isinstance(item, StageOutput):
+                    return
+        finally:
+            del self.in_flight[spec.request_id]
+            if thread.is_alive():  # closed early: the caller is gone
+                flag.cancel("the caller went away")
+                self.last_cancelled = flag
+                logger.info("%s: request %s cancelled by its caller; the step loop stops at the next step "
+                            "boundary", worker.replica, spec.request_id)
 
     def residency(self) -> ReplicaResidency:
         return self.worker.report()

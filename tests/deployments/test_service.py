@@ -125,7 +125,7 @@ def test_a_bad_field_gets_a_4xx_json_error_naming_it(client, body, param, status
 
 
 def test_a_body_that_is_not_json_gets_400_naming_the_body(client):
-    response = client.post(IMAGES, content=b"prompt=a cat", headers={"content-type": "text/plain"})
+    response = client.post(IMAGES, content=b"prompt=a cat", headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "body"
 
 

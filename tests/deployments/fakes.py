@@ -1,0 +1,95 @@
+"""In-process fakes of the ingress's seams (deployments.seams), for HTTP tests without a cluster.
+
+``FakeStages`` answers like the real stages (progress per step, then latents; frames of the asked
+size), records every call, and can be told to fail a stage with a given exception or to hold the
+denoiser at a step until released, so SSE, error mapping and cancellation can be observed.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+
+from deployments.families import read_family_facts
+from deployments.http_api import IngressConfig, build_api
+from deployments.residency_board import ReplicaResidency
+from deployments.schemas import Limits
+from deployments.spec import DenoiseProgress, EncodedPrompt, GenerationSpec, StageOutput, StageStats
+from zoo.tiny import ensure_tiny_wan
+
+TOKEN = "fake-token"
+LIMITS = Limits(max_width=64, max_height=64, max_steps=8, max_n=2, max_prompt_chars=200, max_frames=9,
+                default_size="16x16", default_steps=2, default_frames=5, default_fps=4)
+
+
+def _stats(stage: str) -> StageStats:
+    return StageStats(stage, f"fake-{stage}", 0.001, 10, 20)
+
+
+@dataclass
+class FakeStages:
+    """deployments.seams.StagePipeline in process. ``fail``: stage name -> exception to raise."""
+
+    fail: dict[str, BaseException] = field(default_factory=dict)
+    # When set, the denoiser waits on it before every step after the first (a slow step).
+    hold: asyncio.Event | None = None
+    calls: list[tuple[str, str]] = field(default_factory=list)  # (stage, request id)
+    steps_done: dict[str, int] = field(default_factory=dict)
+    cancelled: list[str] = field(default_factory=list)  # request ids whose denoise was cancelled
+
+    def _maybe_fail(self, stage: str) -> None:
+        if stage in self.fail:
+            raise self.fail[stage]
+
+    def encode(self, spec: GenerationSpec):
+        self.calls.append(("encode", spec.request_id))
+
+        async def run() -> StageOutput:
+            self._maybe_fail("encode")
+            return StageOutput(EncodedPrompt(torch.zeros(spec.n, 4, 8)), _stats("encode"))
+
+        return asyncio.ensure_future(run())
+
+    async def denoise(self, encoded, spec: GenerationSpec):
+        self.calls.append(("denoise", spec.request_id))
+        await encoded
+        try:
+            for step in range(1, spec.steps + 1):
+                if step > 1 and self.hold is not None:
+                    await self.hold.wait()
+                self._maybe_fail("denoise")
+                self.steps_done[spec.request_id] = step
+                yield DenoiseProgress(spec.request_id, step, spec.steps)
+            yield StageOutput(torch.zeros(spec.n, 4, 1, spec.height // 8, spec.width // 8), _stats("denoise"))
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancelled.append(spec.request_id)
+            raise
+
+    async def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput:
+        self.calls.append(("decode", spec.request_id))
+        self._maybe_fail("decode")
+        # A gradient, so PNG/MP4 encoding has something to encode.
+        ramp = torch.linspace(0, 1, spec.width).expand(spec.n, spec.num_frames, spec.height, spec.width)
+        return StageOutput(ramp.unsqueeze(-1).expand(-1, -1, -1, -1, 3).contiguous(), _stats("decode"))
+
+
+@dataclass
+class FakeBoard:
+    """deployments.seams.ReplicaBoard in process."""
+
+    reports: tuple[ReplicaResidency, ...] = ()
+
+    async def residency(self) -> tuple[ReplicaResidency, ...]:
+        return self.reports
+
+
+def fake_config(token: str | None = TOKEN, cors: tuple[str, ...] = ()) -> IngressConfig:
+    facts = read_family_facts(ensure_tiny_wan())  # only configs are read: sizes, families
+    return IngressConfig("fake-app", "tiny-wan", facts, LIMITS, token, 1, cors)
+
+
+def fake_api(stages: FakeStages | None = None, token: str | None = TOKEN, cors: tuple[str, ...] = ()):
+    """(FastAPI app, its FakeStages) with the fake board."""
+    stages = stages if stages is not None else FakeStages()
+    return build_api(fake_config(token, cors), stages, FakeBoard()), stages
