@@ -18,6 +18,7 @@ from typing import AsyncIterator, Callable
 import ray
 import torch
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from deployments import families
 from deployments.families import FamilyFacts
@@ -95,7 +96,7 @@ def _replica_device() -> torch.device:
 def _replica_id(stage: PipelineStage) -> str:
     try:
         return serve.get_replica_context().replica_id.to_full_id_str()
-    except RuntimeError:  # constructed outside Serve (benchmarks, unit tests of a worker)
+    except (RuntimeError, RayServeException):  # constructed outside Serve (benchmarks, unit tests of a worker)
         return f"local-{stage.value}"
 
 
