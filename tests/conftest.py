@@ -21,6 +21,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def remove_after():
+    """``remove_after(thing)`` returns ``thing`` and calls its ``remove()`` when the test ends, passed or
+    failed, so no hook, meter or host lease of a streamed model outlives its test.
+
+    For what offload_core applies (streamers, host tables, a pipeline's residency, a stage's). A test
+    may still call ``thing.remove()`` itself, to check what removal does; teardown does not repeat it.
+    """
+    owned = []
+
+    def own(thing):
+        remove, done = thing.remove, []
+
+        def remove_once():
+            if not done:
+                done.append(True)
+                remove()
+
+        thing.remove = remove_once
+        owned.append(thing)
+        return thing
+
+    yield own
+    for thing in reversed(owned):
+        thing.remove()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A real multi-node-capable Ray cluster on this machine: a head node without GPUs.

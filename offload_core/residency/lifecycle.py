@@ -92,6 +92,8 @@ class _Component:
         return [self.module]
 
     def remove(self) -> None:
+        if self.meter is not None:  # stop counting in CPU headroom now, not when the GC frees it
+            self.meter.close()
         self.tables.remove()
 
 

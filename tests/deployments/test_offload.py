@@ -24,13 +24,14 @@ def facts():
     return families.read_family_facts(ensure_tiny_wan())
 
 
-def _denoise_under(facts, mode, capacity=CAPACITY):
+def _denoise_under(facts, mode, remove_after, capacity=CAPACITY):
     encoded = families.encode(families.load_stage_pipeline(facts, ENCODE, torch.float32), facts, SPEC, CPU)
     pipe = families.load_stage_pipeline(facts, DENOISE, torch.float32)
     memory = ReplicaMemory.open_local("test-denoise", CPU)
     uses = families.uses_per_request(facts, DENOISE, SPEC.steps, SPEC.guidance_scale)
-    residency = StageResidency("denoise", families.stage_modules(pipe, facts, DENOISE), uses, mode, CPU,
-                               device_capacity=capacity, host_budget=memory.host_budget, owner="test-denoise")
+    residency = remove_after(StageResidency(
+        "denoise", families.stage_modules(pipe, facts, DENOISE), uses, mode, CPU,
+        device_capacity=capacity, host_budget=memory.host_budget, owner="test-denoise"))
     residency.prepare_for_use()
     latents = families.denoise(pipe, facts, encoded, SPEC, CPU)
     residency.finish_use()
@@ -46,28 +47,25 @@ def test_uses_per_request_count_guidance_passes():
 
 @pytest.mark.parametrize("mode, strategy", [(PerformanceMode.MEMORY, Strategy.LAYERWISE),
                                             (PerformanceMode.SPEED, Strategy.RESIDENT)])
-def test_each_mode_runs_its_plan_with_bitwise_output_and_the_predicted_peak(facts, mode, strategy):
-    latents, residency, encoded = _denoise_under(facts, mode)
+def test_each_mode_runs_its_plan_with_bitwise_output_and_the_predicted_peak(facts, mode, strategy, remove_after):
+    latents, residency, encoded = _denoise_under(facts, mode, remove_after)
     plain_pipe = families.load_stage_pipeline(facts, DENOISE, torch.float32)
     plain = families.denoise(plain_pipe, facts, encoded, SPEC, CPU)
     assert torch.equal(latents, plain), f"{mode.value} offload changed the denoiser's latents"
     assert residency.plan.component("transformer").strategy is strategy
     assert residency.device_peak_bytes() == residency.predicted_peak_bytes(), "measured peak != planned peak"
-    residency.remove()
 
 
-def test_memory_mode_streams_every_layer_and_the_report_puts_them_on_the_host(facts):
-    _, residency, _ = _denoise_under(facts, PerformanceMode.MEMORY)
+def test_memory_mode_streams_every_layer_and_the_report_puts_them_on_the_host(facts, remove_after):
+    _, residency, _ = _denoise_under(facts, PerformanceMode.MEMORY, remove_after)
     plan = residency.plan
     assert residency.bytes_streamed() == plan.bytes_moved_per_request > 0
     weights = residency.report().component("transformer")
     assert weights.host_bytes > 0 and sum(n for _, n in weights.layer_tiers) == 4
-    residency.remove()
 
 
-def test_a_device_too_small_for_speed_gets_a_streamed_auto_plan(facts):
+def test_a_device_too_small_for_speed_gets_a_streamed_auto_plan(facts, remove_after):
     # Room for the non-layer weights and two layer slots, not for all four blocks at once.
-    _, residency, _ = _denoise_under(facts, PerformanceMode.AUTO, capacity=200_000)
+    _, residency, _ = _denoise_under(facts, PerformanceMode.AUTO, remove_after, capacity=200_000)
     assert residency.plan.component("transformer").strategy is Strategy.LAYERWISE
     assert residency.device_peak_bytes() <= 200_000
-    residency.remove()

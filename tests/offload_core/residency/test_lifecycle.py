@@ -21,6 +21,7 @@ from offload_core.planner.search import (
 from offload_core.planner.strategy import Strategy
 from offload_core.planner.warmup import measure_warmup, profiles_from_warmup
 from offload_core.residency.lifecycle import LifecycleError, PipelineResidency, UseState
+from offload_core.streaming.device import get_device
 from offload_core.tables import HostTablesConfig
 
 LINK = LinkFacts(pinned_Bps=25e9, pageable_Bps=8e9)
@@ -63,9 +64,9 @@ def nonlayer_on_device(model: Toy) -> bool:
     return model.embed.weight.numel() > 0 and model.head.weight.numel() > 0
 
 
-def test_finish_before_prepare_and_prepare_twice_are_lifecycle_errors(cpu_capacity):
+def test_finish_before_prepare_and_prepare_twice_are_lifecycle_errors(cpu_capacity, remove_after):
     cpu_capacity(10_000)
-    res = PipelineResidency.apply(toys(), toy_plan(10_000), "cpu")
+    res = remove_after(PipelineResidency.apply(toys(), toy_plan(10_000), "cpu"))
     with pytest.raises(LifecycleError, match="not in use"):
         res.finish_use(["a"])
     res.prepare_for_use(["a"])
@@ -73,15 +74,15 @@ def test_finish_before_prepare_and_prepare_twice_are_lifecycle_errors(cpu_capaci
         res.prepare_for_use(["a"])
     with pytest.raises(KeyError, match="unknown components"):
         res.prepare_for_use(["nope"])
-    res.remove()
 
 
-def test_prepare_restores_parked_weights_before_the_layers_arm_and_finish_parks_after_release(cpu_capacity):
+def test_prepare_restores_parked_weights_before_the_layers_arm_and_finish_parks_after_release(
+        cpu_capacity, remove_after):
     cpu_capacity(10_000)  # tight: every non-layer byte is worth parking
     models = toys()
     plan = toy_plan(10_000)
     assert plan.component("a").prediction.parked
-    res = PipelineResidency.apply(models, plan, "cpu")
+    res = remove_after(PipelineResidency.apply(models, plan, "cpu"))
     a = models["a"]
     assert not nonlayer_on_device(a), "a component starts out parked when the gate will park it"
     res.prepare_for_use(["a"])
@@ -92,13 +93,12 @@ def test_prepare_restores_parked_weights_before_the_layers_arm_and_finish_parks_
     assert all(block.weight.numel() == 0 for block in a.blocks), "layers released"
     assert not nonlayer_on_device(a), "non-layer weights parked after the release"
     assert res.components["a"].state is UseState.OUT
-    res.remove()
 
 
-def test_outputs_stay_bitwise_equal_across_stages_and_requests(cpu_capacity):
+def test_outputs_stay_bitwise_equal_across_stages_and_requests(cpu_capacity, remove_after):
     cpu_capacity(10_000)
     plain, models = toys(), toys()
-    res = PipelineResidency.apply(models, toy_plan(10_000), "cpu")
+    res = remove_after(PipelineResidency.apply(models, toy_plan(10_000), "cpu"))
     x = torch.randn(3, 16)
     for _ in range(2):
         with torch.no_grad():
@@ -110,14 +110,13 @@ def test_outputs_stay_bitwise_equal_across_stages_and_requests(cpu_capacity):
         with torch.no_grad():
             assert torch.equal(ya, plain["a"](x))
             assert all(torch.equal(y, plain["b"](plain["a"](x))) for y in yb)
-    res.remove()
 
 
-def test_finish_request_closes_a_stage_left_open_and_reports_the_request(cpu_capacity):
+def test_finish_request_closes_a_stage_left_open_and_reports_the_request(cpu_capacity, remove_after):
     cpu_capacity(10_000)
     models = toys()
     plan = toy_plan(10_000)
-    res = PipelineResidency.apply(models, plan, "cpu")
+    res = remove_after(PipelineResidency.apply(models, plan, "cpu"))
     res.prepare_for_use(["a"])
     with torch.no_grad():
         models["a"](torch.randn(1, 16))
@@ -125,29 +124,27 @@ def test_finish_request_closes_a_stage_left_open_and_reports_the_request(cpu_cap
     assert res.components["a"].state is UseState.OUT
     assert figures.bytes_moved == plan.component("a").prediction.bytes_moved
     assert res.finish_request().bytes_moved == 0, "counters restart with each request"
-    res.remove()
 
 
-def test_model_offload_holds_nothing_on_the_device_between_its_stages(cpu_capacity):
+def test_model_offload_holds_nothing_on_the_device_between_its_stages(cpu_capacity, remove_after):
     cpu_capacity(10_000)
     models = toys()
     plan = toy_plan(10_000, overrides={"a": ComponentOverride(strategy=Strategy.MODEL_OFFLOAD)})
     assert plan.component("a").strategy is Strategy.MODEL_OFFLOAD
-    res = PipelineResidency.apply(models, plan, "cpu")
+    res = remove_after(PipelineResidency.apply(models, plan, "cpu"))
     a = models["a"]
     assert all(p.numel() == 0 for p in a.parameters())
     res.prepare_for_use(["a"])
     assert all(p.numel() > 0 for p in a.parameters())
     res.finish_use(["a"])
     assert all(p.numel() == 0 for p in a.parameters())
-    res.remove()
 
 
-def test_next_stage_first_layers_are_prefetched_only_when_headroom_allows(cpu_capacity):
+def test_next_stage_first_layers_are_prefetched_only_when_headroom_allows(cpu_capacity, remove_after):
     models = toys()
     plan = toy_plan(10**9)
     cpu_capacity(10**9)
-    res = PipelineResidency.apply(models, plan, "cpu")
+    res = remove_after(PipelineResidency.apply(models, plan, "cpu"))
     res.prepare_for_use(["a"])
     assert res.prefetch_next(["b"]) == ("b",)
     assert models["b"].blocks[0].weight.numel() > 0, "b's first layer came in while a runs"
@@ -163,11 +160,21 @@ def test_next_stage_first_layers_are_prefetched_only_when_headroom_allows(cpu_ca
 
     cpu_capacity(1)  # no headroom at all
     models = toys()
-    res = PipelineResidency.apply(models, plan, "cpu")
+    res = remove_after(PipelineResidency.apply(models, plan, "cpu"))
     res.prepare_for_use(["a"])
     assert res.prefetch_next(["b"]) == ()
     assert models["b"].blocks[0].weight.numel() == 0
+
+
+def test_a_removed_residency_stops_counting_in_cpu_headroom_while_it_lives(cpu_capacity):
+    cpu_capacity(10**9)
+    device = get_device("cpu")
+    before = device.headroom_bytes()
+    res = PipelineResidency.apply(toys(), toy_plan(10**9, mode=PerformanceMode.SPEED), "cpu")
+    assert {c.strategy for c in res.plan.components} == {Strategy.RESIDENT}
+    assert device.headroom_bytes() < before
     res.remove()
+    assert device.headroom_bytes() == before, "a removed residency's meters still count"
 
 
 def mapped_toys(tmp_path):
@@ -183,19 +190,20 @@ def mapped_toys(tmp_path):
     return models
 
 
-def test_the_host_budget_fits_the_planned_tiers_with_one_lease_given_back_on_remove(cpu_capacity, tmp_path):
+def test_the_host_budget_fits_the_planned_tiers_with_one_lease_given_back_on_remove(
+        cpu_capacity, tmp_path, remove_after):
     cpu_capacity(10_000)
     plan = toy_plan(10_000)
     layer_bytes = 1536  # a Toy layer's tensors (1088 B, all mapped) copied out into its 512-aligned flat buffer
     enough = InProcessLedger(10**6)
-    res = PipelineResidency.apply(mapped_toys(tmp_path), plan, "cpu", enough, owner="toy")
+    res = remove_after(PipelineResidency.apply(mapped_toys(tmp_path), plan, "cpu", enough, owner="toy"))
     assert enough.leased() == 8 * layer_bytes, "one lease for the net anonymous cost of every copied layer"
     assert all(layer.tier is HostingTier.PINNED for c in res.components.values() for layer in c.streamer.layers)
     res.remove()
     assert enough.leased() == 0
 
     short = InProcessLedger(5 * layer_bytes)  # room for 5 of the 8 layers' copies
-    res = PipelineResidency.apply(mapped_toys(tmp_path), plan, "cpu", short, owner="toy")
+    res = remove_after(PipelineResidency.apply(mapped_toys(tmp_path), plan, "cpu", short, owner="toy"))
     tiers = [layer.tier for c in res.components.values() for layer in c.streamer.layers]
     assert tiers.count(HostingTier.MAPPED) == 3 and short.leased() == 5 * layer_bytes
     assert any("re-tiered by the host budget" in note for note in res.plan.notes)
@@ -257,7 +265,7 @@ GROUPS = {"text_encoder": ("encoder.layers",)}
 
 
 @pytest.mark.parametrize("family", [_wan, _flux], ids=["wan", "flux"])
-def test_tiny_pipeline_peak_and_bytes_moved_equal_the_plan_in_every_mode(family, cpu_capacity):
+def test_tiny_pipeline_peak_and_bytes_moved_equal_the_plan_in_every_mode(family, cpu_capacity, remove_after):
     comps, stages, call = family()
     groups = GROUPS if "text_encoder_2" in comps else {}
     figures = measure_warmup(comps, call, groups)
@@ -273,7 +281,7 @@ def test_tiny_pipeline_peak_and_bytes_moved_equal_the_plan_in_every_mode(family,
     for mode in PerformanceMode:
         plan = plan_pipeline(facts, mode)
         comps, _, call = family()
-        res = PipelineResidency.apply(comps, plan, "cpu", tables=TABLES)
+        res = remove_after(PipelineResidency.apply(comps, plan, "cpu", tables=TABLES))
         for request in range(2):
             with res.following_calls(), torch.no_grad():
                 out = call()
@@ -290,10 +298,10 @@ def test_tiny_pipeline_peak_and_bytes_moved_equal_the_plan_in_every_mode(family,
     assert len(seen) >= 2, "the modes should exercise more than one strategy mix"
 
 
-def test_the_report_shows_parked_weights_and_pinned_layers_of_each_component(cpu_capacity):
+def test_the_report_shows_parked_weights_and_pinned_layers_of_each_component(cpu_capacity, remove_after):
     cpu_capacity(10_000)
     models = toys()
-    res = PipelineResidency.apply(models, toy_plan(10_000), "cpu")
+    res = remove_after(PipelineResidency.apply(models, toy_plan(10_000), "cpu"))
     with torch.no_grad(), res.stage(["a"]):
         models["a"](torch.randn(1, 16))
     report = res.report()
@@ -304,4 +312,3 @@ def test_the_report_shows_parked_weights_and_pinned_layers_of_each_component(cpu
     assert a.host_pinned_bytes == sum(layer.nbytes for layer in res.components["a"].streamer.layers)
     assert dict(a.layer_tiers)["pinned"] == 4
     assert report.to_json()["totals"]["parked_bytes"] == 2 * non_layer
-    res.remove()

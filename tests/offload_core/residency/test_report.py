@@ -50,7 +50,7 @@ def _inputs():
                 encoder_hidden_states=torch.randn(1, 8, 32, generator=g), return_dict=False)
 
 
-def test_a_planned_streamed_model_is_bitwise_equal_and_reported_where_the_plan_put_it(wan_folder):
+def test_a_planned_streamed_model_is_bitwise_equal_and_reported_where_the_plan_put_it(wan_folder, remove_after):
     with torch.no_grad():
         expected = _load(wan_folder)(**_inputs())[0]
     model = _load(wan_folder)
@@ -63,7 +63,7 @@ def test_a_planned_streamed_model_is_bitwise_equal_and_reported_where_the_plan_p
     tiers = plan.tiers_for("transformer")
     assert [tiers[f"blocks.{i}"] for i in range(6)] == [PINNED, PINNED, PAGEABLE, MAPPED, MAPPED, MAPPED]
 
-    streamer = apply_layer_streaming(model, CPU, StreamingConfig(hosting=tiers))
+    streamer = remove_after(apply_layer_streaming(model, CPU, StreamingConfig(hosting=tiers)))
     with pytest.raises(ValueError, match="before apply_layer_streaming"):
         facts_from_module("transformer", model, ["blocks"], uses_per_request=50)
     with torch.no_grad():
@@ -89,9 +89,9 @@ def test_a_planned_streamed_model_is_bitwise_equal_and_reported_where_the_plan_p
     assert ledger.leased() == 0
 
 
-def test_materialized_layers_count_on_the_device_once(wan_folder):
+def test_materialized_layers_count_on_the_device_once(wan_folder, remove_after):
     model = _load(wan_folder)
-    streamer = apply_layer_streaming(model, CPU, StreamingConfig(resident=2, keep_resident=True))
+    streamer = remove_after(apply_layer_streaming(model, CPU, StreamingConfig(resident=2, keep_resident=True)))
     with torch.no_grad():
         streamer.prepare_for_use()
         model(**_inputs())
@@ -101,23 +101,22 @@ def test_materialized_layers_count_on_the_device_once(wan_folder):
     assert streamer.meter.current_bytes == streamer.non_layer_bytes + resident
     assert rep.device_bytes == streamer.meter.current_bytes + _buffer_bytes(model)
     assert rep.host_pageable_bytes == sum(l.host.nbytes for l in streamer.layers)
-    streamer.remove()
 
 
-def test_a_layer_planned_mapped_but_copied_out_is_reported_pageable(wan_folder):
+def test_a_layer_planned_mapped_but_copied_out_is_reported_pageable(wan_folder, remove_after):
     from diffusers import WanTransformer3DModel
 
     model = WanTransformer3DModel.from_pretrained(str(wan_folder), torch_dtype=torch.bfloat16).eval()
     block_bytes = _param_bytes(model.blocks)
     fp32_kept = sum(p.numel() * 4 for p in model.blocks.parameters() if p.dtype == torch.float32)
     assert 0 < fp32_kept < block_bytes
-    streamer = apply_layer_streaming(model, CPU, StreamingConfig(hosting={f"blocks.{i}": MAPPED for i in range(6)}))
+    mapped = StreamingConfig(hosting={f"blocks.{i}": MAPPED for i in range(6)})
+    streamer = remove_after(apply_layer_streaming(model, CPU, mapped))
     rep = component_residency("transformer", model, streamer=streamer, device=CPU)
     assert rep.host_mapped_bytes == sum(
         sum(t.numel() * t.element_size() for t in l.host_tensors() if t.dtype == torch.float32)
         for l in streamer.layers) == fp32_kept, "only the fp32-kept tensors are still views of the file"
     assert rep.host_pageable_bytes == block_bytes - fp32_kept
-    streamer.remove()
 
 
 def test_parked_weights_and_tied_tensors_count_once():
@@ -131,9 +130,9 @@ def test_parked_weights_and_tied_tensors_count_once():
     assert (after.device_bytes, after.parked_bytes) == (0, 100 * 16 * 4)
 
 
-def test_report_json_and_one_log_line(wan_folder, caplog):
+def test_report_json_and_one_log_line(wan_folder, caplog, remove_after):
     model = _load(wan_folder)
-    streamer = apply_layer_streaming(model, CPU, StreamingConfig(hosting={"blocks.0": PINNED}))
+    streamer = remove_after(apply_layer_streaming(model, CPU, StreamingConfig(hosting={"blocks.0": PINNED})))
     with caplog.at_level("INFO", logger="offload_core.residency.report"):
         report = residency_report({"transformer": model}, streamers={"transformer": streamer}, device=CPU)
     lines = [r.getMessage() for r in caplog.records if r.name == "offload_core.residency.report"]
@@ -144,7 +143,6 @@ def test_report_json_and_one_log_line(wan_folder, caplog):
     assert data["totals"]["host_pinned_bytes"] == comp["host_pinned_bytes"] > 0
     with pytest.raises(ValueError, match="not given"):
         residency_report({"transformer": model}, streamers={"vae": streamer})
-    streamer.remove()
 
 
 def test_views_of_one_buffer_are_counted_by_byte_range():
