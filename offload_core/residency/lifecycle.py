@@ -110,7 +110,7 @@ class _ModelOffload(_Component):
         super().__init__(*args)
         with self.tables.detached():
             self.meter = DeviceWeightMeter(self.module, self.device, track_headroom=True)
-            self.parking = Parking(self.name, self.module, self.device)
+            self.parking = Parking(self.name, self.module, self.device, meter=self.meter)
         # Buffers are small and read every call: they live on the device for good.
         for buf_owner in self.module.modules():
             for key, buf in buf_owner._buffers.items():
@@ -138,7 +138,7 @@ class _Layerwise(_Component):
             if self.plan.park:
                 layer_params = [p for layer in self.streamer.layers for p in layer.params]
                 self.parking = Parking(self.name, self.module, self.device, exclude=layer_params,
-                                       fraction=park_fraction)
+                                       fraction=park_fraction, meter=self.meter)
         if self.parking is not None and parked:
             # Start as the planner predicts the gate leaves it between requests, so the first
             # request moves what every later one does.
@@ -314,7 +314,8 @@ class PipelineResidency:
 
     # -- what the device holds ----------------------------------------------------------------
     def _measure(self) -> int:
-        return sum(c.meter.measure() for c in self.components.values())
+        # O(components): each meter is kept from the engine's binds and parking's moves, no walk.
+        return sum(c.meter.current_bytes for c in self.components.values())
 
     def _sample(self) -> None:
         self._peak = max(self._peak, self._measure())

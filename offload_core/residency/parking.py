@@ -23,6 +23,7 @@ from torch import nn
 from offload_core.layout import placeholder
 from offload_core.planner.facts import DEFAULT_PARK_FRACTION
 from offload_core.streaming.device import get_device, normalize_device
+from offload_core.streaming.meter import DeviceWeightMeter, walked_device_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ class Parking:
     """The parkable (non-layer, non-hosted) parameters of one component and their host copies."""
 
     def __init__(self, name: str, module: nn.Module, device: torch.device | str,
-                 exclude: Iterable[torch.Tensor] = (), fraction: float = DEFAULT_PARK_FRACTION):
+                 exclude: Iterable[torch.Tensor] = (), fraction: float = DEFAULT_PARK_FRACTION,
+                 meter: DeviceWeightMeter | None = None):
         if not 0.0 <= fraction:
             raise ValueError(f"fraction must be >= 0, got {fraction}")
         self.name = name
@@ -67,6 +69,10 @@ class Parking:
         self._params: tuple[nn.Parameter, ...] = tuple(unique.values())
         self._host: dict[int, torch.Tensor] = {}
         self.parked = False
+        # The component's meter is told what parking and restoring move, so it never walks; one
+        # walk here finds what the parkable parameters hold on the device now.
+        self._meter = meter
+        self._device_bytes = walked_device_bytes(self._params, self.device)
         self.bytes_to_host = 0  # device->host copies, once per weight while the host copy is kept
         self.bytes_restored = 0  # host->device copies on restore
         self.last_decision: ParkDecision | None = None
@@ -115,6 +121,12 @@ class Parking:
                 self._host[id(p)] = host
                 self.bytes_to_host += host.numel() * host.element_size()
             p.data = placeholder(self.device, p.dtype)
+        self._left_device()
+
+    def _left_device(self) -> None:
+        if self._meter is not None:
+            self._meter.moved(-self._device_bytes)
+        self._device_bytes = 0
         self.parked = True
 
     def park_from_host(self) -> None:
@@ -128,18 +140,23 @@ class Parking:
             assert p.device.type == "cpu", f"{self.name}: {tuple(p.shape)} is on {p.device}, not a host tensor"
             self._host[id(p)] = p.data
             p.data = placeholder(self.device, p.dtype)
-        self.parked = True
+        self._left_device()
 
     def restore(self) -> None:
         """Bring parked weights back before use; a fresh device allocation, never a host alias."""
         if not self.parked:
             return
+        restored_bytes = 0
         for p in self._params:
             host = self._host[id(p)]
             restored = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             restored.copy_(host, non_blocking=True)
             p.data = restored
-            self.bytes_restored += host.numel() * host.element_size()
+            restored_bytes += host.numel() * host.element_size()
+        self.bytes_restored += restored_bytes
+        self._device_bytes = restored_bytes  # one fresh allocation per parameter
+        if self._meter is not None:
+            self._meter.moved(restored_bytes)
         self.parked = False
 
     def drop_host_copies(self) -> None:

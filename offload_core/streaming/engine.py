@@ -129,6 +129,9 @@ class StreamedLayer:
         self.position = -1  # in the ring's streamed order; set for streamed layers only
         self._placeholders = tuple(placeholder(device, p.dtype) for p in params)
         self._streamer = streamer
+        # Any one non-empty parameter tells the meter which device allocation the layer is bound
+        # to (all its views share one); None when the layer has no data (it counts nothing).
+        self._witness = next((i for i, meta in enumerate(host.layout.tensors) if meta.extent), None)
 
     @property
     def layout(self) -> LayerLayout:
@@ -158,11 +161,14 @@ class StreamedLayer:
         """Point every parameter at its device view (from :meth:`views`)."""
         for param, view in zip(self.params, views):
             param.data = view
+        if self._witness is not None:
+            self._streamer.meter.bind(self, views[self._witness])
 
     def release(self) -> None:
         """Point every parameter back at the shared zero-element placeholder."""
         for param, empty in zip(self.params, self._placeholders):
             param.data = empty
+        self._streamer.meter.release(self)
 
     def pre_forward(self) -> None:
         if torch.is_inference_mode_enabled():
@@ -208,8 +214,9 @@ class LayerStreamer:
                 lambda _module, _args, layer=layer: layer.pre_forward()))
             self._handles.append(layer.module.register_forward_hook(
                 lambda _module, _args, _output, layer=layer: layer.post_forward(), always_call=True))
-        # After the engine's hooks, so the meter samples what they materialized.
-        self.meter.attach([self.model, *(layer.module for layer in layers)])
+        # Every layer is on its placeholder and the rest on the device: one walk counts the
+        # non-layer bytes; from here on bind/release keep the count (no walk at any hook).
+        self.meter.rebase()
 
     @property
     def resident_bytes(self) -> int:
