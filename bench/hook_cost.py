@@ -1,0 +1,215 @@
+"""Host time the layer hooks cost per streamed layer, as the service runs them (``hook_us_per_layer``).
+
+Every streamed layer's forward runs the engine's pre-hook (wait, prefetch, bind) and post-hook
+(release), the meter's bookkeeping inside them, and the residency sampler's hooks. This times all
+of them together on each layer: a timer hook registered first starts the clock and one registered
+last stops it, on both sides of the layer's forward. The host copies issued inside the hooks are
+timed on their own and subtracted (on a GPU they are asynchronous DMA, not host work).
+
+Cases: the tiny zoo pipelines (Wan, Flux: every component streamed, as memory mode plans them) and
+Wan2.1-14B's real transformer structure (40 blocks, 1,095 parameters) at a tiny width, since the
+bookkeeping's cost depends on the parameter count, not on the bytes. The walk the meter and the
+sampler used to do at every hook is timed beside it (``walk_us_per_hook``), for comparison.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/hook_cost.py --quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from offload_core.planner.facts import LinkFacts, PipelineFacts, Stage, profile_component  # noqa: E402
+from offload_core.planner.search import PerformanceMode, plan_pipeline  # noqa: E402
+from offload_core.residency.lifecycle import PipelineResidency  # noqa: E402
+
+LINK = LinkFacts(pinned_Bps=25e9, pageable_Bps=10e9, measured=False)
+# Wan2.1-14B at a width where a forward takes milliseconds; every tensor of the real model is kept
+# (heads, qk norms, cross-attention norms), so the parameter count is the real 1,095.
+TINY_WIDTH = {"num_attention_heads": 2, "attention_head_dim": 12, "ffn_dim": 32, "text_dim": 16,
+              "freq_dim": 16, "in_channels": 4, "out_channels": 4, "rope_max_seq_len": 32}
+WAN14B_PARAMETERS = 1095
+
+
+@dataclass(frozen=True)
+class HookCost:
+    """What one case measured."""
+
+    case: str
+    layers: int  # streamed layers (all components)
+    parameters: int  # parameters of all components
+    layer_forwards: int  # streamed-layer forwards per request
+    hook_us_per_layer: float  # median over requests of (hook time - copy time) / layer forwards
+    copy_us_per_layer: float  # the host copies inside the hooks, subtracted above
+    walk_us_per_hook: float  # one walk over every component's parameters (what each hook used to pay, x2)
+
+
+class _HookClock:
+    """Start/stop timer hooks around every hook of the given layer modules; copy time kept apart."""
+
+    def __init__(self):
+        self.hook_ns = 0
+        self.copy_ns = 0
+        self.forwards = 0
+        self._start = 0
+
+    def begin(self, *_args) -> None:
+        self._start = time.thread_time_ns()
+
+    def end(self, *_args) -> None:
+        self.hook_ns += time.thread_time_ns() - self._start
+
+    def end_pre(self, *_args) -> None:
+        self.forwards += 1
+        self.end()
+
+    def install(self, layer_modules, hosts) -> None:
+        for module in layer_modules:
+            module.register_forward_pre_hook(self.begin, prepend=True)
+            module.register_forward_pre_hook(self.end_pre)  # last: after the engine, meter and sampler
+            module.register_forward_hook(self.begin, prepend=True, always_call=True)
+            module.register_forward_hook(self.end, always_call=True)
+        for host in hosts:
+            host.copy_to = self._timed_copy(host.copy_to)
+
+    def _timed_copy(self, copy_to: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.thread_time_ns()
+            try:
+                return copy_to(*args, **kwargs)
+            finally:
+                self.copy_ns += time.thread_time_ns() - start
+        return timed
+
+    def reset(self) -> None:
+        self.hook_ns = self.copy_ns = self.forwards = 0
+
+
+def measure_case(name: str, components: dict[str, nn.Module], stages, call: Callable[[], object],
+                 requests: int) -> HookCost:
+    """Stream every component as memory mode plans it, run ``requests`` requests, time the hooks."""
+    profiles = tuple(profile_component(n, m, uses_per_request=1) for n, m in components.items())
+    facts = PipelineFacts(profiles, stages, 1 << 40, LINK, 1 << 34, device_name="cpu")
+    res = PipelineResidency.apply(components, plan_pipeline(facts, PerformanceMode.MEMORY), "cpu")
+    streamers = [c.streamer for c in res.components.values() if c.streamer is not None]
+    clock = _HookClock()
+    clock.install([layer.module for s in streamers for layer in s.layers],
+                  [layer.host for s in streamers for layer in s.layers])
+    per_layer, copies = [], []
+    try:
+        with torch.no_grad():
+            for request in range(requests + 1):  # the first request arms the rings: not counted
+                clock.reset()
+                with res.following_calls():
+                    call()
+                res.finish_request()
+                if request:
+                    per_layer.append((clock.hook_ns - clock.copy_ns) / clock.forwards / 1e3)
+                    copies.append(clock.copy_ns / clock.forwards / 1e3)
+        forwards = clock.forwards
+        start = time.thread_time_ns()
+        for c in res.components.values():
+            c.meter.walk()
+        walk_us = (time.thread_time_ns() - start) / 1e3
+    finally:
+        res.remove()
+    return HookCost(name, sum(len(s.layers) for s in streamers),
+                    sum(len(list(m.parameters())) for m in components.values()), forwards,
+                    statistics.median(per_layer), statistics.median(copies), walk_us)
+
+
+def wan14b_structure():
+    """Wan2.1-14B's transformer (40 blocks, 1,095 parameters) at a tiny width, with its inputs."""
+    from diffusers import WanTransformer3DModel
+
+    from offload_core.planner.real_models import component_spec
+
+    config = dict(component_spec("wan2.1-t2v-14b", "transformer").config)
+    config.update(TINY_WIDTH)
+    torch.manual_seed(0)
+    model = WanTransformer3DModel.from_config(config).eval()
+    count = len(list(model.parameters()))
+    assert count == WAN14B_PARAMETERS and len(model.blocks) == 40, f"{count} parameters, {len(model.blocks)} blocks"
+    g = torch.Generator().manual_seed(1)
+    inputs = {"hidden_states": torch.randn(1, 4, 1, 8, 8, generator=g), "timestep": torch.tensor([500]),
+              "encoder_hidden_states": torch.randn(1, 6, 16, generator=g), "return_dict": False}
+    return {"transformer": model}, (Stage("denoise", ("transformer",)),), lambda: model(**inputs)
+
+
+def _materialized(components: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    for module in components.values():
+        for p in module.parameters():
+            p.data = p.data.clone()  # fresh allocations, not views of the file mapping
+    return components
+
+
+def tiny_wan():
+    from diffusers import WanPipeline
+
+    from zoo.tiny import ensure_tiny_wan
+
+    pipe = WanPipeline.from_pretrained(ensure_tiny_wan())
+    pipe.set_progress_bar_config(disable=True)
+    comps = _materialized({"text_encoder": pipe.text_encoder, "transformer": pipe.transformer, "vae": pipe.vae})
+    stages = (Stage("encode", ("text_encoder",)), Stage("denoise", ("transformer",)), Stage("decode", ("vae",)))
+    return comps, stages, lambda: pipe("a cat", height=16, width=16, num_frames=5, num_inference_steps=2,
+                                       generator=torch.Generator().manual_seed(0), output_type="pt")
+
+
+def tiny_flux():
+    from diffusers import FluxPipeline
+
+    from zoo.tiny import ensure_tiny_flux
+
+    pipe = FluxPipeline.from_pretrained(ensure_tiny_flux())
+    pipe.set_progress_bar_config(disable=True)
+    comps = _materialized({"text_encoder": pipe.text_encoder, "text_encoder_2": pipe.text_encoder_2,
+                           "transformer": pipe.transformer, "vae": pipe.vae})
+    stages = (Stage("encode", ("text_encoder", "text_encoder_2")), Stage("denoise", ("transformer",)),
+              Stage("decode", ("vae",)))
+    return comps, stages, lambda: pipe("a cat", height=32, width=32, num_inference_steps=2, max_sequence_length=16,
+                                       generator=torch.Generator().manual_seed(0), output_type="pt")
+
+
+CASES = {"tiny-wan": tiny_wan, "tiny-flux": tiny_flux, "wan2.1-14b-structure": wan14b_structure}
+
+
+def measure_all(requests: int) -> list[HookCost]:
+    return [measure_case(name, *build(), requests) for name, build in CASES.items()]
+
+
+def print_table(costs: list[HookCost]) -> dict:
+    """Print one row per case; returns the JSON fields (per case and the max)."""
+    print(f"{'case':22} {'layers':>6} {'params':>6} {'fwd/req':>7} {'hook us/layer':>13} "
+          f"{'copy us/layer':>13} {'walk us/hook (before)':>21}")
+    for c in costs:
+        print(f"{c.case:22} {c.layers:>6} {c.parameters:>6} {c.layer_forwards:>7} {c.hook_us_per_layer:>13.1f} "
+              f"{c.copy_us_per_layer:>13.1f} {c.walk_us_per_hook:>21.1f}")
+    worst = max(c.hook_us_per_layer for c in costs)
+    print(f"hook_us_per_layer_max = {worst:.1f} us (target <= 50, the same on every case: no growth with parameters)")
+    return {"hook_us_per_layer": {c.case: round(c.hook_us_per_layer, 2) for c in costs},
+            "walk_us_per_hook": {c.case: round(c.walk_us_per_hook, 2) for c in costs},
+            "hook_us_per_layer_max": round(worst, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 timed requests per case instead of 10")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    fields = print_table(measure_all(3 if args.quick else 10))
+    print(json.dumps({"bench": "hook_cost", **fields}))
+
+
+if __name__ == "__main__":
+    main()
