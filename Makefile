@@ -7,12 +7,14 @@ STAMP  := $(VENV)/.installed
 # Machines without CUDA get the pinned CPU build; machines with nvidia-smi get the default CUDA build.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
-export RAY_AUTH_MODE := disabled
+# Ray's token authentication stays on (Ray's default): `make demo` and `make serve` start a loopback
+# head with RAY_AUTH_MODE=token themselves (deployments/local_ray.py). Only the tests' own cluster
+# turns it off (tests/conftest.py), so nothing here exports RAY_AUTH_MODE.
 export RAY_USAGE_STATS_ENABLED := 0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test venv clean-zoo
+.PHONY: demo serve test venv clean-zoo
 
 venv: $(STAMP)
 
@@ -25,6 +27,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(PY) -m deployments.demo
+
+# `serve run configs/local.yaml` against a head started as `ray start --head --node-ip-address=127.0.0.1
+# --dashboard-host=127.0.0.1` with token auth; Ctrl-C stops the service and that head (only it).
+serve: $(STAMP)
+	$(PY) -m deployments.local_ray serve run configs/local.yaml
 
 # One BLAS thread per process: Ray workers and the test process share 2 cores, and oversubscribed
 # threads made the engine's tests 4x slower here (12 s vs 48 s).

@@ -1,8 +1,10 @@
 """`make demo`: start Ray and the service from configs/local.yaml, generate one image over HTTP,
 save it, print where every replica's weights are, and shut everything down.
 
-The config is deployed exactly as ``serve run configs/local.yaml`` deploys it, except that the
-HTTP port is a free localhost port (other services on this machine may hold 8000).
+Ray is started as ``make serve`` starts it (:mod:`deployments.local_ray`: token authentication,
+node address 127.0.0.1, dashboard on loopback), then the config is deployed exactly as
+``serve run --address auto configs/local.yaml`` deploys it, except that the HTTP port is a free
+localhost port (other services on this machine may hold 8000).
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import socket
 import sys
 import time
 
-for _name, _value in (("RAY_AUTH_MODE", "disabled"), ("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"),
-                      ("TRANSFORMERS_OFFLINE", "1")):
+from deployments import local_ray
+
+for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
     os.environ.setdefault(_name, _value)
 
 logger = logging.getLogger("deployments.demo")
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
+    os.environ.update(local_ray.token_env())  # this driver and the head it starts: Ray's token auth
     import httpx
     import ray
     from ray import serve
@@ -101,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     (app,) = config.applications
     token_env = (app.args or {}).get("api_token_env")
     headers = {"Authorization": f"Bearer {os.environ[token_env]}"} if token_env else {}
-    ray.init(address="local", include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
-             namespace="serve", log_to_driver=False)
+    ray_port = local_ray.free_port()
+    head = local_ray.start_head(ray_port, OBJECT_STORE_BYTES, dict(os.environ))
+    print(f"Ray head at {local_ray.LOOPBACK}:{ray_port} (token auth, token in {local_ray.token_path(os.environ)})")
     try:
+        ray.init(address=f"{local_ray.LOOPBACK}:{ray_port}", namespace="serve", log_to_driver=False)
         started = time.monotonic()
         deploy(config)
         wait_running(app.name)
@@ -127,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             print_residency(client.get("/v1/residency").json()["replicas"])
         return 0
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        local_ray.stop_head(head)
 
 
 if __name__ == "__main__":

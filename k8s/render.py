@@ -20,8 +20,11 @@ import yaml
 
 K8S_DIR = Path(__file__).resolve().parent
 RAY_VERSION = "2.60.0"
-# Built from this repository (pip install . on top of rayproject/ray:2.60.0-py311-gpu).
+# Built from this repository's Dockerfile (on top of rayproject/ray:2.60.0-py311-gpu).
 IMAGE = "ghcr.io/offload-serve/offload-serve:0.1.0-ray2.60.0-py311-gpu"
+# Ray's token authentication: every Ray port (GCS, raylet, dashboard, agents) wants this token.
+# The Secret is created by whoever deploys (README in k8s/), never rendered into a manifest.
+RAY_TOKEN_SECRET = "offload-serve-ray-token"
 GI = 2**30
 APP_NAME = "offload-serve"
 ACCELERATOR_PREFIX = "accelerator_type:"  # Ray's resource name for accelerator_type placement
@@ -267,6 +270,7 @@ def rayservice(variant: Variant) -> dict:
             "serveConfigV2": _Literal(yaml.safe_dump(serve_config(variant), sort_keys=False)),
             "rayClusterConfig": {
                 "rayVersion": RAY_VERSION,
+                "authOptions": {"mode": "token", "secretName": RAY_TOKEN_SECRET},
                 "enableInTreeAutoscaling": True,
                 "autoscalerOptions": {
                     # v2 reads the groups' labels and scales a group from zero for resource or label demand.
