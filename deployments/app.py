@@ -11,7 +11,7 @@ import logging
 import os
 import pathlib
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 
 from deployments.families import FamilyFacts, read_family_facts, uses_per_request
@@ -19,6 +19,7 @@ from deployments.ingress import Ingress, IngressConfig
 from deployments.schemas import Limits
 from deployments.spec import PipelineStage
 from deployments.stages import DTYPES, Denoiser, StageConfig, TextEncoder, VaeDecoder
+from offload_core.host.replica_budget import HostBudgetSpec, parse_host_budget
 from offload_core.planner.search import PerformanceMode
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,20 @@ class StageArgs(BaseModel):
 
     # offload_core's performance mode: auto (fastest plan that fits), speed, memory, balanced.
     offload_mode: PerformanceMode = PerformanceMode.AUTO
+    # Host RAM each replica of the stage may hold for its weights: a size ("16GiB", "512MB") or a
+    # fraction of the node's spendable RAM (0.25). None: the node ledger's per-replica cap only.
+    # The replica plans within min(this, what the node ledger grants).
+    host_memory_budget: str | float | int | None = None
+
+    @field_validator("host_memory_budget")
+    @classmethod
+    def _parse_budget(cls, value):
+        if value is not None:
+            parse_host_budget(value)  # a typo fails build_app, not a replica's start
+        return value
+
+    def host_budget(self) -> HostBudgetSpec | None:
+        return None if self.host_memory_budget is None else parse_host_budget(self.host_memory_budget)
 
 
 class AppArgs(BaseModel):
@@ -80,7 +95,7 @@ def stage_configs(args: AppArgs, facts: FamilyFacts) -> dict[str, StageConfig]:
         # Planned for the default request; a request with more steps streams the same plan longer.
         uses = uses_per_request(facts, stage, args.limits.default_steps, facts.default_guidance)
         configs[stage] = StageConfig(args.app_name, facts, stage, stage_args.offload_mode, tuple(uses.items()),
-                                     args.dtype, args.device_timeout_s)
+                                     args.dtype, args.device_timeout_s, stage_args.host_budget())
     return configs
 
 
@@ -95,9 +110,11 @@ def build_app(args: AppArgs | dict) -> Application:
     model_id = args.model_id or pathlib.Path(facts.folder).name
     actor = {"num_cpus": args.replica_num_cpus}
     stage = dict(ray_actor_options=actor, max_ongoing_requests=1, max_queued_requests=args.stage_max_queued_requests)
-    logger.info("building %s: %s model %r from %s; offload modes encoder=%s denoiser=%s decoder=%s",
-                args.app_name, facts.family.value, model_id, facts.folder, args.encoder.offload_mode.value,
-                args.denoiser.offload_mode.value, args.decoder.offload_mode.value)
+    logger.info("building %s: %s model %r from %s; offload modes encoder=%s denoiser=%s decoder=%s; "
+                "host budgets encoder=%s denoiser=%s decoder=%s", args.app_name, facts.family.value, model_id,
+                facts.folder, args.encoder.offload_mode.value, args.denoiser.offload_mode.value,
+                args.decoder.offload_mode.value, args.encoder.host_memory_budget, args.denoiser.host_memory_budget,
+                args.decoder.host_memory_budget)
     configs = stage_configs(args, facts)
     encoder = TextEncoder.options(**stage).bind(configs[PipelineStage.ENCODE])
     denoiser = Denoiser.options(**stage).bind(configs[PipelineStage.DENOISE])

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from offload_core.host.budget import MemoryBudget
+from offload_core.host.replica_budget import HostMemoryStatus
 from offload_core.planner.facts import (
     LinkFacts,
     PipelineFacts,
@@ -51,12 +52,17 @@ class StageResidency:
 
     def __init__(self, stage: str, components: Mapping[str, nn.Module], uses_per_request: Mapping[str, int],
                  mode: PerformanceMode, device: torch.device, *, device_capacity: int,
-                 host_budget: MemoryBudget, owner: str):
+                 host_budget: MemoryBudget, owner: str, host_budget_bytes: int | None = None):
         self.device, self.mode = device, mode
+        self.host_budget_bytes = host_budget_bytes
         self._names = tuple(components)
-        self.plan = plan_stage(stage, components, uses_per_request, mode, device, device_capacity,
-                               host_budget.available())
-        self._residency = PipelineResidency.apply(components, self.plan, device, host_budget, owner=owner)
+        # The replica plans within min(its own budget, what the node ledger has free).
+        host_lease = host_budget.available()
+        if host_budget_bytes is not None:
+            host_lease = min(host_lease, host_budget_bytes)
+        self.plan = plan_stage(stage, components, uses_per_request, mode, device, device_capacity, host_lease)
+        self._residency = PipelineResidency.apply(components, self.plan, device, host_budget, owner=owner,
+                                                  host_budget_bytes=host_budget_bytes)
         self._last = RequestFigures(0, 0)
 
     def prepare_for_use(self) -> None:
@@ -80,6 +86,11 @@ class StageResidency:
     def report(self):
         """``offload_core.residency.report.ResidencyReport``: bytes per place per component, each byte once."""
         return self._residency.report()
+
+    def host_status(self, report) -> HostMemoryStatus:
+        """Budget, leased and used host bytes of this replica (``report``: its residency report)."""
+        used = report.total("host_pinned_bytes") + report.total("host_pageable_bytes") + report.total("parked_bytes")
+        return HostMemoryStatus(self.host_budget_bytes, self._residency.host_leased_bytes(), used)
 
     def remove(self) -> None:
         """Unhook everything and give the pinned lease back."""

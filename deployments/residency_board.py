@@ -28,13 +28,16 @@ class ReplicaResidency:
     last_bytes_streamed: int
     # offload_core.residency.report's ResidencyReport.to_json(): bytes per place per component, each byte once.
     weights: dict
+    # offload_core.host.replica_budget.HostMemoryStatus.to_json(): budget, leased, used, shared stores.
+    host_memory: dict | None = None
 
     def to_json(self) -> dict:
         return {"replica": self.replica, "stage": self.stage, "device": self.device, "mode": self.mode,
                 "plan": list(self.plan),
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "last_device_peak_bytes": self.last_device_peak_bytes,
-                "last_bytes_streamed": self.last_bytes_streamed, "weights": self.weights}
+                "last_bytes_streamed": self.last_bytes_streamed, "weights": self.weights,
+                "host_memory": self.host_memory}
 
 
 @ray.remote(num_cpus=0, max_restarts=0)

@@ -33,6 +33,7 @@ from deployments.spec import (
     StageOutput,
     StageStats,
 )
+from offload_core.host.replica_budget import HostBudgetSpec
 from offload_core.planner.search import PerformanceMode
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class StageConfig:
     dtype: str
     # How long a call waits for its device working set before answering 503 (Retry-After).
     device_timeout_s: float
+    # The stage's per-replica host_memory_budget (bytes or a fraction of spendable RAM); None: unset.
+    host_budget: HostBudgetSpec | None = None
 
 
 class RequestCancelled(RuntimeError):
@@ -109,11 +112,15 @@ class StageWorker:
         self.replica = _replica_id(config.stage)
         self.pipe = families.load_stage_pipeline(config.facts, config.stage, DTYPES[config.dtype])
         self.memory = open_replica_memory(self.replica, self.device)
+        budget = config.host_budget.resolve(self.memory.node.ram.spendable) if config.host_budget else None
+        if budget is not None:
+            logger.info("%s: host_memory_budget %s = %d B on this node (%d B spendable)", self.replica,
+                        config.host_budget.describe(), budget, self.memory.node.ram.spendable)
         self.residency = StageResidency(
             config.stage.value, families.stage_modules(self.pipe, config.facts, config.stage),
             dict(config.uses_per_request), config.mode, self.device,
             device_capacity=self.memory.device_budget.capacity(), host_budget=self.memory.host_budget,
-            owner=self.replica)
+            owner=self.replica, host_budget_bytes=budget)
         self.metrics = StageMetrics(config.stage.value)
         # One call at a time per replica: the pipeline object (scheduler state) is not reentrant.
         self._lock = threading.Lock()
@@ -155,10 +162,11 @@ class StageWorker:
             raise DeviceBusy.from_cluster(exc) from None
 
     def report(self) -> ReplicaResidency:
+        weights = self.residency.report()
         return ReplicaResidency(self.replica, self.config.stage.value, str(self.device), self.config.mode.value,
                                 self.residency.plan.explain(), self.residency.predicted_peak_bytes(),
-                                self._last.device_peak_bytes, self._last.bytes_streamed,
-                                self.residency.report().to_json())
+                                self._last.device_peak_bytes, self._last.bytes_streamed, weights.to_json(),
+                                self.residency.host_status(weights).to_json())
 
     def close(self) -> None:
         """Replica shutdown: unhook the engine and give back every lease this replica holds."""

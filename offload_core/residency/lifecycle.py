@@ -11,7 +11,6 @@ host->device bytes moved, which the plan predicts exactly.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import logging
 from dataclasses import dataclass
@@ -20,9 +19,10 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from offload_core.host.budget import MemoryBudget
+from offload_core.host.budget import InProcessLedger, MemoryBudget
 from offload_core.planner.pipeline_plan import ComponentPlan, PipelinePlan
 from offload_core.planner.strategy import Strategy
+from offload_core.residency.host_fit import host_leases as _host_leases
 from offload_core.residency.host_tables import HostTables
 from offload_core.residency.parking import Parking
 from offload_core.streaming.device import get_device, normalize_device
@@ -192,13 +192,21 @@ class PipelineResidency:
     @classmethod
     def apply(cls, components: Mapping[str, nn.Module], plan: PipelinePlan, device: torch.device | str,
               budget: MemoryBudget | None = None, *, owner: str = "pipeline",
-              tables: HostTablesConfig = HostTablesConfig()) -> PipelineResidency:
-        """Put each component under its plan; with a host ``budget``, its tiers are leased (and fitted) first."""
+              tables: HostTablesConfig = HostTablesConfig(),
+              host_budget_bytes: int | None = None) -> PipelineResidency:
+        """Put each component under its plan; with a host ``budget``, its tiers are leased (and fitted) first.
+
+        ``host_budget_bytes``: this replica's own host-memory budget (a user's ``host_memory_budget``);
+        the tiers are then fitted within min(it, what ``budget`` grants), and a budget below what
+        every plan holds raises :class:`~offload_core.host.replica_budget.BudgetTooSmall`.
+        """
         missing = {c.name for c in plan.components} ^ set(components)
         if missing:
             raise ValueError(f"plan and components disagree on {sorted(missing)}")
         device = normalize_device(device)
-        plan, hosting = _host_leases(plan, components, budget, owner)
+        if host_budget_bytes is not None and budget is None:
+            budget = InProcessLedger(host_budget_bytes, f"{owner}-host")
+        plan, hosting, budget = _host_leases(plan, components, budget, owner, host_budget_bytes)
         built: dict[str, _Component] = {}
         for cplan in plan.components:
             module = components[cplan.name]
@@ -328,6 +336,10 @@ class PipelineResidency:
                                 parkings={n: c.parking for n, c in self.components.items() if c.parking},
                                 device=self.device)
 
+    def host_leased_bytes(self) -> int:
+        """Bytes of this pipeline's one host lease (its net anonymous hosting cost); 0 without one."""
+        return self._hosting.lease.nbytes if self._hosting is not None else 0
+
     def remove(self) -> None:
         """Undo everything: hooks, streamers, host tables; give the host lease back."""
         for handle in self._handles:
@@ -343,36 +355,3 @@ class PipelineResidency:
         if unknown:
             raise KeyError(f"unknown components {unknown}; this pipeline has {sorted(self.components)}")
         return [self.components[n] for n in names]
-
-
-def _host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget: MemoryBudget | None,
-                 owner: str):
-    """Fit the plan's tiers to the host budget with ``hosting.plan_hosting`` (one lease, net cost).
-
-    The plan's tiers are ceilings; the host-memory plan may demote layers (pageable mapped -> MAPPED,
-    then pins given back) when the node is short. Tiers that change are applied and said, in the
-    plan's notes and the log: bytes moved for a layer turned MAPPED are its tensor bytes, no longer
-    the predicted flat bytes.
-    """
-    from offload_core.host.hosting import HostingPolicy, facts_from_module, plan_hosting
-
-    streamed = [c for c in plan.components if c.strategy is Strategy.LAYERWISE]
-    if budget is None or not streamed:
-        return plan, None
-    facts = [facts_from_module(c.name, components[c.name], c.layer_groups or None, c.uses_per_request,
-                               resident_keys=[key for key, _ in c.hosting[:c.resident_layers]]) for c in streamed]
-    # The plan's tiers are the ceilings: the host may only lower them.
-    policy = HostingPolicy(wanted={c.name: dict(c.hosting) for c in streamed})
-    hosting = plan_hosting(facts, budget, owner, policy)
-    changed, components_ = [], []
-    for c in plan.components:
-        if c.strategy is Strategy.LAYERWISE:
-            tiers = hosting.tiers_for(c.name)
-            moved = [key for key, tier in c.hosting if tiers[key] is not tier]
-            if moved:
-                changed.append(f"{c.name}: {len(moved)} layers re-tiered by the host budget ({hosting.component(c.name).reason})")
-                c = dataclasses.replace(c, hosting=tuple((key, tiers[key]) for key, _ in c.hosting))
-        components_.append(c)
-    for line in changed:
-        logger.info("residency %s: %s", owner, line)
-    return dataclasses.replace(plan, components=tuple(components_), notes=(*plan.notes, *changed)), hosting

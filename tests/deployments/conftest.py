@@ -39,7 +39,7 @@ def tiny_args(**overrides):
                 stage_max_queued_requests=4,
                 # The denoiser streams every layer (memory), so requests exercise the engine; the
                 # others take the planner's choice (on a CPU with room to spare: resident).
-                denoiser=StageArgs(offload_mode=PerformanceMode.MEMORY),
+                denoiser=StageArgs(offload_mode=PerformanceMode.MEMORY, host_memory_budget="64MiB"),
                 retry_after_s=1)
     base.update(overrides)
     return AppArgs(**base)

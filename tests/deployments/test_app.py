@@ -63,3 +63,15 @@ def test_a_folder_that_is_not_a_supported_pipeline_is_refused_at_build(tmp_path)
 
     with pytest.raises(UnsupportedModelFolder):
         build_app(AppArgs(model_path=str(tmp_path)))
+
+
+def test_a_host_memory_budget_is_parsed_per_stage_at_build_and_a_typo_is_refused_there():
+    args = AppArgs.model_validate({"denoiser": {"offload_mode": "memory", "host_memory_budget": "16GiB"},
+                                   "encoder": {"host_memory_budget": 0.25}})
+    configs = stage_configs(args, read_family_facts(resolve_model_folder(args)))
+    assert configs[DENOISE].host_budget.nbytes == 16 * 1024**3
+    assert configs[ENCODE].host_budget.fraction == 0.25 and configs[DECODE].host_budget is None
+    with pytest.raises(ValidationError, match="host_memory_budget .*16 parsecs.* is not a size"):
+        AppArgs.model_validate({"denoiser": {"host_memory_budget": "16 parsecs"}})
+    with pytest.raises(ValidationError, match=r"\(0, 1\]"):
+        AppArgs.model_validate({"decoder": {"host_memory_budget": 2.5}})

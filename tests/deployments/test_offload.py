@@ -8,6 +8,7 @@ from cluster.replica_memory import ReplicaMemory
 from deployments import families
 from deployments.offload import StageResidency
 from deployments.spec import GenerationSpec, PipelineStage
+from offload_core.host.maps import MapsSnapshot
 from offload_core.planner.search import PerformanceMode
 from offload_core.planner.strategy import Strategy
 from zoo.tiny import ensure_tiny_wan
@@ -69,3 +70,36 @@ def test_a_device_too_small_for_speed_gets_a_streamed_auto_plan(facts, remove_af
     _, residency, _ = _denoise_under(facts, PerformanceMode.AUTO, remove_after, capacity=200_000)
     assert residency.plan.component("transformer").strategy is Strategy.LAYERWISE
     assert residency.device_peak_bytes() <= 200_000
+
+
+def test_a_host_budget_below_the_converted_weights_fails_at_start_naming_the_smallest(facts):
+    from offload_core.host.replica_budget import BudgetTooSmall
+
+    # float32 folder loaded as bfloat16: every layer weight is an anonymous copy whatever the plan.
+    pipe = families.load_stage_pipeline(facts, DENOISE, torch.bfloat16)
+    modules = families.stage_modules(pipe, facts, DENOISE)
+    params = [p.data for p in modules["transformer"].blocks.parameters()]
+    # diffusers keeps its _keep_in_fp32_modules mapped; everything else was copied out.
+    layer_bytes = sum(p.numel() * p.element_size() for p in params) - MapsSnapshot.take().mapped_bytes(params)
+    assert layer_bytes > 0
+    memory = ReplicaMemory.open_local("test-budget", CPU)
+    uses = families.uses_per_request(facts, DENOISE, SPEC.steps, SPEC.guidance_scale)
+    with pytest.raises(BudgetTooSmall, match=f"smallest that works is .*\\({layer_bytes} B\\)"):
+        StageResidency("denoise", modules, uses, PerformanceMode.MEMORY, CPU, device_capacity=CAPACITY,
+                       host_budget=memory.host_budget, owner="test-budget", host_budget_bytes=layer_bytes // 2)
+    assert memory.host_budget.outstanding("test-budget") == (), "a refused start holds no lease"
+
+
+def test_a_replica_within_its_host_budget_reports_budget_leased_and_used(facts):
+    pipe = families.load_stage_pipeline(facts, DENOISE, torch.float32)
+    memory = ReplicaMemory.open_local("test-budget-ok", CPU)
+    uses = families.uses_per_request(facts, DENOISE, SPEC.steps, SPEC.guidance_scale)
+    budget = 256 * 1024
+    residency = StageResidency("denoise", families.stage_modules(pipe, facts, DENOISE), uses, PerformanceMode.MEMORY,
+                               CPU, device_capacity=CAPACITY, host_budget=memory.host_budget, owner="test-budget-ok",
+                               host_budget_bytes=budget)
+    status = residency.host_status(residency.report())
+    assert status.budget_bytes == budget and 0 < status.leased_bytes <= budget
+    assert status.used_bytes >= status.leased_bytes, "what the lease paid for is held on the host"
+    residency.remove()
+    assert memory.host_budget.outstanding("test-budget-ok") == ()

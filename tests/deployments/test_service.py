@@ -147,6 +147,10 @@ def test_models_and_residency_describe_the_served_model_and_every_replica(client
     assert component["name"] == "transformer" and component["device_bytes"] + component["host_pageable_bytes"] > 0
     assert any(line.startswith("transformer: ") for line in denoiser["plan"]), denoiser["plan"]
     assert denoiser["last_device_peak_bytes"] == denoiser["predicted_peak_bytes"]
+    host = denoiser["host_memory"]  # the config's 64MiB host_memory_budget, what it leased and holds
+    assert host["budget_bytes"] == 64 * 1024**2 and host["leased_bytes"] <= host["budget_bytes"]
+    assert host["used_bytes"] >= host["leased_bytes"], "what a lease paid for is held on the host"
+    assert next(r for r in replicas if r["stage"] == "encode")["host_memory"]["budget_bytes"] is None
 
 
 def test_stage_metrics_reach_prometheus_with_a_series_per_stage(client, ray_cluster):

@@ -312,3 +312,34 @@ def test_the_report_shows_parked_weights_and_pinned_layers_of_each_component(cpu
     assert a.host_pinned_bytes == sum(layer.nbytes for layer in res.components["a"].streamer.layers)
     assert dict(a.layer_tiers)["pinned"] == 4
     assert report.to_json()["totals"]["parked_bytes"] == 2 * non_layer
+
+
+def test_a_host_budget_caps_the_tiers_and_the_plan_stays_bitwise(cpu_capacity):
+    cpu_capacity(1 << 30)
+    plan = toy_plan(1 << 30)
+    x = torch.randn(3, 16)
+    expected = {n: m(x) for n, m in toys().items()}
+    models = toys()
+    # The toys' weights are anonymous (made in memory): that floor, plus nothing more to copy.
+    floor = sum(p.numel() * 4 for m in models.values() for p in m.blocks.parameters())
+    node = InProcessLedger(1 << 30)
+    residency = PipelineResidency.apply(models, plan, "cpu", node, owner="capped", host_budget_bytes=floor)
+    assert node.leased() == residency.host_leased_bytes() == 0, "no room past the floor: nothing may be leased"
+    for name, model in models.items():
+        with residency.stage([name]):
+            assert torch.equal(model(x), expected[name])
+    tiers = {t for c in residency.plan.components for _, t in c.hosting}
+    assert tiers == {HostingTier.MAPPED}, "a budget at the floor leaves every layer as it is"
+    residency.remove()
+
+
+def test_a_host_budget_below_every_plan_fails_at_start_naming_the_smallest_that_works(cpu_capacity):
+    from offload_core.host.replica_budget import BudgetTooSmall
+
+    cpu_capacity(1 << 30)
+    models = toys()
+    floor = sum(p.numel() * 4 for m in models.values() for p in m.blocks.parameters())
+    with pytest.raises(BudgetTooSmall, match=f"smallest that works is .* \\({floor} B\\)") as caught:
+        PipelineResidency.apply(models, toy_plan(1 << 30), "cpu", InProcessLedger(1 << 30), owner="tiny",
+                                host_budget_bytes=floor - 1)
+    assert caught.value.smallest == floor and caught.value.budget == floor - 1

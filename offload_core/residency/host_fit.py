@@ -1,0 +1,72 @@
+"""The host side of applying a plan: the plan's tiers fitted to the host budget, within the replica's own.
+
+``host_leases`` runs ``offload_core.host.hosting.plan_hosting`` for the plan's streamed components
+(one lease for their net anonymous cost) inside the replica's ``host_memory_budget`` when one is
+set, and returns the plan with any tiers the host changed, said in its notes and the log.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Mapping
+
+from torch import nn
+
+from offload_core.host.budget import MemoryBudget
+from offload_core.host.replica_budget import BudgetTooSmall, CappedBudget
+from offload_core.planner.pipeline_plan import PipelinePlan
+from offload_core.planner.strategy import Strategy
+
+logger = logging.getLogger(__name__)
+
+
+def host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget: MemoryBudget | None,
+                 owner: str, host_budget_bytes: int | None = None):
+    """Fit the plan's tiers to the host budget with ``hosting.plan_hosting`` (one lease, net cost).
+
+    The plan's tiers are ceilings; the host-memory plan may demote layers (pageable mapped -> MAPPED,
+    then pins given back) when the node is short. Tiers that change are applied and said, in the
+    plan's notes and the log: bytes moved for a layer turned MAPPED are its tensor bytes, no longer
+    the predicted flat bytes.
+    """
+    from offload_core.host.hosting import HostingPolicy, facts_from_module, plan_hosting
+
+    streamed = [c for c in plan.components if c.strategy is Strategy.LAYERWISE]
+    if budget is None or not streamed:
+        return plan, None, budget
+    facts = [facts_from_module(c.name, components[c.name], c.layer_groups or None, c.uses_per_request,
+                               resident_keys=[key for key, _ in c.hosting[:c.resident_layers]]) for c in streamed]
+    if host_budget_bytes is not None:
+        budget = _capped(budget, facts, owner, host_budget_bytes)
+    # The plan's tiers are the ceilings: the host may only lower them.
+    policy = HostingPolicy(wanted={c.name: dict(c.hosting) for c in streamed})
+    hosting = plan_hosting(facts, budget, owner, policy)
+    changed, components_ = [], []
+    for c in plan.components:
+        if c.strategy is Strategy.LAYERWISE:
+            tiers = hosting.tiers_for(c.name)
+            moved = [key for key, tier in c.hosting if tiers[key] is not tier]
+            if moved:
+                changed.append(f"{c.name}: {len(moved)} layers re-tiered by the host budget ({hosting.component(c.name).reason})")
+                c = dataclasses.replace(c, hosting=tuple((key, tiers[key]) for key, _ in c.hosting))
+        components_.append(c)
+    for line in changed:
+        logger.info("residency %s: %s", owner, line)
+    return dataclasses.replace(plan, components=tuple(components_), notes=(*plan.notes, *changed)), hosting, budget
+
+
+def _capped(budget: MemoryBudget, facts, owner: str, host_budget_bytes: int) -> CappedBudget:
+    """The node budget within this replica's own: what its layers already hold in anonymous memory counts first.
+
+    Layers a converting dtype copied out of the file mapping are anonymous whatever the plan (a
+    MAPPED layer keeps them as they are; consolidating them is a wash), so they are the floor.
+    """
+    floor = sum(layer.anon_bytes for c in facts for layer in c.layers)
+    if floor > host_budget_bytes:
+        raise BudgetTooSmall(owner, host_budget_bytes, floor,
+                             f"{floor} B of its streamed layers are already anonymous host memory (loaded with a "
+                             "converting dtype), and no plan holds less")
+    logger.info("residency %s: host budget %d B, %d B of it already held by anonymous layer weights, so "
+                "tiers fit within min(%d B, what the node grants)", owner, host_budget_bytes, floor,
+                host_budget_bytes - floor)
+    return CappedBudget(budget, host_budget_bytes - floor, f"{owner} host_memory_budget")
