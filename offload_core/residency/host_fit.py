@@ -10,10 +10,12 @@ import dataclasses
 import logging
 from typing import Mapping
 
+import torch
 from torch import nn
 
 from offload_core.host.budget import MemoryBudget
 from offload_core.host.replica_budget import BudgetTooSmall, CappedBudget
+from offload_core.host.tier import HostingTier
 from offload_core.planner.pipeline_plan import PipelinePlan
 from offload_core.planner.strategy import Strategy
 
@@ -21,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget: MemoryBudget | None,
-                 owner: str, host_budget_bytes: int | None = None):
+                owner: str, host_budget_bytes: int | None = None, shared=None, device: torch.device | None = None):
     """Fit the plan's tiers to the host budget with ``hosting.plan_hosting`` (one lease, net cost).
 
     The plan's tiers are ceilings; the host-memory plan may demote layers (pageable mapped -> MAPPED,
@@ -31,9 +33,10 @@ def host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget:
     """
     from offload_core.host.hosting import HostingPolicy, facts_from_module, plan_hosting
 
-    streamed = [c for c in plan.components if c.strategy is Strategy.LAYERWISE]
+    plan, shared_hosts = _shared(plan, components, shared, device)
+    streamed = [c for c in plan.components if c.strategy is Strategy.LAYERWISE and c.name not in shared_hosts]
     if budget is None or not streamed:
-        return plan, None, budget
+        return plan, None, budget, shared_hosts
     facts = [facts_from_module(c.name, components[c.name], c.layer_groups or None, c.uses_per_request,
                                resident_keys=[key for key, _ in c.hosting[:c.resident_layers]]) for c in streamed]
     if host_budget_bytes is not None:
@@ -43,7 +46,7 @@ def host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget:
     hosting = plan_hosting(facts, budget, owner, policy)
     changed, components_ = [], []
     for c in plan.components:
-        if c.strategy is Strategy.LAYERWISE:
+        if c.strategy is Strategy.LAYERWISE and c.name not in shared_hosts:
             tiers = hosting.tiers_for(c.name)
             moved = [key for key, tier in c.hosting if tiers[key] is not tier]
             if moved:
@@ -52,7 +55,29 @@ def host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget:
         components_.append(c)
     for line in changed:
         logger.info("residency %s: %s", owner, line)
-    return dataclasses.replace(plan, components=tuple(components_), notes=(*plan.notes, *changed)), hosting, budget
+    plan = dataclasses.replace(plan, components=tuple(components_), notes=(*plan.notes, *changed))
+    return plan, hosting, budget, shared_hosts
+
+
+def _shared(plan: PipelinePlan, components: Mapping[str, nn.Module], shared, device):
+    """Streamed components hosted from node stores (``SharedWeights``), their tiers as the stores gave them.
+
+    A component with a layer planned MAPPED stays private: MAPPED means "copy nothing", which a
+    private plan honours and a store would not.
+    """
+    hosts: dict = {}
+    if shared is None:
+        return plan, hosts
+    updated = []
+    for c in plan.components:
+        wants_copy = HostingTier.MAPPED not in dict(c.hosting).values()
+        if c.strategy is Strategy.LAYERWISE and shared.covers(c.name) and wants_copy:
+            got = shared.host_layers(c.name, components[c.name], c.layer_groups or None, dict(c.hosting), device)
+            if got is not None:
+                hosts[c.name] = got
+                c = dataclasses.replace(c, hosting=tuple((key, got[key].tier) for key, _ in c.hosting))
+        updated.append(c)
+    return dataclasses.replace(plan, components=tuple(updated)), hosts
 
 
 def _capped(budget: MemoryBudget, facts, owner: str, host_budget_bytes: int) -> CappedBudget:

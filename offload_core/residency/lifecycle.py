@@ -129,11 +129,12 @@ class _ModelOffload(_Component):
 
 
 class _Layerwise(_Component):
-    def __init__(self, *args, park_fraction: float, parked: bool):
+    def __init__(self, *args, park_fraction: float, parked: bool, host_layers=None):
         super().__init__(*args)
 
         with self.tables.detached():
-            self.streamer = apply_layer_streaming(self.module, self.device, streaming_config(self.plan))
+            self.streamer = apply_layer_streaming(self.module, self.device, streaming_config(self.plan),
+                                                  host_layers=host_layers)
             self.meter = self.streamer.meter
             if self.plan.park:
                 layer_params = [p for layer in self.streamer.layers for p in layer.params]
@@ -182,6 +183,7 @@ class PipelineResidency:
         self.plan = plan
         self.device = device
         self._hosting, self._budget = hosting, budget  # hosting.HostingPlan and its one lease
+        self.shared = None  # SharedWeights: the node stores its streamed layers are hosted from
         self._peak = 0
         self._handles = [m.register_forward_pre_hook(lambda *_: self._sample())
                          for c in components.values() for m in c.hooked_modules()]
@@ -193,12 +195,14 @@ class PipelineResidency:
     def apply(cls, components: Mapping[str, nn.Module], plan: PipelinePlan, device: torch.device | str,
               budget: MemoryBudget | None = None, *, owner: str = "pipeline",
               tables: HostTablesConfig = HostTablesConfig(),
-              host_budget_bytes: int | None = None) -> PipelineResidency:
+              host_budget_bytes: int | None = None, shared=None) -> PipelineResidency:
         """Put each component under its plan; with a host ``budget``, its tiers are leased (and fitted) first.
 
         ``host_budget_bytes``: this replica's own host-memory budget (a user's ``host_memory_budget``);
         the tiers are then fitted within min(it, what ``budget`` grants), and a budget below what
         every plan holds raises :class:`~offload_core.host.replica_budget.BudgetTooSmall`.
+        ``shared``: a :class:`~offload_core.residency.shared_hosting.SharedWeights`; streamed components
+        it covers are hosted from node weight stores (one copy per node), detached on ``remove``.
         """
         missing = {c.name for c in plan.components} ^ set(components)
         if missing:
@@ -206,7 +210,13 @@ class PipelineResidency:
         device = normalize_device(device)
         if host_budget_bytes is not None and budget is None:
             budget = InProcessLedger(host_budget_bytes, f"{owner}-host")
-        plan, hosting, budget = _host_leases(plan, components, budget, owner, host_budget_bytes)
+        try:
+            plan, hosting, budget, shared_hosts = _host_leases(plan, components, budget, owner, host_budget_bytes,
+                                                               shared, device)
+        except BaseException:
+            if shared is not None:
+                shared.close()
+            raise
         built: dict[str, _Component] = {}
         for cplan in plan.components:
             module = components[cplan.name]
@@ -219,9 +229,12 @@ class PipelineResidency:
                 built[cplan.name] = _ModelOffload(*args)
             else:
                 built[cplan.name] = _Layerwise(*args, park_fraction=plan.park_fraction,
-                                               parked=bool(cplan.prediction and cplan.prediction.parked))
+                                               parked=bool(cplan.prediction and cplan.prediction.parked),
+                                               host_layers=shared_hosts.get(cplan.name))
             logger.info("residency %s: %s", cplan.name, cplan.explain())
-        return cls(built, plan, device, hosting, budget)
+        residency = cls(built, plan, device, hosting, budget)
+        residency.shared = shared
+        return residency
 
     # -- the lifecycle ------------------------------------------------------------------------
     def prepare_for_use(self, stage_components: Sequence[str]) -> None:
@@ -349,6 +362,9 @@ class PipelineResidency:
         if self._hosting is not None:
             self._hosting.release(self._budget)
             self._hosting = None
+        if self.shared is not None:
+            self.shared.close()
+            self.shared = None
 
     def _pick(self, names: Sequence[str]) -> list[_Component]:
         unknown = [n for n in names if n not in self.components]

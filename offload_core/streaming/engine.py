@@ -331,10 +331,13 @@ class LayerStreamer:
 
 
 def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,
-                          config: StreamingConfig | None = None) -> LayerStreamer:
+                          config: StreamingConfig | None = None, *,
+                          host_layers: Mapping[str, HostLayer] | None = None) -> LayerStreamer:
     """Stream ``model``'s layer groups onto ``device``; returns the streamer that controls it.
 
     ``device`` may be a :class:`Device` itself (the simulated accelerator, a test's device).
+    ``host_layers``: host copies already made elsewhere (a node weight store's shared layers), by
+    layer key; those layers are not consolidated, their parameters are only released.
     """
     config = config or StreamingConfig()
     if not isinstance(model, nn.Module):
@@ -349,7 +352,7 @@ def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,
     tiers = _tiers(entries, config.hosting or {})
 
     streamer = LayerStreamer(model, context, config, non_layer_bytes=0)
-    hosts = _move_layers_off(entries, tiers, context)
+    hosts = _move_layers_off(entries, tiers, context, host_layers or {})
     model.to(context.device)  # ONE move of the non-layer rest; every layer weight is a placeholder now
     streamer.non_layer_bytes = unique_storage_bytes(p for p in model.parameters() if id(p) not in layer_ids)
     if isinstance(config.resident, int) and config.resident > len(entries):
@@ -410,7 +413,7 @@ def _tiers(entries: tuple[_LayerEntry, ...], hosting: Mapping[str, HostingTier])
 
 
 def _move_layers_off(entries: tuple[_LayerEntry, ...], tiers: Mapping[str, HostingTier],
-                     context: Device) -> dict[str, HostLayer]:
+                     context: Device, prebuilt: Mapping[str, HostLayer]) -> dict[str, HostLayer]:
     """Consolidate every layer on the host and release it, the largest group first.
 
     Largest first: when the model starts on the device, freeing the biggest group first leaves
@@ -425,8 +428,12 @@ def _move_layers_off(entries: tuple[_LayerEntry, ...], tiers: Mapping[str, Hosti
     moved: list[tuple[_LayerEntry, HostLayer, list[torch.device]]] = []
     try:
         for entry in order:
-            host = HostLayer.consolidate(entry.layout, [p.data for p in entry.params], tiers[entry.key],
-                                         context.device)
+            host = prebuilt.get(entry.key)
+            if host is not None and host.layout != entry.layout:
+                raise LayoutError(f"layer {entry.key}: the given host copy is laid out differently from the layer")
+            if host is None:
+                host = HostLayer.consolidate(entry.layout, [p.data for p in entry.params], tiers[entry.key],
+                                             context.device)
             moved.append((entry, host, [p.device for p in entry.params]))
             for param in entry.params:
                 param.data = placeholder(context.device, param.dtype)

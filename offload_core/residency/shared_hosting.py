@@ -1,0 +1,100 @@
+"""A replica's streamed components hosted from node weight stores instead of private copies.
+
+:class:`SharedWeights` is what a replica hands ``PipelineResidency.apply``: for each streamed
+component it asks the registry for the store of (model folder identity, component, dtypes,
+layout). The first replica writes the store from its loaded weights; every later one maps it and
+copies nothing: its layers' parameters are released unread, so it reads no checkpoint bytes for
+them. A replica the registry does not admit (its budget could not hold the whole copy, or the
+node pool is full) hosts privately as before, said in the log.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from offload_core.host.budget import Refusal
+from offload_core.host.store import StoreKey, StoreLayout, StoreRole, WeightStore, key_for, store_dir
+from offload_core.host.store_registry import StoreAttachment, StoreRegistry
+from offload_core.host.tier import HostingTier
+from offload_core.layout import (
+    LayerLayout,
+    declared_layer_groups,
+    layer_parameters,
+    plan_layer_layout,
+    resolve_layer_group,
+)
+from offload_core.streaming.host_layer import HostLayer
+from offload_core.streaming.shared_layer import shared_host_layers
+
+logger = logging.getLogger(__name__)
+
+
+def _layers(module: nn.Module, groups: Sequence[str] | None) -> list[tuple[LayerLayout, list[torch.Tensor]]]:
+    """Every streamed layer's layout and tensors, in the engine's order and with the engine's layout."""
+    out = []
+    for path in groups or declared_layer_groups(module):
+        for i, layer in enumerate(resolve_layer_group(module, path).layers):
+            named = layer_parameters(layer)
+            out.append((plan_layer_layout(f"{path}.{i}", [(n, p.data) for n, p in named]), [p.data for _, p in named]))
+    return out
+
+
+class SharedWeights:
+    """The stores one replica holds, by component; ``close()`` detaches from all of them."""
+
+    def __init__(self, registry: StoreRegistry, identities: Mapping[str, str], owner: str,
+                 directory: Path | None = None, budget_bytes: int | None = None):
+        self.registry, self.owner, self.budget_bytes = registry, owner, budget_bytes
+        self._identities = dict(identities)  # component -> folder_identity of its folder
+        self._dir = directory or store_dir()
+        self._stores: dict[str, WeightStore] = {}
+
+    def covers(self, component: str) -> bool:
+        return component in self._identities
+
+    def key(self, component: str, module: nn.Module, groups: Sequence[str] | None) -> tuple[StoreKey, StoreLayout]:
+        return key_for(self._identities[component], component, [layout for layout, _ in _layers(module, groups)])
+
+    def host_layers(self, component: str, module: nn.Module, groups: Sequence[str] | None,
+                    tiers: Mapping[str, HostingTier], device: torch.device) -> dict[str, HostLayer] | None:
+        """The component's layers hosted from its store, or None when this replica is not admitted."""
+        layers = _layers(module, groups)
+        key, layout = key_for(self._identities[component], component, [lay for lay, _ in layers])
+        path = self._dir / key.file_name
+        ticket = self.registry.acquire(key, layout.total_bytes, str(path), self.owner, self.budget_bytes)
+        if isinstance(ticket, Refusal):
+            logger.info("%s: %s not hosted from a shared store (%d B): %s; it hosts its own copy", self.owner,
+                        component, layout.total_bytes, ticket.reason)
+            return None
+        try:
+            if ticket.role is StoreRole.CREATE:
+                store = WeightStore.create(path, key, layout, layers)
+                self.registry.ready(key, self.owner)
+            else:
+                store = WeightStore.attach(path, key, layout)
+            hosts = shared_host_layers(store, {lay.key: lay for lay, _ in layers}, tiers, device)
+        except BaseException:
+            self.registry.release(key, self.owner)
+            raise
+        self._stores[component] = store
+        logger.info("%s: %s hosted from store %s (%s, %d layers, %d B; %d replica(s) attached)", self.owner,
+                    component, key.digest, ticket.role.value, len(hosts), layout.layer_bytes, ticket.attached)
+        return hosts
+
+    def attachments(self) -> tuple[StoreAttachment, ...]:
+        found = (self.registry.attachment(s.key) for s in self._stores.values())
+        return tuple(a for a in found if a is not None)
+
+    def roles(self) -> dict[str, StoreRole]:
+        return {component: store.role for component, store in self._stores.items()}
+
+    def close(self) -> None:
+        """Detach from every store: the lock, then the registry (the last one out frees the copy)."""
+        for component, store in list(self._stores.items()):
+            store.close()
+            self.registry.release(store.key, self.owner)
+            del self._stores[component]

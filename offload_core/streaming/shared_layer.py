@@ -1,0 +1,68 @@
+"""Host layers whose flat buffers are views of a node weight store (``offload_core.host.store``).
+
+The store's copy is shared and read-only; what is per process is the tier: a PINNED layer's
+pages are registered for DMA by this process (``cudaHostRegister`` with the read-only flag, on
+page-aligned extents), a PAGEABLE one is not. A device that refuses read-only registration gets
+the layer PAGEABLE (staged copies), said once in the log, never silently.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Mapping
+
+import torch
+
+from offload_core.host.pinned import HostBuffer
+from offload_core.host.store import WeightStore
+from offload_core.host.tier import HostingTier
+from offload_core.layout import LayerLayout, LayoutError
+from offload_core.streaming.host_layer import HostLayer
+
+logger = logging.getLogger(__name__)
+
+# cudaHostRegisterReadOnly: the pages are only ever read by the device (CUDA >= 11.1, where
+# cudaDevAttrHostRegisterReadOnlySupported is 1). A read-only mapping cannot be registered without it.
+_REGISTER_READ_ONLY = 0x08
+
+
+class SharedHostLayer(HostLayer):
+    """A layer hosted by a shared store: its bytes belong to the store, not to this process."""
+
+    shared = True
+
+
+def register_read_only(data: torch.Tensor) -> bool:
+    """Page-lock a read-only shared buffer for this process; False if the device refuses."""
+    cudart = torch.cuda.cudart()
+    rc = int(cudart.cudaHostRegister(data.data_ptr(), data.numel(), _REGISTER_READ_ONLY))
+    if rc != 0:
+        torch.cuda.cudart().cudaGetLastError()  # clear it: a refused registration is not a sticky error
+    return rc == 0
+
+
+def shared_host_layers(store: WeightStore, layouts: Mapping[str, LayerLayout], tiers: Mapping[str, HostingTier],
+                       device: torch.device) -> dict[str, HostLayer]:
+    """One :class:`SharedHostLayer` per layer of ``layouts``, in its tier, over ``store``'s mapping."""
+    hosts, refused = {}, []
+    for key, layout in layouts.items():
+        tier = tiers[key]
+        if tier is HostingTier.MAPPED:
+            raise LayoutError(f"layer {key} is planned MAPPED; a store-hosted layer is PINNED or PAGEABLE")
+        flat = store.buffers(key)
+        if dict(layout.flat_bytes) != {d: t.numel() for d, t in flat.items()}:
+            raise LayoutError(f"layer {key}: store extents {sorted(map(str, flat))} do not match its layout")
+        lock = tier is HostingTier.PINNED and device.type == "cuda"
+        locked = {d: lock and register_read_only(t) for d, t in flat.items()}
+        if lock and not all(locked.values()):
+            for d, t in flat.items():  # all or nothing per layer, so free() unregisters what it must
+                if locked[d]:
+                    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            locked = {d: False for d in flat}
+            tier = HostingTier.PAGEABLE
+            refused.append(key)
+        buffers = {d: HostBuffer(t, t.numel(), page_locked=locked[d]) for d, t in flat.items()}
+        hosts[key] = SharedHostLayer(layout, tier, buffers, ())
+    if refused:
+        logger.info("store %s: the device refused read-only pinning of %d layers (%s...): they stream PAGEABLE "
+                    "through staging", store.key.digest, len(refused), refused[0])
+    return hosts

@@ -1,0 +1,73 @@
+"""Replicas host a model's streamed layers from one node store: one copy, one lease, bitwise outputs."""
+from __future__ import annotations
+
+import torch
+
+from offload_core.host.budget import InProcessLedger
+from offload_core.host.store import StoreRole
+from offload_core.host.store_registry import InProcessStoreRegistry
+from offload_core.host.tier import HostingTier
+from offload_core.planner.search import PerformanceMode
+from offload_core.residency.lifecycle import PipelineResidency
+from offload_core.residency.shared_hosting import SharedWeights
+from offload_core.streaming.shared_layer import SharedHostLayer
+from tests.offload_core.residency.test_lifecycle import Toy, toy_plan
+
+
+def replica(name, registry, node, tmp_path, budget=None, spoil=False):
+    models = {"a": Toy(0), "b": Toy(1)}
+    if spoil:  # what a replica would compute if it read its own (here: wrong) checkpoint bytes
+        for model in models.values():
+            for p in model.blocks.parameters():
+                p.data.fill_(float("nan"))
+    shared = SharedWeights(registry, {"a": "toy-a", "b": "toy-b"}, name, tmp_path, budget_bytes=budget)
+    residency = PipelineResidency.apply(models, toy_plan(1 << 30), "cpu", node, owner=name, shared=shared)
+    return models, residency
+
+
+def run(models, residency, x):
+    out = {}
+    for name, model in models.items():
+        with residency.stage([name]):
+            out[name] = model(x)
+    return out
+
+
+def test_a_second_replica_maps_the_store_reads_no_checkpoint_bytes_and_stays_bitwise(cpu_capacity, tmp_path):
+    cpu_capacity(1 << 30)
+    x = torch.randn(3, 16)
+    expected = {n: m(x) for n, m in {"a": Toy(0), "b": Toy(1)}.items()}
+    node = InProcessLedger(1 << 30)
+    registry = InProcessStoreRegistry(node)
+    first_models, first = replica("r1", registry, node, tmp_path)
+    # The second replica's own layer weights are NaN: a bitwise-equal output proves it used the store.
+    second_models, second = replica("r2", registry, node, tmp_path, spoil=True)
+    assert first.shared.roles() == {"a": StoreRole.CREATE, "b": StoreRole.CREATE}
+    assert second.shared.roles() == {"a": StoreRole.ATTACH, "b": StoreRole.ATTACH}
+    for models, residency in ((first_models, first), (second_models, second)):
+        got = run(models, residency, x)
+        assert all(torch.equal(got[n], expected[n]) for n in expected)
+        layers = residency.components["b"].streamer.layers
+        assert all(isinstance(layer.host, SharedHostLayer) for layer in layers)
+        assert {layer.tier for layer in layers} <= {HostingTier.PINNED, HostingTier.PAGEABLE}
+    stores = sum(a.nbytes for a in first.shared.attachments())
+    assert node.leased() == stores > 0, "two replicas, each store leased once"
+    assert first.host_leased_bytes() == second.host_leased_bytes() == 0, "no private copies to pay for"
+    assert [a.attached for a in second.shared.attachments()] == [2, 2]
+    first.remove()
+    assert node.leased() == stores, "the second replica still maps both stores"
+    assert all(torch.equal(v, expected[n]) for n, v in run(second_models, second, x).items())
+    second.remove()
+    assert node.leased() == 0 and not list(tmp_path.glob("offload-serve-*")), "the last one out frees the copy"
+
+
+def test_a_replica_whose_budget_cannot_hold_the_copy_hosts_privately_and_stays_bitwise(cpu_capacity, tmp_path):
+    cpu_capacity(1 << 30)
+    x = torch.randn(3, 16)
+    expected = {n: m(x) for n, m in {"a": Toy(0), "b": Toy(1)}.items()}
+    node = InProcessLedger(1 << 30)
+    models, residency = replica("small", InProcessStoreRegistry(node), node, tmp_path, budget=1024)
+    assert residency.shared.roles() == {}, "not admitted: its budget could not hold a whole copy"
+    assert all(torch.equal(v, expected[n]) for n, v in run(models, residency, x).items())
+    assert not any(isinstance(layer.host, SharedHostLayer) for layer in residency.components["b"].streamer.layers)
+    residency.remove()
