@@ -5,10 +5,10 @@ import pytest
 
 from offload_core.host.budget import InProcessLedger, Lease, Refusal
 from offload_core.host.replica_budget import (
-    GiB,
-    MiB,
     CappedBudget,
+    GiB,
     HostBudgetSpec,
+    MiB,
     parse_host_budget,
 )
 

@@ -7,7 +7,6 @@ from offload_core.host.budget import InProcessLedger
 from offload_core.host.store import StoreRole
 from offload_core.host.store_registry import InProcessStoreRegistry
 from offload_core.host.tier import HostingTier
-from offload_core.planner.search import PerformanceMode
 from offload_core.residency.lifecycle import PipelineResidency
 from offload_core.residency.shared_hosting import SharedWeights
 from offload_core.streaming.shared_layer import SharedHostLayer
