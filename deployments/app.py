@@ -14,6 +14,7 @@ import pathlib
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 
+from deployments.batching import BatchingConfig
 from deployments.families import FamilyFacts, read_family_facts, uses_per_request
 from deployments.ingress import Ingress, IngressConfig
 from deployments.schemas import Limits
@@ -46,6 +47,22 @@ class StageArgs(BaseModel):
         return None if self.host_memory_budget is None else parse_host_budget(self.host_memory_budget)
 
 
+class BatchingArgs(BaseModel):
+    """The Denoiser's step-level batching (``deployments.batching``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Requests sharing one forward, and so one stream of the weights. Also the Denoiser's
+    # max_ongoing_requests: Serve routes the rest to other replicas or queues them.
+    max_batch: int = Field(4, ge=1)
+    # A request that finds no room in a compatible batch for this long fails (503).
+    max_wait_s: float = Field(600.0, gt=0)
+    gather_s: float = Field(0.01, ge=0)
+
+    def config(self) -> BatchingConfig:
+        return BatchingConfig(self.max_batch, self.max_wait_s, self.gather_s)
+
+
 class AppArgs(BaseModel):
     """Everything ``build_app`` needs; ``serve run`` passes the config file's ``args`` here."""
 
@@ -62,6 +79,7 @@ class AppArgs(BaseModel):
     encoder: StageArgs = StageArgs()
     denoiser: StageArgs = StageArgs()
     decoder: StageArgs = StageArgs()
+    batching: BatchingArgs = BatchingArgs()
     limits: Limits = Limits()
     # The bearer token is read from this environment variable (so it never sits in a config file);
     # None or an unset variable: no authentication.
@@ -94,8 +112,9 @@ def stage_configs(args: AppArgs, facts: FamilyFacts) -> dict[str, StageConfig]:
     for stage, stage_args in options.items():
         # Planned for the default request; a request with more steps streams the same plan longer.
         uses = uses_per_request(facts, stage, args.limits.default_steps, facts.default_guidance)
+        batching = args.batching.config() if stage is PipelineStage.DENOISE else None
         configs[stage] = StageConfig(args.app_name, facts, stage, stage_args.offload_mode, tuple(uses.items()),
-                                     args.dtype, args.device_timeout_s, stage_args.host_budget())
+                                     args.dtype, args.device_timeout_s, stage_args.host_budget(), batching)
     return configs
 
 
@@ -117,7 +136,8 @@ def build_app(args: AppArgs | dict) -> Application:
                 args.decoder.host_memory_budget)
     configs = stage_configs(args, facts)
     encoder = TextEncoder.options(**stage).bind(configs[PipelineStage.ENCODE])
-    denoiser = Denoiser.options(**stage).bind(configs[PipelineStage.DENOISE])
+    denoiser = Denoiser.options(**{**stage, "max_ongoing_requests": args.batching.max_batch}).bind(
+        configs[PipelineStage.DENOISE])
     decoder = VaeDecoder.options(**stage).bind(configs[PipelineStage.DECODE])
     config = IngressConfig(args.app_name, model_id, facts, args.limits, token, args.retry_after_s)
     return Ingress.options(ray_actor_options=actor, max_ongoing_requests=args.ingress_max_ongoing_requests).bind(

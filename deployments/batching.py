@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from deployments.cancel import RequestCancelled
 from deployments.steppers import Stepper, StepRequest
 
 logger = logging.getLogger(__name__)
@@ -29,10 +30,6 @@ logger = logging.getLogger(__name__)
 
 class BatchingError(RuntimeError):
     """Base of what a batched request can end with instead of latents."""
-
-
-class RequestCancelled(BatchingError):
-    """The client went away (or the job was deleted); the request left at a step boundary."""
 
 
 class QueueTimeout(BatchingError):
@@ -58,6 +55,16 @@ class BatchingConfig:
             raise ValueError(f"max_wait_s must be > 0, got {self.max_wait_s!r}")
 
 
+@dataclass(frozen=True)
+class ForwardFigures:
+    """One step boundary's forward, for metrics and the residency board."""
+
+    requests: int
+    rows: int
+    seconds: float
+    bytes_streamed: int  # weights streamed for this forward: shared by every request in it
+
+
 @dataclass(eq=False)
 class _Entry:
     request: StepRequest
@@ -69,12 +76,17 @@ class StepBatch:
     """The running batch and its FIFO queue; ``step()`` runs one boundary: admit, forward, retire."""
 
     def __init__(self, stepper: Stepper, config: BatchingConfig = BatchingConfig(),
-                 fits: Callable[[int], bool] = lambda rows: True, clock: Callable[[], float] = time.monotonic):
+                 fits: Callable[[int], bool] = lambda rows: True, clock: Callable[[], float] = time.monotonic,
+                 bytes_streamed: Callable[[], int] = lambda: 0,
+                 on_forward: Callable[[ForwardFigures], None] = lambda figures: None):
         self.stepper, self.config, self._fits, self._clock = stepper, config, fits, clock
+        # A counter of weight bytes streamed so far (the engine's); each forward's share is split
+        # evenly between the requests it served.
+        self._bytes_streamed, self._on_forward = bytes_streamed, on_forward
         self.running: list[_Entry] = []
         self.waiting: collections.deque[_Entry] = collections.deque()
         self.forwards = 0  # transformer forwards run: one per boundary, whatever the batch size
-        self.rows_served = 0  # request steps served, for the mean batch size
+        self.request_steps = 0  # request steps served, for the mean batch size
 
     def submit(self, request: StepRequest) -> concurrent.futures.Future:
         entry = _Entry(request, concurrent.futures.Future(), self._clock())
@@ -87,7 +99,7 @@ class StepBatch:
 
     @property
     def mean_batch(self) -> float:
-        return self.rows_served / self.forwards if self.forwards else 0.0
+        return self.request_steps / self.forwards if self.forwards else 0.0
 
     def step(self) -> int:
         """One step boundary, then its forward. Returns how many requests it served (0: none ran)."""
@@ -104,6 +116,7 @@ class StepBatch:
         if not self.running:
             return 0
         batch = [e.request for e in self.running]
+        start, streamed_before = self._clock(), self._bytes_streamed()
         try:
             with torch.no_grad():
                 noise = self.stepper.forward(batch)
@@ -116,7 +129,11 @@ class StepBatch:
             self.running.clear()
             return len(batch)
         self.forwards += 1
-        self.rows_served += len(batch)
+        self.request_steps += len(batch)
+        streamed = self._bytes_streamed() - streamed_before
+        for request in batch:
+            request.bytes_streamed += streamed / len(batch)
+        self._on_forward(ForwardFigures(len(batch), sum(r.rows for r in batch), self._clock() - start, streamed))
         for entry in [e for e in self.running if e.request.done]:
             self.running.remove(entry)
             entry.future.set_result(entry.request.latents)
@@ -132,12 +149,15 @@ class StepBatch:
 
     def _drop_cancelled(self) -> None:
         for pool in (self.running, self.waiting):
-            for entry in [e for e in pool if e.request.cancelled.is_set()]:
+            for entry in [e for e in pool if e.request.cancel.cancelled]:
                 pool.remove(entry)
-                logger.info("request %s cancelled after %d of %d steps; %d others carry on",
+                logger.info("request %s cancelled after %d of %d steps (%s); %d others carry on",
                             entry.request.spec.request_id, entry.request.step, len(entry.request.timesteps),
-                            len(self.running))
-                entry.future.set_exception(RequestCancelled(entry.request.spec.request_id))
+                            entry.request.cancel.reason, len(self.running))
+                try:
+                    entry.request.cancel.raise_if_cancelled(entry.request.step)
+                except RequestCancelled as exc:
+                    entry.future.set_exception(exc)
         now = self._clock()
         for entry in [e for e in self.waiting if now - e.queued_at > self.config.max_wait_s]:
             self.waiting.remove(entry)
@@ -156,6 +176,7 @@ class StepBatch:
             if self.running and not self._fits(rows):
                 return  # the activation lease cannot cover it; it joins when others leave
             self.waiting.popleft()
+            head.request.waited_s = self._clock() - head.queued_at
             self.running.append(head)
             logger.info("request %s joined the batch at a step boundary: %d requests, %d rows",
                         head.request.spec.request_id, len(self.running), rows)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ray.serve import metrics
 
+from deployments.batching import ForwardFigures
 from deployments.spec import StageStats
 
 # Stage latency buckets: 10 ms (tiny zoo, one encoder call) to 10 min (a 14B denoiser, 50 steps).
@@ -38,3 +39,29 @@ class StageMetrics:
         if stats.bytes_streamed > 0:  # Ray counters refuse increments of 0 (a resident plan moves nothing)
             self._streamed_total.inc(float(stats.bytes_streamed))
         self._peak.set(float(stats.device_peak_bytes))
+
+
+# Requests per forward: 1 to 64.
+BATCH_BUCKETS = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0]
+
+
+class BatchMetrics:
+    """The Denoiser's step batching: batch size, queue wait, step time."""
+
+    def __init__(self):
+        self._size = metrics.Histogram(
+            "offload_serve_batch_size", description="Requests sharing one denoiser forward.",
+            boundaries=BATCH_BUCKETS)
+        self._wait = metrics.Histogram(
+            "offload_serve_batch_queue_wait_seconds", description="Wait for room in a compatible batch.",
+            boundaries=LATENCY_BUCKETS_S)
+        self._step = metrics.Histogram(
+            "offload_serve_step_seconds", description="One batched denoiser forward and its scheduler steps.",
+            boundaries=LATENCY_BUCKETS_S)
+
+    def record_forward(self, figures: ForwardFigures) -> None:
+        self._size.observe(float(figures.requests))
+        self._step.observe(figures.seconds)
+
+    def record_wait(self, seconds: float) -> None:
+        self._wait.observe(seconds)

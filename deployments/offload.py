@@ -72,6 +72,10 @@ class StageResidency:
         self._residency.finish_use(self._names)
         self._last = self._residency.finish_request()
 
+    def bytes_streamed_so_far(self) -> int:
+        """Host->device weight bytes moved in the use now running (a counter; step batching splits it)."""
+        return self._residency.bytes_moved()
+
     def bytes_streamed(self) -> int:
         """Host->device weight bytes the last use moved (streamed and resident layers, restores)."""
         return self._last.bytes_moved

@@ -6,12 +6,25 @@ drops replicas that are no longer alive (a killed replica's actor name disappear
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import ray
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchState:
+    """A batching replica's batch right now: requests in the running forward, and the mean so far."""
+
+    size: int
+    mean: float
+    max: int
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "mean": round(self.mean, 3), "max": self.max}
 
 
 @dataclass(frozen=True)
@@ -30,6 +43,7 @@ class ReplicaResidency:
     weights: dict
     # offload_core.host.replica_budget.HostMemoryStatus.to_json(): budget, leased, used, shared stores.
     host_memory: dict | None = None
+    batch: BatchState | None = None  # the Denoiser's step batching; None for the stages that do not batch
 
     def to_json(self) -> dict:
         return {"replica": self.replica, "stage": self.stage, "device": self.device, "mode": self.mode,
@@ -37,7 +51,8 @@ class ReplicaResidency:
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "last_device_peak_bytes": self.last_device_peak_bytes,
                 "last_bytes_streamed": self.last_bytes_streamed, "weights": self.weights,
-                "host_memory": self.host_memory}
+                "host_memory": self.host_memory,
+                **({"batch": self.batch.to_json()} if self.batch is not None else {})}
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -47,6 +62,11 @@ class ResidencyBoard:
 
     def publish(self, report: ReplicaResidency) -> None:
         self._reports[report.replica] = report
+
+    def set_batch(self, replica: str, batch: BatchState) -> None:
+        """The batch changed size: a small update that needs no walk of the weights."""
+        if replica in self._reports:
+            self._reports[replica] = dataclasses.replace(self._reports[replica], batch=batch)
 
     def snapshot(self, alive: frozenset[str]) -> tuple[ReplicaResidency, ...]:
         """Reports of the replicas in ``alive``; the others (killed, scaled down) are dropped for good."""

@@ -19,7 +19,7 @@ class StagePipeline(Protocol):
     ``encode`` returns an awaitable that ``denoise`` takes unresolved, so with Serve the prompt
     embeddings go replica to replica through the object store and never through the ingress.
     Cancelling the task that iterates ``denoise`` cancels the denoiser's call (its step loop
-    stops at the next step boundary: :class:`deployments.stages.CancelFlag`).
+    stops at the next step boundary: :class:`deployments.cancel.CancelFlag`).
     """
 
     def encode(self, spec: GenerationSpec) -> Awaitable[StageOutput]: ...

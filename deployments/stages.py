@@ -21,11 +21,13 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from deployments import families
+from deployments.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
+from deployments.cancel import CancelFlag
 from deployments.families import FamilyFacts
 from deployments.memory import CLUSTER_DEVICE_BUSY, DeviceBusy, open_replica_memory
-from deployments.metrics import StageMetrics
+from deployments.metrics import BatchMetrics, StageMetrics
 from deployments.offload import StageResidency
-from deployments.residency_board import ReplicaResidency, get_board
+from deployments.residency_board import BatchState, ReplicaResidency, get_board
 from deployments.spec import (
     DenoiseProgress,
     GenerationSpec,
@@ -33,6 +35,7 @@ from deployments.spec import (
     StageOutput,
     StageStats,
 )
+from deployments.steppers import stepper_for
 from offload_core.host.replica_budget import HostBudgetSpec
 from offload_core.planner.search import PerformanceMode
 
@@ -56,37 +59,8 @@ class StageConfig:
     device_timeout_s: float
     # The stage's per-replica host_memory_budget (bytes or a fraction of spendable RAM); None: unset.
     host_budget: HostBudgetSpec | None = None
-
-
-class RequestCancelled(RuntimeError):
-    """The request's client went away; its call stopped at a step boundary (nobody reads the answer)."""
-
-
-class CancelFlag:
-    """One request's cancellation: set by whoever learns that its client left, checked by the
-    Denoiser's step loop at every step boundary (Serve cancels the call's task, but it cannot
-    interrupt the synchronous worker thread that runs the steps; this flag does)."""
-
-    def __init__(self, request_id: str):
-        self.request_id = request_id
-        self._event = threading.Event()
-        self.reason = ""
-        self.stopped_at_step: int | None = None  # the boundary where the step loop saw the flag
-
-    def cancel(self, reason: str) -> None:
-        if not self._event.is_set():
-            self.reason = reason
-            self._event.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._event.is_set()
-
-    def raise_if_cancelled(self, step: int) -> None:
-        """Called at each step boundary (``step`` steps done): stop here if the request was cancelled."""
-        if self._event.is_set():
-            self.stopped_at_step = step
-            raise RequestCancelled(f"request {self.request_id} cancelled after step {step}: {self.reason}")
+    # The Denoiser's step-level batching (None for the other stages: they run once per request).
+    batching: BatchingConfig | None = None
 
 
 def _replica_device() -> torch.device:
@@ -125,6 +99,7 @@ class StageWorker:
         # One call at a time per replica: the pipeline object (scheduler state) is not reentrant.
         self._lock = threading.Lock()
         self._last = StageStats(config.stage.value, self.replica, 0.0, 0, 0)
+        self._batch = None if config.batching is None else BatchState(0, 0.0, config.batching.max_batch)
         self._board = None
         # Reports are built after the response is on its way: one reads /proc/self/maps and walks
         # every tensor (a few ms per call on the tiny zoo, more on a 14B model).
@@ -137,19 +112,28 @@ class StageWorker:
         return self._lock.locked()
 
     def run(self, work: Callable[[], object]) -> StageOutput:
+        start = time.perf_counter()
+        with self.in_use():
+            value = work()
+        stats = StageStats(self.config.stage.value, self.replica, time.perf_counter() - start,
+                           self.residency.bytes_streamed(), self.residency.device_peak_bytes())
+        self.record(stats)
+        return StageOutput(value, stats)
+
+    @contextlib.contextmanager
+    def in_use(self):
+        """One use of the stage: the call lock, the device working set, prepare ... finish."""
         with self._lock, self._working_set():
-            start = time.perf_counter()
             self.residency.prepare_for_use()
             try:
-                value = work()
+                yield
             finally:
                 self.residency.finish_use()
-            stats = StageStats(self.config.stage.value, self.replica, time.perf_counter() - start,
-                               self.residency.bytes_streamed(), self.residency.device_peak_bytes())
+        self._publisher.submit(self.publish)
+
+    def record(self, stats: StageStats) -> None:
         self.metrics.record(stats)
         self._last = stats
-        self._publisher.submit(self.publish)
-        return StageOutput(value, stats)
 
     @contextlib.contextmanager
     def _working_set(self):
@@ -166,7 +150,15 @@ class StageWorker:
         return ReplicaResidency(self.replica, self.config.stage.value, str(self.device), self.config.mode.value,
                                 self.residency.plan.explain(), self.residency.predicted_peak_bytes(),
                                 self._last.device_peak_bytes, self._last.bytes_streamed, weights.to_json(),
-                                self.residency.host_status(weights).to_json())
+                                self.residency.host_status(weights).to_json(), self._batch)
+
+    def set_batch(self, size: int, mean: float) -> None:
+        """Publish the Denoiser's batch size when it changes (no lock: the batch is running)."""
+        changed = self._batch is not None and self._batch.size != size
+        self._batch = BatchState(size, mean, self.config.batching.max_batch)
+        if changed and ray.is_initialized():
+            self._board = self._board or get_board(self.config.app_name)
+            self._board.set_batch.remote(self.replica, self._batch)  # fire and forget
 
     def close(self) -> None:
         """Replica shutdown: unhook the engine and give back every lease this replica holds."""
@@ -201,70 +193,75 @@ class TextEncoder:
             self.worker.close()
 
 
-class _Failed:
-    def __init__(self, error: BaseException):
-        self.error = error
+# Marks the end of one request's progress events (its future is done).
+_DONE = object()
 
 
 @serve.deployment(name="Denoiser")
 class Denoiser:
+    """Step-level batching: compatible requests share each transformer forward (one stream of the
+    weights per step boundary serves them all); each keeps its own scheduler, seed and progress."""
+
     def __init__(self, config: StageConfig):
         self.worker = StageWorker(config)
+        self.stepper = stepper_for(self.worker.pipe, config.facts, self.worker.device)
+        self.batch_metrics = BatchMetrics()
+        batch = StepBatch(self.stepper, config.batching or BatchingConfig(),
+                          bytes_streamed=self.worker.residency.bytes_streamed_so_far, on_forward=self._on_forward)
+        self.batcher = StepBatcher(batch, around_busy=self._busy_period)
         self.in_flight: dict[str, CancelFlag] = {}  # request id -> its flag, while its call runs
         self.last_cancelled: CancelFlag | None = None
 
     async def denoise(self, encoded: StageOutput, spec: GenerationSpec) -> AsyncIterator[DenoiseProgress | StageOutput]:
         """Streams ``DenoiseProgress`` after every step, then the latents as the last item.
 
-        The steps run in a worker thread. If this generator is closed early (the caller was
-        cancelled: Serve throws ``CancelledError`` in here when the client disconnects), the
-        request's :class:`CancelFlag` is set and the step loop stops at the next step boundary,
-        which gives the replica and its device lease back.
+        Async, so a replica holds many requests at once while one thread runs the batch. A client
+        that goes away cancels this generator; its request leaves the batch at the next boundary.
         """
-        flag = CancelFlag(spec.request_id)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        worker, prompt = self.worker, encoded.value
 
-        def put(item) -> None:
+        def put(item) -> None:  # called from the batcher's thread
             loop.call_soon_threadsafe(events.put_nowait, item)
 
-        def on_step(progress: DenoiseProgress) -> None:
-            flag.raise_if_cancelled(progress.step)
-            put(progress)
-
-        def work() -> None:
-            try:
-                put(worker.run(lambda: families.denoise(worker.pipe, worker.config.facts, prompt, spec, worker.device,
-                                                        on_step=on_step)))
-            except RequestCancelled as exc:  # nobody waits for an answer: say so, and why, once
-                logger.info("%s: %s; replica free (lease and call lock given back)", worker.replica, exc)
-            except BaseException as exc:  # re-raised below, in the caller's task
-                put(_Failed(exc))
-
-        self.in_flight[spec.request_id] = flag
-        thread = threading.Thread(target=work, name=f"denoise-{spec.request_id}", daemon=True)
-        thread.start()
+        start = time.perf_counter()
+        request = self.stepper.start(encoded.value, spec, on_step=put)
+        future = self.batcher.submit(request)
+        future.add_done_callback(lambda _: put(_DONE))
+        self.in_flight[spec.request_id] = request.cancel
         try:
-            while True:
-                item = await events.get()
-                if isinstance(item, _Failed):
-                    raise item.error
+            while (item := await events.get()) is not _DONE:
                 yield item
-                if isinstance(item, StageOutput):
-                    return
+            latents = future.result()
         finally:
             del self.in_flight[spec.request_id]
-            if thread.is_alive():  # closed early: the caller is gone
-                flag.cancel("the caller went away")
-                self.last_cancelled = flag
-                logger.info("%s: request %s cancelled by its caller; the step loop stops at the next step "
-                            "boundary", worker.replica, spec.request_id)
+            if not future.done():  # closed early: the caller is gone; it leaves at the next boundary
+                request.cancel.cancel("the caller went away")
+                self.last_cancelled = request.cancel
+                logger.info("%s: request %s cancelled by its caller; it leaves the batch at the next step "
+                            "boundary", self.worker.replica, spec.request_id)
+        self.batch_metrics.record_wait(request.waited_s)
+        worker = self.worker
+        stats = StageStats(worker.config.stage.value, worker.replica, time.perf_counter() - start,
+                           int(request.bytes_streamed), worker.residency.device_peak_bytes())
+        worker.record(stats)
+        yield StageOutput(latents.to(families.CPU), stats)
+
+    def _busy_period(self, run: Callable[[], None]) -> None:
+        with self.worker.in_use():
+            run()
+        self.worker.set_batch(0, self.batcher.batch.mean_batch)
+
+    def _on_forward(self, figures: ForwardFigures) -> None:
+        self.batch_metrics.record_forward(figures)
+        self.worker.set_batch(figures.requests, self.batcher.batch.mean_batch)
 
     def residency(self) -> ReplicaResidency:
         return self.worker.report()
 
     def __del__(self):  # Serve calls it on graceful replica shutdown
+        if hasattr(self, "batcher"):
+            self.batcher.close()
         if hasattr(self, "worker"):
             self.worker.close()
 

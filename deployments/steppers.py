@@ -11,12 +11,12 @@ one is the pipeline's computation, and a larger batch differs only by the batche
 from __future__ import annotations
 
 import copy
-import threading
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 
+from deployments.cancel import CancelFlag
 from deployments.families import FamilyFacts, generator_for
 from deployments.spec import DenoiseProgress, EncodedPrompt, Family, GenerationSpec
 
@@ -45,7 +45,13 @@ class StepRequest:
     on_step: Callable[[DenoiseProgress], None] | None = None
     shared: dict[str, torch.Tensor] = field(default_factory=dict)  # inputs equal for equal keys
     step: int = 0  # steps done
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancel: CancelFlag = None  # set in __post_init__: one flag per request
+
+    def __post_init__(self) -> None:
+        if self.cancel is None:
+            self.cancel = CancelFlag(self.spec.request_id)
+    bytes_streamed: float = 0.0  # this request's share of the weights streamed for its forwards
+    waited_s: float = 0.0  # queued before it joined a batch
 
     @property
     def rows(self) -> int:

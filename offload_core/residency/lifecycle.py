@@ -320,6 +320,10 @@ class PipelineResidency:
         finally:
             self.finish_use(stage_components)
 
+    def bytes_moved(self) -> int:
+        """Host->device bytes moved since the last ``finish_request`` (a running counter)."""
+        return sum(c.bytes_moved() for c in self.components.values())
+
     def finish_request(self) -> RequestFigures:
         """Close a request: finish what is still in use, report its figures, reset for the next."""
         open_ = [c.name for c in self.components.values() if c.state is not UseState.OUT]
@@ -327,7 +331,7 @@ class PipelineResidency:
             for name in open_:
                 self.components[name].state = UseState.IN_USE
             self.finish_use(open_)
-        figures = RequestFigures(self._peak, sum(c.bytes_moved() for c in self.components.values()))
+        figures = RequestFigures(self._peak, self.bytes_moved())
         for c in self.components.values():
             c.reset_counters()
         self._peak = self._measure()

@@ -40,9 +40,11 @@ def test_the_ingress_is_bound_to_the_three_stages_with_their_configs_and_serve_o
     assert [(d.name, d.init_args) for d in bound] == [
         ("TextEncoder", (expected[ENCODE],)), ("Denoiser", (expected[DENOISE],)), ("VaeDecoder", (expected[DECODE],))]
     assert expected[DECODE].mode is PerformanceMode.BALANCED and expected[DECODE].app_name == "wired"
-    # One call at a time per stage replica (its pipeline is not reentrant); the rest queue, then 503.
-    assert {(d.ray_actor_options["num_cpus"], d.max_ongoing_requests, d.max_queued_requests) for d in bound} == {
-        (0.5, 1, 5)}
+    # One call at a time per encoder/decoder replica (its pipeline is not reentrant); the Denoiser
+    # holds a batch's worth (step batching); the rest queue, then 503.
+    assert [(d.ray_actor_options["num_cpus"], d.max_ongoing_requests, d.max_queued_requests) for d in bound] == [
+        (0.5, 1, 5), (0.5, args.batching.max_batch, 5), (0.5, 1, 5)]
+    assert expected[DENOISE].batching == args.batching.config() and expected[ENCODE].batching is None
 
 
 def test_unknown_args_and_modes_are_refused_by_name():

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from deployments import families
-from deployments.batching import BatchingConfig, QueueTimeout, RequestCancelled, StepBatch, StepBatcher
+from deployments.batching import BatchingConfig, QueueTimeout, StepBatch, StepBatcher
+from deployments.cancel import RequestCancelled
 from deployments.spec import GenerationSpec, PipelineStage
 from deployments.steppers import BatchKey, StepRequest, stepper_for
 from offload_core import StreamingConfig, apply_layer_streaming
@@ -97,7 +98,7 @@ def test_requests_joining_at_different_steps_equal_the_plain_model_on_the_same_b
         torch.testing.assert_close(streamed[spec.request_id], alone, rtol=0, atol=ALONE_ATOL)
     # Steps: a 4 + b 3 + c 2 = 9 request-steps, served by 4 forwards (a's four boundaries).
     assert streamed_batch.forwards == plain_batch.forwards == 4
-    assert streamed_batch.rows_served == 9
+    assert streamed_batch.request_steps == 9
     # One stream of the weights per forward, whatever the batch size (plus the depth-1 prefetch of
     # layer 0 that the last layer issues for the next forward).
     layer_bytes = sum(layer.nbytes for layer in streamer.layers)
@@ -127,7 +128,7 @@ def test_a_cancelled_request_leaves_at_the_next_boundary_and_the_others_finish()
     requests = [stepper.start(e, s) for e, s in zip(encoded, specs)]
     futures = [batch.submit(r) for r in requests]
     batch.step()
-    requests[0].cancelled.set()
+    requests[0].cancel.cancel("client left")
     assert batch.step() == 1, "the cancelled request must not be in the next forward"
     with pytest.raises(RequestCancelled):
         futures[0].result(timeout=0)

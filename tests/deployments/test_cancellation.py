@@ -8,9 +8,10 @@ import time
 import pytest
 
 from deployments.app import stage_configs
+from deployments.cancel import CancelFlag, RequestCancelled
 from deployments.families import read_family_facts
 from deployments.spec import DenoiseProgress, GenerationSpec, PipelineStage
-from deployments.stages import CancelFlag, Denoiser, RequestCancelled, TextEncoder
+from deployments.stages import Denoiser, TextEncoder
 from tests.deployments.conftest import tiny_args
 from zoo.tiny import ensure_tiny_wan
 

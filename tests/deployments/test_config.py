@@ -33,3 +33,14 @@ def test_the_local_config_fits_on_two_cpus_without_a_gpu():
         most = deployment.get("autoscaling_config", {}).get("max_replicas", deployment.get("num_replicas", 1))
         cpus += options["num_cpus"] * most
     assert cpus <= 2.0
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "gpu.yaml"])
+def test_the_denoiser_holds_as_many_requests_as_a_batch_takes(name):
+    (app,) = yaml.safe_load((CONFIGS / name).read_text())["applications"]
+    denoiser = next(d for d in app["deployments"] if d["name"] == "Denoiser")
+    max_batch = AppArgs.model_validate(app["args"]).batching.max_batch
+    assert max_batch > 1, "step batching is the point of a Denoiser replica holding several requests"
+    # The config file's option overrides build_app's: fewer would starve the batch, more would
+    # queue requests in the replica instead of routing them to another one.
+    assert denoiser["max_ongoing_requests"] == max_batch

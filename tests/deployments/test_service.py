@@ -8,6 +8,7 @@ import json
 import time
 
 import httpx
+import numpy as np
 import pytest
 import ray
 import torch
@@ -62,7 +63,7 @@ def test_http_pngs_equal_the_in_process_pipeline_pngs(client):
     assert _pngs(response) == [media.png_bytes(frames[0]) for frames in reference]
 
 
-def test_stage_handles_compose_to_the_in_process_result_bitwise(service):
+def test_stage_handles_compose_to_the_in_process_result(service):
     from ray import serve
 
     spec = GenerationSpec("bitwise", "a blue whale", "dark", 16, 16, 5, 2, 5.0, 21, 1)
@@ -75,7 +76,11 @@ def test_stage_handles_compose_to_the_in_process_result_bitwise(service):
     frames = decoder.decode.remote(items[-1], spec).result(timeout_s=120).value
     facts = families.read_family_facts(ensure_tiny_wan())
     reference = families.reference_frames(families.load_full_pipeline(facts, torch.float32), facts, spec)
-    assert torch.equal(frames, reference), "the served stages drifted from the in-process pipeline"
+    # The Denoiser batches guidance's two branches into one forward (tests/deployments/
+    # test_batching.py pins bitwise equality with the plain model on the same batches); the
+    # pipeline runs them as two forwards, so the frames agree to rounding, not bitwise: measured
+    # 4.8e-7 at most on the tiny zoo.
+    torch.testing.assert_close(frames, reference, rtol=0, atol=1e-5)
 
 
 def test_a_video_request_returns_a_decodable_mp4(client):
@@ -151,6 +156,9 @@ def test_models_and_residency_describe_the_served_model_and_every_replica(client
     assert host["budget_bytes"] == 64 * 1024**2 and host["leased_bytes"] <= host["budget_bytes"]
     assert host["used_bytes"] >= host["leased_bytes"], "what a lease paid for is held on the host"
     assert next(r for r in replicas if r["stage"] == "encode")["host_memory"]["budget_bytes"] is None
+    # Only the Denoiser batches; between requests its batch is empty.
+    assert denoiser["batch"]["max"] == 4 and denoiser["batch"]["size"] == 0
+    assert all("batch" not in r for r in replicas if r["stage"] != "denoise")
 
 
 def test_stage_metrics_reach_prometheus_with_a_series_per_stage(client, ray_cluster):
@@ -161,10 +169,15 @@ def test_stage_metrics_reach_prometheus_with_a_series_per_stage(client, ray_clus
     wanted = {f'ray_offload_serve_{name}{{' for name in ("stage_latency_seconds_count",
                                                         "bytes_streamed_per_request_count",
                                                         "device_peak_bytes")}
+    # The Denoiser's step batching: requests per forward, queue wait, step time.
+    batching = {f'ray_offload_serve_{name}_count{{' for name in ("batch_size", "batch_queue_wait_seconds",
+                                                                "step_seconds")}
+    wanted |= batching
     deadline, seen = time.monotonic() + 60, set()
     while time.monotonic() < deadline and seen != wanted:
         lines = [line for url in urls for line in httpx.get(url, timeout=10).text.splitlines()]
-        seen = {w for w in wanted for line in lines if line.startswith(w) and 'stage="denoise"' in line}
+        seen = {w for w in wanted for line in lines
+                if line.startswith(w) and (w in batching or 'stage="denoise"' in line)}
         time.sleep(1)
     assert seen == wanted, f"missing from Prometheus: {wanted - seen}"
 
@@ -174,7 +187,32 @@ def test_concurrent_requests_all_succeed_with_their_own_results(client):
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         together = list(pool.map(lambda b: _pngs(client.post(IMAGES, json=b)), bodies))
     alone = [_pngs(client.post(IMAGES, json=b)) for b in bodies]
-    assert together == alone
+    # Requests that shared a batched forward agree with their lone runs to rounding (< 1e-6 in
+    # float): at most one level of 255 in a PNG.
+    for shared, single in zip(together, alone):
+        for a, b in zip(shared, single):
+            assert np.abs(_pixels(a).astype(int) - _pixels(b).astype(int)).max() <= 1
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)))
+
+
+def test_concurrent_denoise_calls_share_forwards_and_each_gets_its_own_latents(service):
+    from ray import serve
+
+    encoder = serve.get_deployment_handle("TextEncoder", app_name=APP)
+    denoiser = serve.get_deployment_handle("Denoiser", app_name=APP)
+    specs = [GenerationSpec(f"batch-{i}", f"scene {i}", None, 16, 16, 1, 4, 5.0, i, 1) for i in range(3)]
+    encoded = [encoder.encode.remote(s).result(timeout_s=60) for s in specs]
+    alone = [list(denoiser.options(stream=True).denoise.remote(e, s))[-1] for e, s in zip(encoded, specs)]
+    streams = [denoiser.options(stream=True).denoise.remote(e, s) for e, s in zip(encoded, specs)]
+    together = [list(stream)[-1] for stream in streams]
+    for shared, single in zip(together, alone):
+        torch.testing.assert_close(shared.value, single.value, rtol=0, atol=1e-5)
+    # Sent at once, they join one batch (at worst one step apart): the weights stream once per
+    # shared forward, so together they move fewer bytes than one after another.
+    assert sum(t.stats.bytes_streamed for t in together) < sum(a.stats.bytes_streamed for a in alone)
 
 
 def test_beyond_the_queue_requests_get_503_with_retry_after_never_500(client):

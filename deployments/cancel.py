@@ -1,0 +1,35 @@
+"""Cancellation of one request: a flag its caller sets, checked by the Denoiser at step boundaries."""
+from __future__ import annotations
+
+import threading
+
+
+class RequestCancelled(RuntimeError):
+    """The request's client went away (or its job was deleted); it left the batch at a step boundary."""
+
+
+class CancelFlag:
+    """One request's cancellation: set by whoever learns that its client left, checked by the
+    batch at every step boundary (Serve cancels the call's task, but it cannot interrupt the
+    thread that runs the steps; this flag does)."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._event = threading.Event()
+        self.reason = ""
+        self.stopped_at_step: int | None = None  # the boundary where the batch saw the flag
+
+    def cancel(self, reason: str) -> None:
+        if not self._event.is_set():
+            self.reason = reason
+            self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def raise_if_cancelled(self, step: int) -> None:
+        """Called at each step boundary (``step`` steps done): stop here if the request was cancelled."""
+        if self._event.is_set():
+            self.stopped_at_step = step
+            raise RequestCancelled(f"request {self.request_id} cancelled after step {step}: {self.reason}")
