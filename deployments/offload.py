@@ -19,11 +19,11 @@ from offload_core.planner.facts import (
     LinkFacts,
     PipelineFacts,
     Stage,
-    measure_link,
     profile_component,
 )
 from offload_core.planner.search import PerformanceMode, PipelinePlan, plan_pipeline
 from offload_core.residency.lifecycle import PipelineResidency, RequestFigures
+from offload_core.streaming.link import measure_link
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +60,11 @@ class StageResidency:
         host_lease = host_budget.available()
         if host_budget_bytes is not None:
             host_lease = min(host_lease, host_budget_bytes)
-        self.plan = plan_stage(stage, components, uses_per_request, mode, device, device_capacity, host_lease)
-        self._residency = PipelineResidency.apply(components, self.plan, device, host_budget, owner=owner,
+        wanted = plan_stage(stage, components, uses_per_request, mode, device, device_capacity, host_lease)
+        self._residency = PipelineResidency.apply(components, wanted, device, host_budget, owner=owner,
                                                   host_budget_bytes=host_budget_bytes)
+        # As applied: tiers the host budget lowered or the driver refused to pin are in it, with notes.
+        self.plan = self._residency.plan
         self._last = RequestFigures(0, 0)
 
     def prepare_for_use(self) -> None:

@@ -95,3 +95,24 @@ def _capped(budget: MemoryBudget, facts, owner: str, host_budget_bytes: int) -> 
                 "tiers fit within min(%d B, what the node grants)", owner, host_budget_bytes, floor,
                 host_budget_bytes - floor)
     return CappedBudget(budget, host_budget_bytes - floor, f"{owner} host_memory_budget")
+
+
+def tiers_as_hosted(plan: PipelinePlan, streamers: Mapping[str, object]) -> PipelinePlan:
+    """The plan with each streamed layer's tier as the engine hosted it (``streamers``: name -> LayerStreamer).
+
+    A layer planned PINNED whose pages the driver refused to lock (a memlock limit) is PAGEABLE:
+    the plan says so, with a note, so the report, the board and the plan agree with the engine.
+    """
+    notes, components = [], []
+    for c in plan.components:
+        if c.strategy is Strategy.LAYERWISE and c.name in streamers:
+            hosted = {layer.key: layer.tier for layer in streamers[c.name].layers}
+            moved = [key for key, tier in c.hosting if hosted[key] is not tier]
+            if moved:
+                notes.append(f"{c.name}: {len(moved)} layers PAGEABLE instead of PINNED, the driver refused to "
+                             f"lock them ({', '.join(moved[:4])}{'...' if len(moved) > 4 else ''})")
+                c = dataclasses.replace(c, hosting=tuple((key, hosted[key]) for key, _ in c.hosting))
+        components.append(c)
+    for line in notes:
+        logger.info("residency: %s", line)
+    return dataclasses.replace(plan, components=tuple(components), notes=(*plan.notes, *notes)) if notes else plan

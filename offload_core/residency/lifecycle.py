@@ -23,6 +23,7 @@ from offload_core.host.budget import InProcessLedger, MemoryBudget
 from offload_core.planner.pipeline_plan import ComponentPlan, PipelinePlan
 from offload_core.planner.strategy import Strategy
 from offload_core.residency.host_fit import host_leases as _host_leases
+from offload_core.residency.host_fit import tiers_as_hosted
 from offload_core.residency.host_tables import HostTables
 from offload_core.residency.parking import Parking
 from offload_core.streaming.device import get_device, normalize_device
@@ -232,6 +233,9 @@ class PipelineResidency:
                                                parked=bool(cplan.prediction and cplan.prediction.parked),
                                                host_layers=shared_hosts.get(cplan.name))
             logger.info("residency %s: %s", cplan.name, cplan.explain())
+        plan = tiers_as_hosted(plan, {n: c.streamer for n, c in built.items() if c.streamer is not None})
+        for cplan in plan.components:
+            built[cplan.name].plan = cplan
         residency = cls(built, plan, device, hosting, budget)
         residency.shared = shared
         return residency

@@ -1,18 +1,20 @@
 """One layer's weights on the host, in its hosting tier, and the copy that brings them to the device.
 
-PINNED and PAGEABLE layers are consolidated into one exact-size flat buffer per dtype
-(``offload_core.host.pinned``; page-locked only on CUDA), laid out as the layer's
+PINNED and PAGEABLE layers are consolidated into one flat buffer per dtype, whole pages of its own
+(``offload_core.host.pinned``; page-locked only on CUDA; a refused lock makes the layer PAGEABLE),
+laid out as the layer's
 :class:`~offload_core.layout.LayerLayout`, so a layer reaches the device in one copy per dtype.
 MAPPED layers keep the original host tensors (views of the safetensors file mapping): nothing is
 copied on the host, and each tensor is copied to the device on its own.
 """
 from __future__ import annotations
 
+import logging
 from typing import Mapping, Sequence
 
 import torch
 
-from offload_core.host.pinned import HostBuffer, allocate_host_buffer, free_host_buffer
+from offload_core.host.pinned import HostBuffer, PinRefusal, allocate_host_buffer, free_host_buffer
 from offload_core.host.tier import HostingTier
 from offload_core.layout import (
     LayerLayout,
@@ -20,6 +22,8 @@ from offload_core.layout import (
     extent_view,
     tensor_view,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class HostLayer:
@@ -53,14 +57,36 @@ class HostLayer:
             for dtype, nbytes in layout.flat_bytes:
                 buffers[dtype] = allocate_host_buffer(nbytes, pin=tier is HostingTier.PINNED, device=device)
         except Exception:
-            for buffer in buffers.values():  # a refused pin must not leave earlier dtypes locked
+            for buffer in buffers.values():  # a failure must not leave earlier dtypes locked
                 free_host_buffer(buffer)
             raise
+        refusal = next((b.refusal for b in buffers.values() if b.refusal is not None), None)
+        if refusal is not None:
+            tier = cls._fall_back_to_pageable(layout, buffers, refusal)
         for meta, tensor in zip(layout.tensors, params):
             flat = buffers[meta.dtype].data
             run = flat[meta.byte_offset:meta.byte_offset + meta.extent_bytes].view(meta.dtype)
             run.copy_(extent_view(tensor.detach()))
         return cls(layout, tier, buffers, ())
+
+    @staticmethod
+    def _fall_back_to_pageable(layout: LayerLayout, buffers: dict[torch.dtype, HostBuffer],
+                               refusal: PinRefusal) -> HostingTier:
+        """A refused pin makes the whole layer PAGEABLE (its other dtypes unlocked): one tier per layer."""
+        for dtype, buffer in list(buffers.items()):
+            if buffer.page_locked:
+                free_host_buffer(buffer)
+                buffers[dtype] = HostBuffer(buffer.data, buffer.nbytes, page_locked=False,
+                                            mapped_bytes=buffer.mapped_bytes, refusal=refusal)
+        logger.info("layer %s: planned PINNED, but %s; hosted PAGEABLE instead (%d B), copied through "
+                    "the pinned staging ring where the engine has one", layout.key, refusal.explain(),
+                    layout.nbytes)
+        return HostingTier.PAGEABLE
+
+    @property
+    def pin_refusal(self) -> PinRefusal | None:
+        """Why the layer is PAGEABLE although planned PINNED (the driver refused); None otherwise."""
+        return next((b.refusal for b in self._buffers.values() if b.refusal is not None), None)
 
     @property
     def nbytes(self) -> int:

@@ -12,7 +12,7 @@ from typing import Mapping
 
 import torch
 
-from offload_core.host.pinned import HostBuffer
+from offload_core.host.pinned import HostBuffer, free_host_buffer, lock_host_tensor
 from offload_core.host.store import WeightStore
 from offload_core.host.tier import HostingTier
 from offload_core.layout import LayerLayout, LayoutError
@@ -31,13 +31,13 @@ class SharedHostLayer(HostLayer):
     shared = True
 
 
-def register_read_only(data: torch.Tensor) -> bool:
-    """Page-lock a read-only shared buffer for this process; False if the device refuses."""
-    cudart = torch.cuda.cudart()
-    rc = int(cudart.cudaHostRegister(data.data_ptr(), data.numel(), _REGISTER_READ_ONLY))
-    if rc != 0:
-        torch.cuda.cudart().cudaGetLastError()  # clear it: a refused registration is not a sticky error
-    return rc == 0
+def register_read_only(data: torch.Tensor, device: torch.device) -> HostBuffer:
+    """Page-lock a read-only shared buffer for this process; pageable (with the refusal) if the device refuses.
+
+    Through ``host.pinned``: a refusal's CUDA error is cleared (torch's cudart binding has no
+    ``cudaGetLastError``), and unlocking waits for the device.
+    """
+    return lock_host_tensor(data, device, flags=_REGISTER_READ_ONLY)
 
 
 def shared_host_layers(store: WeightStore, layouts: Mapping[str, LayerLayout], tiers: Mapping[str, HostingTier],
@@ -51,16 +51,15 @@ def shared_host_layers(store: WeightStore, layouts: Mapping[str, LayerLayout], t
         flat = store.buffers(key)
         if dict(layout.flat_bytes) != {d: t.numel() for d, t in flat.items()}:
             raise LayoutError(f"layer {key}: store extents {sorted(map(str, flat))} do not match its layout")
-        lock = tier is HostingTier.PINNED and device.type == "cuda"
-        locked = {d: lock and register_read_only(t) for d, t in flat.items()}
-        if lock and not all(locked.values()):
-            for d, t in flat.items():  # all or nothing per layer, so free() unregisters what it must
-                if locked[d]:
-                    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-            locked = {d: False for d in flat}
+        lock = tier is HostingTier.PINNED  # a no-op without a page locker (CPU): planned pinned, pageable
+        buffers = {d: register_read_only(t, device) if lock else HostBuffer(t, t.numel(), page_locked=False)
+                   for d, t in flat.items()}
+        if any(b.refusal is not None for b in buffers.values()):
+            for buffer in buffers.values():  # all or nothing per layer, so free() unregisters what it must
+                free_host_buffer(buffer)
+            buffers = {d: HostBuffer(t, t.numel(), page_locked=False) for d, t in flat.items()}
             tier = HostingTier.PAGEABLE
             refused.append(key)
-        buffers = {d: HostBuffer(t, t.numel(), page_locked=locked[d]) for d, t in flat.items()}
         hosts[key] = SharedHostLayer(layout, tier, buffers, ())
     if refused:
         logger.info("store %s: the device refused read-only pinning of %d layers (%s...): they stream PAGEABLE "

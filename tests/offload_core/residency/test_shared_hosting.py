@@ -70,3 +70,25 @@ def test_a_replica_whose_budget_cannot_hold_the_copy_hosts_privately_and_stays_b
     assert all(torch.equal(v, expected[n]) for n, v in run(models, residency, x).items())
     assert not any(isinstance(layer.host, SharedHostLayer) for layer in residency.components["b"].streamer.layers)
     residency.remove()
+
+
+def test_a_refused_read_only_pin_streams_store_layers_pageable_with_the_error_cleared(cpu_capacity, tmp_path,
+                                                                                     monkeypatch):
+    from offload_core.host import pinned
+    from tests.offload_core.host.test_pinned import FakeLocker
+
+    cpu_capacity(1 << 30)
+    fake = FakeLocker(refuse=range(1, 1000))  # the device refuses every read-only registration
+    monkeypatch.setattr(pinned, "page_locker", lambda device: fake)
+    x = torch.randn(3, 16)
+    expected = Toy(1)(x)
+    node = InProcessLedger(1 << 30)
+    models, residency = replica("r1", InProcessStoreRegistry(node), node, tmp_path)
+    layers = residency.components["b"].streamer.layers
+    assert {layer.tier for layer in layers} == {HostingTier.PAGEABLE}
+    registrations = [c for c in fake.calls if c[0] == "register"]
+    assert registrations and all(flags == 0x08 for *_, flags in registrations), "read-only registration"
+    assert fake.calls.count(("clear_error",)) == len(registrations), "each refusal's error is cleared"
+    assert torch.equal(run(models, residency, x)["b"], expected)
+    residency.remove()
+    assert fake.locked == {}

@@ -1,0 +1,31 @@
+"""A pin the driver refuses: the residency's plan and report say PAGEABLE for that layer, with a note."""
+from __future__ import annotations
+
+import torch
+
+from offload_core.host import pinned
+from offload_core.host.tier import HostingTier
+from offload_core.residency.lifecycle import PipelineResidency
+from tests.offload_core.host.test_pinned import FakeLocker
+from tests.offload_core.residency.test_lifecycle import toy_plan, toys
+
+
+def test_a_refused_pin_is_in_the_plan_and_the_report_and_the_output_stays_exact(cpu_capacity, monkeypatch):
+    cpu_capacity(10**9)
+    plan = toy_plan(10**9)
+    pinned_keys = [key for key, tier in plan.component("b").hosting if tier is HostingTier.PINNED]
+    assert pinned_keys, "the toy plan must pin some of b's layers for this test to mean anything"
+    fake = FakeLocker(refuse=range(1, 1000))  # a memlock limit of zero: every registration refused
+    monkeypatch.setattr(pinned, "page_locker", lambda device: fake)
+    plain, models = toys(), toys()
+    res = PipelineResidency.apply(models, plan, "cpu")
+    hosted = dict(res.plan.component("b").hosting)
+    assert all(hosted[key] is HostingTier.PAGEABLE for key in pinned_keys)
+    assert any(f"b: {len(pinned_keys)} layers PAGEABLE instead of PINNED" in note for note in res.plan.notes)
+    report = dict(res.report().component("b").layer_tiers)
+    assert report["pinned"] == 0 and report["pageable"] == len(hosted)
+    x = torch.randn(2, 16)
+    with torch.no_grad(), res.stage(["b"]):
+        assert torch.equal(models["b"](x), plain["b"](x))
+    res.remove()
+    assert fake.locked == {}
