@@ -143,7 +143,7 @@ def run_case(name: str, build, shape, steps: int, device, mapped: bool = False) 
 def bandwidth() -> dict:
     if not CUDA:
         return {"skipped": "host->device bandwidth is measured on CUDA only"}
-    from offload_core.planner.facts import measure_link
+    from offload_core.streaming.link import measure_link
 
     link = measure_link(torch.device("cuda"))
     return {"pinned_GBps": round(link.pinned_Bps / 1e9, 2), "pageable_GBps": round(link.pageable_Bps / 1e9, 2)}

@@ -201,24 +201,3 @@ def with_compute(profile: ComponentProfile, tokens: int, device_flops: float) ->
     rest = 2.0 * rest_params * tokens / device_flops
     return ComponentProfile(profile.name, profile.class_name, profile.layer_groups, profile.layers,
                             profile.non_layer_bytes, profile.table_bytes, profile.uses_per_request, times, rest)
-
-
-def measure_link(device: torch.device, nbytes: int = 256 * 1024 * 1024, repeats: int = 3) -> LinkFacts:
-    """Measure pinned and pageable host->device bandwidth once (CUDA only)."""
-    assert torch.device(device).type == "cuda", "host->device bandwidth is measured on CUDA; configure it elsewhere"
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    figures = {}
-    for pinned in (True, False):
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        dst.copy_(src, non_blocking=pinned)
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            dst.copy_(src, non_blocking=pinned)
-        end.record()
-        torch.cuda.synchronize(device)
-        figures[pinned] = nbytes * repeats / (start.elapsed_time(end) / 1e3)
-    logger.info("link %s: pinned %.1f GB/s, pageable %.1f GB/s (measured, %d MiB x %d)",
-                device, figures[True] / GB, figures[False] / GB, nbytes >> 20, repeats)
-    return LinkFacts(figures[True], figures[False], measured=True)

@@ -1,0 +1,32 @@
+"""The link measurement: a typed refusal off CUDA; on CUDA it gives back all it took and runs once."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload_core.planner.facts import LinkFacts
+from offload_core.streaming import link
+from offload_core.streaming.link import measure_link
+
+
+def test_the_link_is_measured_on_cuda_only_and_says_so():
+    with pytest.raises(ValueError, match="measured on CUDA, not cpu; configure LinkFacts"):
+        measure_link("cpu")
+
+
+def _held(device: torch.device) -> tuple[int, int, dict]:
+    host = {k: v for k, v in torch.cuda.host_memory_stats().items() if k.endswith(".current")}
+    return torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device), host
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host->device bandwidth needs a CUDA device")
+def test_measuring_the_link_gives_back_device_and_pinned_memory_and_runs_once_per_process():
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    link._measured.cache_clear()
+    before = _held(device)
+    facts = measure_link(device, nbytes=64 * 1024 * 1024)
+    assert isinstance(facts, LinkFacts) and facts.measured
+    assert facts.pinned_Bps > 1e9 and facts.pageable_Bps > 1e8
+    assert _held(device) == before, "the probe's device or pinned host memory is still held"
+    assert measure_link(device, nbytes=64 * 1024 * 1024) is facts, "a second replica stage re-measured"
