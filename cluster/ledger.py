@@ -31,7 +31,9 @@ from cluster.fleet import profile_for_gpu
 from cluster.liveness import OwnerRef, actor_info, find_dead
 from cluster.node import GB, probe_node
 from cluster.pools import LeasePools, PoolState
+from cluster.shared_store import SharedStores, StoreState
 from offload_core.host.budget import Lease, Refusal
+from offload_core.host.store import sweep_orphans
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +126,10 @@ class NodeLedger:
                                  id_prefix=f"{self._epoch}-", label=f"ledger {node_id[:8]}")
         self._restarted = actor_info(ray.get_runtime_context().get_actor_id()).get("NumRestarts", 0) > 0
         self._recovering_until = time.monotonic() + config.recovery_s if self._restarted else 0.0
+        self._stores = SharedStores(self._pools, HOST_POOL, OwnerRef.of_this_process(f"ledger-{node_id[:8]}"),
+                                    f"ledger {node_id[:8]}")
+        # Stores a crashed process left in this node's shared memory: nobody holds them any more.
+        sweep_orphans()
         self._reclaimer: asyncio.Task | None = None
         self._answers: OrderedDict[str, asyncio.Future] = OrderedDict()  # request_id -> answer
         logger.info("ledger %s epoch %s%s: host pool %.2f GB (%s%s); per-replica cap %.2f GB (%.0f %%); "
@@ -191,6 +197,35 @@ class NodeLedger:
         self._pools.readopt(held, ref)
         return self._epoch
 
+    # ---- shared weight stores (cluster/shared_store.py) --------------------------------------
+    async def store_attach(self, digest: str, component: str, path: str, nbytes: int, budget_bytes: int | None,
+                           ref: OwnerRef, client_epoch: str | None = None):
+        self._ensure_reclaimer()
+        if client_epoch is not None and client_epoch != self._epoch:
+            return StaleEpoch(self._epoch)
+        await self._recovered()
+        return await self._stores.attach(digest, component, path, nbytes, ref, budget_bytes)
+
+    async def store_ready(self, digest: str, ref: OwnerRef, client_epoch: str | None = None):
+        if client_epoch is not None and client_epoch != self._epoch:
+            return StaleEpoch(self._epoch)
+        self._stores.ready(digest, ref)
+
+    async def store_detach(self, digest: str, ref: OwnerRef, client_epoch: str | None = None):
+        if client_epoch is not None and client_epoch != self._epoch:
+            return StaleEpoch(self._epoch)
+        self._stores.detach(digest, ref)
+
+    async def store_attachment(self, digest: str, ref: OwnerRef, client_epoch: str | None = None):
+        return self._stores.attachment(digest)
+
+    async def store_readopt(self, digest: str, component: str, path: str, nbytes: int, budget_bytes: int | None,
+                            ref: OwnerRef, client_epoch: str | None = None):
+        self._stores.readopt(digest, component, path, nbytes, ref, budget_bytes)
+
+    async def stores(self) -> tuple[StoreState, ...]:
+        return self._stores.states()
+
     # ---- recovery and liveness ---------------------------------------------------------------
     async def _recovered(self) -> None:
         delay = self._recovering_until - time.monotonic()
@@ -205,10 +240,12 @@ class NodeLedger:
     async def _reclaim_forever(self) -> None:
         while True:
             await asyncio.sleep(self._config.liveness_interval_s)
-            owners = self._pools.owners()
+            owners = set(self._pools.owners()) | self._stores.owners()
             if owners:
                 for ref in await asyncio.to_thread(find_dead, owners, self._node_id):
-                    self._pools.reclaim(ref, f"owner process {ref.pid} (actor {ref.actor_id}) is dead")
+                    why = f"owner process {ref.pid} (actor {ref.actor_id}) is dead"
+                    self._stores.reclaim(ref, why)
+                    self._pools.reclaim(ref, why)
 
 
 NodeLedgerActor = ray.remote(NodeLedger)

@@ -40,6 +40,7 @@ class LedgerClient:
         self._held: dict[str, tuple[str, Lease]] = {}  # lease_id -> (pool, lease)
         self._lock = threading.RLock()
         self._closed = threading.Event()
+        self._reregister_hooks: list = []  # run after leases are re-registered with a restarted ledger
         self._epoch = self._call(lambda retry: handle.epoch.remote())
         self._heartbeat = threading.Thread(target=self._beat, name=f"ledger-heartbeat-{owner}", daemon=True)
         self._heartbeat.start()
@@ -84,6 +85,20 @@ class LedgerClient:
         with self._lock:
             self._held.pop(lease.lease_id, None)
 
+    def call(self, method: str, *args):
+        """A node-ledger method taking ``(*args, ref, client_epoch)`` (the weight-store calls), riding
+        out a ledger restart: re-register, then ask again."""
+        while True:
+            epoch = self._epoch
+            result = self._call(lambda retry: getattr(self._handle, method).remote(*args, self.ref, epoch))
+            if not isinstance(result, StaleEpoch):
+                return result
+            self._reregister()
+
+    def on_reregister(self, hook) -> None:
+        """Run ``hook()`` whenever this client re-registers with a restarted ledger."""
+        self._reregister_hooks.append(hook)
+
     def outstanding(self, pool: str, owner: str | None) -> tuple[Lease, ...]:
         return self._call(lambda retry: self._handle.outstanding.remote(pool, owner))
 
@@ -126,6 +141,8 @@ class LedgerClient:
             logger.info("ledger restarted (epoch %s -> %s): %s re-registered %d lease(s), %d B",
                         self._epoch, new_epoch, self.ref.owner, len(held), sum(l.nbytes for _, l in held))
             self._epoch = new_epoch
+        for hook in self._reregister_hooks:
+            hook()
 
     def _beat(self) -> None:
         while not self._closed.wait(self._config.heartbeat_s):

@@ -29,6 +29,7 @@ from cluster.fleet import FleetProfile, profile_for_gpu
 from cluster.ledger import HOST_POOL, LedgerConfig, gpu_pool
 from cluster.node import GB, GpuFacts, NodeFacts, probe_node
 from offload_core.host.budget import InProcessLedger, Lease, MemoryBudget, Refusal
+from offload_core.host.store_registry import InProcessStoreRegistry, StoreRegistry
 
 if TYPE_CHECKING:  # duck-typed: replicas pass torch.device, the ledger side never imports torch
     import torch
@@ -90,6 +91,14 @@ class LocalBudget(MemoryBudget):
 
 _LOCAL: dict[str, LocalBudget] = {}  # pool -> the process's budget, shared by its replicas
 _LOCAL_LOCK = threading.Lock()
+_LOCAL_STORES: dict[int, InProcessStoreRegistry] = {}  # id(host budget) -> its store registry
+
+
+def _local_stores(host: MemoryBudget) -> InProcessStoreRegistry:
+    with _LOCAL_LOCK:
+        if id(host) not in _LOCAL_STORES:
+            _LOCAL_STORES[id(host)] = InProcessStoreRegistry(host)
+        return _LOCAL_STORES[id(host)]
 
 
 def _local_pool(pool: str, capacity: int) -> LocalBudget:
@@ -148,6 +157,18 @@ class ReplicaMemory:
         self.owner, self.device, self.node, self.profile = owner, device, node, profile
         self.host_budget, self.device_budget, self.device_pool = host_budget, device_budget, device_pool
         self._client = client
+        self._stores: StoreRegistry | None = None
+
+    def store_registry(self) -> StoreRegistry:
+        """Node weight stores' bookkeeping: the node ledger's with Ray, else this process's own."""
+        if self._stores is None:
+            if self._client is not None:
+                from cluster.shared_store import LedgerStoreRegistry
+
+                self._stores = LedgerStoreRegistry(self._client)
+            else:
+                self._stores = _local_stores(self.host_budget)
+        return self._stores
 
     @classmethod
     def open(cls, owner: str, device: "torch.device | str" = "cpu", *,

@@ -35,6 +35,9 @@ class StageArgs(BaseModel):
     # fraction of the node's spendable RAM (0.25). None: the node ledger's per-replica cap only.
     # The replica plans within min(this, what the node ledger grants).
     host_memory_budget: str | float | int | None = None
+    # Host the stage's streamed layers from the node weight store: one read-only shared-memory copy
+    # per node, whatever the number of replicas (false: each replica keeps its own copy).
+    share_host_weights: bool = True
 
     @field_validator("host_memory_budget")
     @classmethod
@@ -114,7 +117,8 @@ def stage_configs(args: AppArgs, facts: FamilyFacts) -> dict[str, StageConfig]:
         uses = uses_per_request(facts, stage, args.limits.default_steps, facts.default_guidance)
         batching = args.batching.config() if stage is PipelineStage.DENOISE else None
         configs[stage] = StageConfig(args.app_name, facts, stage, stage_args.offload_mode, tuple(uses.items()),
-                                     args.dtype, args.device_timeout_s, stage_args.host_budget(), batching)
+                                     args.dtype, args.device_timeout_s, stage_args.host_budget(), batching,
+                                     share_host_weights=stage_args.share_host_weights)
     return configs
 
 

@@ -23,6 +23,7 @@ from offload_core.planner.facts import (
 )
 from offload_core.planner.search import PerformanceMode, PipelinePlan, plan_pipeline
 from offload_core.residency.lifecycle import PipelineResidency, RequestFigures
+from offload_core.residency.shared_hosting import SharedWeights
 from offload_core.streaming.link import measure_link
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ class StageResidency:
 
     def __init__(self, stage: str, components: Mapping[str, nn.Module], uses_per_request: Mapping[str, int],
                  mode: PerformanceMode, device: torch.device, *, device_capacity: int,
-                 host_budget: MemoryBudget, owner: str, host_budget_bytes: int | None = None):
+                 host_budget: MemoryBudget, owner: str, host_budget_bytes: int | None = None,
+                 shared: SharedWeights | None = None):
         self.device, self.mode = device, mode
         self.host_budget_bytes = host_budget_bytes
         self._names = tuple(components)
@@ -62,7 +64,7 @@ class StageResidency:
             host_lease = min(host_lease, host_budget_bytes)
         wanted = plan_stage(stage, components, uses_per_request, mode, device, device_capacity, host_lease)
         self._residency = PipelineResidency.apply(components, wanted, device, host_budget, owner=owner,
-                                                  host_budget_bytes=host_budget_bytes)
+                                                  host_budget_bytes=host_budget_bytes, shared=shared)
         # As applied: tiers the host budget lowered or the driver refused to pin are in it, with notes.
         self.plan = self._residency.plan
         self._last = RequestFigures(0, 0)
@@ -96,7 +98,9 @@ class StageResidency:
     def host_status(self, report) -> HostMemoryStatus:
         """Budget, leased and used host bytes of this replica (``report``: its residency report)."""
         used = report.total("host_pinned_bytes") + report.total("host_pageable_bytes") + report.total("parked_bytes")
-        return HostMemoryStatus(self.host_budget_bytes, self._residency.host_leased_bytes(), used)
+        shared = self._residency.shared
+        attachments = tuple(a.to_json() for a in shared.attachments()) if shared is not None else ()
+        return HostMemoryStatus(self.host_budget_bytes, self._residency.host_leased_bytes(), used, attachments)
 
     def remove(self) -> None:
         """Unhook everything and give the pinned lease back."""

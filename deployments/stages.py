@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import pathlib
 import threading
 import time
 from dataclasses import dataclass
@@ -37,7 +38,9 @@ from deployments.spec import (
 )
 from deployments.steppers import stepper_for
 from offload_core.host.replica_budget import HostBudgetSpec
+from offload_core.host.store import folder_identity
 from offload_core.planner.search import PerformanceMode
+from offload_core.residency.shared_hosting import SharedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,8 @@ class StageConfig:
     host_budget: HostBudgetSpec | None = None
     # The Denoiser's step-level batching (None for the other stages: they run once per request).
     batching: BatchingConfig | None = None
+    # Streamed layers hosted from the node weight store (one copy per node) rather than privately.
+    share_host_weights: bool = True
 
 
 def _replica_device() -> torch.device:
@@ -90,11 +95,15 @@ class StageWorker:
         if budget is not None:
             logger.info("%s: host_memory_budget %s = %d B on this node (%d B spendable)", self.replica,
                         config.host_budget.describe(), budget, self.memory.node.ram.spendable)
+        modules = families.stage_modules(self.pipe, config.facts, config.stage)
+        shared = None
+        if config.share_host_weights:
+            identities = {name: folder_identity(pathlib.Path(config.facts.folder) / name) for name in modules}
+            shared = SharedWeights(self.memory.store_registry(), identities, self.replica, budget_bytes=budget)
         self.residency = StageResidency(
-            config.stage.value, families.stage_modules(self.pipe, config.facts, config.stage),
-            dict(config.uses_per_request), config.mode, self.device,
+            config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
             device_capacity=self.memory.device_budget.capacity(), host_budget=self.memory.host_budget,
-            owner=self.replica, host_budget_bytes=budget)
+            owner=self.replica, host_budget_bytes=budget, shared=shared)
         self.metrics = StageMetrics(config.stage.value)
         # One call at a time per replica: the pipeline object (scheduler state) is not reentrant.
         self._lock = threading.Lock()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,26 @@ VARIANTS: tuple[Variant, ...] = (
 )
 
 
+# GiB of streamable layer bytes per (real model, stage) in bf16, measured on torch's meta device
+# with offload_core's layout (tests/k8s checks each figure): what one node weight store of the
+# stage holds in /dev/shm however many of its replicas the node runs. The VAE streams up_blocks
+# (0.11 GiB); Flux's AutoencoderKL declares no layer groups.
+SHARED_LAYER_GIB = {
+    ("wan2.1-t2v-14b", "TextEncoder"): 8.63, ("wan2.1-t2v-14b", "Denoiser"): 26.18,
+    ("wan2.1-t2v-14b", "VaeDecoder"): 0.11,
+    ("wan2.1-t2v-1.3b", "TextEncoder"): 8.63, ("wan2.1-t2v-1.3b", "Denoiser"): 2.60,
+    ("wan2.1-t2v-1.3b", "VaeDecoder"): 0.11,
+    ("flux.1-dev", "TextEncoder"): 8.78, ("flux.1-dev", "Denoiser"): 22.05, ("flux.1-dev", "VaeDecoder"): 0.0,
+}
+
+
+def shared_store_gi(variant: Variant, group: GpuGroup) -> int:
+    """/dev/shm the node weight stores of the stages placed on ``group`` need (speed mode streams nothing)."""
+    gib = sum(SHARED_LAYER_GIB[(variant.real_model, s.deployment)] for s in variant.stages
+              if s.accelerator_type == group.accelerator_type and s.offload_mode != "speed")
+    return math.ceil(gib)
+
+
 def _ray_resources(group: GpuGroup) -> str:
     # KubeRay passes rayStartParams to `ray start` through a shell: the JSON is quoted once more.
     # Declaring accelerator_type:<T> lets the autoscaler see a zero-node group satisfy
@@ -153,11 +174,12 @@ def _container(name: str, cpus: int, memory_gi: int, gpus: int, object_store_gi:
     }
 
 
-def _volumes(object_store_gi: int) -> list[dict]:
+def _volumes(object_store_gi: int, store_gi: int = 0) -> list[dict]:
     return [
         {"name": "models", "persistentVolumeClaim": {"claimName": "offload-serve-models", "readOnly": True}},
-        # The object store lives in /dev/shm, which counts against the pod's memory limit.
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{object_store_gi + 1}Gi"}},
+        # The object store and the node weight stores (one shared copy of each streamed stage's
+        # layers) live in /dev/shm, which counts against the pod's memory limit; +1 Gi of slack.
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{object_store_gi + store_gi + 1}Gi"}},
     ]
 
 
@@ -185,7 +207,7 @@ def head_group() -> dict:
     }
 
 
-def worker_group(group: GpuGroup) -> dict:
+def worker_group(group: GpuGroup, variant: Variant) -> dict:
     return {
         "groupName": group.name,
         "replicas": 0,
@@ -208,7 +230,7 @@ def worker_group(group: GpuGroup) -> dict:
                 "nodeSelector": {"nvidia.com/gpu.product": group.gpu_product},
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                 "containers": [_container("ray-worker", group.cpus, group.memory_gi, 1, group.object_store_gi)],
-                "volumes": _volumes(group.object_store_gi),
+                "volumes": _volumes(group.object_store_gi, shared_store_gi(variant, group)),
             },
         },
     }
@@ -281,7 +303,7 @@ def rayservice(variant: Variant) -> dict:
                                   "requests": {"cpu": "500m", "memory": "512Mi"}},
                 },
                 "headGroupSpec": head_group(),
-                "workerGroupSpecs": [worker_group(g) for g in FLEET],
+                "workerGroupSpecs": [worker_group(g, variant) for g in FLEET],
             },
         },
     }

@@ -27,6 +27,7 @@ import torch
 
 from offload_core.host.maps import Backing, MapsSnapshot
 from offload_core.host.tier import HostingTier
+from offload_core.streaming.shared_layer import SharedHostLayer
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +46,14 @@ class ComponentResidency:
     parked_bytes: int
     # Streamed layers per planned tier, e.g. (("pinned", 4), ("pageable", 0), ("mapped", 36)).
     layer_tiers: tuple[tuple[str, int], ...] = ()
+    # Layers hosted from a node weight store (shared memory, one copy per node): mapped read-only
+    # here, pinned or pageable per their tier, and not this replica's own anonymous memory.
+    host_shared_bytes: int = 0
 
     @property
     def host_bytes(self) -> int:
-        return self.host_pinned_bytes + self.host_mapped_bytes + self.host_pageable_bytes + self.parked_bytes
+        return (self.host_pinned_bytes + self.host_mapped_bytes + self.host_pageable_bytes + self.parked_bytes
+                + self.host_shared_bytes)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -59,7 +64,8 @@ class ComponentResidency:
         tiers = ", ".join(f"{n} {t}" for t, n in self.layer_tiers) or "no streamed layers"
         return (f"residency {self.name}: device {_gib(self.device_bytes)}, host pinned "
                 f"{_gib(self.host_pinned_bytes)}, mapped {_gib(self.host_mapped_bytes)}, pageable "
-                f"{_gib(self.host_pageable_bytes)}, parked {_gib(self.parked_bytes)}; layers: {tiers}")
+                f"{_gib(self.host_pageable_bytes)}, parked {_gib(self.parked_bytes)}, shared "
+                f"{_gib(self.host_shared_bytes)}; layers: {tiers}")
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,8 @@ class ResidencyReport:
 
     def to_json(self) -> dict:
         """A JSON-ready dict (plain ints and strings), as FastAPI and Ray hand it on."""
-        fields = ("device_bytes", "host_pinned_bytes", "host_mapped_bytes", "host_pageable_bytes", "parked_bytes")
+        fields = ("device_bytes", "host_pinned_bytes", "host_mapped_bytes", "host_pageable_bytes", "parked_bytes",
+                  "host_shared_bytes")
         return {"components": [c.to_json() for c in self.components],
                 "totals": {f: self.total(f) for f in fields}}
 
@@ -119,7 +126,7 @@ class _Tally:
 
     def __init__(self, maps: MapsSnapshot, device: torch.device | None):
         self.maps, self.device = maps, device
-        self.bytes = {k: 0 for k in ("device", "pinned", "mapped", "pageable", "parked")}
+        self.bytes = {k: 0 for k in ("device", "pinned", "mapped", "pageable", "parked", "shared")}
         self._ranges: dict[str, _ByteRanges] = {}
 
     def add(self, tensor: torch.Tensor, place: str) -> None:
@@ -146,14 +153,18 @@ def component_residency(name: str, model: torch.nn.Module, *, streamer=None, par
     for layer in (streamer.layers if streamer is not None else ()):
         tiers[layer.tier] += 1
         for tensor in layer.host_tensors():
-            tally.add(tensor, "pinned" if layer.tier is HostingTier.PINNED else tally.host_place(tensor))
+            if isinstance(layer.host, SharedHostLayer):
+                tally.add(tensor, "shared")
+            else:
+                tally.add(tensor, "pinned" if layer.tier is HostingTier.PINNED else tally.host_place(tensor))
     for tensor in (parking.parked_tensors() if parking is not None else ()):
         tally.add(tensor, "parked")
     for tensor in _model_tensors(model):
         tally.add(tensor, tally.model_place(tensor))
     b = tally.bytes
     layer_tiers = tuple((t.value, n) for t, n in tiers.items()) if streamer is not None else ()
-    return ComponentResidency(name, b["device"], b["pinned"], b["mapped"], b["pageable"], b["parked"], layer_tiers)
+    return ComponentResidency(name, b["device"], b["pinned"], b["mapped"], b["pageable"], b["parked"], layer_tiers,
+                              b["shared"])
 
 
 def residency_report(models: Mapping[str, torch.nn.Module], *, streamers: Mapping[str, object] | None = None,

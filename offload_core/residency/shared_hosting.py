@@ -17,7 +17,15 @@ import torch
 from torch import nn
 
 from offload_core.host.budget import Refusal
-from offload_core.host.store import StoreKey, StoreLayout, StoreRole, WeightStore, key_for, store_dir
+from offload_core.host.store import (
+    StoreKey,
+    StoreLayout,
+    StoreRole,
+    WeightStore,
+    key_for,
+    remove_if_unused,
+    store_dir,
+)
 from offload_core.host.store_registry import StoreAttachment, StoreRegistry
 from offload_core.host.tier import HostingTier
 from offload_core.layout import (
@@ -71,11 +79,10 @@ class SharedWeights:
                         component, layout.total_bytes, ticket.reason)
             return None
         try:
-            if ticket.role is StoreRole.CREATE:
-                store = WeightStore.create(path, key, layout, layers)
-                self.registry.ready(key, self.owner)
-            else:
-                store = WeightStore.attach(path, key, layout)
+            store = self._open(ticket.role, path, key, layout, layers)
+            if store is None:
+                self.registry.release(key, self.owner)
+                return None
             hosts = shared_host_layers(store, {lay.key: lay for lay, _ in layers}, tiers, device)
         except BaseException:
             self.registry.release(key, self.owner)
@@ -84,6 +91,24 @@ class SharedWeights:
         logger.info("%s: %s hosted from store %s (%s, %d layers, %d B; %d replica(s) attached)", self.owner,
                     component, key.digest, ticket.role.value, len(hosts), layout.layer_bytes, ticket.attached)
         return hosts
+
+    def _open(self, role: StoreRole, path: Path, key: StoreKey, layout: StoreLayout, layers) -> WeightStore | None:
+        if role is StoreRole.CREATE:
+            # A file the registry does not know: left by a crashed process (removed unless a live
+            # process still holds it), or kept by a process outside this registry (mapped as is).
+            if path.exists() and not remove_if_unused(path):
+                logger.info("%s: store %s exists and a live process holds it: mapping it", self.owner, key.digest)
+                store = WeightStore.attach(path, key, layout)
+            else:
+                store = WeightStore.create(path, key, layout, layers)
+            self.registry.ready(key, self.owner)
+            return store
+        try:
+            return WeightStore.attach(path, key, layout)
+        except FileNotFoundError:
+            logger.info("%s: store %s is registered but its file %s is gone; hosting privately", self.owner,
+                        key.digest, path)
+            return None
 
     def attachments(self) -> tuple[StoreAttachment, ...]:
         found = (self.registry.attachment(s.key) for s in self._stores.values())

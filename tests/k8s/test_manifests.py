@@ -16,6 +16,7 @@ import yaml
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
+from offload_core.layout import KNOWN_LAYER_GROUPS, layer_parameters, plan_layer_layout
 from offload_core.planner.real_models import (
     UnknownModel,
     component_spec,
@@ -87,7 +88,7 @@ def test_crd_copies_match_the_shared_kuberay_crds():
         assert (CRD_DIR / name).read_bytes() == (shared / name).read_bytes(), f"k8s/crds/{name} is stale"
 
 
-def test_manifests_are_what_render_py_renders():
+def _render_module():
     spec = importlib.util.spec_from_file_location("k8s_render", K8S / "render.py")
     render = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = render  # dataclasses resolve annotations through sys.modules
@@ -95,6 +96,11 @@ def test_manifests_are_what_render_py_renders():
         spec.loader.exec_module(render)
     finally:
         del sys.modules[spec.name]
+    return render
+
+
+def test_manifests_are_what_render_py_renders():
+    render = _render_module()
     assert {v.file_name for v in render.VARIANTS} == {p.name for p in MANIFESTS}
     for variant in render.VARIANTS:
         assert (K8S / variant.file_name).read_text() == render.render(variant), "stale: run python k8s/render.py"
@@ -218,6 +224,47 @@ def test_every_node_can_host_the_weights_of_any_replica_mix_its_gpu_admits(manif
                                        for n, (name, _) in zip(counts, here)))
         assert worst <= spendable, (f"{group_name}: replicas its GPU admits hold {worst / GI:.1f} GiB of host "
                                     f"memory, the node ledger can spend {spendable / GI:.1f} GiB")
+
+
+@lru_cache(maxsize=None)
+def _streamed_layer_gib(real_model: str, stage: str, dtype: str) -> float:
+    """Bytes of a stage's streamable layers in offload_core's flat layout: one node store's size."""
+    total = 0
+    for component in STAGE_COMPONENTS[stage]:
+        try:
+            component_spec(real_model, component)
+        except UnknownModel:
+            continue
+        module = meta_component(real_model, component).to(getattr(torch, dtype))
+        groups = getattr(module, "offload_layer_groups", None) or KNOWN_LAYER_GROUPS.get(type(module).__name__, ())
+        for group in groups:
+            for i, layer in enumerate(module.get_submodule(group)):
+                total += plan_layer_layout(f"{group}.{i}", [(n, p.data) for n, p in layer_parameters(layer)]).nbytes
+    return total / GI
+
+
+def test_the_shared_layer_table_matches_the_real_models_streamed_layers():
+    render = _render_module()
+    for (real_model, stage), gib in render.SHARED_LAYER_GIB.items():
+        assert abs(_streamed_layer_gib(real_model, stage, "bfloat16") - gib) < 0.01, (real_model, stage)
+
+
+def test_each_worker_groups_memory_backed_dev_shm_holds_its_object_store_and_one_copy_per_streamed_stage(manifest):
+    real_model = manifest["metadata"]["annotations"]["offload-serve/real-model"]
+    (app,) = _serve(manifest)["applications"]
+    modes = {"TextEncoder": "encoder", "Denoiser": "denoiser", "VaeDecoder": "decoder"}
+    for group in _worker_groups(manifest).values():
+        spec = group["template"]["spec"]
+        (dshm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
+        assert dshm["emptyDir"]["medium"] == "Memory", "node weight stores must live in RAM"
+        (container,) = spec["containers"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+        streamed = sum(_streamed_layer_gib(real_model, name, app["args"]["dtype"])
+                       for name, d, g in _stage_placements(manifest)
+                       if g["groupName"] == group["groupName"] and app["args"][modes[name]]["offload_mode"] != "speed")
+        need = int(group["rayStartParams"]["object-store-memory"]) / GI + streamed
+        size = _gi(dshm["emptyDir"]["sizeLimit"]) / GI
+        assert need <= size < _gi(container["resources"]["limits"]["memory"]) / GI, (group["groupName"], need, size)
 
 
 def test_stages_in_speed_mode_fit_their_gpu_share(manifest):

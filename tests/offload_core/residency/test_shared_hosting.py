@@ -53,6 +53,11 @@ def test_a_second_replica_maps_the_store_reads_no_checkpoint_bytes_and_stays_bit
     assert node.leased() == stores > 0, "two replicas, each store leased once"
     assert first.host_leased_bytes() == second.host_leased_bytes() == 0, "no private copies to pay for"
     assert [a.attached for a in second.shared.attachments()] == [2, 2]
+    weights = second.report().component("b")
+    host_layer_bytes = sum(t.numel() for layer in second.components["b"].streamer.layers
+                           for t in layer.host_tensors())
+    assert weights.host_shared_bytes == host_layer_bytes > 0, "the report shows store-hosted layers as shared"
+    assert weights.host_pinned_bytes == weights.host_pageable_bytes == 0, "no private copy of them"
     first.remove()
     assert node.leased() == stores, "the second replica still maps both stores"
     assert all(torch.equal(v, expected[n]) for n, v in run(second_models, second, x).items())
