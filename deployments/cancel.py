@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 
 class RequestCancelled(RuntimeError):
@@ -17,11 +18,13 @@ class CancelFlag:
         self.request_id = request_id
         self._event = threading.Event()
         self.reason = ""
+        self.cancelled_after_step = 0  # steps the caller had seen when it went away
+        self.cancelled_at_s = 0.0  # time.monotonic() then
         self.stopped_at_step: int | None = None  # the boundary where the batch saw the flag
 
-    def cancel(self, reason: str) -> None:
+    def cancel(self, reason: str, after_step: int = 0) -> None:
         if not self._event.is_set():
-            self.reason = reason
+            self.reason, self.cancelled_after_step, self.cancelled_at_s = reason, after_step, time.monotonic()
             self._event.set()
 
     @property

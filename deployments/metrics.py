@@ -30,7 +30,17 @@ class StageMetrics:
         self._peak = metrics.Gauge(
             "offload_serve_device_peak_bytes", description="Peak weight bytes on the device in the last call.",
             tag_keys=tags)
-        for metric in (self._latency, self._streamed, self._streamed_total, self._peak):
+        self._cancelled = metrics.Counter(
+            "offload_serve_cancelled_requests_total", description="Calls stopped because their caller went away.",
+            tag_keys=tags)
+        self._steps_after_cancel = metrics.Gauge(
+            "offload_serve_steps_after_cancel", description="Steps run after the last one the caller saw, in the "
+            "last cancelled call (at most 1: the loop stops at the next step boundary).", tag_keys=tags)
+        self._free_after_cancel = metrics.Gauge(
+            "offload_serve_free_seconds_after_cancel", description="Seconds from the cancel to the replica being "
+            "free (lease and call lock given back), last cancelled call.", tag_keys=tags)
+        for metric in (self._latency, self._streamed, self._streamed_total, self._peak, self._cancelled,
+                       self._steps_after_cancel, self._free_after_cancel):
             metric.set_default_tags({"stage": stage})
 
     def record(self, stats: StageStats) -> None:
@@ -39,6 +49,11 @@ class StageMetrics:
         if stats.bytes_streamed > 0:  # Ray counters refuse increments of 0 (a resident plan moves nothing)
             self._streamed_total.inc(float(stats.bytes_streamed))
         self._peak.set(float(stats.device_peak_bytes))
+
+    def record_cancel(self, steps_after: int, free_s: float) -> None:
+        self._cancelled.inc()
+        self._steps_after_cancel.set(float(steps_after))
+        self._free_after_cancel.set(free_s)
 
 
 # Requests per forward: 1 to 64.

@@ -23,7 +23,7 @@ from ray.serve.exceptions import RayServeException
 
 from deployments import families
 from deployments.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
-from deployments.cancel import CancelFlag
+from deployments.cancel import CancelFlag, RequestCancelled
 from deployments.families import FamilyFacts
 from deployments.memory import CLUSTER_DEVICE_BUSY, DeviceBusy, open_replica_memory
 from deployments.metrics import BatchMetrics, StageMetrics
@@ -33,6 +33,7 @@ from deployments.spec import (
     DenoiseProgress,
     GenerationSpec,
     PipelineStage,
+    RequestRejected,
     StageOutput,
     StageStats,
 )
@@ -192,7 +193,12 @@ class TextEncoder:
 
     def encode(self, spec: GenerationSpec) -> StageOutput:
         worker = self.worker
-        return worker.run(lambda: families.encode(worker.pipe, worker.config.facts, spec, worker.device))
+        try:
+            return worker.run(lambda: families.encode(worker.pipe, worker.config.facts, spec, worker.device))
+        except (UnicodeError, TypeError) as exc:
+            # The tokenizer is the only part that reads request text; it raises these on text it
+            # cannot take (a lone surrogate was one, before validation refused them): the request's fault.
+            raise RequestRejected("prompt", f"the tokenizer refused the prompt: {type(exc).__name__}: {exc}") from exc
 
     def residency(self) -> ReplicaResidency:
         return self.worker.report()
@@ -237,15 +243,18 @@ class Denoiser:
         request = self.stepper.start(encoded.value, spec, on_step=put)
         future = self.batcher.submit(request)
         future.add_done_callback(lambda _: put(_DONE))
+        future.add_done_callback(lambda done: self._on_left(done, request.cancel))
         self.in_flight[spec.request_id] = request.cancel
+        seen = 0  # steps handed to the caller
         try:
             while (item := await events.get()) is not _DONE:
                 yield item
+                seen = item.step
             latents = future.result()
         finally:
             del self.in_flight[spec.request_id]
             if not future.done():  # closed early: the caller is gone; it leaves at the next boundary
-                request.cancel.cancel("the caller went away")
+                request.cancel.cancel("the caller went away", after_step=seen)
                 self.last_cancelled = request.cancel
                 logger.info("%s: request %s cancelled by its caller; it leaves the batch at the next step "
                             "boundary", self.worker.replica, spec.request_id)
@@ -255,6 +264,15 @@ class Denoiser:
                            int(request.bytes_streamed), worker.residency.device_peak_bytes())
         worker.record(stats)
         yield StageOutput(latents.to(families.CPU), stats)
+
+    def _on_left(self, future, flag: CancelFlag) -> None:
+        """A cancelled request left the batch (the batch's thread): record how soon, in steps and seconds."""
+        if future.cancelled() or not isinstance(future.exception(), RequestCancelled):
+            return
+        steps, free_s = flag.stopped_at_step - flag.cancelled_after_step, time.monotonic() - flag.cancelled_at_s
+        self.worker.metrics.record_cancel(steps, free_s)
+        logger.info("%s: request %s left the batch %.3f s after its cancel, %d step(s) after the last one its "
+                    "caller saw", self.worker.replica, flag.request_id, free_s, steps)
 
     def _busy_period(self, run: Callable[[], None]) -> None:
         with self.worker.in_use():

@@ -61,6 +61,7 @@ def test_a_cancelled_denoise_stops_at_the_next_step_boundary_and_frees_the_repli
     flag = denoiser.last_cancelled
     assert flag is not None and flag.request_id == SPEC.request_id and flag.cancelled
     # Within one step of the disconnect: the loop ran at most the step it was in when cancelled.
+    assert flag.cancelled_after_step == seen
     assert flag.stopped_at_step is not None and flag.stopped_at_step <= seen + 1 < STEPS
     assert not denoiser.worker.busy and denoiser.in_flight == {}
     print(f"step {step_s * 1e3:.0f} ms (first, with copies); replica free {freed_s * 1e3:.0f} ms after the cancel, "

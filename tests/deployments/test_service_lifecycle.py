@@ -1,0 +1,159 @@
+"""The service's lifecycle over real Serve, one app for the module: a client that disconnects
+(plain HTTP or SSE) cancels its request and the Denoiser is free within one step; a config change
+deployed under steady traffic loses no request and the replaced replicas give every lease back
+(`serve.run` of the changed app goes through the same rolling update as `serve deploy`)."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from deployments.app import StageArgs
+from offload_core.planner.search import PerformanceMode
+from tests.deployments.conftest import TOKEN, TOKEN_ENV, serve_base_url, tiny_args
+
+APP, PREFIX = "roll-test", "/roll"
+IMAGES = "/v1/images/generations"
+CLIENTS = 2
+
+
+def _args(denoiser_mode: PerformanceMode):
+    return tiny_args(app_name=APP, denoiser=StageArgs(offload_mode=denoiser_mode), graceful_shutdown_timeout_s=30)
+
+
+def _replicas(deployment: str) -> set[str]:
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
+    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
+
+
+def _leases_of(replicas: set[str]) -> int:
+    """Bytes the node ledger still counts for ``replicas`` (host pool and every device pool)."""
+    from cluster.replica_memory import ReplicaMemory
+
+    probe = ReplicaMemory.open("test-lease-probe", "cpu")
+    try:
+        leases = probe.host_budget.outstanding() + probe.device_budget.outstanding()
+        return sum(lease.nbytes for lease in leases if lease.owner in replicas)
+    finally:
+        probe.close()
+
+
+def _cancel_metrics(ray_cluster) -> dict[str, float]:
+    """The Denoiser's cancellation series, scraped from every node's metrics agent."""
+    urls = [f"http://127.0.0.1:{node.metrics_export_port}/metrics" for node in ray_cluster.list_all_nodes()]
+    found = {}
+    for url in urls:
+        for line in httpx.get(url, timeout=10).text.splitlines():
+            for name in ("cancelled_requests_total", "steps_after_cancel", "free_seconds_after_cancel"):
+                if line.startswith(f"ray_offload_serve_{name}{{") and f'application="{APP}"' in line \
+                        and 'stage="denoise"' in line:
+                    found[name] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def _wait_for_cancels(ray_cluster, count: int) -> dict[str, float]:
+    deadline, found = time.monotonic() + 90, {}  # Ray's metrics agent exports every ~10 s
+    while time.monotonic() < deadline:
+        found = _cancel_metrics(ray_cluster)
+        if found.get("cancelled_requests_total", 0) >= count:
+            return found
+        time.sleep(1)
+    raise AssertionError(f"the Denoiser reported {found} cancels, expected {count}: the call ran on")
+
+
+LONG = {"prompt": "a long walk", "seed": 3, "num_inference_steps": 200, "size": "64x64", "n": 2}
+
+
+@pytest.fixture(scope="module")
+def base(ray_cluster):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    os.environ[TOKEN_ENV] = TOKEN
+    url = serve_base_url(ray_cluster)
+    serve.run(build_app(_args(PerformanceMode.MEMORY)), name=APP, route_prefix=PREFIX)
+    try:
+        yield url + PREFIX
+    finally:
+        serve.delete(APP)
+
+
+def test_a_plain_http_client_that_disconnects_frees_the_denoiser_within_one_step(base, ray_cluster):
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    # 200 steps take seconds here; the client gives up after 1.5 s (mid-denoise) and closes.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + IMAGES, json=LONG, headers=headers, timeout=httpx.Timeout(30, read=1.5))
+    found = _wait_for_cancels(ray_cluster, 1)
+    print(f"HTTP disconnect: replica free {found['free_seconds_after_cancel'] * 1e3:.0f} ms after the cancel, "
+          f"{found['steps_after_cancel']:.0f} step(s) after the last one seen")
+    assert found["steps_after_cancel"] <= 1
+
+
+def test_an_event_stream_client_that_disconnects_frees_the_denoiser_within_one_step(base, ray_cluster):
+    before = _cancel_metrics(ray_cluster).get("cancelled_requests_total", 0)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(base_url=base, headers=headers, timeout=60) as client:
+        with client.stream("POST", IMAGES, json={**LONG, "stream": True}) as response:
+            progress = 0
+            for line in response.iter_lines():
+                progress += line.startswith("event: progress")
+                if progress == 3:
+                    break  # leaving the block closes the connection mid-stream
+    found = _wait_for_cancels(ray_cluster, before + 1)
+    print(f"SSE disconnect: replica free {found['free_seconds_after_cancel'] * 1e3:.0f} ms after the cancel, "
+          f"{found['steps_after_cancel']:.0f} step(s) after the last one seen")
+    assert found["steps_after_cancel"] <= 1
+    # And the replica serves the next request.
+    ok = httpx.post(base + IMAGES, json={"prompt": "next", "num_inference_steps": 2}, headers=headers, timeout=120)
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_config_change_under_steady_traffic_loses_no_request_and_gives_every_lease_back(base):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    old_stages = _replicas("Denoiser") | _replicas("TextEncoder") | _replicas("VaeDecoder")
+    assert _leases_of(old_stages) > 0, "the old replicas hold no lease: nothing to give back"
+    stop, results = threading.Event(), []
+
+    def client(seed: int) -> None:
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as c:
+            while not stop.is_set():
+                response = c.post(IMAGES, json={"prompt": "steady", "seed": seed, "num_inference_steps": 4,
+                                                "size": "32x32"})
+                results.append((time.monotonic(), response.status_code, response.text[:200]))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    try:
+        while len(results) < 4:  # traffic is flowing through the old replicas
+            time.sleep(0.1)
+        started = time.monotonic()
+        serve.run(build_app(_args(PerformanceMode.SPEED)), name=APP, route_prefix=PREFIX)  # the change
+        updated = time.monotonic()
+        while sum(1 for at, _, _ in results if at > updated) < 4:  # and through the new ones
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    during = [(status, text) for at, status, text in results if at >= started]
+    failures = [(status, text) for _, status, text in results if status != 200]
+    print(f"{len(results)} requests, {len(during)} answered during/after the {updated - started:.1f} s update, "
+          f"{len(failures)} failed")
+    assert failures == [], failures
+    assert during, "no request was answered while the update ran"
+    new_stages = _replicas("Denoiser") | _replicas("TextEncoder") | _replicas("VaeDecoder")
+    assert new_stages and not (new_stages & old_stages), "the stage replicas were not replaced"
+    deadline = time.monotonic() + 30  # a drained replica's close() runs after its last request
+    while _leases_of(old_stages) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _leases_of(old_stages) == 0, "a replaced replica kept its leases"
