@@ -20,8 +20,14 @@ IMAGES = "/v1/images/generations"
 CLIENTS = 2
 
 
+# Long enough that a client giving up after 1 s leaves mid-denoise (~5 ms a step here, 2 images).
+LONG_STEPS = 1000
+
+
 def _args(denoiser_mode: PerformanceMode):
-    return tiny_args(app_name=APP, denoiser=StageArgs(offload_mode=denoiser_mode), graceful_shutdown_timeout_s=30)
+    limits = tiny_args().limits.model_copy(update={"max_steps": LONG_STEPS})
+    return tiny_args(app_name=APP, denoiser=StageArgs(offload_mode=denoiser_mode), graceful_shutdown_timeout_s=30,
+                     limits=limits)
 
 
 def _replicas(deployment: str) -> set[str]:
@@ -66,7 +72,7 @@ def _wait_for_cancels(ray_cluster, count: int) -> dict[str, float]:
     raise AssertionError(f"the Denoiser reported {found} cancels, expected {count}: the call ran on")
 
 
-LONG = {"prompt": "a long walk", "seed": 3, "num_inference_steps": 200, "size": "64x64", "n": 2}
+LONG = {"prompt": "a long walk", "seed": 3, "num_inference_steps": LONG_STEPS, "size": "64x64", "n": 2}
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +92,9 @@ def base(ray_cluster):
 
 def test_a_plain_http_client_that_disconnects_frees_the_denoiser_within_one_step(base, ray_cluster):
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    # 200 steps take seconds here; the client gives up after 1.5 s (mid-denoise) and closes.
+    # LONG_STEPS take seconds here; the client gives up after 1 s (mid-denoise) and closes.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base + IMAGES, json=LONG, headers=headers, timeout=httpx.Timeout(30, read=1.5))
+        httpx.post(base + IMAGES, json=LONG, headers=headers, timeout=httpx.Timeout(30, read=1.0))
     found = _wait_for_cancels(ray_cluster, 1)
     print(f"HTTP disconnect: replica free {found['free_seconds_after_cancel'] * 1e3:.0f} ms after the cancel, "
           f"{found['steps_after_cancel']:.0f} step(s) after the last one seen")
