@@ -17,23 +17,20 @@ from __future__ import annotations
 from typing import Sequence
 
 from offload_core.host.tier import HostingTier
-from offload_core.planner.facts import ComponentProfile, LayerFacts, LinkFacts
+from offload_core.layout import RegionMap
+from offload_core.planner.facts import ComponentProfile, LayerProfile, LinkFacts
 from offload_core.planner.pipeline_plan import ComponentPlan, ComponentPrediction
 from offload_core.planner.strategy import Strategy
 
 
-def copy_bytes(layer: LayerFacts, tier: HostingTier) -> int:
+def copy_bytes(layer: LayerProfile, tier: HostingTier) -> int:
     """Bytes one host->device copy of ``layer`` moves from ``tier``."""
     return layer.tensor_bytes if tier is HostingTier.MAPPED else layer.nbytes
 
 
-def slot_region_bytes(streamed: Sequence[LayerFacts]) -> int:
-    """One ring slot: per dtype the largest streamed layer's flat bytes, summed over dtypes."""
-    largest: dict[str, int] = {}
-    for layer in streamed:
-        for dtype, nbytes in layer.flat_bytes:
-            largest[dtype] = max(largest.get(dtype, 0), nbytes)
-    return sum(largest.values())
+def slot_region_bytes(streamed: Sequence[LayerProfile]) -> int:
+    """One ring slot, sized by the ring's own ``RegionMap.covering`` of the streamed layers."""
+    return RegionMap.covering(layer.layout for layer in streamed).nbytes
 
 
 def n_slots(plan: ComponentPlan, n_streamed: int) -> int:
@@ -65,7 +62,7 @@ def _tiers(plan: ComponentPlan) -> dict[str, HostingTier]:
     return dict(plan.hosting)
 
 
-def _streamed_copy_bytes(streamed: Sequence[LayerFacts], tiers: dict[str, HostingTier], slots: int,
+def _streamed_copy_bytes(streamed: Sequence[LayerProfile], tiers: dict[str, HostingTier], slots: int,
                         uses: int) -> dict[HostingTier, int]:
     """Bytes per tier the streamed layers copy in one request (see the module docstring)."""
     out = {tier: 0 for tier in HostingTier}

@@ -2,8 +2,9 @@
 
 Facts are read from the models themselves (real ones, or real-size ones on torch's ``meta``
 device: shapes and dtypes are all the byte figures need) plus a few measured or configured
-figures. Layer bytes are counted exactly as the engine lays layers out (one flat buffer per
-dtype, tensors at ``ALIGN_BYTES``-aligned offsets), so predicted bytes equal measured ones.
+figures. Layers are laid out by the engine's own ``plan_layer_layout`` and slots sized by its
+``RegionMap.covering``, in the engine's execution order (``offload_core.order``), so predicted
+bytes equal measured ones by construction, not by a second copy of the arithmetic.
 """
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ import torch
 from torch import nn
 
 from offload_core.layout import (
+    LayerLayout,
     LayoutError,
-    align_up,
     declared_layer_groups,
-    resolve_layer_group,
-    storage_extent,
+    layer_parameters,
+    plan_layer_layout,
 )
+from offload_core.order import Trace, execution_order
 from offload_core.tables import HostTablesConfig, TableVerdict, select_host_tables
 
 logger = logging.getLogger(__name__)
@@ -33,20 +35,24 @@ GB = 10**9
 
 
 @dataclass(frozen=True)
-class LayerFacts:
-    """One streamable layer: what its flat buffers take on the host and in a device slot."""
+class LayerProfile:
+    """One streamable layer as the planner sees it: the engine's own layout of it, and its size."""
 
     key: str  # "blocks.3"
-    # (dtype name, aligned flat bytes) sorted by dtype name, as offload_core.layout lays it out.
-    flat_bytes: tuple[tuple[str, int], ...]
-    # Bytes the tensors themselves span: what a MAPPED layer copies (tensor by tensor), and what
-    # the layer takes on the device when its component is plainly resident.
-    tensor_bytes: int
+    # Made by offload_core.layout.plan_layer_layout, the function the engine lays layers out with.
+    layout: LayerLayout
     params: int  # parameter count, for FLOP estimates
 
     @property
     def nbytes(self) -> int:
-        return sum(n for _, n in self.flat_bytes)
+        """Its flat buffers: what a PINNED or PAGEABLE layer copies and takes on the device."""
+        return self.layout.nbytes
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes the tensors themselves span: what a MAPPED layer copies (tensor by tensor), and
+        what the layer takes on the device when its component is plainly resident."""
+        return self.layout.tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ class ComponentProfile:
     name: str  # "transformer"
     class_name: str
     layer_groups: tuple[str, ...]  # empty: not streamable (RESIDENT or MODEL_OFFLOAD only)
-    layers: tuple[LayerFacts, ...]  # in the order they run
+    layers: tuple[LayerProfile, ...]  # in the order they run (offload_core.order)
     non_layer_bytes: int  # parameters outside the layer groups (tied ones once), hostable tables included
     table_bytes: int  # of those, the bytes of tables that qualify for host gathers
     uses_per_request: int  # forward passes over the layers per request (steps x CFG passes for a denoiser)
@@ -141,18 +147,10 @@ class PipelineFacts:
         return self.device_capacity - self.working_set_bytes
 
 
-def layer_facts(key: str, layer: nn.Module) -> LayerFacts:
-    """The layer's flat bytes per dtype, computed like ``layout.plan_layer_layout`` (works on meta)."""
-    cursor: dict[torch.dtype, int] = {}
-    params = tensor_bytes = 0
-    for _name, tensor in layer.named_parameters():
-        offset = align_up(cursor.get(tensor.dtype, 0))
-        extent = storage_extent(tensor) * tensor.element_size()
-        cursor[tensor.dtype] = offset + extent
-        tensor_bytes += extent
-        params += tensor.numel()
-    flat = tuple(sorted(((str(d).removeprefix("torch."), align_up(n)) for d, n in cursor.items())))
-    return LayerFacts(key, flat, tensor_bytes, params)
+def layer_profile(key: str, layer: nn.Module) -> LayerProfile:
+    """The layer laid out exactly as the engine will lay it out (works on meta)."""
+    named = layer_parameters(layer)
+    return LayerProfile(key, plan_layer_layout(key, [(n, p) for n, p in named]), sum(p.numel() for _, p in named))
 
 
 def streamable_groups(model: nn.Module, layer_groups: Sequence[str] | None) -> tuple[str, ...]:
@@ -168,15 +166,19 @@ def streamable_groups(model: nn.Module, layer_groups: Sequence[str] | None) -> t
 def profile_component(name: str, model: nn.Module, *, uses_per_request: int,
                       compute_s_per_layer: Sequence[float] | None = None, compute_s_rest: float = 0.0,
                       layer_groups: Sequence[str] | None = None,
-                      tables: HostTablesConfig = HostTablesConfig()) -> ComponentProfile:
-    """Read a component's facts from the module (real or meta). Compute defaults to 0 s per layer."""
+                      tables: HostTablesConfig = HostTablesConfig(), trace: Trace | None = None,
+                      layer_order: Sequence[str] | None = None) -> ComponentProfile:
+    """Read a component's facts from the module (real or meta). Compute defaults to 0 s per layer.
+
+    Layers come in execution order (``trace`` or ``layer_order``, see offload_core.order), the
+    order the engine streams them in; layers without parameters are not layers to stream.
+    """
     groups = streamable_groups(model, layer_groups)
-    layers: list[LayerFacts] = []
+    layers: list[LayerProfile] = []
     in_layers: set[int] = set()
-    for path in groups:
-        for i, layer in enumerate(resolve_layer_group(model, path).layers):
-            layers.append(layer_facts(f"{path}.{i}", layer))
-            in_layers.update(id(p) for p in layer.parameters())
+    for layer in execution_order(model, groups, trace=trace, layer_order=layer_order):
+        layers.append(layer_profile(layer.key, layer.module))
+        in_layers.update(id(p) for p in layer.module.parameters())
     rest = {id(p): p for p in model.parameters() if id(p) not in in_layers}
     non_layer = sum(p.numel() * p.element_size() for p in rest.values())
     table_bytes = sum(d.nbytes for d in select_host_tables(model, tables) if d.verdict is TableVerdict.HOSTED)
@@ -185,7 +187,7 @@ def profile_component(name: str, model: nn.Module, *, uses_per_request: int,
                             int(uses_per_request), compute, compute_s_rest)
 
 
-def estimate_layer_compute_s(layer: LayerFacts, tokens: int, device_flops: float) -> float:
+def estimate_layer_compute_s(layer: LayerProfile, tokens: int, device_flops: float) -> float:
     """2 FLOPs per parameter per token (the matmuls), at the device's sustained FLOP rate.
 
     Attention's seq^2 term is left out, so this underestimates long-sequence compute: the planner

@@ -39,9 +39,12 @@ __all__ = ["LifecycleError", "PipelineResidency", "RequestFigures", "Strategy", 
 def streaming_config(plan: ComponentPlan) -> StreamingConfig:
     """The engine's configuration for one LAYERWISE component of a plan."""
     assert plan.strategy is Strategy.LAYERWISE, f"{plan.name} is {plan.strategy.value}, not streamed"
+    # The plan lists its layers in the execution order it was made with; the engine streams them
+    # in that order (and checks the keys), so "resident_layers leading" means the same layers to both.
     return StreamingConfig(layer_groups=plan.layer_groups or None, prefetch_depth=plan.prefetch_depth,
                            resident=plan.resident_layers, resident_placement=ResidentPlacement.LEADING,
-                           keep_resident=False, hosting=dict(plan.hosting))
+                           keep_resident=False, hosting=dict(plan.hosting),
+                           layer_order=tuple(key for key, _ in plan.hosting))
 
 
 class LifecycleError(RuntimeError):

@@ -33,10 +33,10 @@ from offload_core.layout import (
     layer_parameters,
     placeholder,
     plan_layer_layout,
-    resolve_layer_group,
     tensor_view,
     unique_storage_bytes,
 )
+from offload_core.order import OrderedLayer, Trace, execution_order
 from offload_core.streaming.device import Device, get_device
 from offload_core.streaming.host_layer import HostLayer
 from offload_core.streaming.meter import DeviceWeightMeter
@@ -71,6 +71,10 @@ class StreamingConfig:
     """How to stream one model. Validated on construction."""
 
     layer_groups: tuple[str, ...] | None = None  # None: the class's declared groups
+    # The order layers run in (see offload_core.order), known before anything moves: a forward on
+    # meta inputs to trace, or the layer keys in order (a plan's); None: the declared order.
+    trace: Trace | None = None
+    layer_order: tuple[str, ...] | None = None
     prefetch_depth: int = 1  # layers copied ahead of the running one (slots = depth + 1)
     resident: int | float = 0  # an int counts layers; a float in [0, 1] is a fraction of them
     resident_placement: ResidentPlacement = ResidentPlacement.LEADING
@@ -84,6 +88,14 @@ class StreamingConfig:
             if len(set(self.layer_groups)) != len(self.layer_groups) or not self.layer_groups:
                 raise ValueError(f"layer_groups must be non-empty and distinct, got {self.layer_groups!r}")
             object.__setattr__(self, "layer_groups", tuple(self.layer_groups))
+        if self.trace is not None and self.layer_order is not None:
+            raise ValueError("give either a trace or a layer_order, not both: they could disagree")
+        if self.trace is not None and not callable(self.trace):
+            raise TypeError(f"trace must be a callable that runs one forward of the model, got {self.trace!r}")
+        if self.layer_order is not None:
+            if isinstance(self.layer_order, str) or not all(isinstance(k, str) for k in self.layer_order):
+                raise TypeError(f"layer_order must be a tuple of layer keys, got {self.layer_order!r}")
+            object.__setattr__(self, "layer_order", tuple(self.layer_order))
         if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be an int >= 1, got {self.prefetch_depth!r}")
         if isinstance(self.resident, bool) or not isinstance(self.resident, (int, float)):
@@ -346,7 +358,7 @@ def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,
         raise AlreadyStreamedError(f"{type(model).__name__} is already under layer streaming; call remove() first")
     context = device if isinstance(device, Device) else get_device(device)
     paths = config.layer_groups or declared_layer_groups(model)
-    entries = _collect_layers(model, paths)
+    entries = _collect_layers(paths, execution_order(model, paths, trace=config.trace, layer_order=config.layer_order))
     layer_ids = {id(p) for entry in entries for p in entry.params}
     check_disjoint({e.key: e.params for e in entries}, (p for p in model.parameters() if id(p) not in layer_ids))
     tiers = _tiers(entries, config.hosting or {})
@@ -377,22 +389,21 @@ def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,
 class _LayerEntry:
     """One layer found in a group, before it is moved: where it is and how it will be laid out."""
 
-    group: int  # index of its group in execution order
+    group: int  # index of its group in the declared groups (moved off largest group first)
     key: str  # "single_transformer_blocks.2"
     module: nn.Module
     params: tuple[nn.Parameter, ...]  # in layout.tensors order
     layout: LayerLayout
 
 
-def _collect_layers(model: nn.Module, paths: tuple[str, ...]) -> tuple[_LayerEntry, ...]:
-    """Every layer of every group, in execution order (groups in the order they run)."""
+def _collect_layers(paths: tuple[str, ...], ordered: tuple[OrderedLayer, ...]) -> tuple[_LayerEntry, ...]:
+    """Every layer with parameters, in execution order (layers without any get no slot)."""
     entries = []
-    for index, path in enumerate(paths):
-        for i, module in enumerate(resolve_layer_group(model, path).layers):
-            key = f"{path}.{i}"
-            named = layer_parameters(module)
-            layout = plan_layer_layout(key, [(n, p.data) for n, p in named])
-            entries.append(_LayerEntry(index, key, module, tuple(p for _, p in named), layout))
+    for layer in ordered:
+        named = layer_parameters(layer.module)
+        layout = plan_layer_layout(layer.key, [(n, p.data) for n, p in named])
+        entries.append(_LayerEntry(paths.index(layer.group), layer.key, layer.module, tuple(p for _, p in named),
+                                   layout))
     return tuple(entries)
 
 

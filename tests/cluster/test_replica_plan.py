@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 import ray
+import torch
 
-from offload_core.planner.facts import ComponentProfile, LayerFacts, Stage
+from offload_core.planner.facts import ComponentProfile, Stage
 from tests.cluster.conftest import FAST
 from tests.cluster.replicas import on_node
+from tests.offload_core.tiny_models import toy_layer
 
 GB = 10**9
 
 
 def _denoiser_14b() -> ComponentProfile:
     """Wan2.1-14B-like: 40 blocks of 0.7 GB bf16 (28 GB), 50 steps, 20 ms per block per step."""
-    layers = tuple(LayerFacts(f"blocks.{i}", (("bfloat16", 700_000_000),), 700_000_000, 350_000_000)
-                   for i in range(40))
+    layers = tuple(toy_layer(f"blocks.{i}", 700_000_000, torch.bfloat16) for i in range(40))
     return ComponentProfile("transformer", "WanTransformer3DModel", ("blocks",), layers, 500_000_000, 0, 50,
                             (0.02,) * 40)
 

@@ -153,3 +153,69 @@ class ScaleBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.linear(x) * self.scale + self.shift) @ self.mix
+
+
+def toy_layer(key: str, nbytes: int, dtype: torch.dtype = torch.float32, params: int | None = None):
+    """A planner layer of ``nbytes`` tensor bytes, laid out by the engine's own layout code (on meta)."""
+    from offload_core.layout import plan_layer_layout
+    from offload_core.planner.facts import LayerProfile
+
+    weight = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device="meta")
+    return LayerProfile(key, plan_layer_layout(key, [("weight", weight)]), weight.numel() if params is None else params)
+
+
+class _Block(nn.Module):
+    """One linear with a residual: enough weight to stream, exact enough to compare bitwise."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+class _Refiner(nn.Module):
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        self.refiner_blocks = nn.ModuleList(_Block(width) for _ in range(depth))
+        self.proj = nn.Linear(width, 16)
+
+
+class TinyHunyuan(nn.Module):
+    """HunyuanVideo's shape in miniature: a token refiner (inside ``context_embedder``) runs first on
+    the text, then the double-stream and single-stream blocks; a GELU sits in the single blocks."""
+
+    def __init__(self, layer_groups: tuple[str, ...]):
+        super().__init__()
+        self.offload_layer_groups = layer_groups
+        self.context_embedder = _Refiner(8, 2)
+        self.transformer_blocks = nn.ModuleList(_Block(16) for _ in range(3))
+        self.single_transformer_blocks = nn.ModuleList([_Block(16), nn.GELU(), _Block(16)])
+        self.proj_out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        for block in self.context_embedder.refiner_blocks:
+            text = block(text)
+        context = self.context_embedder.proj(text).mean(dim=1, keepdim=True)
+        for block in self.transformer_blocks:
+            x = block(x + context)
+        for block in self.single_transformer_blocks:
+            x = block(x)
+        return self.proj_out(x)
+
+
+def tiny_hunyuan(layer_groups: tuple[str, ...]) -> TinyHunyuan:
+    """Seeded: the same weights whatever order the groups are declared in."""
+    torch.manual_seed(0)
+    return TinyHunyuan(layer_groups).eval()
+
+
+def hunyuan_inputs(device: str = "cpu") -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {"x": torch.randn(1, 5, 16, generator=g).to(device), "text": torch.randn(1, 3, 8, generator=g).to(device)}
+
+
+def refiner_trace(model: nn.Module) -> None:
+    """One forward of a TinyHunyuan on meta inputs: what the engine and planner trace the order with."""
+    model(**hunyuan_inputs("meta"))

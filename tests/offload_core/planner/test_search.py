@@ -8,7 +8,6 @@ import pytest
 from offload_core.host.tier import HostingTier
 from offload_core.planner.facts import (
     ComponentProfile,
-    LayerFacts,
     LinkFacts,
     PipelineFacts,
     Stage,
@@ -21,6 +20,7 @@ from offload_core.planner.search import (
 )
 from offload_core.planner.strategy import Strategy
 from offload_core.residency.lifecycle import streaming_config
+from tests.offload_core.tiny_models import toy_layer
 
 DEVICES_GB = (12, 24, 48, 80, 141)
 # One link and compute rate for every size, so only memory changes between the plans compared.
@@ -73,24 +73,24 @@ def test_balanced_stays_within_half_the_device_when_memory_mode_fits_there(real_
     assert balanced.time_s_per_request >= plan_pipeline(facts, PerformanceMode.AUTO).time_s_per_request
 
 
-def uniform(n=10, layer_bytes=1000, compute_s=1.0, uses=10, non_layer=500, name="dit"):
-    layers = tuple(LayerFacts(f"blocks.{i}", (("float32", layer_bytes),), layer_bytes, layer_bytes // 4)
-                   for i in range(n))
+# Layers of 1024 B: a multiple of the layout's 512 B alignment, so flat bytes == tensor bytes.
+def uniform(n=10, layer_bytes=1024, compute_s=1.0, uses=10, non_layer=512, name="dit"):
+    layers = tuple(toy_layer(f"blocks.{i}", layer_bytes) for i in range(n))
     return ComponentProfile(name, "Toy", ("blocks",), layers, non_layer, 0, uses, (compute_s,) * n)
 
 
-def one_component(capacity, link=LinkFacts(pinned_Bps=500.0, pageable_Bps=100.0), lease=10**9, **kw):
+def one_component(capacity, link=LinkFacts(pinned_Bps=512.0, pageable_Bps=102.4), lease=10**9, **kw):
     return PipelineFacts((uniform(**kw),), (Stage("denoise", ("dit",)),), capacity, link, lease)
 
 
 def test_resident_layers_are_added_until_streaming_hides_behind_compute():
     # A layer copies in 2 s and computes in 1 s: 10 s of compute per use hides 5 streamed layers.
-    plan = plan_pipeline(one_component(capacity=9_000), PerformanceMode.AUTO)
+    plan = plan_pipeline(one_component(capacity=9_216), PerformanceMode.AUTO)
     dit = plan.component("dit")
     assert dit.strategy is Strategy.LAYERWISE and dit.resident_layers == 5
-    assert dit.prediction.time_s == pytest.approx(10 * 10.0 + 5 * 1000 / 500.0)  # compute + resident copy once
-    # Less room: as many residents as fit (non-layer 500 + r x 1000 + 2 slots x 1000 <= 5500).
-    assert plan_pipeline(one_component(capacity=5_500), PerformanceMode.AUTO).component("dit").resident_layers == 3
+    assert dit.prediction.time_s == pytest.approx(10 * 10.0 + 5 * 1024 / 512.0)  # compute + resident copy once
+    # Less room: as many residents as fit (non-layer 512 + r x 1024 + 2 slots x 1024 <= 5632).
+    assert plan_pipeline(one_component(capacity=5_632), PerformanceMode.AUTO).component("dit").resident_layers == 3
 
 
 def test_when_everything_fits_auto_plans_the_speed_plan():
@@ -99,7 +99,7 @@ def test_when_everything_fits_auto_plans_the_speed_plan():
 
 
 def test_a_hand_pinned_field_is_kept_and_the_rest_is_still_planned():
-    facts = one_component(capacity=9_000)
+    facts = one_component(capacity=9_216)
     plan = plan_pipeline(facts, PerformanceMode.AUTO, {"dit": ComponentOverride(prefetch_depth=2, resident_layers=1)})
     dit = plan.component("dit")
     assert (dit.prefetch_depth, dit.resident_layers, dit.strategy) == (2, 1, Strategy.LAYERWISE)
@@ -109,14 +109,14 @@ def test_a_hand_pinned_field_is_kept_and_the_rest_is_still_planned():
 
 
 def test_pins_follow_the_host_lease_in_layer_order():
-    plan = plan_pipeline(one_component(capacity=4_000, lease=3_500), PerformanceMode.MEMORY)
+    plan = plan_pipeline(one_component(capacity=4_096, lease=3_584), PerformanceMode.MEMORY)
     tiers = [tier for _, tier in plan.component("dit").hosting]
     assert tiers == [HostingTier.PINNED] * 3 + [HostingTier.PAGEABLE] * 7
-    assert plan.pinned_bytes == 3_000
+    assert plan.pinned_bytes == 3 * 1024
 
 
 def test_the_plan_configures_the_engine():
-    dit = plan_pipeline(one_component(capacity=9_000), PerformanceMode.AUTO).component("dit")
+    dit = plan_pipeline(one_component(capacity=9_216), PerformanceMode.AUTO).component("dit")
     config = streaming_config(dit)
     assert config.layer_groups == ("blocks",) and config.resident == dit.resident_layers
     assert config.prefetch_depth == dit.prefetch_depth and dict(config.hosting) == dict(dit.hosting)
