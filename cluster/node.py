@@ -7,29 +7,26 @@ node's custom resources, read by :func:`injected_facts`:
 
 * ``offload_fake_ram_gb``: the node's RAM total and available, in GB (10**9 bytes);
 * ``GPU`` together with ``accelerator_type:<TYPE>``: that many GPUs of ``TYPE``, sized from the
-  ``gpus`` table of configs/models/real_model_configs.json.
+  one GPU table (``offload_core.planner.gpus``).
 
 Real NVML facts always win over injected ones.
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping
 
 from offload_core.host.ram import HostRam, MemoryFacts, host_ram_available
+from offload_core.planner import gpus as gpu_table
+from offload_core.planner.real_models import UnknownModel
 
 logger = logging.getLogger(__name__)
 
 GB = 10**9
-REAL_MODEL_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "models" / "real_model_configs.json"
 FAKE_RAM_RESOURCE = "offload_fake_ram_gb"
 _NO_PROC = "/nonexistent/offload-serve/injected-node"
 ACCELERATOR_PREFIX = "accelerator_type:"
-# Ray's own accelerator names that differ from the keys of the "gpus" table.
-_RAY_TYPE_ALIASES = {"A100-80G": "A100-80GB", "A100-40G": "A100-40GB"}
 
 
 @dataclass(frozen=True)
@@ -54,32 +51,14 @@ class NodeFacts:
     object_store_bytes: int  # Ray's object store on this node (0 without Ray)
 
 
-def _link(text: str) -> tuple[int | None, int | None]:
-    """'PCIe Gen4 x16 ...' -> (4, 16)."""
-    gen = width = None
-    for token in text.replace("(", " ").split():
-        if token.lower().startswith("gen") and token[3:].isdigit():
-            gen = int(token[3:])
-        elif token.lower().startswith("x") and token[1:].isdigit():
-            width = int(token[1:])
-    return gen, width
-
-
-def gpu_table() -> Mapping[str, tuple[int, int | None, int | None]]:
-    """GPU type -> (memory bytes, PCIe gen, PCIe width) from real_model_configs.json."""
-    table = json.loads(REAL_MODEL_CONFIGS.read_text())["gpus"]
-    return {name: (int(spec["memory_gb"] * GB), *_link(spec["link"]))
-            for name, spec in table.items() if not name.startswith("_")}
-
-
 def fake_gpus(accelerator_type: str, count: int, source: str) -> tuple[GpuFacts, ...]:
-    """``count`` GPUs of a type named in the gpus table (tests, CPU-only nodes standing in for GPUs)."""
-    table = gpu_table()
-    key = _RAY_TYPE_ALIASES.get(accelerator_type, accelerator_type)
-    if key not in table:
-        raise ValueError(f"unknown GPU type {accelerator_type!r}; known: {sorted(table)}")
-    memory, gen, width = table[key]
-    return tuple(GpuFacts(i, key, memory, gen, width, source) for i in range(count))
+    """``count`` GPUs of a type named in the GPU table (tests, CPU-only nodes standing in for GPUs)."""
+    try:
+        model = gpu_table.gpu_model(accelerator_type)
+    except UnknownModel:
+        raise ValueError(f"unknown GPU type {accelerator_type!r}; known: {sorted(gpu_table.gpu_names())}") from None
+    return tuple(GpuFacts(i, model.name, model.memory_bytes, model.pcie_gen, model.pcie_width, source)
+                 for i in range(count))
 
 
 def probe_nvml_gpus() -> tuple[GpuFacts, ...]:

@@ -13,6 +13,7 @@ from typing import Sequence
 from cluster.node import GB, GpuFacts
 from cluster.replica_memory import ReplicaMemory
 from offload_core.planner.facts import ComponentProfile, LinkFacts, PipelineFacts, Stage
+from offload_core.planner.gpus import link_Bps
 from offload_core.planner.search import (
     ComponentOverride,
     PerformanceMode,
@@ -22,19 +23,10 @@ from offload_core.planner.strategy import Strategy
 
 logger = logging.getLogger(__name__)
 
-# Pinned host->device at x16 by PCIe generation (DESIGN: ~25 GB/s Gen4, 40-55 GB/s Gen5).
-PINNED_BPS_X16 = {3: 12 * GB, 4: 25 * GB, 5: 50 * GB}
-# Pageable copies go through the driver's staging buffer: a third to half of pinned speed.
-PAGEABLE_SHARE = 0.4
-# Without link facts (CPU-only node), plan as if Gen4 x16: the common case in the fleet.
-DEFAULT_GEN, DEFAULT_WIDTH = 4, 16
-
-
 def link_facts(gpu: GpuFacts | None) -> LinkFacts:
-    gen = gpu.pcie_gen if gpu is not None and gpu.pcie_gen else DEFAULT_GEN
-    width = gpu.pcie_width if gpu is not None and gpu.pcie_width else DEFAULT_WIDTH
-    pinned = PINNED_BPS_X16.get(gen, PINNED_BPS_X16[max(PINNED_BPS_X16)]) * width / 16
-    return LinkFacts(pinned, pinned * PAGEABLE_SHARE, measured=False)
+    """The GPU table's bandwidths for the link this GPU reports (none known: the table's default link)."""
+    pinned, pageable = link_Bps(gpu.pcie_gen if gpu else None, gpu.pcie_width if gpu else None)
+    return LinkFacts(pinned, pageable, measured=False)
 
 
 def replica_facts(memory: ReplicaMemory, components: Sequence[ComponentProfile], stages: Sequence[Stage],

@@ -21,6 +21,7 @@ from offload_core.planner.facts import (
     Stage,
     profile_component,
 )
+from offload_core.planner.gpus import link_Bps
 from offload_core.planner.search import PerformanceMode, PipelinePlan, plan_pipeline
 from offload_core.residency.lifecycle import PipelineResidency, RequestFigures
 from offload_core.residency.shared_hosting import SharedWeights
@@ -28,13 +29,9 @@ from offload_core.streaming.link import measure_link
 
 logger = logging.getLogger(__name__)
 
-# Without a CUDA device there is no link to measure; plan with PCIe Gen4 x16's pinned figure
-# (~25 GB/s) and a pageable figure at 40 % of it (staged, synchronous copies).
-CONFIGURED_LINK = LinkFacts(pinned_Bps=25e9, pageable_Bps=10e9, measured=False)
-
-
 def link_facts(device: torch.device) -> LinkFacts:
-    return measure_link(device) if device.type == "cuda" else CONFIGURED_LINK
+    """Measured on CUDA; elsewhere there is no link to measure: the GPU table's default link."""
+    return measure_link(device) if device.type == "cuda" else LinkFacts(*link_Bps(), measured=False)
 
 
 def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request: Mapping[str, int],

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from offload_core.planner.gpus import gpu_model  # noqa: E402  (the one GPU table)
+
 K8S_DIR = Path(__file__).resolve().parent
 RAY_VERSION = "2.60.0"
 # Built from this repository's Dockerfile (on top of rayproject/ray:2.60.0-py311-gpu).
@@ -38,11 +41,15 @@ class GpuGroup:
     name: str
     gpu_product: str  # node label nvidia.com/gpu.product, as GPU feature discovery writes it
     accelerator_type: str  # Ray accelerator_type; fleet profile's accelerator_type in configs/fleet
-    gpu_memory_gb: int
     cpus: int
     memory_gi: int  # pod memory request == limit: the cgroup the node ledger budgets against
     object_store_gi: int  # Ray object store, taken out of the host budget (it lives in /dev/shm)
     max_replicas: int
+
+    @property
+    def gpu_memory_gb(self) -> int:
+        """From the one GPU table (configs/models/real_model_configs.json), never restated here."""
+        return gpu_model(self.accelerator_type).memory_gb
 
 
 # Pod sizes are a 1-GPU slice of a typical cloud shape, less ~10 % for kubelet and daemonsets:
@@ -51,13 +58,13 @@ class GpuGroup:
 # Object store: stage outputs are small (a 512-token bf16 umT5 embedding is 4 MiB, 81-frame
 # 480x832 latents 8 MiB) but a decoded 81-frame fp32 video is 388 MB; 4 GiB holds ~10 of them.
 FLEET: tuple[GpuGroup, ...] = (
-    GpuGroup("rtx3060-12gb", "NVIDIA-GeForce-RTX-3060", "RTX3060", 12, 8, 56, 4, 4),
-    GpuGroup("l4-24gb", "NVIDIA-L4", "L4", 24, 14, 56, 4, 8),
-    GpuGroup("a10g-24gb", "NVIDIA-A10G", "A10G", 24, 14, 56, 4, 8),
-    GpuGroup("l40s-48gb", "NVIDIA-L40S", "L40S", 48, 14, 112, 8, 4),
-    GpuGroup("a100-80gb", "NVIDIA-A100-SXM4-80GB", "A100-80G", 80, 11, 150, 8, 4),
-    GpuGroup("h100-80gb", "NVIDIA-H100-80GB-HBM3", "H100", 80, 24, 200, 8, 4),
-    GpuGroup("h200-141gb", "NVIDIA-H200", "H200", 141, 24, 230, 8, 2),
+    GpuGroup("rtx3060-12gb", "NVIDIA-GeForce-RTX-3060", "RTX3060", 8, 56, 4, 4),
+    GpuGroup("l4-24gb", "NVIDIA-L4", "L4", 14, 56, 4, 8),
+    GpuGroup("a10g-24gb", "NVIDIA-A10G", "A10G", 14, 56, 4, 8),
+    GpuGroup("l40s-48gb", "NVIDIA-L40S", "L40S", 14, 112, 8, 4),
+    GpuGroup("a100-80gb", "NVIDIA-A100-SXM4-80GB", "A100-80G", 11, 150, 8, 4),
+    GpuGroup("h100-80gb", "NVIDIA-H100-80GB-HBM3", "H100", 24, 200, 8, 4),
+    GpuGroup("h200-141gb", "NVIDIA-H200", "H200", 24, 230, 8, 2),
 )
 
 

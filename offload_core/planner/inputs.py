@@ -25,7 +25,7 @@ from offload_core.layout import (
     declared_layer_groups,
     resolve_layer_group,
 )
-from offload_core.planner import real_models
+from offload_core.planner import gpus, real_models
 from offload_core.planner.facts import (
     ComponentProfile,
     LinkFacts,
@@ -41,13 +41,8 @@ logger = logging.getLogger(__name__)
 GiB = 1024**3
 # safetensors header dtype names of the floating types a folder's weights may be stored in.
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-# Vendor dense BF16 tensor-core TFLOPs (no sparsity); H100 is the PCIe card's figure.
-DENSE_BF16_TFLOPS = {"RTX3060": 25, "L4": 121, "A10G": 70, "RTX4090": 165, "L40S": 362, "A100-40GB": 312,
-                     "A100-80GB": 312, "H100": 756, "H200": 989}
 # Diffusion transformers sustain ~40 % of peak in practice (attention, norms, launch gaps).
 SUSTAINED_FRACTION = 0.4
-# The json's note: pageable copies measured ~8 GB/s single-threaded on an x86 H100 host.
-PAGEABLE_GBPS = 8.0
 STAGES = {
     "WanPipeline": (Stage("encode", ("text_encoder",)), Stage("denoise", ("transformer",)), Stage("decode", ("vae",))),
     "FluxPipeline": (Stage("encode", ("text_encoder", "text_encoder_2")), Stage("denoise", ("transformer",)),
@@ -66,16 +61,13 @@ class GpuSpec:
 
 
 def gpu_spec(name: str) -> GpuSpec:
-    """The config file's GPU facts plus the compute rate the planner's time estimates use."""
+    """The GPU table's facts plus the sustained compute rate the planner's time estimates use."""
     try:
-        facts = real_models.gpu_facts(name)
+        model = gpus.gpu_model(name)
     except real_models.UnknownModel as error:
         # The CLI reports ValueErrors as bad arguments (exit 2); args[0] is the message unquoted.
         raise ValueError(error.args[0]) from error
-    if facts.pinned_host_to_device_GBps is None:
-        raise ValueError(f"GPU {name!r}: no measured pinned bandwidth for its link {facts.link!r}")
-    return GpuSpec(name, facts.memory_bytes, facts.pinned_host_to_device_GBps * 1e9,
-                   DENSE_BF16_TFLOPS[name] * 1e12 * SUSTAINED_FRACTION)
+    return GpuSpec(model.name, model.memory_bytes, model.pinned_Bps, model.dense_bf16_flops * SUSTAINED_FRACTION)
 
 
 def _groups(model: nn.Module, declared: tuple[str, ...] | None, notes: list[str], name: str) -> tuple[str, ...]:
@@ -105,7 +97,7 @@ def _uses_and_tokens(pipeline: str, defaults: Mapping[str, Any]) -> dict[str, tu
 
 
 def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_set: int = 3 * GiB,
-                     pageable_Bps: float = PAGEABLE_GBPS * 1e9, steps: int | None = None,
+                     pageable_Bps: float | None = None, steps: int | None = None,
                      tables: HostTablesConfig = HostTablesConfig()) -> tuple[PipelineFacts, list[str]]:
     """Facts for a real-size model from the published configs, planned for ``gpu`` and ``host_ram``."""
     try:
@@ -122,7 +114,7 @@ def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_se
 
 
 def folder_facts(folder: Path, gpu: GpuSpec, host_ram: int, *, working_set: int = 3 * GiB,
-                 pageable_Bps: float = PAGEABLE_GBPS * 1e9, steps: int | None = None,
+                 pageable_Bps: float | None = None, steps: int | None = None,
                  tables: HostTablesConfig = HostTablesConfig()) -> tuple[PipelineFacts, list[str]]:
     """Facts for a local diffusers folder: each component built on meta from its own config file."""
     index = json.loads((folder / "model_index.json").read_text())
@@ -171,6 +163,7 @@ def _facts(pipeline, load, defaults, gpu: GpuSpec, host_ram: int, working_set: i
     lease = max(0, host_ram - default_reserve(host_ram))
     notes.append(f"host: {host_ram / GiB:.0f} GiB, {lease / GiB:.1f} GiB may be pinned after the reserve; "
                  f"compute estimated at {gpu.flops / 1e12:.0f} TFLOP/s sustained")
+    pageable_Bps = gpus.link_Bps()[1] if pageable_Bps is None else pageable_Bps  # the table's measured figure
     facts = PipelineFacts(tuple(profiles), STAGES[pipeline], gpu.memory_bytes, LinkFacts(gpu.pinned_Bps, pageable_Bps),
                           lease, working_set_bytes=working_set, device_name=gpu.name)
     return facts, notes

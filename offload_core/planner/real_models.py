@@ -46,19 +46,9 @@ class ComponentSpec:
     layer_groups: tuple[str, ...]  # empty when the json declares none (the engine's defaults apply)
 
 
-@dataclass(frozen=True)
-class GpuFacts:
-    """Nominal facts of a GPU model; the driver reports somewhat less usable memory."""
-
-    name: str
-    memory_gb: int  # as marketed; the cards report about this many GiB
-    memory_bytes: int  # memory_gb GiB
-    link: str
-    pinned_host_to_device_GBps: float | None  # measured pinned bandwidth for the link, if known
-
-
 @lru_cache(maxsize=1)
-def _raw() -> dict[str, Any]:
+def config_file() -> dict[str, Any]:
+    """The parsed config file (read once): the one reader of real_model_configs.json."""
     with open(CONFIG_PATH) as f:
         return json.load(f)
 
@@ -66,12 +56,12 @@ def _raw() -> dict[str, Any]:
 def model_names() -> tuple[str, ...]:
     """The real pipelines described in the config file."""
     # Model entries name a pipeline or inherit one; the rest of the file is GPU and link facts.
-    return tuple(k for k, v in _raw().items() if isinstance(v, dict) and ("pipeline" in v or "same_as" in v))
+    return tuple(k for k, v in config_file().items() if isinstance(v, dict) and ("pipeline" in v or "same_as" in v))
 
 
 def _model_entry(model_name: str) -> dict[str, Any]:
     """The model's entry with "same_as" resolved and "transformer_overrides" applied (a deep copy)."""
-    raw = _raw()
+    raw = config_file()
     if model_name not in model_names():
         raise UnknownModel(f"unknown model {model_name!r}; known: {', '.join(model_names())}")
     entry = copy.deepcopy(raw[model_name])
@@ -179,26 +169,3 @@ def meta_component(model_name: str, component: str) -> nn.Module:
 def pipeline_defaults(model_name: str) -> dict[str, Any]:
     """The model's published generation defaults (height, width, frames, steps, guidance...)."""
     return dict(_model_entry(model_name)["pipeline_defaults"])
-
-
-def gpu_facts(name: str) -> GpuFacts:
-    """Nominal memory and host link of a GPU model named as in the config file (e.g. "L4", "H100")."""
-    gpus = {k: v for k, v in _raw()["gpus"].items() if not k.startswith("_")}
-    if name not in gpus:
-        raise UnknownModel(f"unknown GPU {name!r}; known: {', '.join(gpus)}")
-    facts = gpus[name]
-    bandwidths = _raw().get("host_to_device_bandwidth_measured_pinned_GBps", {})
-    # The link string may carry a note after the lane count ("PCIe Gen4 x16 (SXM: ...)").
-    link_key = next((k for k in bandwidths if not k.startswith("_") and facts["link"].startswith(k)), None)
-    return GpuFacts(
-        name=name,
-        memory_gb=int(facts["memory_gb"]),
-        memory_bytes=int(facts["memory_gb"]) * 2**30,
-        link=facts["link"],
-        pinned_host_to_device_GBps=float(bandwidths[link_key]) if link_key else None,
-    )
-
-
-def gpu_names() -> tuple[str, ...]:
-    """The GPU models described in the config file."""
-    return tuple(k for k in _raw()["gpus"] if not k.startswith("_"))

@@ -48,10 +48,12 @@ def test_a_bad_fleet_file_is_named(tmp_path):
 
 
 def test_every_gpu_of_the_real_table_gets_the_largest_class_it_reaches():
-    from cluster.node import fake_gpus, gpu_table
+    from cluster.node import fake_gpus
+    from offload_core.planner.gpus import gpu_names
 
-    for name, (memory, _, _) in gpu_table().items():
+    for name in gpu_names():
         (gpu,) = fake_gpus(name, 1, "test")
+        memory = gpu.memory_bytes
         profile = profile_for_gpu(gpu)
         classes = [p.min_memory_gb for p in load_fleet().profiles if p.min_memory_gb * GB <= memory]
         assert profile.min_memory_gb == max(classes), f"{name} ({memory / GB:.0f} GB) got {profile.name}"

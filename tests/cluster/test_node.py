@@ -24,7 +24,7 @@ def test_a_node_without_an_nvidia_driver_has_no_gpus(monkeypatch):
 
 def test_gpu_types_are_sized_from_the_real_gpu_table():
     (l4,) = fake_gpus("L4", 1, "test")
-    assert (l4.memory_bytes, l4.pcie_gen, l4.pcie_width) == (24 * GB, 4, 16)
+    assert (l4.memory_bytes, l4.pcie_gen, l4.pcie_width) == (24 * 2**30, 4, 16)  # the table's GiB
     assert fake_gpus("H100", 2, "test")[1].pcie_gen == 5
     assert fake_gpus("A100-80G", 1, "test")[0].name == "A100-80GB"  # Ray's name for it
     with pytest.raises(ValueError, match="unknown GPU type 'B9000'"):

@@ -31,7 +31,7 @@ def _local(owner: str, gpu_type: str = "RTX3060") -> ReplicaMemory:
 def test_in_process_replicas_share_one_gpu_pool_and_its_capacity():
     a, b = _local("encoder"), _local("decoder")
     assert a.device_budget is b.device_budget, "replicas of one process must share one GPU ledger"
-    assert a.device_budget.capacity() == int(12 * GB * (1 - a.profile.device_reserve_fraction))
+    assert a.device_budget.capacity() == int(12 * 2**30 * (1 - a.profile.device_reserve_fraction))  # 12 GiB
     assert a.profile.name == "consumer-12gb"
 
 
