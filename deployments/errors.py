@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from ray import exceptions as ray_errors
 from ray.serve import exceptions as serve_errors
 
-from deployments.memory import DeviceBusy
+from cluster.replica_memory import DeviceBusy
 from deployments.schemas import FieldError
 from deployments.spec import RequestRejected
 

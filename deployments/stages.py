@@ -25,7 +25,7 @@ from deployments import families
 from deployments.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
 from deployments.cancel import CancelFlag, RequestCancelled
 from deployments.families import FamilyFacts
-from deployments.memory import CLUSTER_DEVICE_BUSY, DeviceBusy, open_replica_memory
+from deployments.memory import open_replica_memory
 from deployments.metrics import BatchMetrics, StageMetrics
 from deployments.offload import StageResidency
 from deployments.residency_board import BatchState, ReplicaResidency, get_board
@@ -147,13 +147,10 @@ class StageWorker:
 
     @contextlib.contextmanager
     def _working_set(self):
-        """Lease the predicted peak device bytes for the call (bounded wait, then DeviceBusy)."""
-        try:
-            with self.memory.device_working_set(self.residency.predicted_peak_bytes(),
-                                                self.config.device_timeout_s) as lease:
-                yield lease
-        except CLUSTER_DEVICE_BUSY as exc:
-            raise DeviceBusy.from_cluster(exc) from None
+        """Lease the predicted peak device bytes for the call (bounded wait, then DeviceBusy -> 503)."""
+        with self.memory.device_working_set(self.residency.predicted_peak_bytes(),
+                                            self.config.device_timeout_s) as lease:
+            yield lease
 
     def report(self) -> ReplicaResidency:
         weights = self.residency.report()

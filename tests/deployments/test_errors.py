@@ -7,9 +7,8 @@ import pickle
 from ray import exceptions as ray_errors
 from ray.serve.exceptions import BackPressureError
 
-from cluster import replica_memory
+from cluster.replica_memory import DeviceBusy
 from deployments import errors
-from deployments.memory import DeviceBusy
 from offload_core.host.budget import Refusal
 
 
@@ -17,19 +16,20 @@ def _body(response) -> dict:
     return json.loads(response.body)
 
 
+def _busy(owner: str, nbytes: int, available: int, waited_s: float) -> DeviceBusy:
+    return DeviceBusy(owner, "gpu:0", nbytes, Refusal(owner, nbytes, available, "full"), waited_s)
+
+
 def test_device_busy_survives_pickling_with_its_figures():
-    busy = pickle.loads(pickle.dumps(DeviceBusy("denoise#1", 1000, 10, 2.5, 3)))
-    assert (busy.owner, busy.nbytes, busy.available, busy.waited_s, busy.retry_after_s) == ("denoise#1", 1000, 10, 2.5, 3)
-
-
-def test_the_clusters_device_busy_converts_with_its_retry_hint():
-    cluster_busy = replica_memory.DeviceBusy("denoise#1", "gpu:0", 1000, Refusal("denoise#1", 1000, 10, "full"), 2.5)
-    busy = DeviceBusy.from_cluster(cluster_busy)
-    assert (busy.nbytes, busy.available, busy.retry_after_s) == (1000, 10, cluster_busy.retry_after_s)
+    # Raised in the stage replica, read by the ingress: it crosses Ray pickled.
+    busy = pickle.loads(pickle.dumps(_busy("denoise#1", 1000, 10, 2.5)))
+    assert (busy.owner, busy.pool, busy.nbytes, busy.available, busy.waited_s, busy.retry_after_s) == (
+        "denoise#1", "gpu:0", 1000, 10, 2.5, 3)
+    assert busy.refusal.reason == "full"
 
 
 def test_device_busy_inside_a_ray_task_error_is_a_503_with_the_longer_retry_after():
-    wrapped = ray_errors.RayTaskError("decode", "traceback", DeviceBusy("decode#1", 5, 0, 1.0, 4))
+    wrapped = ray_errors.RayTaskError("decode", "traceback", _busy("decode#1", 5, 0, 3.5))
     response = errors.overload_or_failure(wrapped, retry_after_s=2, request_id="r1")
     assert response.status_code == 503 and response.headers["retry-after"] == "4"
     assert _body(response)["error"]["code"] == "device_busy"
