@@ -4,10 +4,11 @@ Pinned layers copy to the device asynchronously at full link speed (a Wan2.1 ste
 vs 1.90 s pageable), but pinned and pageable copies are anonymous memory the node must hold, and
 the node's RAM is shared. The rules, each pinned by a test:
 
-- Pins are offered in *pin order*: components ranked by weight bytes x uses per request (a
-  denoiser runs ``num_inference_steps`` times per request, an encoder or decoder once; a missing
-  uses figure is an error, never a silent fallback to raw bytes), and within a component
-  streamed layers first in streamed order, then resident ones (copied at most once per request).
+- Pins are offered in *pin order* (``host.pin_order``, the planner's too): components ranked by
+  host bytes x uses per request (a denoiser runs ``num_inference_steps`` times per request, an
+  encoder or decoder once; a missing uses figure is an error, never a silent fallback to raw
+  bytes), and within a component streamed layers first in streamed order, then resident ones
+  (copied at most once per request).
 - The cost is the NET anonymous cost: only bytes copied out of a file mapping into anonymous
   memory count (plus the flat buffer's 512 B alignment padding). Consolidating an
   already-anonymous layer (e.g. a fused qkv) frees the original, so it is a wash.
@@ -25,6 +26,7 @@ from typing import Mapping, Sequence
 
 from offload_core.host.budget import Lease, MemoryBudget, Refusal
 from offload_core.host.maps import MapsSnapshot
+from offload_core.host.pin_order import PinClaim, pin_order
 from offload_core.host.tier import HostingTier
 from offload_core.layout import (
     STREAMER_ATTRIBUTE,
@@ -32,6 +34,7 @@ from offload_core.layout import (
     layer_parameters,
     plan_layer_layout,
 )
+from offload_core.order import execution_order
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +103,16 @@ class ComponentFacts:
     def weight_bytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
+    def claim(self) -> PinClaim:
+        """Its claim on pins: streamed layers in streamed order, then resident, by host bytes."""
+        return PinClaim(self.name, self.uses_per_request,
+                        tuple((l.key, l.host_bytes) for l in self.layers if not l.resident),
+                        tuple((l.key, l.host_bytes) for l in self.layers if l.resident))
+
     @property
     def priority(self) -> int:
-        """Bytes moved per request if streamed: what a pin saves, per byte pinned, is proportional."""
-        return self.weight_bytes * self.uses_per_request
+        """Bytes moved per request if streamed (the pin order's rank, see ``host.pin_order``)."""
+        return self.claim().priority
 
 
 def denoiser_uses(pipeline_defaults: Mapping[str, object]) -> int:
@@ -124,12 +133,14 @@ def facts_from_module(
     resident_keys: Sequence[str] = (),
     maps: MapsSnapshot | None = None,
     mapped_fraction: float | None = None,
+    layer_order: Sequence[str] | None = None,
 ) -> ComponentFacts:
     """Per-layer facts of a model: bytes from shapes and dtypes, mapped bytes measured or given.
 
     Layers and their tensors are the engine's: ``layer_groups`` None means the class's declared
-    groups, only parameters stream (buffers stay with the non-layer rest), and the padding is
-    that of the engine's flat layout.
+    groups, layers come in execution order (``layer_order``: a plan's; see offload_core.order),
+    layers without parameters are none, only parameters stream (buffers stay with the non-layer
+    rest), and the padding is that of the engine's flat layout.
     On a real model the mapped bytes are measured with ``maps`` (a fresh snapshot if None). A
     meta-device model has no addresses, so ``mapped_fraction`` says what share of each layer is a
     view of the checkpoint mapping (the fact the caller measured on a real host).
@@ -143,19 +154,18 @@ def facts_from_module(
                          "layer's parameters are placeholders and would all measure 0 B")
     groups = declared_layer_groups(model) if layer_groups is None else tuple(layer_groups)
     streamed, resident, known = [], [], set()
-    for group in groups:
-        for i, layer in enumerate(model.get_submodule(group)):
-            key = f"{group}.{i}"
-            known.add(key)
-            named = layer_parameters(layer)
-            tensors = [p.data for _, p in named]
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            mapped = (int(nbytes * mapped_fraction) if mapped_fraction is not None
-                      else maps.mapped_bytes(tensors))
-            padding = plan_layer_layout(key, [(n, p.data) for n, p in named]).nbytes - nbytes
-            facts = LayerFacts(key, nbytes, mapped, nbytes - mapped, resident=key in resident_keys,
-                               padding_bytes=max(0, padding))
-            (resident if facts.resident else streamed).append(facts)
+    for ordered in execution_order(model, groups, layer_order=layer_order):
+        key = ordered.key
+        known.add(key)
+        named = layer_parameters(ordered.module)
+        tensors = [p.data for _, p in named]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        mapped = (int(nbytes * mapped_fraction) if mapped_fraction is not None
+                  else maps.mapped_bytes(tensors))
+        padding = plan_layer_layout(key, [(n, p.data) for n, p in named]).nbytes - nbytes
+        facts = LayerFacts(key, nbytes, mapped, nbytes - mapped, resident=key in resident_keys,
+                           padding_bytes=max(0, padding))
+        (resident if facts.resident else streamed).append(facts)
     unknown = set(resident_keys) - known
     if unknown:
         raise ValueError(f"component {name}: resident keys {sorted(unknown)} are not layers of {list(groups)}")
@@ -277,7 +287,8 @@ def plan_hosting(
     if len(set(names)) != len(names):
         raise ValueError(f"component names must be unique, got {names}")
     policy.check_names(components)
-    ranked = sorted(components, key=lambda c: c.priority, reverse=True)
+    by_name = {c.name: c for c in components}
+    ranked = [by_name[claim.component] for claim in pin_order(c.claim() for c in components)]
     slots = _wanted(ranked, policy)
     purpose = policy.purpose
     reasons: list[str] = []
@@ -305,7 +316,8 @@ def _wanted(ranked: Sequence[ComponentFacts], policy: HostingPolicy) -> list[_Sl
     """The tiers wanted before the host is consulted: pins along the pin order up to the cap."""
     slots, pinned, pin_open, cap = [], 0, True, policy.max_pinned_bytes
     for comp in ranked:
-        for layer in comp.layers:
+        layers = {layer.key: layer for layer in comp.layers}
+        for layer in (layers[key] for key, _ in comp.claim().layers):
             best = policy.best_tier(comp.name, layer.key)
             if best is HostingTier.PINNED and pin_open and (cap is None or pinned + layer.host_bytes <= cap):
                 tier, pinned = HostingTier.PINNED, pinned + layer.host_bytes

@@ -7,11 +7,11 @@ reads loose flags. Users pin fields by hand with :class:`ComponentOverride`.
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from offload_core.host.tier import HostingTier
-from offload_core.planner.facts import Stage
+from offload_core.planner.facts import PipelineFacts, Stage
 from offload_core.planner.strategy import Strategy
 
 GiB = 1024**3
@@ -133,6 +133,9 @@ class PipelinePlan:
     feasible: bool
     park_fraction: float  # the parking gate's fraction of headroom, as predicted and as run
     notes: tuple[str, ...] = field(default=())
+    # The facts the plan was made from: a change after planning (the host re-tiering layers)
+    # re-predicts from them (``search.retier``), so the plan reported is always the plan that runs.
+    facts: PipelineFacts | None = field(default=None, compare=False, repr=False)
 
     def component(self, name: str) -> ComponentPlan:
         for c in self.components:
@@ -165,7 +168,8 @@ class PipelinePlan:
                 return [plain(v) for v in value]
             return value
 
-        out = plain(asdict(self))
+        out = plain(asdict(replace(self, facts=None)))
+        del out["facts"]  # inputs, not the plan; large for real models
         for comp, plan in zip(out["components"], self.components):
             comp["hosting"] = {t.value: n for t, n in _tier_counts(plan.hosting).items()}
         return out

@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from typing import Mapping
+from typing import Mapping, Sequence
 
+from offload_core.host.pin_order import PinClaim, pin_order
 from offload_core.host.tier import HostingTier
 from offload_core.planner.cost_model import non_layer_device_bytes, predict
 from offload_core.planner.facts import ComponentProfile, PipelineFacts
@@ -64,25 +65,28 @@ def _override(plan: ComponentPlan, o: ComponentOverride) -> ComponentPlan:
 
 def _assign_hosting(facts: PipelineFacts, plans: dict[str, ComponentPlan],
                     overrides: Mapping[str, ComponentOverride]) -> dict[str, ComponentPlan]:
-    """Tiers per layer: pins along the pin order (bytes x uses, streamed before resident) up to the lease."""
-    ranked = sorted((p for p in facts.components if plans[p.name].strategy is Strategy.LAYERWISE),
-                    key=lambda p: p.layer_bytes * p.uses_per_request, reverse=True)
+    """Tiers per layer: pins along the pin order (``host.pin_order``, as the host plan leases them) up to the lease."""
+    claims = []
+    for profile in facts.components:
+        if plans[profile.name].strategy is Strategy.LAYERWISE:
+            r = min(plans[profile.name].resident_layers, len(profile.layers))
+            claims.append(PinClaim(profile.name, profile.uses_per_request,
+                                   tuple((l.key, l.nbytes) for l in profile.layers[r:]),
+                                   tuple((l.key, l.nbytes) for l in profile.layers[:r])))
     left, pin_open, out = facts.host_lease_bytes, True, dict(plans)
-    for profile in ranked:
-        plan = plans[profile.name]
-        r = min(plan.resident_layers, len(profile.layers))
-        order = list(profile.layers[r:]) + list(profile.layers[:r])
-        forced = overrides.get(profile.name, ComponentOverride()).hosting
+    for claim in pin_order(claims):
+        plan, profile = plans[claim.component], facts.component(claim.component)
+        forced = overrides.get(claim.component, ComponentOverride()).hosting
         tiers = {}
-        for layer in order:
+        for key, nbytes in claim.layers:
             if forced is not None:
-                tiers[layer.key] = forced
-            elif pin_open and layer.nbytes <= left:
-                tiers[layer.key], left = HostingTier.PINNED, left - layer.nbytes
+                tiers[key] = forced
+            elif pin_open and nbytes <= left:
+                tiers[key], left = HostingTier.PINNED, left - nbytes
             else:
                 pin_open = False  # a priority order: later layers do not jump ahead of a missed one
-                tiers[layer.key] = HostingTier.PAGEABLE
-        out[profile.name] = dataclasses.replace(plan, hosting=tuple((l.key, tiers[l.key]) for l in profile.layers))
+                tiers[key] = HostingTier.PAGEABLE
+        out[claim.component] = dataclasses.replace(plan, hosting=tuple((l.key, tiers[l.key]) for l in profile.layers))
     return out
 
 
@@ -132,8 +136,10 @@ def _predict_all(facts: PipelineFacts, plans: dict[str, ComponentPlan], cache: d
 
 
 def _evaluate(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str, ComponentPlan],
-              overrides: Mapping[str, ComponentOverride], budget: int, cache: dict | None = None) -> PipelinePlan:
-    plans = _assign_hosting(facts, plans, overrides)
+              overrides: Mapping[str, ComponentOverride], budget: int, cache: dict | None = None,
+              assign_hosting: bool = True) -> PipelinePlan:
+    if assign_hosting:
+        plans = _assign_hosting(facts, plans, overrides)
     preds = _predict_all(facts, plans, cache)
     done = {n: dataclasses.replace(plans[n], prediction=preds[n]) for n in plans}
     peak, peak_stage = -1, ""
@@ -154,7 +160,7 @@ def _evaluate(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str, Comp
         transfer_s_per_request=sum(p.transfer_s for p in preds),
         compute_s_per_request=sum(p.compute_s for p in preds),
         time_s_per_request=sum(p.time_s for p in preds), pinned_bytes=pinned,
-        feasible=peak <= budget, park_fraction=facts.park_fraction)
+        feasible=peak <= budget, park_fraction=facts.park_fraction, facts=facts)
 
 
 def _fill_residents(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str, ComponentPlan],
@@ -238,3 +244,25 @@ def plan_pipeline(facts: PipelineFacts, mode: PerformanceMode | str = Performanc
     for line in plan.explain():
         logger.info("plan: %s", line)
     return plan
+
+
+def retier(plan: PipelinePlan, tiers: Mapping[str, Mapping[str, HostingTier]], why: Sequence[str] = ()) -> PipelinePlan:
+    """``plan`` with the host's tiers per layer, every prediction recomputed from the plan's facts.
+
+    The host-memory plan may lower tiers the planner chose (a short node: pageable layers left
+    MAPPED, pins given back); bytes moved and transfer time then change, device bytes do not.
+    """
+    if plan.facts is None:
+        raise ValueError("the plan carries no facts to re-predict from: make it with plan_pipeline")
+    unknown = set(tiers) - {c.name for c in plan.components}
+    if unknown:
+        raise ValueError(f"tiers name components the plan does not have: {sorted(unknown)}")
+    plans = {c.name: dataclasses.replace(c, hosting=tuple((key, tiers.get(c.name, {}).get(key, tier))
+                                                          for key, tier in c.hosting))
+             for c in plan.components}
+    again = _evaluate(plan.facts, plan.mode, plans, {}, plan.weight_budget, assign_hosting=False)
+    logger.info("plan re-predicted after re-tiering: %.3f GiB moved per request (was %.3f), %.3f s (was %.3f)",
+                again.bytes_moved_per_request / 2**30, plan.bytes_moved_per_request / 2**30,
+                again.time_s_per_request, plan.time_s_per_request)
+    return dataclasses.replace(again, weight_budget=plan.weight_budget, feasible=plan.feasible,
+                               notes=(*plan.notes, *why))

@@ -17,6 +17,7 @@ from offload_core.host.budget import MemoryBudget
 from offload_core.host.replica_budget import BudgetTooSmall, CappedBudget
 from offload_core.host.tier import HostingTier
 from offload_core.planner.pipeline_plan import PipelinePlan
+from offload_core.planner.search import retier
 from offload_core.planner.strategy import Strategy
 
 logger = logging.getLogger(__name__)
@@ -26,19 +27,22 @@ def host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget:
                 owner: str, host_budget_bytes: int | None = None, shared=None, device: torch.device | None = None):
     """Fit the plan's tiers to the host budget with ``hosting.plan_hosting`` (one lease, net cost).
 
-    The plan's tiers are ceilings; the host-memory plan may demote layers (pageable mapped -> MAPPED,
-    then pins given back) when the node is short. Tiers that change are applied and said, in the
-    plan's notes and the log: bytes moved for a layer turned MAPPED are its tensor bytes, no longer
-    the predicted flat bytes.
+    The plan's tiers are ceilings; node stores and the host-memory plan may change them (shared
+    copies come as the store made them; pageable mapped -> MAPPED, then pins given back, when the
+    node is short). Tiers that change are applied, said in the plan's notes and the log, and the
+    plan is re-predicted from its facts (``search.retier``): the plan returned, the one the report
+    shows, is the one that runs.
     """
     from offload_core.host.hosting import HostingPolicy, facts_from_module, plan_hosting
 
+    planned = plan
     plan, shared_hosts = _shared(plan, components, shared, device)
     streamed = [c for c in plan.components if c.strategy is Strategy.LAYERWISE and c.name not in shared_hosts]
     if budget is None or not streamed:
-        return plan, None, budget, shared_hosts
+        return _repredicted(planned, plan), None, budget, shared_hosts
     facts = [facts_from_module(c.name, components[c.name], c.layer_groups or None, c.uses_per_request,
-                               resident_keys=[key for key, _ in c.hosting[:c.resident_layers]]) for c in streamed]
+                               resident_keys=[key for key, _ in c.hosting[:c.resident_layers]],
+                               layer_order=[key for key, _ in c.hosting]) for c in streamed]
     if host_budget_bytes is not None:
         budget = _capped(budget, facts, owner, host_budget_bytes)
     # The plan's tiers are the ceilings: the host may only lower them.
@@ -56,7 +60,14 @@ def host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget:
     for line in changed:
         logger.info("residency %s: %s", owner, line)
     plan = dataclasses.replace(plan, components=tuple(components_), notes=(*plan.notes, *changed))
-    return plan, hosting, budget, shared_hosts
+    return _repredicted(planned, plan), hosting, budget, shared_hosts
+
+
+def _repredicted(planned: PipelinePlan, plan: PipelinePlan) -> PipelinePlan:
+    """``plan`` (``planned`` with tiers changed) with every prediction recomputed, if any tier changed."""
+    if [c.hosting for c in plan.components] == [c.hosting for c in planned.components]:
+        return plan
+    return retier(planned, {c.name: dict(c.hosting) for c in plan.components}, plan.notes[len(planned.notes):])
 
 
 def _shared(plan: PipelinePlan, components: Mapping[str, nn.Module], shared, device):

@@ -214,6 +214,28 @@ def test_the_host_budget_fits_the_planned_tiers_with_one_lease_given_back_on_rem
     assert short.leased() == 0
 
 
+def test_a_plan_re_tiered_by_the_host_predicts_what_its_requests_move(cpu_capacity, tmp_path):
+    # A MAPPED layer copies its tensors (1088 B), not its flat buffer (1536 B): the plan that runs,
+    # and that the report shows, must be re-predicted with the host's tiers.
+    cpu_capacity(10_000)
+    planned = toy_plan(10_000)
+    short = InProcessLedger(5 * 1536)
+    res = PipelineResidency.apply(mapped_toys(tmp_path), planned, "cpu", short, owner="toy")
+    assert res.plan.bytes_moved_per_request < planned.bytes_moved_per_request
+    assert [c.hosting for c in res.plan.components] != [c.hosting for c in planned.components]
+    x = torch.randn(2, 16)
+    for _ in range(2):  # the second request is the steady state the plan predicts too
+        with torch.no_grad():
+            for name, uses in (("a", 1), ("b", 3)):
+                with res.stage([name]):
+                    for _ in range(uses):
+                        res.components[name].module(x)
+        figures = res.finish_request()
+        assert figures.bytes_moved == res.plan.bytes_moved_per_request
+        assert figures.peak_device_bytes == res.plan.peak_device_bytes
+    res.remove()
+
+
 # ---- the tiny pipelines: predictions equal measurements --------------------------------------
 
 def materialized(comps):
