@@ -76,12 +76,6 @@ class ComponentPlan:
     prediction: ComponentPrediction | None = None
     uses_per_request: int = 1  # from the facts: ranks the component's claim on pins
 
-    def tier_bytes(self, layer_bytes: dict[str, int]) -> dict[HostingTier, int]:
-        out = {tier: 0 for tier in HostingTier}
-        for key, tier in self.hosting:
-            out[tier] += layer_bytes[key]
-        return out
-
     def explain(self) -> str:
         p = self.prediction
         what = {

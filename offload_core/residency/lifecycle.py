@@ -26,7 +26,7 @@ from offload_core.residency.host_fit import host_leases as _host_leases
 from offload_core.residency.host_fit import tiers_as_hosted
 from offload_core.residency.host_tables import HostTables
 from offload_core.residency.parking import Parking
-from offload_core.streaming.device import get_device, normalize_device
+from offload_core.streaming.device import normalize_device
 from offload_core.streaming.engine import ResidentPlacement, StreamingConfig, apply_layer_streaming
 from offload_core.streaming.meter import DeviceWeightMeter
 from offload_core.tables import HostTablesConfig, select_host_tables
@@ -53,7 +53,6 @@ class LifecycleError(RuntimeError):
 
 class UseState(enum.Enum):
     OUT = "out"  # between uses: layers released, non-layer weights parked if the gate said so
-    PREFETCHED = "prefetched"  # prepared early, while the previous stage still runs
     IN_USE = "in_use"  # prepared for its stage
 
 
@@ -249,8 +248,7 @@ class PipelineResidency:
         for c in self._pick(stage_components):
             if c.state is UseState.IN_USE:
                 raise LifecycleError(f"{c.name} is already in use: finish_use it before preparing it again")
-            if c.state is UseState.OUT:
-                c.prepare()
+            c.prepare()
             c.state = UseState.IN_USE
         self._sample()
 
@@ -270,29 +268,6 @@ class PipelineResidency:
             c.state = UseState.OUT
         for c in picked:
             c.gate()
-
-    def prefetch_next(self, stage_components: Sequence[str]) -> tuple[str, ...]:
-        """While a stage runs, prepare the next stage's streamed components if headroom allows.
-
-        Each component comes in only when the device's real headroom covers its planned in-use
-        bytes; the plan's peak does not include this overlap, so it is taken only from spare room.
-        Returns the components prefetched.
-        """
-        done = []
-        for c in self._pick(stage_components):
-            if c.state is not UseState.OUT or c.plan.strategy is not Strategy.LAYERWISE:
-                continue
-            need = c.plan.prediction.in_use_bytes if c.plan.prediction else 0
-            headroom = get_device(self.device).headroom_bytes()
-            if headroom < need:
-                logger.info("prefetch %s: declined, headroom %d B < %d B in use", c.name, headroom, need)
-                continue
-            logger.info("prefetch %s: its first layers come in now, headroom %d B >= %d B", c.name, headroom, need)
-            c.prepare()
-            c.state = UseState.PREFETCHED
-            done.append(c.name)
-        self._sample()
-        return tuple(done)
 
     @contextlib.contextmanager
     def following_calls(self) -> Iterator[None]:

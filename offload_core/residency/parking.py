@@ -158,7 +158,3 @@ class Parking:
         if self._meter is not None:
             self._meter.moved(restored_bytes)
         self.parked = False
-
-    def drop_host_copies(self) -> None:
-        assert not self.parked, f"{self.name}: dropping the host copies of parked weights would lose them"
-        self._host.clear()
