@@ -15,7 +15,8 @@ def top_level_classes(root: pathlib.Path, packages=PACKAGES) -> dict[str, list[s
     for package in packages:
         for path in sorted((root / package).rglob("*.py")):
             for node in ast.parse(path.read_text(), str(path)).body:
-                if isinstance(node, ast.ClassDef):
+                # Private classes (``_Entry``) cannot be imported as a project's fact; public ones can.
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
                     where[node.name].append(str(path.relative_to(root)))
     return where
 
@@ -29,5 +30,6 @@ def test_the_walk_finds_a_class_defined_twice(tmp_path):
     # The walk itself must see duplicates, or the test above could never fail.
     for package in ("a", "b"):
         (tmp_path / package).mkdir()
-        (tmp_path / package / "m.py").write_text("class LayerFacts:\n    pass\n")
-    assert top_level_classes(tmp_path, ("a", "b"))["LayerFacts"] == ["a/m.py", "b/m.py"]
+        (tmp_path / package / "m.py").write_text("class LayerFacts:\n    pass\n\n\nclass _Private:\n    pass\n")
+    found = top_level_classes(tmp_path, ("a", "b"))
+    assert found["LayerFacts"] == ["a/m.py", "b/m.py"] and "_Private" not in found

@@ -33,8 +33,8 @@ from offload_core.layout import (
     declared_layer_groups,
     layer_parameters,
     plan_layer_layout,
-    resolve_layer_group,
 )
+from offload_core.order import declared_layers
 from offload_core.streaming.host_layer import HostLayer
 from offload_core.streaming.shared_layer import shared_host_layers
 
@@ -44,10 +44,9 @@ logger = logging.getLogger(__name__)
 def _layers(module: nn.Module, groups: Sequence[str] | None) -> list[tuple[LayerLayout, list[torch.Tensor]]]:
     """Every streamed layer's layout and tensors, in the engine's order and with the engine's layout."""
     out = []
-    for path in groups or declared_layer_groups(module):
-        for i, layer in enumerate(resolve_layer_group(module, path).layers):
-            named = layer_parameters(layer)
-            out.append((plan_layer_layout(f"{path}.{i}", [(n, p.data) for n, p in named]), [p.data for _, p in named]))
+    for layer in declared_layers(module, groups or declared_layer_groups(module)):  # none without parameters
+        named = layer_parameters(layer.module)
+        out.append((plan_layer_layout(layer.key, [(n, p.data) for n, p in named]), [p.data for _, p in named]))
     return out
 
 
