@@ -1,7 +1,10 @@
 """A replica's plan from what it sees: its GPU's pool, its PCIe link, its host lease, its profile.
 
 The same pipeline facts give a 12 GB replica a streamed plan and an 80 GB one a resident plan,
-chosen from the GPU the replica sees (its fleet profile), never from a hand-set flag.
+chosen from the GPU the replica sees (its fleet profile, configs/fleet/fleet.yaml): the mode when
+the stage's configuration leaves it to the fleet, and always the profile's limits (prefetch depth,
+the most resident layers, the most host memory one replica may pin). Every stage replica of the
+service plans here (``deployments.offload.StageResidency``).
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import logging
 import math
 from typing import Sequence
 
+from cluster.fleet import FleetProfile
 from cluster.node import GB, GpuFacts
 from cluster.replica_memory import ReplicaMemory
 from offload_core.planner.facts import ComponentProfile, LinkFacts, PipelineFacts, Stage
@@ -17,11 +21,13 @@ from offload_core.planner.gpus import link_Bps
 from offload_core.planner.search import (
     ComponentOverride,
     PerformanceMode,
+    PipelinePlan,
     plan_pipeline,
 )
 from offload_core.planner.strategy import Strategy
 
 logger = logging.getLogger(__name__)
+
 
 def link_facts(gpu: GpuFacts | None) -> LinkFacts:
     """The GPU table's bandwidths for the link this GPU reports (none known: the table's default link)."""
@@ -29,22 +35,38 @@ def link_facts(gpu: GpuFacts | None) -> LinkFacts:
     return LinkFacts(pinned, pageable, measured=False)
 
 
+def replica_gpu(memory: ReplicaMemory) -> GpuFacts | None:
+    """The GPU whose pool the replica leases (None: it computes on the host)."""
+    return next((g for g in memory.node.gpus if f"gpu:{g.index}" == memory.device_pool), None)
+
+
+def pin_cap_bytes(memory: ReplicaMemory) -> int:
+    """The most host memory one replica may page-lock: its profile's share of the node's spendable RAM."""
+    return int(memory.node.ram.spendable * memory.profile.host_pin_cap_fraction)
+
+
 def replica_facts(memory: ReplicaMemory, components: Sequence[ComponentProfile], stages: Sequence[Stage],
-                  working_set_bytes: int = 0) -> PipelineFacts:
-    """Pipeline facts for this replica: device capacity = its GPU pool, host lease = its cap."""
-    gpu = next((g for g in memory.node.gpus if f"gpu:{g.index}" == memory.device_pool), None)
-    host_lease = int(memory.node.ram.spendable * memory.profile.host_pin_cap_fraction)
-    return PipelineFacts(tuple(components), tuple(stages), memory.device_budget.capacity(), link_facts(gpu),
-                         host_lease, working_set_bytes, gpu.name if gpu else str(memory.device))
+                  working_set_bytes: int = 0, *, device_capacity: int | None = None, link: LinkFacts | None = None,
+                  host_lease_bytes: int | None = None) -> PipelineFacts:
+    """Pipeline facts for this replica: device capacity = its GPU pool, host lease = within its pin cap.
+
+    ``device_capacity``, ``link`` and ``host_lease_bytes`` replace what the replica sees (a link
+    measured on CUDA, a host lease already within the node's free bytes and the stage's budget);
+    the host lease never exceeds the profile's pin cap.
+    """
+    gpu = replica_gpu(memory)
+    lease = pin_cap_bytes(memory) if host_lease_bytes is None else min(host_lease_bytes, pin_cap_bytes(memory))
+    return PipelineFacts(tuple(components), tuple(stages),
+                         memory.device_budget.capacity() if device_capacity is None else device_capacity,
+                         link or link_facts(gpu), lease, working_set_bytes,
+                         gpu.name if gpu else str(memory.device))
 
 
-def plan_for_replica(memory: ReplicaMemory, components: Sequence[ComponentProfile], stages: Sequence[Stage],
-                     working_set_bytes: int = 0, mode: PerformanceMode | None = None):
-    """Plan in the profile's mode (or ``mode``), with its prefetch depth and resident-fraction limit."""
-    profile = memory.profile
+def plan_for_replica(profile: FleetProfile, facts: PipelineFacts, mode: PerformanceMode | None = None,
+                     owner: str = "replica") -> PipelinePlan:
+    """Plan in ``mode`` (None: the profile's), within the profile's prefetch depth and resident-fraction limit."""
     mode = mode or profile.performance_mode()
-    facts = replica_facts(memory, components, stages, working_set_bytes)
-    overrides = {c.name: ComponentOverride(prefetch_depth=profile.prefetch_depth) for c in components if c.layers}
+    overrides = {c.name: ComponentOverride(prefetch_depth=profile.prefetch_depth) for c in facts.components if c.layers}
     plan = plan_pipeline(facts, mode, overrides)
     capped = {}
     for c in plan.components:
@@ -53,8 +75,8 @@ def plan_for_replica(memory: ReplicaMemory, components: Sequence[ComponentProfil
             capped[c.name] = dataclasses.replace(overrides[c.name], resident_layers=limit)
     if capped:
         plan = plan_pipeline(facts, mode, {**overrides, **capped})
-    logger.info("%s: plan on %s (profile %s, mode %s): %s; peak %.2f GB of %.2f GB, %.2f GB moved per request%s",
-                memory.owner, facts.device_name, profile.name, mode.value,
+    logger.info("%s: plan on %s (profile %s, mode %s, depth %d): %s; peak %.2f GB of %.2f GB, %.2f GB moved per "
+                "request%s", owner, facts.device_name, profile.name, mode.value, profile.prefetch_depth,
                 ", ".join(f"{c.name}={c.strategy.value}" for c in plan.components), plan.peak_device_bytes / GB,
                 facts.device_capacity / GB, plan.bytes_moved_per_request / GB,
                 f"; resident layers capped at {profile.max_resident_fraction:.0%} for {sorted(capped)}" if capped else "")

@@ -29,8 +29,10 @@ logger = logging.getLogger(__name__)
 class StageArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # offload_core's performance mode: auto (fastest plan that fits), speed, memory, balanced.
-    offload_mode: PerformanceMode = PerformanceMode.AUTO
+    # offload_core's performance mode: auto (fastest plan that fits), speed, memory, balanced; null:
+    # the fleet profile's mode for the GPU the replica got (configs/fleet/fleet.yaml). The profile's
+    # limits (prefetch depth, resident fraction, pin cap) apply either way.
+    offload_mode: PerformanceMode | None = None
     # Host RAM each replica of the stage may hold for its weights: a size ("16GiB", "512MB") or a
     # fraction of the node's spendable RAM (0.25). None: the node ledger's per-replica cap only.
     # The replica plans within min(this, what the node ledger grants).
@@ -110,6 +112,10 @@ class AppArgs(BaseModel):
     update_surge_percent: int = Field(100, ge=0, le=100)
 
 
+def _mode(stage: StageArgs) -> str:
+    return stage.offload_mode.value if stage.offload_mode is not None else "fleet profile's"
+
+
 def resolve_model_folder(args: AppArgs) -> pathlib.Path:
     if args.model_path is not None:
         return pathlib.Path(args.model_path).expanduser().resolve()
@@ -149,8 +155,8 @@ def build_app(args: AppArgs | dict) -> Application:
                  **drain)
     logger.info("building %s: %s model %r from %s; offload modes encoder=%s denoiser=%s decoder=%s; "
                 "host budgets encoder=%s denoiser=%s decoder=%s", args.app_name, facts.family.value, model_id,
-                facts.folder, args.encoder.offload_mode.value, args.denoiser.offload_mode.value,
-                args.decoder.offload_mode.value, args.encoder.host_memory_budget, args.denoiser.host_memory_budget,
+                facts.folder, _mode(args.encoder), _mode(args.denoiser), _mode(args.decoder),
+                args.encoder.host_memory_budget, args.denoiser.host_memory_budget,
                 args.decoder.host_memory_budget)
     configs = stage_configs(args, facts)
     encoder = TextEncoder.options(**stage).bind(configs[PipelineStage.ENCODE])

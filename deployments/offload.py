@@ -1,9 +1,10 @@
 """One stage replica's components under offload_core: planned, applied, measured, reported.
 
-The planner (``offload_core.planner.search.plan_pipeline``) turns the components' facts, the replica's
-device capacity (its pool of the node ledger) and the stage's offload mode into one explainable
-plan; ``offload_core.residency.lifecycle.PipelineResidency`` applies it and runs the stage lifecycle. The
-plan is logged once per component by offload_core and returned as JSON by ``/v1/residency``.
+The planner (``offload_core.planner.search.plan_pipeline``, through ``cluster.replica_plan``) turns
+the components' facts, the replica's device capacity (its pool of the node ledger) and the stage's
+offload mode (left open: the fleet profile's for the GPU the replica got, always within that
+profile's limits) into one explainable plan; ``offload_core.residency.lifecycle.PipelineResidency``
+applies it and runs the stage lifecycle. The plan is logged once per component by offload_core and returned as JSON by ``/v1/residency``.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from cluster.replica_memory import ReplicaMemory
+from cluster.replica_plan import plan_for_replica, replica_facts
 from offload_core.host.budget import MemoryBudget
 from offload_core.host.replica_budget import HostMemoryStatus
 from offload_core.planner.facts import (
@@ -35,31 +38,46 @@ def link_facts(device: torch.device) -> LinkFacts:
 
 
 def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request: Mapping[str, int],
-               mode: PerformanceMode, device: torch.device, device_capacity: int, host_lease_bytes: int) -> PipelinePlan:
-    """The plan for one stage's components: this replica's whole "pipeline" is its stage."""
+               mode: PerformanceMode | None, device: torch.device, device_capacity: int, host_lease_bytes: int,
+               memory: ReplicaMemory | None = None) -> PipelinePlan:
+    """The plan for one stage's components: this replica's whole "pipeline" is its stage.
+
+    With the replica's ``memory`` (the service always has it) the plan is the fleet profile's for
+    the GPU the replica got (``cluster.replica_plan``): its mode when ``mode`` is None, its limits
+    always. Without it, ``plan_pipeline`` in ``mode`` and nothing else.
+    """
     profiles = tuple(profile_component(name, module, uses_per_request=uses_per_request[name])
                      for name, module in components.items())
-    facts = PipelineFacts(components=profiles, stages=(Stage(stage, tuple(components)),),
-                          device_capacity=device_capacity, link=link_facts(device),
-                          host_lease_bytes=host_lease_bytes, device_name=str(device))
-    return plan_pipeline(facts, mode)
+    stages = (Stage(stage, tuple(components)),)
+    if memory is None:
+        if mode is None:
+            raise ValueError(f"stage {stage}: no offload mode and no replica memory to take a fleet profile from")
+        facts = PipelineFacts(components=profiles, stages=stages, device_capacity=device_capacity,
+                              link=link_facts(device), host_lease_bytes=host_lease_bytes, device_name=str(device))
+        return plan_pipeline(facts, mode)
+    # On CUDA the link is measured; elsewhere the GPU table's link for the GPU the replica leases.
+    link = link_facts(device) if device.type == "cuda" else None
+    facts = replica_facts(memory, profiles, stages, device_capacity=device_capacity, link=link,
+                          host_lease_bytes=host_lease_bytes)
+    return plan_for_replica(memory.profile, facts, mode, owner=memory.owner)
 
 
 class StageResidency:
     """The components of one stage replica under their plan; call around every stage use."""
 
     def __init__(self, stage: str, components: Mapping[str, nn.Module], uses_per_request: Mapping[str, int],
-                 mode: PerformanceMode, device: torch.device, *, device_capacity: int,
+                 mode: PerformanceMode | None, device: torch.device, *, device_capacity: int,
                  host_budget: MemoryBudget, owner: str, host_budget_bytes: int | None = None,
-                 shared: SharedWeights | None = None):
-        self.device, self.mode = device, mode
+                 shared: SharedWeights | None = None, memory: ReplicaMemory | None = None):
+        self.device = device
         self.host_budget_bytes = host_budget_bytes
         self._names = tuple(components)
         # The replica plans within min(its own budget, what the node ledger has free).
         host_lease = host_budget.available()
         if host_budget_bytes is not None:
             host_lease = min(host_lease, host_budget_bytes)
-        wanted = plan_stage(stage, components, uses_per_request, mode, device, device_capacity, host_lease)
+        wanted = plan_stage(stage, components, uses_per_request, mode, device, device_capacity, host_lease, memory)
+        self.mode = wanted.mode  # the fleet profile's when the stage's configuration left it open
         self._residency = PipelineResidency.apply(components, wanted, device, host_budget, owner=owner,
                                                   host_budget_bytes=host_budget_bytes, shared=shared)
         # As applied: tiers the host budget lowered or the driver refused to pin are in it, with notes.

@@ -55,7 +55,7 @@ class StageConfig:
     app_name: str
     facts: FamilyFacts
     stage: PipelineStage
-    mode: PerformanceMode
+    mode: PerformanceMode | None  # None: the fleet profile's for the GPU the replica got
     # Forward passes per request of each of the stage's components (the planner weighs bytes by it).
     uses_per_request: tuple[tuple[str, int], ...]
     dtype: str
@@ -104,7 +104,7 @@ class StageWorker:
         self.residency = StageResidency(
             config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
             device_capacity=self.memory.device_budget.capacity(), host_budget=self.memory.host_budget,
-            owner=self.replica, host_budget_bytes=budget, shared=shared)
+            owner=self.replica, host_budget_bytes=budget, shared=shared, memory=self.memory)
         self.metrics = StageMetrics(config.stage.value)
         # One call at a time per replica: the pipeline object (scheduler state) is not reentrant.
         self._lock = threading.Lock()
@@ -154,7 +154,7 @@ class StageWorker:
 
     def report(self) -> ReplicaResidency:
         weights = self.residency.report()
-        return ReplicaResidency(self.replica, self.config.stage.value, str(self.device), self.config.mode.value,
+        return ReplicaResidency(self.replica, self.config.stage.value, str(self.device), self.residency.mode.value,
                                 self.residency.plan.explain(), self.residency.predicted_peak_bytes(),
                                 self._last.device_peak_bytes, self._last.bytes_streamed, weights.to_json(),
                                 self.residency.host_status(weights).to_json(), self._batch)

@@ -38,9 +38,10 @@ class LeasingReplica:
 
     def plan(self, components, stages, working_set_bytes: int) -> dict:
         """Plan from what this replica sees (its GPU pool, link, host lease and profile)."""
-        from cluster.replica_plan import plan_for_replica
+        from cluster.replica_plan import plan_for_replica, replica_facts
 
-        plan = plan_for_replica(self.memory, components, stages, working_set_bytes)
+        facts = replica_facts(self.memory, components, stages, working_set_bytes)
+        plan = plan_for_replica(self.memory.profile, facts, owner=self.memory.owner)
         return {"mode": plan.mode.value, "feasible": plan.feasible, "peak": plan.peak_device_bytes,
                 "capacity": plan.device_capacity,
                 "strategies": {c.name: c.strategy.value for c in plan.components}}

@@ -38,7 +38,7 @@ def tiny_args(**overrides):
     base = dict(app_name=APP, limits=limits, api_token_env=TOKEN_ENV, replica_num_cpus=0.0, device_timeout_s=1.0,
                 stage_max_queued_requests=4,
                 # The denoiser streams every layer (memory), so requests exercise the engine; the
-                # others take the planner's choice (on a CPU with room to spare: resident).
+                # others take the fleet profile's mode for what they got (a CPU-only node: memory).
                 denoiser=StageArgs(offload_mode=PerformanceMode.MEMORY, host_memory_budget="64MiB"),
                 retry_after_s=1)
     base.update(overrides)

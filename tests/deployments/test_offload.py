@@ -103,3 +103,31 @@ def test_a_replica_within_its_host_budget_reports_budget_leased_and_used(facts):
     assert status.used_bytes >= status.leased_bytes, "what the lease paid for is held on the host"
     residency.remove()
     assert memory.host_budget.outstanding("test-budget-ok") == ()
+
+
+def test_a_stage_left_to_the_fleet_plans_in_its_gpus_profile_within_its_limits(facts, remove_after):
+    from cluster.fleet import profile_for_gpu
+    from cluster.node import fake_gpus, probe_node
+
+    # A replica that got an L4 (injected), computing on the CPU that stands in for it; 400 kB of device:
+    # the whole tiny DiT (268 kB) fits, but not within the half BALANCED keeps for activations.
+    node = probe_node(resources={"offload_fake_ram_gb": 8}, nvml_gpus=fake_gpus("L4", 1, "test"))
+    memory = ReplicaMemory.open_local("test-fleet", "cuda:0", node=node)
+    profile = profile_for_gpu(node.gpus[0])
+    assert (profile.name, profile.mode, profile.prefetch_depth) == ("l4-a10g-24gb", "BALANCED", 2)
+    encoded = families.encode(families.load_stage_pipeline(facts, ENCODE, torch.float32), facts, SPEC, CPU)
+    pipe = families.load_stage_pipeline(facts, DENOISE, torch.float32)
+    uses = families.uses_per_request(facts, DENOISE, SPEC.steps, SPEC.guidance_scale)
+    residency = remove_after(StageResidency(
+        "denoise", families.stage_modules(pipe, facts, DENOISE), uses, None, CPU, device_capacity=400_000,
+        host_budget=memory.host_budget, owner="test-fleet", memory=memory))
+    plan = residency.plan.component("transformer")
+    assert residency.mode is PerformanceMode.BALANCED and residency.plan.device_name == "L4"
+    assert plan.strategy is Strategy.LAYERWISE and plan.prefetch_depth == 2
+    assert plan.resident_layers <= int(profile.max_resident_fraction * 4)
+    residency.prepare_for_use()
+    latents = families.denoise(pipe, facts, encoded, SPEC, CPU)
+    residency.finish_use()
+    plain = families.denoise(families.load_stage_pipeline(facts, DENOISE, torch.float32), facts, encoded, SPEC, CPU)
+    assert torch.equal(latents, plain)
+    assert residency.device_peak_bytes() == residency.predicted_peak_bytes()
