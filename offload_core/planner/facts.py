@@ -12,7 +12,6 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
 from torch import nn
 
 from offload_core.layout import (

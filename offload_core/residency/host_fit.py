@@ -112,7 +112,8 @@ def tiers_as_hosted(plan: PipelinePlan, streamers: Mapping[str, object]) -> Pipe
     """The plan with each streamed layer's tier as the engine hosted it (``streamers``: name -> LayerStreamer).
 
     A layer planned PINNED whose pages the driver refused to lock (a memlock limit) is PAGEABLE:
-    the plan says so, with a note, so the report, the board and the plan agree with the engine.
+    the plan says so, with a note, and is re-predicted (``search.retier``), so the report, the
+    board and the plan agree with the engine.
     """
     notes, components = [], []
     for c in plan.components:
@@ -126,4 +127,7 @@ def tiers_as_hosted(plan: PipelinePlan, streamers: Mapping[str, object]) -> Pipe
         components.append(c)
     for line in notes:
         logger.info("residency: %s", line)
-    return dataclasses.replace(plan, components=tuple(components), notes=(*plan.notes, *notes)) if notes else plan
+    if not notes:
+        return plan
+    # Re-predicted: a pageable copy is synchronous, so the time per request changes with the tier.
+    return retier(plan, {c.name: dict(c.hosting) for c in components}, notes)
