@@ -64,8 +64,10 @@ def test_family_facts_read_size_rules_from_the_folder_configs():
     assert (wan.family, wan.size_multiple, wan.temporal_factor, wan.supports_video) == (Family.WAN, 16, 4, True)
     flux = families.read_family_facts(ensure_tiny_flux())
     assert flux.family is Family.FLUX and not flux.supports_video
-    # 2 ** (len(block_out_channels) - 1) x 2 (Flux packs 2x2 latent patches)
-    assert flux.size_multiple % 2 == 0
+    # The pipeline's own rule: FluxPipeline packs 2x2 latent patches, so sizes step by twice its
+    # VAE scale factor (2 ** (len(block_out_channels) - 1), read by diffusers from the same folder).
+    decoder = families.load_stage_pipeline(flux, DECODE, F32)
+    assert flux.size_multiple == decoder.vae_scale_factor * 2
 
 
 def test_a_folder_of_another_pipeline_is_refused_by_name(tmp_path):
