@@ -143,11 +143,17 @@ def test_requests_without_the_bearer_token_get_401_but_health_does_not(service):
 
 
 def test_models_and_residency_describe_the_served_model_and_every_replica(client):
+    assert client.post(IMAGES, json={"prompt": "a request to report on", "seed": 1}).status_code == 200
     (model,) = client.get("/v1/models").json()["data"]
     assert (model["id"], model["family"], model["modalities"]) == ("tiny-wan", "wan", ["image", "video"])
-    replicas = client.get("/v1/residency").json()["replicas"]
+    deadline = time.monotonic() + 30  # replicas publish their report after the response has left
+    while True:
+        replicas = client.get("/v1/residency").json()["replicas"]
+        denoiser = next((r for r in replicas if r["stage"] == "denoise"), None)
+        if (denoiser and denoiser["last_device_peak_bytes"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert sorted(r["stage"] for r in replicas) == ["decode", "denoise", "encode"]
-    denoiser = next(r for r in replicas if r["stage"] == "denoise")
     (component,) = denoiser["weights"]["components"]
     # Memory mode streams all 4 blocks: their weights wait on the host between calls.
     assert component["name"] == "transformer" and sum(component["layer_tiers"].values()) == 4, component
