@@ -158,29 +158,50 @@ class NodeLedger:
     # ---- leasing ---------------------------------------------------------------------------
     async def request(self, pool: str, nbytes: int, ref: OwnerRef, priority: float = 0.0, purpose: str = "",
                       client_epoch: str | None = None, wait_s: float = 0.0,
-                      owner: str | None = None, request_id: str | None = None) -> Lease | Refusal | StaleEpoch:
+                      owner: str | None = None, request_id: str | None = None,
+                      recallable: bool = False) -> Lease | Refusal | StaleEpoch:
         """Grant ``nbytes`` of ``pool`` to the process ``ref`` (leases named ``owner``, default ref.owner).
 
         Fits now -> Lease. Else waits up to ``wait_s`` (higher ``priority`` served first) -> Lease
         or Refusal. A client that saw an older epoch gets StaleEpoch and must re-register first.
-        A repeated ``request_id`` (a client's retry) gets the first call's answer.
+        A repeated ``request_id`` (a client's retry) gets the first call's answer. A ``recallable``
+        lease is a reservation the ledger may ask back (cluster/pools.py).
         """
         self._ensure_reclaimer()
         if client_epoch is not None and client_epoch != self._epoch:
             return StaleEpoch(self._epoch)
+        return await self._once(request_id, lambda: self._answer(
+            self._pools.request(pool, nbytes, ref, owner=owner, priority=priority, purpose=purpose,
+                                wait_s=wait_s, recallable=recallable)))
+
+    async def resize(self, pool: str, lease_id: str, nbytes: int, client_epoch: str | None = None,
+                     wait_s: float = 0.0, request_id: str | None = None) -> Lease | Refusal | StaleEpoch:
+        """The lease at ``nbytes`` (same id); growing waits up to ``wait_s`` for the added bytes."""
+        self._ensure_reclaimer()
+        if client_epoch is not None and client_epoch != self._epoch:
+            return StaleEpoch(self._epoch)
+        return await self._once(request_id, lambda: self._answer(
+            self._pools.resize(pool, lease_id, nbytes, wait_s=wait_s)))
+
+    async def recalls(self, ref: OwnerRef, timeout_s: float) -> tuple[tuple[str, str], ...]:
+        """(pool, lease id) of the reservations ``ref`` is asked to give back; a long poll."""
+        self._ensure_reclaimer()
+        return await self._pools.recalls(ref, timeout_s)
+
+    async def _once(self, request_id: str | None, make) -> Lease | Refusal:
+        """One answer per ``request_id``: a client's retry gets the first attempt's answer."""
         if request_id is not None and request_id in self._answers:
             return await asyncio.shield(self._answers[request_id])
-        answer = asyncio.ensure_future(self._answer(pool, nbytes, ref, owner, priority, purpose, wait_s))
+        answer = asyncio.ensure_future(make())
         if request_id is not None:
             self._answers[request_id] = answer
             while len(self._answers) > ANSWERS_KEPT:
                 self._answers.popitem(last=False)
         return await asyncio.shield(answer)
 
-    async def _answer(self, pool, nbytes, ref, owner, priority, purpose, wait_s) -> Lease | Refusal:
+    async def _answer(self, pending) -> Lease | Refusal:
         await self._recovered()
-        return await self._pools.request(pool, nbytes, ref, owner=owner, priority=priority, purpose=purpose,
-                                         wait_s=wait_s)
+        return await pending
 
     async def release(self, pool: str, lease_id: str, client_epoch: str | None = None,
                       missing_ok: bool = False) -> StaleEpoch | None:

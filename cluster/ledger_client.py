@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 # package); 60 s covers a loaded node without letting a caller hang forever.
 LEDGER_UNAVAILABLE_TIMEOUT_S = 60.0
 CALL_TIMEOUT_S = 30.0  # one ledger call, beyond any wait the caller asked for
+# A recall long poll returns at least this often, so a closed client's listener ends soon after.
+RECALL_POLL_S = 5.0
 
 
 class LedgerUnavailable(RuntimeError):
@@ -41,6 +43,8 @@ class LedgerClient:
         self._lock = threading.RLock()
         self._closed = threading.Event()
         self._reregister_hooks: list = []  # run after leases are re-registered with a restarted ledger
+        self._on_recall = None  # called with a recalled lease id, from the listener thread
+        self._listener: threading.Thread | None = None
         self._epoch = self._call(lambda retry: handle.epoch.remote())
         self._heartbeat = threading.Thread(target=self._beat, name=f"ledger-heartbeat-{owner}", daemon=True)
         self._heartbeat.start()
@@ -56,13 +60,25 @@ class LedgerClient:
         return self._call(lambda retry: self._handle.state.remote())
 
     def request(self, pool: str, nbytes: int, owner: str, priority: float = 0.0, purpose: str = "",
-                wait_s: float = 0.0) -> Lease | Refusal:
+                wait_s: float = 0.0, recallable: bool = False) -> Lease | Refusal:
         request_id = uuid.uuid4().hex  # a retried call gets the first call's answer, never a 2nd grant
+        return self._held_answer(pool, wait_s, lambda epoch: self._handle.request.remote(
+            pool, int(nbytes), self.ref, float(priority), purpose, epoch, float(wait_s), owner, request_id,
+            bool(recallable)))
+
+    def resize(self, pool: str, lease: Lease, nbytes: int, wait_s: float = 0.0) -> Lease | Refusal:
+        """``lease`` at ``nbytes`` (same id); a growth waits up to ``wait_s`` for the added bytes."""
+        with self._lock:
+            if lease.lease_id not in self._held:
+                raise KeyError(f"lease {lease.lease_id} of {lease.owner} is not held by this replica")
+        request_id = uuid.uuid4().hex
+        return self._held_answer(pool, wait_s, lambda epoch: self._handle.resize.remote(
+            pool, lease.lease_id, int(nbytes), epoch, float(wait_s), request_id))
+
+    def _held_answer(self, pool: str, wait_s: float, submit) -> Lease | Refusal:
         while True:
             epoch = self._epoch
-            result = self._call(lambda retry: self._handle.request.remote(
-                pool, int(nbytes), self.ref, float(priority), purpose, epoch, float(wait_s), owner, request_id),
-                extra_s=wait_s)
+            result = self._call(lambda retry: submit(epoch), extra_s=wait_s)
             if isinstance(result, StaleEpoch):
                 self._reregister()
                 continue
@@ -70,6 +86,15 @@ class LedgerClient:
                 with self._lock:
                     self._held[result.lease_id] = (pool, result)
             return result
+
+    def watch_recalls(self, on_recall) -> None:
+        """Call ``on_recall(lease_id)`` (from a listener thread) when the ledger asks a lease back."""
+        with self._lock:
+            self._on_recall = on_recall
+            if self._listener is None:
+                self._listener = threading.Thread(target=self._listen, name=f"ledger-recalls-{self.ref.owner}",
+                                                  daemon=True)
+                self._listener.start()
 
     def release(self, pool: str, lease: Lease) -> None:
         with self._lock:
@@ -144,6 +169,22 @@ class LedgerClient:
         for hook in self._reregister_hooks:
             hook()
 
+    def _listen(self) -> None:
+        while not self._closed.is_set():
+            try:
+                recalled = self._call(lambda retry: self._handle.recalls.remote(self.ref, RECALL_POLL_S),
+                                      extra_s=RECALL_POLL_S)
+            except LedgerUnavailable as exc:
+                logger.info("recall poll of %s failed, polling again: %s", self.ref.owner, exc)
+                continue
+            for _pool, lease_id in recalled:
+                with self._lock:
+                    held, on_recall = lease_id in self._held, self._on_recall
+                if held and on_recall is not None and not self._closed.is_set():
+                    on_recall(lease_id)
+            if recalled:  # the lease is given back in on_recall; don't spin on one not yet released
+                self._closed.wait(0.01)
+
     def _beat(self) -> None:
         while not self._closed.wait(self._config.heartbeat_s):
             with self._lock:
@@ -169,9 +210,16 @@ class LedgerBudget(MemoryBudget):
         return self.client.request(self.pool, nbytes, owner, priority, purpose)
 
     def acquire(self, nbytes: int, owner: str, priority: float = 0.0, purpose: str = "",
-                wait_s: float = 0.0) -> Lease | Refusal:
+                wait_s: float = 0.0, recallable: bool = False) -> Lease | Refusal:
         """Like request, but waits up to ``wait_s`` for the bytes to be released by others."""
-        return self.client.request(self.pool, nbytes, owner, priority, purpose, wait_s)
+        return self.client.request(self.pool, nbytes, owner, priority, purpose, wait_s, recallable)
+
+    def resize(self, lease: Lease, nbytes: int, wait_s: float = 0.0) -> Lease | Refusal:
+        return self.client.resize(self.pool, lease, nbytes, wait_s)
+
+    def watch_recalls(self, owner: str, on_recall) -> None:
+        """One replica per client: its recalls, whatever the lease's owner name."""
+        self.client.watch_recalls(on_recall)
 
     def release(self, lease: Lease) -> None:
         self.client.release(self.pool, lease)

@@ -30,6 +30,9 @@ class Lease:
     priority: float = 0.0
     # What the bytes are for, for reports and logs ("pinned:transformer", "gpu-working-set").
     purpose: str = ""
+    # A reservation kept between uses: the ledger may ask for it back (a recall) when another
+    # owner needs the bytes; the holder gives it back once no call of its own is using it.
+    recallable: bool = False
 
 
 @dataclass(frozen=True)

@@ -134,3 +134,59 @@ def test_bad_requests_are_named():
     with pytest.raises(KeyError, match="not outstanding"):
         pools.release("host", "host-nope")
     assert "larger than the whole pool" in run(pools.request("host", 101, _ref("x"))).reason
+
+
+def test_a_lease_grows_and_shrinks_in_place_and_a_growth_waits_for_the_added_bytes():
+    async def scenario():
+        pools = LeasePools({"gpu:0": 100})
+        mine = await pools.request("gpu:0", 40, _ref("a"))
+        other = await pools.request("gpu:0", 50, _ref("b"))
+        grown_now = await pools.resize("gpu:0", mine.lease_id, 50)
+        refused = await pools.resize("gpu:0", mine.lease_id, 60)
+        growing = asyncio.ensure_future(pools.resize("gpu:0", mine.lease_id, 70, wait_s=5))
+        await asyncio.sleep(0.01)
+        assert not growing.done(), "20 B more cannot fit while b holds 50 of 100"
+        pools.release("gpu:0", other.lease_id)
+        grown_later = await growing
+        shrunk = await pools.resize("gpu:0", mine.lease_id, 10)
+        return grown_now, refused, grown_later, shrunk, pools.states()[0]
+
+    grown_now, refused, grown_later, shrunk, state = run(scenario())
+    assert (grown_now.nbytes, grown_later.nbytes, shrunk.nbytes) == (50, 70, 10)
+    assert grown_now.lease_id == grown_later.lease_id == shrunk.lease_id, "a resize keeps the lease's id"
+    assert isinstance(refused, Refusal) and refused.nbytes == 10, "the refusal names the bytes added"
+    assert state.leased == 10 and state.peak_leased <= 100
+
+
+def test_a_waiting_request_recalls_other_owners_reservations_largest_first_and_only_enough():
+    async def scenario():
+        pools = LeasePools({"gpu:0": 100})
+        small = await pools.request("gpu:0", 20, _ref("a"), recallable=True)
+        big = await pools.request("gpu:0", 50, _ref("b"), recallable=True)
+        standing = await pools.request("gpu:0", 30, _ref("c"))
+        polled = asyncio.ensure_future(pools.recalls(_ref("b"), timeout_s=5))
+        await asyncio.sleep(0)
+        waiting = asyncio.ensure_future(pools.request("gpu:0", 40, _ref("d"), wait_s=5))
+        recalled_b = await polled
+        recalled_a = await pools.recalls(_ref("a"), timeout_s=0.01)
+        assert not waiting.done(), "a recall asks; the bytes stay leased until the holder gives them back"
+        pools.release("gpu:0", big.lease_id)
+        granted = await waiting
+        return recalled_b, recalled_a, granted, standing, small, pools
+
+    recalled_b, recalled_a, granted, standing, small, pools = run(scenario())
+    assert recalled_b == (("gpu:0", recalled_b[0][1]),) and recalled_b[0][1].startswith("gpu:0-")
+    assert recalled_a == (), "50 B recalled from b cover the 40 B asked: a keeps its reservation"
+    assert isinstance(granted, Lease) and granted.nbytes == 40
+    assert pools.recalls_sent == 1
+
+
+def test_a_standing_lease_is_never_recalled():
+    async def scenario():
+        pools = LeasePools({"gpu:0": 100})
+        await pools.request("gpu:0", 90, _ref("a"))
+        refused = await pools.request("gpu:0", 40, _ref("b"), wait_s=0.05)
+        return refused, await pools.recalls(_ref("a"), timeout_s=0.01), pools.recalls_sent
+
+    refused, recalled, sent = run(scenario())
+    assert isinstance(refused, Refusal) and recalled == () and sent == 0
