@@ -23,7 +23,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from cluster.fleet import FleetProfile, profile_for_gpu
 from cluster.ledger import HOST_POOL, LedgerConfig, gpu_pool
@@ -57,29 +57,79 @@ class WorkingSetTooLarge(ValueError):
 
 
 class LocalBudget(MemoryBudget):
-    """An in-process ledger that can also wait for bytes (the no-Ray fallback)."""
+    """An in-process ledger that can also wait for bytes and recall reservations (the no-Ray fallback)."""
 
     def __init__(self, capacity_bytes: int, name: str):
-        self._ledger = InProcessLedger(capacity_bytes, name)
+        self._ledger, self._name = InProcessLedger(capacity_bytes, name), name
         self._freed = threading.Condition()
+        self._recallable: dict[str, str] = {}  # lease id -> owner, reservations the budget may ask back
+        self._watchers: dict[str, Callable[[str], None]] = {}  # owner -> its recall callback
+        self._recalled: set[str] = set()
 
     def request(self, nbytes: int, owner: str, priority: float = 0.0, purpose: str = "") -> Lease | Refusal:
-        return self._ledger.request(nbytes, owner, priority, purpose)
+        with self._freed:
+            return self._ledger.request(nbytes, owner, priority, purpose)
 
     def acquire(self, nbytes: int, owner: str, priority: float = 0.0, purpose: str = "",
-                wait_s: float = 0.0) -> Lease | Refusal:
+                wait_s: float = 0.0, recallable: bool = False) -> Lease | Refusal:
         deadline = time.monotonic() + wait_s
         with self._freed:
             while not (got := self._ledger.request(nbytes, owner, priority, purpose)):
                 left = deadline - time.monotonic()
                 if left <= 0 or nbytes > self._ledger.capacity():
                     return got
+                self._recall(nbytes - got.available, owner)
                 self._freed.wait(left)
+            if recallable:
+                self._recallable[got.lease_id] = owner
             return got
+
+    def resize(self, lease: Lease, nbytes: int, wait_s: float = 0.0) -> Lease | Refusal:
+        """The lease at ``nbytes`` (a new id: the in-process ledger has no resize of its own)."""
+        deadline = time.monotonic() + wait_s
+        with self._freed:
+            while True:
+                self._ledger.release(lease)
+                got = self._ledger.request(nbytes, lease.owner, lease.priority, lease.purpose)
+                if got:
+                    if self._recallable.pop(lease.lease_id, None) is not None:
+                        self._recallable[got.lease_id] = lease.owner
+                    self._freed.notify_all()
+                    return got
+                lease = self._ledger.request(lease.nbytes, lease.owner, lease.priority, lease.purpose)
+                assert lease, "the bytes just released under the lock must be granted back"
+                left = deadline - time.monotonic()
+                if left <= 0 or nbytes > self._ledger.capacity():
+                    return got
+                self._recall(nbytes - lease.nbytes - got.available, lease.owner)
+                self._freed.wait(left)
+
+    def watch_recalls(self, owner: str, on_recall: Callable[[str], None]) -> None:
+        with self._freed:
+            self._watchers[owner] = on_recall
+
+    def _recall(self, short: int, asker: str) -> None:
+        """Ask other owners' reservations back, largest first, until ``short`` bytes are coming. Lock held."""
+        held = {lease.lease_id: lease for lease in self._ledger.outstanding()}
+        short -= sum(held[lid].nbytes for lid in self._recalled if lid in held)
+        for lid in sorted(set(self._recallable) - self._recalled, key=lambda lid: -held[lid].nbytes):
+            owner = self._recallable[lid]
+            if short <= 0:
+                break
+            if owner == asker or owner not in self._watchers:
+                continue
+            self._recalled.add(lid)
+            short -= held[lid].nbytes
+            logger.info("%s recalls %s (%d B reserved by %s) for %s", self._name, lid, held[lid].nbytes,
+                        owner, asker)
+            # The holder gives it back once its own call is done: never on this (waiting) thread.
+            threading.Thread(target=self._watchers[owner], args=(lid,), name=f"recall-{lid}", daemon=True).start()
 
     def release(self, lease: Lease) -> None:
         with self._freed:
             self._ledger.release(lease)
+            self._recallable.pop(lease.lease_id, None)
+            self._recalled.discard(lease.lease_id)
             self._freed.notify_all()
 
     def outstanding(self, owner: str | None = None) -> tuple[Lease, ...]:
@@ -149,15 +199,33 @@ def _pick_gpu(device: DeviceRef, assigned: list[int], gpus: tuple[GpuFacts, ...]
     raise LookupError(f"{owner}: device {device} maps to GPU {physical}, but the node has {len(gpus)} GPU(s)")
 
 
+def assigned_gpu_fraction() -> float | None:
+    """The GPUs Ray assigned to this replica (0.2 for ``num_gpus: 0.2``); None outside a Ray worker."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return float(ray.get_runtime_context().get_assigned_resources().get("GPU", 0.0)) or None
+
+
 class ReplicaMemory:
-    """The host and device budgets of one replica, and the per-call device working set."""
+    """The host and device budgets of one replica, its share of the GPU, and its device leases."""
 
     def __init__(self, owner: str, device: DeviceRef, node: NodeFacts, profile: FleetProfile,
-                 host_budget: MemoryBudget, device_budget: MemoryBudget, device_pool: str, client=None):
+                 host_budget: MemoryBudget, device_budget: MemoryBudget, device_pool: str, client=None,
+                 gpu: GpuFacts | None = None, gpu_fraction: float | None = None):
         self.owner, self.device, self.node, self.profile = owner, device, node, profile
         self.host_budget, self.device_budget, self.device_pool = host_budget, device_budget, device_pool
+        self.gpu = gpu
         self._client = client
         self._stores: StoreRegistry | None = None
+        pool = device_budget.capacity()
+        # Ray's num_gpus is logical; the share makes it the planner's capacity and the process's cap.
+        self.share_bytes = pool if gpu is None or gpu_fraction is None else min(pool, int(gpu_fraction * pool))
+        if gpu is not None:
+            logger.info("%s: share of %s is %.2f GB of its %.2f GB pool (%s)", owner, device_pool,
+                        self.share_bytes / GB, pool / GB,
+                        f"num_gpus {gpu_fraction:g}" if gpu_fraction is not None else "the whole GPU")
 
     def store_registry(self) -> StoreRegistry:
         """Node weight stores' bookkeeping: the node ledger's with Ray, else this process's own."""
@@ -169,6 +237,17 @@ class ReplicaMemory:
             else:
                 self._stores = _local_stores(self.host_budget)
         return self._stores
+
+    def process_memory_fraction(self) -> float | None:
+        """The share as a fraction of the GPU's memory (torch.cuda.set_per_process_memory_fraction); None: no GPU."""
+        return None if self.gpu is None else min(1.0, self.share_bytes / self.gpu.memory_bytes)
+
+    def device_leases(self, *, to_driver=None, idle_s: float | None = None):
+        """This replica's standing lease and call reservation on its device pool (cluster.device_leases)."""
+        from cluster.device_leases import DEFAULT_IDLE_S, DeviceLeases
+
+        return DeviceLeases(self.device_budget, self.owner, self.device_pool, to_driver=to_driver,
+                            idle_s=DEFAULT_IDLE_S if idle_s is None else idle_s)
 
     @classmethod
     def open(cls, owner: str, device: "torch.device | str" = "cpu", *,
@@ -190,11 +269,13 @@ class ReplicaMemory:
         profile = profile_for_gpu(gpu)
         logger.info("%s: node ledger of %s (epoch %s); host pool %s, device %s leases pool %s; profile %s",
                     owner, node.node_id, client.epoch, HOST_POOL, device, pool, profile.name)
-        return cls(owner, device, node, profile, client.budget(HOST_POOL), client.budget(pool), pool, client)
+        return cls(owner, device, node, profile, client.budget(HOST_POOL), client.budget(pool), pool, client,
+                   gpu, assigned_gpu_fraction() if gpu is not None else None)
 
     @classmethod
     def open_local(cls, owner: str, device: "torch.device | str" = "cpu", *,
-                   config: LedgerConfig = LedgerConfig(), node: NodeFacts | None = None) -> "ReplicaMemory":
+                   config: LedgerConfig = LedgerConfig(), node: NodeFacts | None = None,
+                   gpu_fraction: float | None = None) -> "ReplicaMemory":
         """Process-local ledgers (what :meth:`open` uses without Ray); ``node`` is injectable for tests."""
         device = as_device(device)
         node = node or probe_node(resources={}, reserve=config.reserve_bytes)
@@ -207,7 +288,7 @@ class ReplicaMemory:
         logger.info("%s: Ray is not initialised, so an in-process ledger stands in for the node ledger "
                     "(host %.2f GB spendable, device %s leases pool %s of %.2f GB): other processes on "
                     "this node are not accounted", owner, host.capacity() / GB, device, pool, dev.capacity() / GB)
-        return cls(owner, device, node, profile, host, dev, pool)
+        return cls(owner, device, node, profile, host, dev, pool, gpu=gpu, gpu_fraction=gpu_fraction)
 
     @contextlib.contextmanager
     def device_working_set(self, nbytes: int, timeout_s: float, priority: float = 0.0):

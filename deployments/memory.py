@@ -1,8 +1,9 @@
-"""The replica's memory: the node's host budget and the device working set, from one seam.
+"""The replica's memory: the node's host budget and its device leases, from one seam.
 
 ``cluster.replica_memory.ReplicaMemory`` leases from the node's one ledger actor (and falls back
 to an in-process ledger itself when Ray is not running). :func:`open_replica_memory` is the only
-place the service opens it.
+place the service opens it; :func:`open_device_leases` caps the process at its share of the GPU
+and gives the device leases torch's ``empty_cache`` to return bytes to the driver.
 """
 from __future__ import annotations
 
@@ -10,12 +11,30 @@ import logging
 
 import torch
 
-from cluster import replica_memory
+from cluster import device_leases, replica_memory
 
 logger = logging.getLogger(__name__)
 
 
 def open_replica_memory(owner: str, device: torch.device) -> replica_memory.ReplicaMemory:
-    """The node's shared host budget (``.host_budget``) and ``.device_working_set`` for one replica."""
+    """The node's shared host budget (``.host_budget``) and the device pool for one replica."""
     return replica_memory.ReplicaMemory.open(owner, device)
 
+
+
+def open_device_leases(memory: replica_memory.ReplicaMemory, device: torch.device) -> device_leases.DeviceLeases:
+    """The replica's device leases; on CUDA the process is first capped at its share of the GPU.
+
+    The cap makes an allocation beyond the share fail in this process (an OOM error it can report)
+    instead of taking bytes a neighbour leased.
+    """
+    fraction = memory.process_memory_fraction()
+    if device.type == "cuda" and fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        logger.info("%s: process capped at %.3f of %s (%.2f GB, its share)", memory.owner, fraction, device,
+                    memory.share_bytes / 1e9)
+    to_driver = torch.cuda.empty_cache if device.type == "cuda" else None
+    return memory.device_leases(to_driver=to_driver)
+
+
+LEASE_REFUSED = device_leases.LeaseRefused

@@ -62,21 +62,32 @@ def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request
     return plan_for_replica(memory.profile, facts, mode, owner=memory.owner)
 
 
+def host_lease_bytes(host_budget: MemoryBudget, host_budget_bytes: int | None) -> int:
+    """The replica plans within min(its own budget, what the node ledger has free)."""
+    free = host_budget.available()
+    return free if host_budget_bytes is None else min(free, host_budget_bytes)
+
+
+def predicted_kept_bytes(plan: PipelinePlan) -> int:
+    """Device weight bytes the plan keeps between calls: resident components, unparked non-layer weights."""
+    return sum(c.prediction.idle_bytes for c in plan.components if c.prediction is not None)
+
+
 class StageResidency:
     """The components of one stage replica under their plan; call around every stage use."""
 
     def __init__(self, stage: str, components: Mapping[str, nn.Module], uses_per_request: Mapping[str, int],
                  mode: PerformanceMode | None, device: torch.device, *, device_capacity: int,
                  host_budget: MemoryBudget, owner: str, host_budget_bytes: int | None = None,
-                 shared: SharedWeights | None = None, memory: ReplicaMemory | None = None):
+                 shared: SharedWeights | None = None, memory: ReplicaMemory | None = None,
+                 plan: PipelinePlan | None = None):
+        """``plan``: made beforehand with :func:`plan_stage` (a replica plans, leases what the plan keeps
+        on the device, then applies it); None: planned here."""
         self.device = device
         self.host_budget_bytes = host_budget_bytes
         self._names = tuple(components)
-        # The replica plans within min(its own budget, what the node ledger has free).
-        host_lease = host_budget.available()
-        if host_budget_bytes is not None:
-            host_lease = min(host_lease, host_budget_bytes)
-        wanted = plan_stage(stage, components, uses_per_request, mode, device, device_capacity, host_lease, memory)
+        wanted = plan or plan_stage(stage, components, uses_per_request, mode, device, device_capacity,
+                                    host_lease_bytes(host_budget, host_budget_bytes), memory)
         self.mode = wanted.mode  # the fleet profile's when the stage's configuration left it open
         self._residency = PipelineResidency.apply(components, wanted, device, host_budget, owner=owner,
                                                   host_budget_bytes=host_budget_bytes, shared=shared)
@@ -105,6 +116,10 @@ class StageResidency:
 
     def predicted_peak_bytes(self) -> int:
         return self.plan.peak_device_bytes
+
+    def kept_bytes(self) -> int:
+        """Weight bytes on the device now: between calls, what the replica keeps (its standing lease)."""
+        return self._residency.device_bytes_now()
 
     def report(self):
         """``offload_core.residency.report.ResidencyReport``: bytes per place per component, each byte once."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
@@ -44,6 +44,8 @@ class ReplicaResidency:
     # offload_core.host.replica_budget.HostMemoryStatus.to_json(): budget, leased, used, shared stores.
     host_memory: dict | None = None
     batch: BatchState | None = None  # the Denoiser's step batching; None for the stages that do not batch
+    # cluster.device_leases.LeaseFigures as JSON: standing and reserved bytes, calls without a round trip.
+    leases: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"replica": self.replica, "stage": self.stage, "device": self.device, "mode": self.mode,
@@ -51,7 +53,7 @@ class ReplicaResidency:
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "last_device_peak_bytes": self.last_device_peak_bytes,
                 "last_bytes_streamed": self.last_bytes_streamed, "weights": self.weights,
-                "host_memory": self.host_memory,
+                "host_memory": self.host_memory, "leases": self.leases,
                 **({"batch": self.batch.to_json()} if self.batch is not None else {})}
 
 

@@ -1,8 +1,10 @@
 """The three stage deployments: TextEncoder, Denoiser, VaeDecoder (names the k8s manifests use).
 
-Each replica loads only its stage's components from the configured folder, runs them under
-offload_core (:class:`deployments.offload.StageResidency`), leases its device working set for the
-length of every call, and returns tensors (Ray's object store carries them, never JSON).
+Each replica loads only its stage's components from the configured folder, plans them against its
+share of the GPU, leases what it keeps on the device (a standing lease, before anything moves
+there), runs them under offload_core (:class:`deployments.offload.StageResidency`), leases what
+each call adds (a reservation kept between calls: no ledger round trip when the next call fits),
+and returns tensors (Ray's object store carries them, never JSON).
 """
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ import torch
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
+from cluster.replica_memory import DeviceBusy
 from deployments import families
 from deployments.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
 from deployments.cancel import CancelFlag, RequestCancelled
 from deployments.families import FamilyFacts
-from deployments.memory import open_replica_memory
+from deployments.memory import LEASE_REFUSED, open_device_leases, open_replica_memory
 from deployments.metrics import BatchMetrics, StageMetrics
-from deployments.offload import StageResidency
+from deployments.offload import StageResidency, host_lease_bytes, plan_stage, predicted_kept_bytes
 from deployments.residency_board import BatchState, ReplicaResidency, get_board
 from deployments.spec import (
     DenoiseProgress,
@@ -96,15 +99,21 @@ class StageWorker:
         if budget is not None:
             logger.info("%s: host_memory_budget %s = %d B on this node (%d B spendable)", self.replica,
                         config.host_budget.describe(), budget, self.memory.node.ram.spendable)
+        self.leases = open_device_leases(self.memory, self.device)
         modules = families.stage_modules(self.pipe, config.facts, config.stage)
         shared = None
         if config.share_host_weights:
             identities = {name: folder_identity(pathlib.Path(config.facts.folder) / name) for name in modules}
             shared = SharedWeights(self.memory.store_registry(), identities, self.replica, budget_bytes=budget)
+        # Planned against the replica's share of its GPU, not the whole card.
+        plan = plan_stage(config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
+                          self.memory.share_bytes, host_lease_bytes(self.memory.host_budget, budget), self.memory)
+        # What the plan keeps on the device is leased before applying it moves anything there.
+        self.leases.hold_standing(predicted_kept_bytes(plan), config.device_timeout_s)
         self.residency = StageResidency(
             config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
-            device_capacity=self.memory.device_budget.capacity(), host_budget=self.memory.host_budget,
-            owner=self.replica, host_budget_bytes=budget, shared=shared, memory=self.memory)
+            device_capacity=self.memory.share_bytes, host_budget=self.memory.host_budget,
+            owner=self.replica, host_budget_bytes=budget, shared=shared, memory=self.memory, plan=plan)
         self.metrics = StageMetrics(config.stage.value)
         # One call at a time per replica: the pipeline object (scheduler state) is not reentrant.
         self._lock = threading.Lock()
@@ -132,32 +141,46 @@ class StageWorker:
 
     @contextlib.contextmanager
     def in_use(self):
-        """One use of the stage: the call lock, the device working set, prepare ... finish."""
-        with self._lock, self._working_set():
-            self.residency.prepare_for_use()
-            try:
-                yield
-            finally:
-                self.residency.finish_use()
+        """One use of the stage: the call lock, the call lease, prepare ... finish.
+
+        No ledger round trip when the call fits the reservation kept from the last one; after
+        the call the standing lease follows what the parking gate left on the device (rare).
+        """
+        with self._lock:
+            with self._call_lease():
+                self.residency.prepare_for_use()
+                try:
+                    yield
+                finally:
+                    self.residency.finish_use()
+                kept = self.residency.kept_bytes()
+            self.leases.hold_standing(kept, self.config.device_timeout_s)
         self._publisher.submit(self.publish)
 
     def record(self, stats: StageStats) -> None:
         self.metrics.record(stats)
         self._last = stats
 
+    def call_bytes(self) -> int:
+        """What a call adds on the device beyond the standing lease: streamed slots, restores."""
+        return max(0, self.residency.predicted_peak_bytes() - self.leases.figures().standing_bytes)
+
     @contextlib.contextmanager
-    def _working_set(self):
-        """Lease the predicted peak device bytes for the call (bounded wait, then DeviceBusy -> 503)."""
-        with self.memory.device_working_set(self.residency.predicted_peak_bytes(),
-                                            self.config.device_timeout_s) as lease:
-            yield lease
+    def _call_lease(self):
+        """Hold the call lease (bounded wait, then DeviceBusy -> 503); no ledger round trip when it is kept."""
+        try:
+            with self.leases.call(self.call_bytes(), self.config.device_timeout_s) as lease:
+                yield lease
+        except LEASE_REFUSED as exc:
+            raise DeviceBusy(self.replica, self.memory.device_pool, exc.nbytes, exc.refusal, exc.waited_s) from None
 
     def report(self) -> ReplicaResidency:
         weights = self.residency.report()
         return ReplicaResidency(self.replica, self.config.stage.value, str(self.device), self.residency.mode.value,
                                 self.residency.plan.explain(), self.residency.predicted_peak_bytes(),
                                 self._last.device_peak_bytes, self._last.bytes_streamed, weights.to_json(),
-                                self.residency.host_status(weights).to_json(), self._batch)
+                                self.residency.host_status(weights).to_json(), self._batch,
+                                self.leases.figures().to_json())
 
     def set_batch(self, size: int, mean: float) -> None:
         """Publish the Denoiser's batch size when it changes (no lock: the batch is running)."""
@@ -171,6 +194,7 @@ class StageWorker:
         """Replica shutdown: unhook the engine and give back every lease this replica holds."""
         self._publisher.shutdown(wait=True)
         self.residency.remove()
+        self.leases.close()
         logger.info("%s: shut down, released %d B of leases", self.replica, self.memory.close())
 
     def publish(self) -> None:

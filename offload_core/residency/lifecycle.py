@@ -320,6 +320,10 @@ class PipelineResidency:
         return figures
 
     # -- what the device holds ----------------------------------------------------------------
+    def device_bytes_now(self) -> int:
+        """Weight bytes of every component on the device now (between uses: what is kept)."""
+        return self._measure()
+
     def _measure(self) -> int:
         # O(components): each meter is kept from the engine's binds and parking's moves, no walk.
         return sum(c.meter.current_bytes for c in self.components.values())

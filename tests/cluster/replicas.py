@@ -15,12 +15,32 @@ from cluster.replica_memory import DeviceBusy, ReplicaMemory
 class LeasingReplica:
     def __init__(self, owner: str, config: LedgerConfig, device: str = "cpu"):
         self.memory = ReplicaMemory.open(owner, device, config=config)
+        self.leases = None
 
     def facts(self) -> dict:
         m = self.memory
         return {"pid": os.getpid(), "node_id": m.node.node_id, "pool": m.device_pool,
                 "profile": m.profile.name, "mode": m.profile.mode,
-                "gpu": m.node.gpus[0].name if m.node.gpus else None}
+                "gpu": m.node.gpus[0].name if m.node.gpus else None, "share": m.share_bytes,
+                "pool_bytes": m.device_budget.capacity(), "fraction": m.process_memory_fraction()}
+
+    def reserved_call(self, standing: int, nbytes: int, hold_s: float, timeout_s: float) -> tuple[str, float]:
+        """A stage call under DeviceLeases: standing lease, then a call reservation kept afterwards."""
+        from cluster.device_leases import LeaseRefused
+
+        if self.leases is None:
+            self.leases = self.memory.device_leases()
+            self.leases.hold_standing(standing, timeout_s)
+        start = time.monotonic()
+        try:
+            with self.leases.call(nbytes, timeout_s):
+                time.sleep(hold_s)
+        except LeaseRefused as refused:
+            return "refused", refused.waited_s
+        return "ok", time.monotonic() - start
+
+    def lease_figures(self) -> dict:
+        return self.leases.figures().to_json()
 
     def pin(self, nbytes: int, count: int = 1, priority: float = 0.0) -> list:
         return [self.memory.host_budget.request(nbytes, self.memory.owner, priority, "pinned:test")
@@ -56,6 +76,8 @@ class LeasingReplica:
                 "log": [c.log_line() for c in plan.components]}
 
     def close(self) -> int:
+        if self.leases is not None:
+            self.leases.close()
         return self.memory.close()
 
 

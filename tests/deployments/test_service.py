@@ -250,6 +250,13 @@ def test_a_device_held_elsewhere_gets_503_with_retry_after_then_serves_when_free
             if pool.available() < 1024:
                 break
         assert pool.available() < 1024, "the neighbours could not fill the device pool"
+        # The stages keep their call leases between calls as reservations: a neighbour that waits
+        # for bytes makes the ledger recall them, and the stages give them back.
+        reserved = sum(lease.nbytes for lease in pool.outstanding() if lease.recallable)
+        assert reserved > 0, "the stages served earlier requests, so they hold reservations"
+        taker = ReplicaMemory.open("test-neighbour-taker", "cpu")
+        held.append((taker, taker.device_budget.acquire(reserved, taker.owner, wait_s=30)))
+        assert held[-1][1], f"the recalled reservations were not given back: {held[-1][1]}"
         busy = client.post(IMAGES, json={"prompt": "while busy", "seed": 1})
         assert busy.status_code == 503, busy.text
         assert busy.json()["error"]["code"] == "device_busy" and int(busy.headers["retry-after"]) >= 1
@@ -259,6 +266,26 @@ def test_a_device_held_elsewhere_gets_503_with_retry_after_then_serves_when_free
                 neighbour.device_budget.release(lease)
             neighbour.close()
     assert client.post(IMAGES, json={"prompt": "when free", "seed": 1}).status_code == 200
+
+
+def test_back_to_back_requests_reuse_their_call_reservations_without_ledger_round_trips(client):
+    body = {"prompt": "again and again", "seed": 3, "num_inference_steps": 2}
+    for _ in range(3):
+        assert client.post(IMAGES, json=body).status_code == 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # reports are published after each response, off its path
+        replicas = client.get("/v1/residency").json()["replicas"]
+        leases = {r["stage"]: r["leases"] for r in replicas}
+        if all(lease.get("calls_without_round_trip", 0) >= 2 for lease in leases.values()):
+            break
+        time.sleep(0.2)
+    assert set(leases) == {"encode", "denoise", "decode"}
+    for stage, lease in leases.items():
+        assert lease["calls_without_round_trip"] >= 2, f"{stage}: {lease}"
+        assert lease["given_back"]["idle"] == lease["given_back"]["growing"] == 0, f"{stage}: {lease}"
+    # The denoiser streams every layer (memory mode): its calls add slots, kept as a reservation;
+    # the resident encoder keeps everything under its standing lease and adds nothing.
+    assert leases["denoise"]["reserved_bytes"] > 0 and leases["encode"]["standing_bytes"] > 0
 
 
 def _replica_actor(deployment: str):
