@@ -100,7 +100,8 @@ class Service:
     def body(self, generated: Generated, data: list[dict]) -> dict:
         return {"created": int(time.time()), "id": generated.spec.request_id, "seed": generated.spec.seed,
                 "data": data,
-                "stages": [{"stage": s.stage, "seconds": round(s.seconds, 4), "bytes_streamed": s.bytes_streamed,
+                "stages": [{"stage": s.stage, "replica": s.replica, "seconds": round(s.seconds, 4),
+                            "bytes_streamed": s.bytes_streamed,
                             "device_peak_bytes": s.device_peak_bytes} for s in generated.stats]}
 
     def image_body(self, generated: Generated) -> dict:
