@@ -131,7 +131,8 @@ def stage_configs(args: AppArgs, facts: FamilyFacts) -> dict[str, StageConfig]:
     configs = {}
     for stage, stage_args in options.items():
         # Planned for the default request; a request with more steps streams the same plan longer.
-        uses = uses_per_request(facts, stage, args.limits.default_steps, facts.default_guidance)
+        uses = uses_per_request(facts, stage, args.limits.default_steps, facts.default_guidance,
+                                batched=stage is PipelineStage.DENOISE)
         batching = args.batching.config() if stage is PipelineStage.DENOISE else None
         configs[stage] = StageConfig(args.app_name, facts, stage, stage_args.offload_mode, tuple(uses.items()),
                                      args.dtype, args.device_timeout_s, stage_args.host_budget(), batching,

@@ -88,11 +88,16 @@ def read_family_facts(folder: str | pathlib.Path) -> FamilyFacts:
     return FamilyFacts(family, str(root), vae_scale * 2, 1, False, False, DEFAULT_GUIDANCE[family])
 
 
-def uses_per_request(facts: FamilyFacts, stage: PipelineStage, steps: int, guidance_scale: float) -> dict[str, int]:
-    """Forward passes per request of each of the stage's components (what the planner weighs bytes by)."""
-    # Wan runs classifier-free guidance when guidance > 1: two encoder and two transformer passes.
+def uses_per_request(facts: FamilyFacts, stage: PipelineStage, steps: int, guidance_scale: float,
+                     batched: bool = False) -> dict[str, int]:
+    """Forward passes per request of each of the stage's components (what the planner weighs bytes by).
+
+    ``batched``: the Denoiser's step batching runs guidance's two branches in one forward.
+    """
+    # Wan runs classifier-free guidance when guidance > 1: two encoder and two transformer passes
+    # in the pipeline's own loop.
     cfg = 2 if facts.family is Family.WAN and guidance_scale > 1.0 else 1
-    per_stage = {ENCODE: cfg, DENOISE: steps * cfg, DECODE: 1}
+    per_stage = {ENCODE: cfg, DENOISE: steps * (1 if batched else cfg), DECODE: 1}
     return {name: per_stage[PipelineStage(stage)] for name in STAGE_MODULES[facts.family][stage]}
 
 

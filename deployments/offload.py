@@ -8,6 +8,7 @@ applies it and runs the stage lifecycle. The plan is logged once per component b
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Mapping
 
@@ -39,14 +40,17 @@ def link_facts(device: torch.device) -> LinkFacts:
 
 def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request: Mapping[str, int],
                mode: PerformanceMode | None, device: torch.device, device_capacity: int, host_lease_bytes: int,
-               memory: ReplicaMemory | None = None) -> PipelinePlan:
+               memory: ReplicaMemory | None = None, expected_batch: float = 1.0) -> PipelinePlan:
     """The plan for one stage's components: this replica's whole "pipeline" is its stage.
 
     With the replica's ``memory`` (the service always has it) the plan is the fleet profile's for
     the GPU the replica got (``cluster.replica_plan``): its mode when ``mode`` is None, its limits
-    always. Without it, ``plan_pipeline`` in ``mode`` and nothing else.
+    always. Without it, ``plan_pipeline`` in ``mode`` and nothing else. ``expected_batch``: requests
+    expected to share each use (the Denoiser's configured batch maximum): bytes moved per request
+    are the stream's bytes divided by it.
     """
-    profiles = tuple(profile_component(name, module, uses_per_request=uses_per_request[name])
+    profiles = tuple(dataclasses.replace(profile_component(name, module, uses_per_request=uses_per_request[name]),
+                                         expected_batch=expected_batch)
                      for name, module in components.items())
     stages = (Stage(stage, tuple(components)),)
     if memory is None:
@@ -80,14 +84,15 @@ class StageResidency:
                  mode: PerformanceMode | None, device: torch.device, *, device_capacity: int,
                  host_budget: MemoryBudget, owner: str, host_budget_bytes: int | None = None,
                  shared: SharedWeights | None = None, memory: ReplicaMemory | None = None,
-                 plan: PipelinePlan | None = None):
+                 plan: PipelinePlan | None = None, expected_batch: float = 1.0):
         """``plan``: made beforehand with :func:`plan_stage` (a replica plans, leases what the plan keeps
         on the device, then applies it); None: planned here."""
         self.device = device
         self.host_budget_bytes = host_budget_bytes
         self._names = tuple(components)
         wanted = plan or plan_stage(stage, components, uses_per_request, mode, device, device_capacity,
-                                    host_lease_bytes(host_budget, host_budget_bytes), memory)
+                                    host_lease_bytes(host_budget, host_budget_bytes), memory,
+                                    expected_batch)
         self.mode = wanted.mode  # the fleet profile's when the stage's configuration left it open
         self._residency = PipelineResidency.apply(components, wanted, device, host_budget, owner=owner,
                                                   host_budget_bytes=host_budget_bytes, shared=shared)

@@ -107,7 +107,8 @@ class StageWorker:
             shared = SharedWeights(self.memory.store_registry(), identities, self.replica, budget_bytes=budget)
         # Planned against the replica's share of its GPU, not the whole card.
         plan = plan_stage(config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
-                          self.memory.share_bytes, host_lease_bytes(self.memory.host_budget, budget), self.memory)
+                          self.memory.share_bytes, host_lease_bytes(self.memory.host_budget, budget), self.memory,
+                          expected_batch=config.batching.max_batch if config.batching is not None else 1)
         # What the plan keeps on the device is leased before applying it moves anything there.
         self.leases.hold_standing(predicted_kept_bytes(plan), config.device_timeout_s)
         self.residency = StageResidency(

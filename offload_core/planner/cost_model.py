@@ -108,8 +108,10 @@ def predict(profile: ComponentProfile, plan: ComponentPlan, link: LinkFacts, par
                        if tiers[l.key] is not HostingTier.PINNED) / link.pageable_Bps
     per_use = max(profile.compute_s_per_use, per_use_pinned) + per_use_sync
     transfer = restore / link.pageable_Bps + sum(_seconds(n, t, link) for t, n in moved.items())
-    return ComponentPrediction(in_use, idle, restore + sum(moved.values()), transfer, compute,
-                               once_s + uses * per_use, parked)
+    # A batch shares every copy: each request pays its share (1 unless the stage batches).
+    share = profile.expected_batch
+    return ComponentPrediction(in_use, idle, round((restore + sum(moved.values())) / share), transfer / share,
+                               compute, once_s + uses * per_use, parked)
 
 
 def _seconds(nbytes: int, tier: HostingTier, link: LinkFacts) -> float:

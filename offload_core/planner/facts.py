@@ -69,6 +69,9 @@ class ComponentProfile:
     compute_s_per_layer: tuple[float, ...]
     # Non-layer compute per use (embeddings, heads, norms), seconds.
     compute_s_rest: float = 0.0
+    # Requests expected to share each use (a Denoiser's step batching): the weights streamed for a
+    # use are paid once by the whole batch, so bytes moved per request are divided by it.
+    expected_batch: float = 1.0
 
     def __post_init__(self) -> None:
         assert len(self.compute_s_per_layer) == len(self.layers), (
@@ -76,6 +79,8 @@ class ComponentProfile:
             "the cost model would pair times with the wrong layers")
         if self.uses_per_request < 0:
             raise ValueError(f"{self.name}: uses_per_request must be >= 0, got {self.uses_per_request}")
+        if not self.expected_batch >= 1.0:
+            raise ValueError(f"{self.name}: expected_batch must be >= 1, got {self.expected_batch}")
 
     @property
     def layer_bytes(self) -> int:

@@ -19,8 +19,9 @@ def test_each_stage_is_configured_with_its_mode_and_uses_per_request():
     configs = stage_configs(args, read_family_facts(resolve_model_folder(args)))
     # Left open: each replica takes the fleet profile's mode for the GPU it gets.
     assert {s: c.mode for s, c in configs.items()} == {ENCODE: None, DENOISE: PerformanceMode.MEMORY, DECODE: None}
-    # 20 default steps x 2 guidance passes: what the planner weighs the denoiser's bytes by
-    assert dict(configs[DENOISE].uses_per_request) == {"transformer": 40}
+    # 20 default steps, guidance's two branches in one forward (step batching): what the planner
+    # weighs the denoiser's bytes by; the encoder still runs twice.
+    assert dict(configs[DENOISE].uses_per_request) == {"transformer": 20}
     assert dict(configs[ENCODE].uses_per_request) == {"text_encoder": 2}
 
 

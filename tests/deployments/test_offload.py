@@ -43,6 +43,8 @@ def test_uses_per_request_count_guidance_passes():
     wan = families.read_family_facts(ensure_tiny_wan())
     assert families.uses_per_request(wan, DENOISE, 20, 5.0) == {"transformer": 40}
     assert families.uses_per_request(wan, DENOISE, 20, 1.0) == {"transformer": 20}
+    # Step batching runs guidance's two branches in one forward: one use per step.
+    assert families.uses_per_request(wan, DENOISE, 20, 5.0, batched=True) == {"transformer": 20}
     assert families.uses_per_request(wan, ENCODE, 20, 5.0) == {"text_encoder": 2}
 
 

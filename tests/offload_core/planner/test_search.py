@@ -93,6 +93,18 @@ def test_resident_layers_are_added_until_streaming_hides_behind_compute():
     assert plan_pipeline(one_component(capacity=5_632), PerformanceMode.AUTO).component("dit").resident_layers == 3
 
 
+def test_a_batch_that_shares_each_use_divides_the_bytes_each_request_moves():
+    alone = plan_pipeline(one_component(capacity=5_500), PerformanceMode.MEMORY)
+    facts = one_component(capacity=5_500)
+    batched = dataclasses.replace(facts, components=(dataclasses.replace(facts.components[0], expected_batch=4.0),))
+    shared = plan_pipeline(batched, PerformanceMode.MEMORY)
+    assert alone.bytes_moved_per_request > 0
+    assert shared.bytes_moved_per_request == round(alone.bytes_moved_per_request / 4)
+    assert shared.peak_device_bytes == alone.peak_device_bytes, "the batch shares slots, not more of them"
+    with pytest.raises(ValueError, match="expected_batch"):
+        dataclasses.replace(facts.components[0], expected_batch=0.5)
+
+
 def test_when_everything_fits_auto_plans_the_speed_plan():
     auto = plan_pipeline(one_component(capacity=10**6), PerformanceMode.AUTO)
     assert auto.component("dit").strategy is Strategy.RESIDENT and auto.bytes_moved_per_request == 0
