@@ -172,6 +172,12 @@ def plan_layer_layout(key: str, params: Sequence[tuple[str, torch.Tensor]]) -> L
     return LayerLayout(key, tuple(metas), flat)
 
 
+def slot_count(prefetch_depth: int, n_streamed: int) -> int:
+    """Device slots of the prefetch ring: the running layer plus ``prefetch_depth`` ahead, but never
+    more than there are streamed layers (a second slot for the same layer would hold it twice)."""
+    return min(prefetch_depth + 1, n_streamed)
+
+
 @dataclass(frozen=True)
 class RegionMap:
     """Byte regions of one device allocation, one per dtype (a slot or a resident layer)."""
@@ -265,6 +271,6 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 __all__ = [
     "ALIGN_BYTES", "KNOWN_LAYER_GROUPS", "LEGACY_LAYER_GROUPS", "LayerGroup", "LayerLayout", "LayoutError", "RegionMap",
     "TensorMeta", "align_up", "check_disjoint", "declared_layer_groups", "extent_view", "is_placeholder",
-    "layer_parameters", "placeholder", "plan_layer_layout", "resolve_layer_group", "storage_extent",
+    "layer_parameters", "placeholder", "plan_layer_layout", "resolve_layer_group", "slot_count", "storage_extent",
     "tensor_view", "unique_storage_bytes",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from offload_core.host.tier import HostingTier
-from offload_core.layout import RegionMap
+from offload_core.layout import RegionMap, slot_count
 from offload_core.planner.facts import ComponentProfile, LayerProfile, LinkFacts
 from offload_core.planner.pipeline_plan import ComponentPlan, ComponentPrediction
 from offload_core.planner.strategy import Strategy
@@ -34,7 +34,7 @@ def slot_region_bytes(streamed: Sequence[LayerProfile]) -> int:
 
 
 def n_slots(plan: ComponentPlan, n_streamed: int) -> int:
-    return min(plan.prefetch_depth + 1, n_streamed)
+    return slot_count(plan.prefetch_depth, n_streamed)  # the ring's own rule
 
 
 def non_layer_device_bytes(profile: ComponentProfile, plan: ComponentPlan) -> int:

@@ -14,7 +14,7 @@ from typing import Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 
-from offload_core.layout import LayerLayout, RegionMap
+from offload_core.layout import LayerLayout, RegionMap, slot_count
 from offload_core.streaming.device import Device
 from offload_core.streaming.host_layer import HostLayer
 
@@ -48,7 +48,7 @@ class PrefetchRing:
         self._device = device
         self._layers = tuple(layers)
         # More slots than layers would only hold a layer twice: cap at the number of layers.
-        self.n_slots = min(depth + 1, len(self._layers))
+        self.n_slots = slot_count(depth, len(self._layers))
         self.regions = RegionMap.covering(layer.layout for layer in self._layers)
         self._buffers: list[torch.Tensor] = []
         self._allocated = False
