@@ -21,13 +21,14 @@ from torch import nn
 
 from offload_core.host.tier import HostingTier
 from offload_core.planner.facts import profile_component
-from offload_core.planner.inputs import DENSE_BF16_TFLOPS, SUSTAINED_FRACTION
+from offload_core.planner.gpus import gpu_model, link_Bps
+from offload_core.planner.inputs import SUSTAINED_FRACTION
 from offload_core.planner.real_models import meta_component
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
 from offload_core.streaming.sim import SimDevice, SimLink
 
 MODEL, STEPS, IMAGE_TOKENS, TEXT_TOKENS = "flux.1-dev", 28, (512 // 16) ** 2, 512
-PINNED_BPS = 25e9  # PCIe Gen4 x16, the brief's figure
+PINNED_BPS = link_Bps(4, 16)[0]  # PCIe Gen4 x16, from the one GPU table (25 GB/s)
 STANDIN_DIM, STANDIN_UNIT = 16, 32  # the smallest real layer becomes Linear(16, 32) twice
 
 
@@ -95,8 +96,8 @@ def resident(layer_params: list[int], batch: int, flops: float) -> Projection:
 
 def project(batches=(1, 2, 4, 8)) -> dict:
     layer_bytes, layer_params, non_layer = flux_layers()
-    rtx4090 = DENSE_BF16_TFLOPS["RTX4090"] * 1e12 * SUSTAINED_FRACTION
-    l40s = DENSE_BF16_TFLOPS["L40S"] * 1e12 * SUSTAINED_FRACTION
+    rtx4090 = gpu_model("RTX4090").dense_bf16_flops * SUSTAINED_FRACTION
+    l40s = gpu_model("L40S").dense_bf16_flops * SUSTAINED_FRACTION
     streamed = [simulate_streamed(layer_bytes, layer_params, b, rtx4090) for b in batches]
     kept = [resident(layer_params, b, l40s) for b in batches]
     return {"model": MODEL, "steps": STEPS, "tokens_per_image": IMAGE_TOKENS + TEXT_TOKENS,

@@ -13,12 +13,18 @@ from PIL import Image
 from ray import exceptions as ray_errors
 from ray.serve.exceptions import BackPressureError
 
-from deployments.memory import DeviceBusy
+from cluster.replica_memory import DeviceBusy
 from deployments.spec import RequestRejected
+from offload_core.host.budget import Refusal
 from tests.deployments.fakes import TOKEN, FakeStages, fake_api
 
 IMAGES, VIDEOS = "/v1/images/generations", "/v1/videos/generations"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _busy(owner: str, nbytes: int, waited_s: float) -> DeviceBusy:
+    """The replica's DeviceBusy: a working set refused after a bounded wait (Retry-After: the wait)."""
+    return DeviceBusy(owner, "gpu:0", nbytes, Refusal(owner, nbytes, 0, "held by a neighbour"), waited_s)
 
 
 def _client(stages: FakeStages | None = None, **kwargs) -> tuple[TestClient, FakeStages]:
@@ -61,7 +67,7 @@ def test_an_event_stream_sends_accepted_each_step_then_the_result():
 
 
 @pytest.mark.parametrize("stage, exc, status, code", [
-    ("denoise", DeviceBusy("denoise#1", 100, 0, 1.0, 3), 503, "device_busy"),
+    ("denoise", _busy("denoise#1", 100, 3.0), 503, "device_busy"),
     ("encode", BackPressureError(num_queued_requests=4, max_queued_requests=4), 503, "queue_full"),
     ("decode", ray_errors.ActorDiedError(), 503, "replica_unavailable"),
     ("encode", ray_errors.RayTaskError("encode", "tb", RequestRejected("prompt", "cannot be tokenized")), 400,
@@ -87,7 +93,7 @@ def test_an_unexpected_stage_error_is_a_500_whose_request_id_is_in_the_log(caplo
 
 
 def test_a_stage_failure_mid_stream_ends_the_stream_with_an_error_event():
-    client, _ = _client(FakeStages(fail={"decode": DeviceBusy("decode#1", 5, 0, 1.0, 2)}))
+    client, _ = _client(FakeStages(fail={"decode": _busy("decode#1", 5, 2.0)}))
     with client.stream("POST", IMAGES, json={"prompt": "a tree", "stream": True}) as r:
         events = _events("".join(r.iter_text()))
     assert [name for name, _ in events] == ["accepted", "progress", "progress", "error"]
