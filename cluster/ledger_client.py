@@ -188,7 +188,8 @@ class LedgerClient:
     def _beat(self) -> None:
         while not self._closed.wait(self._config.heartbeat_s):
             with self._lock:
-                holding = bool(self._held)
+                # Store attachments (a registry's hook) are held too: a restart must hear of them.
+                holding = bool(self._held) or bool(self._reregister_hooks)
             if not holding:
                 continue
             try:

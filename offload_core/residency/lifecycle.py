@@ -216,25 +216,11 @@ class PipelineResidency:
         try:
             plan, hosting, budget, shared_hosts = _host_leases(plan, components, budget, owner, host_budget_bytes,
                                                                shared, device)
+            built = _build(components, plan, device, tables, shared_hosts)
         except BaseException:
-            if shared is not None:
+            if shared is not None:  # a replica that failed to start must not stay counted on a store
                 shared.close()
             raise
-        built: dict[str, _Component] = {}
-        for cplan in plan.components:
-            module = components[cplan.name]
-            host = HostTables(module, select_host_tables(module, tables) if cplan.host_tables else ())
-            host.install(device)
-            args = (cplan.name, module, cplan, device, host)
-            if cplan.strategy is Strategy.RESIDENT:
-                built[cplan.name] = _Resident(*args)
-            elif cplan.strategy is Strategy.MODEL_OFFLOAD:
-                built[cplan.name] = _ModelOffload(*args)
-            else:
-                built[cplan.name] = _Layerwise(*args, park_fraction=plan.park_fraction,
-                                               parked=bool(cplan.prediction and cplan.prediction.parked),
-                                               host_layers=shared_hosts.get(cplan.name))
-            logger.info("residency %s: %s", cplan.name, cplan.explain())
         plan = tiers_as_hosted(plan, {n: c.streamer for n, c in built.items() if c.streamer is not None})
         for cplan in plan.components:
             built[cplan.name].plan = cplan
@@ -361,3 +347,24 @@ class PipelineResidency:
         if unknown:
             raise KeyError(f"unknown components {unknown}; this pipeline has {sorted(self.components)}")
         return [self.components[n] for n in names]
+
+
+def _build(components: Mapping[str, nn.Module], plan: PipelinePlan, device: torch.device, tables: HostTablesConfig,
+           shared_hosts: Mapping[str, dict]) -> dict[str, _Component]:
+    """Each component under its strategy (streamed ones hosted from ``shared_hosts`` where given)."""
+    built: dict[str, _Component] = {}
+    for cplan in plan.components:
+        module = components[cplan.name]
+        host = HostTables(module, select_host_tables(module, tables) if cplan.host_tables else ())
+        host.install(device)
+        args = (cplan.name, module, cplan, device, host)
+        if cplan.strategy is Strategy.RESIDENT:
+            built[cplan.name] = _Resident(*args)
+        elif cplan.strategy is Strategy.MODEL_OFFLOAD:
+            built[cplan.name] = _ModelOffload(*args)
+        else:
+            built[cplan.name] = _Layerwise(*args, park_fraction=plan.park_fraction,
+                                           parked=bool(cplan.prediction and cplan.prediction.parked),
+                                           host_layers=shared_hosts.get(cplan.name))
+        logger.info("residency %s: %s", cplan.name, cplan.explain())
+    return built

@@ -99,3 +99,27 @@ def _epoch_or_none(ledger):
         return ray.get(ledger.epoch.remote(), timeout=5)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return None
+
+
+def test_a_restarted_ledger_hears_of_the_attached_replicas_and_counts_the_copy_once(fleet_nodes):
+    node = fleet_nodes.small.node_id
+    ledger = node_ledger(node, FAST)
+    identity = uuid.uuid4().hex
+    r1, r2 = store_replica(node, "store-e1", FAST), store_replica(node, "store-e2", FAST)
+    first = ray.get(r1.host.remote(identity), timeout=120)
+    ray.get(r2.host.remote(identity), timeout=120)
+    ours = [s for s in ray.get(ledger.stores.remote()) if s.path in first["paths"]]
+    epoch = ray.get(ledger.epoch.remote())
+    ray.kill(ray.get_actor(ledger_name(node), namespace=NAMESPACE), no_restart=False)
+    wait_for(lambda: _epoch_or_none(ledger) not in (None, epoch), timeout_s=60, what="the ledger restarted")
+    wait_for(lambda: [s.attached for s in ray.get(ledger.stores.remote()) if s.path in first["paths"]]
+             == [("store-e1", "store-e2")] * len(ours), what="both replicas re-registered their stores")
+    leased = ray.get(ledger.state.remote()).pool(HOST_POOL).leased
+    assert leased >= sum(s.nbytes for s in ours), "the restarted ledger counts the copies"
+    assert all(Path(p).exists() for p in first["paths"]), "live replicas' stores survive the restart's sweep"
+    for actor in (r1, r2):
+        ray.get(actor.remove.remote(), timeout=60)
+    assert not [s for s in ray.get(ledger.stores.remote()) if s.path in first["paths"]]
+    assert ray.get(ledger.state.remote()).pool(HOST_POOL).leased == leased - sum(s.nbytes for s in ours)
+    for actor in (r1, r2):
+        ray.kill(actor, no_restart=True)
