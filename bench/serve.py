@@ -7,11 +7,19 @@ Prints a table, then (last line) one JSON object. Three latencies side by side, 
 - in-process: the plain diffusers pipeline + PNG encoding (the baseline);
 - in-process offloaded: the three stages under offload_core in one process (the engine's cost);
 - service: POST /v1/images/generations over HTTP through Ray Serve (engine + Ray + HTTP).
+The in-process pipeline and the service are timed alternately, request by request, so a load
+that comes and goes on a shared machine weighs on both alike; medians are compared.
+
+Then where the service's overhead goes, per hop: each stage called through its Serve handle
+from this process (the Ray hop = handle wall time - the replica's own stage time), and the rest
+(HTTP, the ingress, PNG). The replicas' lease figures say how many calls went without a ledger
+round trip.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import pathlib
@@ -41,22 +49,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _median_s(fn, repeats: int) -> float:
-    fn()  # warm-up: first-call allocations and lazy imports are not the steady state
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def in_process(facts, spec: GenerationSpec, repeats: int) -> float:
-    pipe = families.load_full_pipeline(facts, torch.float32)
-    return _median_s(lambda: [media.png_bytes(f[0]) for f in families.reference_frames(pipe, facts, spec)], repeats)
-
-
-def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode, repeats: int) -> float:
+def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode):
+    """One request through the three stages under offload_core in this process (a callable)."""
     from cluster.replica_memory import ReplicaMemory
 
     cpu = torch.device("cpu")
@@ -84,7 +78,7 @@ def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode, rep
         frames = under(PipelineStage.DECODE, lambda p: families.decode(p, facts, latents, spec))
         return [media.png_bytes(f[0]) for f in frames]
 
-    return _median_s(once, repeats)
+    return once
 
 
 def start_service(model_path: str, mode: PerformanceMode):
@@ -106,12 +100,53 @@ def start_service(model_path: str, mode: PerformanceMode):
     return f"http://127.0.0.1:{port}", time.perf_counter() - started
 
 
-def service_latency(client, body: dict, repeats: int) -> float:
-    def once():
+def side_by_side(plain, offloaded, client, body: dict, repeats: int) -> tuple[float, float, float]:
+    """Median seconds of the in-process pipeline, in-process offloaded and the service, timed in turn."""
+    def served():
         response = client.post("/v1/images/generations", json=body)
         assert response.status_code == 200, response.text
 
-    return _median_s(once, repeats)
+    fns = (plain, offloaded, served)
+    for fn in fns:  # warm-up: first-call allocations and lazy imports are not the steady state
+        fn()
+    times = {fn: [] for fn in fns}
+    for _ in range(repeats):
+        for fn in fns:
+            start = time.perf_counter()
+            fn()
+            times[fn].append(time.perf_counter() - start)
+    return tuple(statistics.median(times[fn]) for fn in fns)
+
+
+def hops(app: str, spec: GenerationSpec, repeats: int) -> dict[str, tuple[float, float]]:
+    """Per stage: (median handle wall time from this process, median stage time in the replica)."""
+    from ray import serve
+
+    encoder = serve.get_deployment_handle("TextEncoder", app)
+    denoiser = serve.get_deployment_handle("Denoiser", app)
+    decoder = serve.get_deployment_handle("VaeDecoder", app)
+    calls = {
+        "encode": lambda: encoder.encode.remote(spec).result(),
+        "denoise": lambda: list(denoiser.options(stream=True).denoise.remote(encoded, spec))[-1],
+        "decode": lambda: decoder.decode.remote(latents, spec).result(),
+    }
+    encoded = calls["encode"]()
+    latents = calls["denoise"]()
+    out = {}
+    for stage, call in calls.items():
+        walls, inside = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            result = call()
+            walls.append(time.perf_counter() - start)
+            inside.append(result.stats.seconds)
+        out[stage] = (statistics.median(walls), statistics.median(inside))
+    return out
+
+
+def lease_figures(client) -> dict[str, dict]:
+    replicas = client.get("/v1/residency").json()["replicas"]
+    return {r["stage"]: r.get("leases", {}) for r in replicas}
 
 
 def throughput(client, body: dict, clients: int, total: int) -> float:
@@ -144,19 +179,26 @@ def main(argv: list[str] | None = None) -> dict:
     facts = families.read_family_facts(folder)
     size = args.size or ("32x32" if args.quick else "64x64")
     steps = args.steps or (2 if args.quick else 8)
-    repeats, per_level = (3, 6) if args.quick else (10, 16)
+    # Alternated, so a load that comes and goes weighs on every column alike; 9 keep --quick < 90 s.
+    repeats, per_level = (9, 6) if args.quick else (20, 16)
     width, height = (int(v) for v in size.split("x"))
     mode = PerformanceMode(args.mode)
     spec = GenerationSpec("bench", "a lighthouse at dawn", None, height, width, 1, steps, facts.default_guidance, 0, 1)
     body = {"prompt": spec.prompt, "size": size, "num_inference_steps": steps, "seed": 0}
 
-    plain_s = in_process(facts, spec, repeats)
-    offloaded_s = in_process_offloaded(facts, spec, mode, repeats)
+    pipe = families.load_full_pipeline(facts, torch.float32)
+
+    def plain():
+        return [media.png_bytes(f[0]) for f in families.reference_frames(pipe, facts, spec)]
+
+    offloaded = in_process_offloaded(facts, spec, mode)
     base, deploy_s = start_service(str(folder), mode)
     try:
         with httpx.Client(base_url=base, timeout=600) as client:
-            service_s = service_latency(client, body, repeats)
+            plain_s, offloaded_s, service_s = side_by_side(plain, offloaded, client, body, repeats)
+            per_stage = hops("bench", dataclasses.replace(spec, request_id="hops"), repeats)
             rates = {c: throughput(client, body, c, per_level) for c in CONCURRENCY}
+            leases = lease_figures(client)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -169,12 +211,25 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:28s} {seconds * 1e3:9.1f} {seconds / plain_s:13.2f}")
     print(f"service overhead vs in-process: {(service_s - plain_s) * 1e3:.1f} ms "
           f"(of which offload: {(offloaded_s - plain_s) * 1e3:.1f} ms)")
+    print(f"{'hop':28s} {'ms':>9s}")
+    handles_s = sum(wall for wall, _ in per_stage.values())
+    breakdown = {}
+    for stage, (wall, inside) in per_stage.items():
+        breakdown[f"{stage}_in_replica_ms"] = round(inside * 1e3, 2)
+        breakdown[f"{stage}_ray_hop_ms"] = round((wall - inside) * 1e3, 2)
+    breakdown["http_ingress_png_ms"] = round((service_s - handles_s) * 1e3, 2)
+    for name, ms in breakdown.items():
+        print(f"{name.removesuffix('_ms').replace('_', ' '):28s} {ms:9.1f}")
+    print("calls without a ledger round trip: " + ", ".join(
+        f"{stage} {f.get('calls_without_round_trip', 0)}/{f.get('calls', 0)}" for stage, f in sorted(leases.items())))
     print("throughput, requests/s by concurrent clients: " +
           ", ".join(f"{c}: {rates[c]:.2f}" for c in CONCURRENCY))
     result = {"bench": "serve", "model": folder.name, "size": size, "steps": steps, "mode": mode.value,
               "in_process_ms": round(plain_s * 1e3, 2), "in_process_offloaded_ms": round(offloaded_s * 1e3, 2),
               "service_ms": round(service_s * 1e3, 2), "service_over_in_process": round(service_s / plain_s, 3),
-              "overhead_ms": round((service_s - plain_s) * 1e3, 2),
+              "overhead_ms": round((service_s - plain_s) * 1e3, 2), "hops_ms": breakdown,
+              "calls_without_round_trip": {stage: [f.get("calls_without_round_trip", 0), f.get("calls", 0)]
+                                           for stage, f in sorted(leases.items())},
               "throughput_rps": {str(c): round(rates[c], 3) for c in CONCURRENCY},
               "deploy_s": round(deploy_s, 1)}
     print(json.dumps(result))
