@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import pathlib
 import threading
@@ -24,7 +25,7 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from cluster.replica_memory import DeviceBusy
-from deployments import families
+from deployments import activations, families
 from deployments.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
 from deployments.cancel import CancelFlag, RequestCancelled
 from deployments.families import FamilyFacts
@@ -44,10 +45,13 @@ from deployments.steppers import stepper_for
 from offload_core.host.replica_budget import HostBudgetSpec
 from offload_core.host.store import folder_identity
 from offload_core.planner.search import PerformanceMode
+from offload_core.residency.activations import measure_activations
 from offload_core.residency.shared_hosting import SharedWeights
 
 logger = logging.getLogger(__name__)
 
+# Residency reports reach the board at most this often per replica (and always within it).
+PUBLISH_INTERVAL_S = 1.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -115,6 +119,7 @@ class StageWorker:
             config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
             device_capacity=self.memory.share_bytes, host_budget=self.memory.host_budget,
             owner=self.replica, host_budget_bytes=budget, shared=shared, memory=self.memory, plan=plan)
+        self.activations: activations.StageActivations | None = None
         self.metrics = StageMetrics(config.stage.value)
         # One call at a time per replica: the pipeline object (scheduler state) is not reentrant.
         self._lock = threading.Lock()
@@ -124,31 +129,62 @@ class StageWorker:
         # Reports are built after the response is on its way: one reads /proc/self/maps and walks
         # every tensor (a few ms per call on the tiny zoo, more on a 14B model).
         self._publisher = concurrent.futures.ThreadPoolExecutor(1, f"publish-{config.stage.value}")
+        self._publish_pending = threading.Event()
+        self._published_at = time.monotonic()
+        self.activations = self._calibrate_activations(modules)
         self.publish()
+
+    def _calibrate_activations(self, modules) -> activations.StageActivations:
+        """Measure the stage's activation peak on two small shapes per regime, on this replica's device,
+        and fit the family's model (deployments/activations.py); calls lease it from then on."""
+        facts, stage = self.config.facts, self.config.stage
+
+        def measure(spec: GenerationSpec) -> int:
+            value = activations.stage_input(self.pipe, facts, stage, spec)
+            with self.in_use():
+                weights = [t for m in modules.values() for t in (*m.parameters(), *m.buffers())]
+                _, measured = measure_activations(
+                    lambda: activations.run_stage(self.pipe, facts, stage, spec, self.device, value),
+                    self.device, weights)
+            return measured.peak_bytes
+
+        start = time.perf_counter()
+        fitted = activations.calibrate_stage(facts, stage, activations.calibration_shapes(facts), measure,
+                                             DTYPES[self.config.dtype].itemsize)
+        logger.info("%s: activations calibrated in %.2f s on %s: %s", self.replica, time.perf_counter() - start,
+                    self.device, fitted.explain())
+        return fitted
 
     @property
     def busy(self) -> bool:
         """A call holds this replica (its pipeline and its device working set)."""
         return self._lock.locked()
 
-    def run(self, work: Callable[[], object]) -> StageOutput:
+    def run(self, work: Callable[[], object], spec: GenerationSpec | None = None) -> StageOutput:
         start = time.perf_counter()
-        with self.in_use():
+        with self.in_use(self.activation_bytes(spec)):
             value = work()
         stats = StageStats(self.config.stage.value, self.replica, time.perf_counter() - start,
                            self.residency.bytes_streamed(), self.residency.device_peak_bytes())
         self.record(stats)
         return StageOutput(value, stats)
 
+    def activation_bytes(self, spec: GenerationSpec | None, batch: int = 1) -> int:
+        """Predicted activation peak of a call at ``spec`` (``batch`` such requests together); 0 before calibration."""
+        if spec is None or self.activations is None:
+            return 0
+        return self.activations.predict(dataclasses.replace(spec, n=spec.n * batch))
+
     @contextlib.contextmanager
-    def in_use(self):
-        """One use of the stage: the call lock, the call lease, prepare ... finish.
+    def in_use(self, activation_bytes: int = 0):
+        """One use of the stage: the call lock, the call lease (weights it adds + ``activation_bytes``),
+        prepare ... finish.
 
         No ledger round trip when the call fits the reservation kept from the last one; after
         the call the standing lease follows what the parking gate left on the device (rare).
         """
         with self._lock:
-            with self._call_lease():
+            with self._call_lease(activation_bytes):
                 self.residency.prepare_for_use()
                 try:
                     yield
@@ -156,21 +192,21 @@ class StageWorker:
                     self.residency.finish_use()
                 kept = self.residency.kept_bytes()
             self.leases.hold_standing(kept, self.config.device_timeout_s)
-        self._publisher.submit(self.publish)
+        self._publish_soon()
 
     def record(self, stats: StageStats) -> None:
         self.metrics.record(stats)
         self._last = stats
 
-    def call_bytes(self) -> int:
-        """What a call adds on the device beyond the standing lease: streamed slots, restores."""
-        return max(0, self.residency.predicted_peak_bytes() - self.leases.figures().standing_bytes)
+    def call_bytes(self, activation_bytes: int = 0) -> int:
+        """What a call adds on the device beyond the standing lease: streamed slots, restores, activations."""
+        return max(0, self.residency.predicted_peak_bytes() - self.leases.figures().standing_bytes) + activation_bytes
 
     @contextlib.contextmanager
-    def _call_lease(self):
+    def _call_lease(self, activation_bytes: int):
         """Hold the call lease (bounded wait, then DeviceBusy -> 503); no ledger round trip when it is kept."""
         try:
-            with self.leases.call(self.call_bytes(), self.config.device_timeout_s) as lease:
+            with self.leases.call(self.call_bytes(activation_bytes), self.config.device_timeout_s) as lease:
                 yield lease
         except LEASE_REFUSED as exc:
             raise DeviceBusy(self.replica, self.memory.device_pool, exc.nbytes, exc.refusal, exc.waited_s) from None
@@ -198,6 +234,22 @@ class StageWorker:
         self.leases.close()
         logger.info("%s: shut down, released %d B of leases", self.replica, self.memory.close())
 
+    def _publish_soon(self) -> None:
+        """Publish after the call, at most once per PUBLISH_INTERVAL_S: a report takes 2.5-6.6 ms of CPU
+        on the tiny zoo (more on a real model), taken from the next stage of the same request on a
+        2-core node, three times per request; the last state is always published within the interval."""
+        if self._publish_pending.is_set():
+            return
+        self._publish_pending.set()
+        delay_s = max(0.0, self._published_at + PUBLISH_INTERVAL_S - time.monotonic())
+        self._publisher.submit(self._publish_later, delay_s)
+
+    def _publish_later(self, delay_s: float) -> None:
+        time.sleep(delay_s)
+        self._publish_pending.clear()  # a call ending from here on schedules the next one
+        self.publish()
+        self._published_at = time.monotonic()
+
     def publish(self) -> None:
         if not ray.is_initialized():
             return
@@ -216,7 +268,7 @@ class TextEncoder:
     def encode(self, spec: GenerationSpec) -> StageOutput:
         worker = self.worker
         try:
-            return worker.run(lambda: families.encode(worker.pipe, worker.config.facts, spec, worker.device))
+            return worker.run(lambda: families.encode(worker.pipe, worker.config.facts, spec, worker.device), spec)
         except (UnicodeError, TypeError) as exc:
             # The tokenizer is the only part that reads request text; it raises these on text it
             # cannot take (a lone surrogate was one, before validation refused them): the request's fault.
@@ -247,6 +299,7 @@ class Denoiser:
                           bytes_streamed=self.worker.residency.bytes_streamed_so_far, on_forward=self._on_forward)
         self.batcher = StepBatcher(batch, around_busy=self._busy_period)
         self.in_flight: dict[str, CancelFlag] = {}  # request id -> its flag, while its call runs
+        self.last_spec: GenerationSpec | None = None
         self.last_cancelled: CancelFlag | None = None
 
     async def denoise(self, encoded: StageOutput, spec: GenerationSpec) -> AsyncIterator[DenoiseProgress | StageOutput]:
@@ -263,6 +316,7 @@ class Denoiser:
 
         start = time.perf_counter()
         request = self.stepper.start(encoded.value, spec, on_step=put)
+        self.last_spec = spec  # batched requests share a shape: a busy period leases max_batch of it
         future = self.batcher.submit(request)
         future.add_done_callback(lambda _: put(_DONE))
         future.add_done_callback(lambda done: self._on_left(done, request.cancel))
@@ -297,7 +351,8 @@ class Denoiser:
                     "caller saw", self.worker.replica, flag.request_id, free_s, steps)
 
     def _busy_period(self, run: Callable[[], None]) -> None:
-        with self.worker.in_use():
+        max_batch = (self.worker.config.batching or BatchingConfig()).max_batch
+        with self.worker.in_use(self.worker.activation_bytes(self.last_spec, max_batch)):
             run()
         self.worker.set_batch(0, self.batcher.batch.mean_batch)
 
@@ -322,7 +377,7 @@ class VaeDecoder:
 
     def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput:
         worker = self.worker
-        return worker.run(lambda: families.decode(worker.pipe, worker.config.facts, latents.value, spec))
+        return worker.run(lambda: families.decode(worker.pipe, worker.config.facts, latents.value, spec), spec)
 
     def residency(self) -> ReplicaResidency:
         return self.worker.report()

@@ -268,24 +268,33 @@ def test_a_device_held_elsewhere_gets_503_with_retry_after_then_serves_when_free
     assert client.post(IMAGES, json={"prompt": "when free", "seed": 1}).status_code == 200
 
 
+def _lease_figures(client, calls_at_least: dict | None = None) -> dict:
+    """Each stage's published lease figures, once every stage reports at least ``calls_at_least`` calls."""
+    deadline = time.monotonic() + 30  # reports are published after the response, at most once a second
+    while True:
+        leases = {r["stage"]: r["leases"] for r in client.get("/v1/residency").json()["replicas"]}
+        if calls_at_least is None or all(leases[s]["calls"] >= n for s, n in calls_at_least.items()):
+            return leases
+        assert time.monotonic() < deadline, f"reports never showed {calls_at_least} calls: {leases}"
+        time.sleep(0.2)
+
+
 def test_back_to_back_requests_reuse_their_call_reservations_without_ledger_round_trips(client):
     body = {"prompt": "again and again", "seed": 3, "num_inference_steps": 2}
+    assert client.post(IMAGES, json=body).status_code == 200  # the first of this shape may grow a reservation
+    before = _lease_figures(client)
+    before = _lease_figures(client, {stage: f["calls"] for stage, f in before.items()})
     for _ in range(3):
         assert client.post(IMAGES, json=body).status_code == 200
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # reports are published after each response, off its path
-        replicas = client.get("/v1/residency").json()["replicas"]
-        leases = {r["stage"]: r["leases"] for r in replicas}
-        if all(lease.get("calls_without_round_trip", 0) >= 2 for lease in leases.values()):
-            break
-        time.sleep(0.2)
-    assert set(leases) == {"encode", "denoise", "decode"}
-    for stage, lease in leases.items():
-        assert lease["calls_without_round_trip"] >= 2, f"{stage}: {lease}"
-        assert lease["given_back"]["idle"] == lease["given_back"]["growing"] == 0, f"{stage}: {lease}"
-    # The denoiser streams every layer (memory mode): its calls add slots, kept as a reservation;
-    # the resident encoder keeps everything under its standing lease and adds nothing.
-    assert leases["denoise"]["reserved_bytes"] > 0 and leases["encode"]["standing_bytes"] > 0
+    after = _lease_figures(client, {stage: f["calls"] + 3 for stage, f in before.items()})
+    assert set(after) == {"encode", "denoise", "decode"}
+    for stage in after:
+        fast = after[stage]["calls_without_round_trip"] - before[stage]["calls_without_round_trip"]
+        assert fast == after[stage]["calls"] - before[stage]["calls"] >= 3, (stage, before[stage], after[stage])
+        assert after[stage]["given_back"] == before[stage]["given_back"], (stage, before[stage], after[stage])
+    # The denoiser streams every layer (memory mode): its calls add slots and activations, kept as a
+    # reservation; the resident encoder keeps its weights under its standing lease.
+    assert after["denoise"]["reserved_bytes"] > 0 and after["encode"]["standing_bytes"] > 0
 
 
 def _replica_actor(deployment: str):
