@@ -7,9 +7,10 @@ import enum
 class HostingTier(enum.Enum):
     # Page-locked: copies run asynchronously at full link speed (~25 GB/s PCIe Gen4 x16), but the
     # kernel can never reclaim it, so every byte is leased from the node budget. On CUDA it is
-    # allocated at exact size (cudaHostRegister), not through torch's caching allocator, which
-    # rounds each block up to a power of two (1.2 GiB -> 2 GiB). Without CUDA: planned and
-    # accounted as pinned, allocated pageable.
+    # its own anonymous mapping rounded up to whole pages (< 4 KiB more) and locked in place
+    # (cudaHostRegister), not through torch's caching allocator, which rounds each block up to a
+    # power of two (1.2 GiB -> 2 GiB). Without CUDA: planned and accounted as pinned, allocated
+    # pageable. A lock the driver refuses makes the layer PAGEABLE (logged, in the plan's notes).
     PINNED = "pinned"
     # An anonymous (private) copy in ordinary memory: copies go through the driver's staging
     # buffer, synchronously, at a third to half of pinned speed.

@@ -5,7 +5,7 @@ RESIDENT (moved once), MODEL_OFFLOAD (starts parked on the host, in for its stag
 or LAYERWISE (the streaming engine, with optional parking of non-layer weights and host-gathered
 token tables). A stage then runs between ``prepare_for_use(stage_components)`` and
 ``finish_use(stage_components)``; ``finish_request()`` closes the request and returns what it
-measured: device weight bytes at peak (sampled at every layer hook of every component) and
+measured: device weight bytes at peak (kept from every bind, release and move of every component) and
 host->device bytes moved, which the plan predicts exactly.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from offload_core.residency.host_tables import HostTables
 from offload_core.residency.parking import Parking
 from offload_core.streaming.device import normalize_device
 from offload_core.streaming.engine import ResidentPlacement, StreamingConfig, apply_layer_streaming
-from offload_core.streaming.meter import DeviceWeightMeter
+from offload_core.streaming.meter import DeviceWeightMeter, WeightTotal
 from offload_core.tables import HostTablesConfig, select_host_tables
 
 logger = logging.getLogger(__name__)
@@ -187,11 +187,10 @@ class PipelineResidency:
         self.device = device
         self._hosting, self._budget = hosting, budget  # hosting.HostingPlan and its one lease
         self.shared = None  # SharedWeights: the node stores its streamed layers are hosted from
-        self._peak = 0
-        self._handles = [m.register_forward_pre_hook(lambda *_: self._sample())
-                         for c in components.values() for m in c.hooked_modules()]
-        self._handles += [m.register_forward_hook(lambda *_: self._sample(), always_call=True)
-                          for c in components.values() for m in c.hooked_modules()]
+        # The sampler: every component's meter reports each change to one total (O(1), no hooks).
+        self._weights = WeightTotal()
+        for c in components.values():
+            c.meter.report_to(self._weights)
         self.finish_request()
 
     @classmethod
@@ -236,7 +235,6 @@ class PipelineResidency:
                 raise LifecycleError(f"{c.name} is already in use: finish_use it before preparing it again")
             c.prepare()
             c.state = UseState.IN_USE
-        self._sample()
 
     def finish_use(self, stage_components: Sequence[str]) -> None:
         """After a stage: release every streamed layer first, then park non-layer weights if the gate says so.
@@ -244,7 +242,6 @@ class PipelineResidency:
         Releasing the whole stage before any gate runs gives each gate the headroom the stage
         leaves behind (the planner predicts the gates in the same order).
         """
-        self._sample()
         picked = self._pick(stage_components)
         for c in picked:
             if c.state is not UseState.IN_USE:
@@ -299,23 +296,19 @@ class PipelineResidency:
             for name in open_:
                 self.components[name].state = UseState.IN_USE
             self.finish_use(open_)
-        figures = RequestFigures(self._peak, self.bytes_moved())
+        figures = RequestFigures(self._weights.peak, self.bytes_moved())
         for c in self.components.values():
             c.reset_counters()
-        self._peak = self._measure()
+        self._weights.reset_peak()
         return figures
 
     # -- what the device holds ----------------------------------------------------------------
     def device_bytes_now(self) -> int:
-        """Weight bytes of every component on the device now (between uses: what is kept)."""
-        return self._measure()
+        """Weight bytes of every component on the device now (between uses: what is kept).
 
-    def _measure(self) -> int:
-        # O(components): each meter is kept from the engine's binds and parking's moves, no walk.
-        return sum(c.meter.current_bytes for c in self.components.values())
-
-    def _sample(self) -> None:
-        self._peak = max(self._peak, self._measure())
+        Kept from the engine's binds and releases and parking's moves: O(1), no walk.
+        """
+        return self._weights.current
 
     def report(self):
         from offload_core.residency.report import residency_report
@@ -331,8 +324,6 @@ class PipelineResidency:
 
     def remove(self) -> None:
         """Undo everything: hooks, streamers, host tables; give the host lease back."""
-        for handle in self._handles:
-            handle.remove()
         for c in self.components.values():
             c.remove()
         if self._hosting is not None:

@@ -36,6 +36,26 @@ def walked_device_bytes(params: Iterable[torch.Tensor], device: torch.device) ->
     return sum(storages.values())
 
 
+class WeightTotal:
+    """Current and peak bytes summed over several meters (a pipeline's components), kept as they change.
+
+    The residency's sampler: no hook reads the meters; each change reaches the total at once, so
+    its peak is exact (no transient between two hooks is missed) and costs O(1) per change.
+    """
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+
+    def change(self, delta: int) -> None:
+        self.current += delta
+        if self.current > self.peak:
+            self.peak = self.current
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
 class DeviceWeightMeter:
     """Current and peak bytes of ``model``'s parameter storages on ``device``, kept from events.
 
@@ -52,6 +72,7 @@ class DeviceWeightMeter:
         self._storages: dict[int, list[int]] = {}  # data_ptr -> [storage bytes, owners bound to it]
         self._current = 0
         self._peak = 0
+        self._totals: tuple[WeightTotal, ...] = ()
         self.rebase()
         if track_headroom:
             get_device(self._device).track(self)
@@ -67,12 +88,18 @@ class DeviceWeightMeter:
             self.release(owner)
         if witness.device != self._device:
             return
-        storage = witness.untyped_storage()
-        key = storage.data_ptr()
+        base = witness._base
+        if base is not None and base._base is None and base.dtype is torch.uint8:
+            # A view of one uint8 allocation (a slot, a resident buffer): the allocation's tensor is
+            # the key and its length the bytes, with no storage object made (~2 us saved per bind).
+            key, nbytes = id(base), base.numel()
+        else:
+            storage = witness.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
         held = self._storages.get(key)
         if held is None:
-            self._storages[key] = [storage.nbytes(), 1]
-            self._change(storage.nbytes())
+            self._storages[key] = [nbytes, 1]
+            self._change(nbytes)
         else:
             held[1] += 1
         self._owners[owner] = key
@@ -100,12 +127,22 @@ class DeviceWeightMeter:
         """
         self._owners.clear()
         self._storages.clear()
-        self._unowned = self._current = self._peak = self.walk()
+        walked = self.walk()
+        for total in self._totals:
+            total.change(walked - self._current)
+        self._unowned = self._current = self._peak = walked
+
+    def report_to(self, total: WeightTotal) -> None:
+        """Keep ``total`` (a pipeline's sum over its components) informed of every change from now."""
+        total.change(self._current)
+        self._totals = (*self._totals, total)
 
     def _change(self, delta: int) -> None:
         self._current += delta
         if self._current > self._peak:
             self._peak = self._current
+        for total in self._totals:
+            total.change(delta)
 
     # -- readings -------------------------------------------------------------------------------
     @property
