@@ -18,6 +18,9 @@ from typing import Iterator, Protocol
 import psutil
 import torch
 
+from offload_core.host.pinned import HostBuffer, allocate_host_buffer, free_host_buffer
+from offload_core.streaming.copier import HostCopier, InlineCopier, ThreadCopier
+
 logger = logging.getLogger(__name__)
 
 
@@ -58,6 +61,8 @@ class Device:
         self.is_cuda = device.type == "cuda"
         self._facts = facts
         self._copy_stream = None
+        # Every stream the engine's compute ran on (CUDA): buffers are retired on each of them.
+        self._compute_streams: set = set()
         self._meters: weakref.WeakSet[WeightMeter] = weakref.WeakSet()
 
     @property
@@ -104,13 +109,34 @@ class Device:
         if not self.is_cuda:
             return None
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self._compute_stream())
         return event
 
     def compute_waits(self, event) -> None:
         """Make the compute stream wait for ``event`` (a copy) without blocking the host."""
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            self._compute_stream().wait_event(event)
+
+    def _compute_stream(self):
+        """The current stream, remembered: whatever reads a slot there must finish before it is reused."""
+        stream = torch.cuda.current_stream(self.device)
+        self._compute_streams.add(stream)
+        return stream
+
+    def retire(self, buffers) -> None:
+        """Before dropping device ``buffers``: keep them from reuse until every stream that used them is done.
+
+        The caching allocator ties a block to the stream it was allocated on; freed while kernels
+        on another current stream (or a copy) still read it, it would be handed out at once.
+        ``record_stream`` on the copy stream and on every compute stream seen makes the allocator
+        wait for the work queued there at the time of the free.
+        """
+        if not self.is_cuda:
+            return
+        streams = {self.copy_stream, *self._compute_streams}
+        for buffer in buffers:
+            for stream in streams:
+                buffer.record_stream(stream)
 
     def copy_waits(self, event) -> None:
         """Make the copy stream wait for ``event`` (the last compute that read a slot)."""
@@ -120,7 +146,7 @@ class Device:
     def copy_waits_for_compute(self) -> None:
         """Order the copy stream after all compute so far (e.g. after allocating slots on it)."""
         if self.is_cuda:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.copy_stream.wait_stream(self._compute_stream())
 
     def compute_waits_for_copies(self) -> None:
         """Order the compute stream after every copy issued so far.
@@ -130,11 +156,29 @@ class Device:
         (the wrapped one, issued by the last layer) is still writing into it.
         """
         if self.is_cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            self._compute_stream().wait_stream(self.copy_stream)
+
+    def host_waits(self, event) -> None:
+        """Block the calling host thread until ``event`` completed (a staging buffer's last copy out)."""
+        if event is not None:
+            event.synchronize()
 
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+
+    # -- staging ----------------------------------------------------------------------------------
+    def host_copier(self, name: str) -> HostCopier:
+        """A host thread for staging copies (CUDA); on CPU jobs run at once, copies being synchronous."""
+        return ThreadCopier(name) if self.is_cuda else InlineCopier()
+
+    def allocate_staging(self, nbytes: int) -> HostBuffer:
+        """A host buffer the device copies from asynchronously: page-locked on CUDA."""
+        return allocate_host_buffer(nbytes, pin=True, device=self.device)
+
+    def free_staging(self, buffer: HostBuffer) -> None:
+        """Unlock a staging buffer; the caller has waited for every copy out of it."""
+        free_host_buffer(buffer)
 
     # -- memory ---------------------------------------------------------------------------------
     def track(self, meter: WeightMeter) -> None:

@@ -41,6 +41,7 @@ from offload_core.streaming.device import Device, get_device
 from offload_core.streaming.host_layer import HostLayer
 from offload_core.streaming.meter import DeviceWeightMeter
 from offload_core.streaming.ring import PrefetchRing
+from offload_core.streaming.staging import DEFAULT_STAGING_BUFFERS, STAGED_TIERS, StagingRing
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,11 @@ class StreamingConfig:
     resident_placement: ResidentPlacement = ResidentPlacement.LEADING
     keep_resident: bool = False  # keep resident layers (and slots) across finish_use
     hosting: Mapping[str, HostingTier] | None = None  # per layer key ("blocks.3"); default PAGEABLE
+    # PAGEABLE and MAPPED layers reach the device through pinned staging buffers filled by a host
+    # thread, so no copy blocks the thread that launches kernels. False: the driver's own blocking
+    # copy (the negative control of bench/sim_overlap.py: a step costs copy + compute).
+    staged_copies: bool = True
+    staging_buffers: int = DEFAULT_STAGING_BUFFERS  # pinned buffers, each the largest staged layer
 
     def __post_init__(self) -> None:
         if self.layer_groups is not None:
@@ -106,6 +112,10 @@ class StreamingConfig:
             raise ValueError(f"resident fraction must be in [0, 1], got {self.resident}")
         if not isinstance(self.resident_placement, ResidentPlacement):
             raise TypeError(f"resident_placement must be a ResidentPlacement, got {self.resident_placement!r}")
+        if not isinstance(self.staged_copies, bool):
+            raise TypeError(f"staged_copies must be a bool, got {self.staged_copies!r}")
+        if isinstance(self.staging_buffers, bool) or not isinstance(self.staging_buffers, int) or self.staging_buffers < 1:
+            raise ValueError(f"staging_buffers must be an int >= 1, got {self.staging_buffers!r}")
         if self.hosting is not None:
             bad = {k: v for k, v in self.hosting.items() if not isinstance(v, HostingTier)}
             if bad:
@@ -207,8 +217,11 @@ class LayerStreamer:
         self.non_layer_bytes = non_layer_bytes
         self.layers: tuple[StreamedLayer, ...] = ()
         self.ring: PrefetchRing | None = None
+        self.staging: StagingRing | None = None  # None: no PAGEABLE/MAPPED layer, or staging off
         self.meter = DeviceWeightMeter(model, device.device, track_headroom=True)
         self._resident_buffers: dict[str, torch.Tensor] = {}
+        # Per resident layer, the event of its own copy: its first entry per use waits for it alone.
+        self._resident_events: dict[str, object] = {}
         self._resident_copied = 0
         self._armed = False
         self._handles: list = []
@@ -220,7 +233,11 @@ class LayerStreamer:
         streamed = [layer for layer in layers if not layer.resident]
         for position, layer in enumerate(streamed):
             layer.position = position
-        self.ring = PrefetchRing(self.device, streamed, self.config.prefetch_depth)
+        staged = [layer for layer in layers if layer.tier in STAGED_TIERS]
+        if staged and self.config.staged_copies:
+            self.staging = StagingRing(self.device, staged, [layer for layer in streamed if layer.tier in STAGED_TIERS],
+                                       self.config.staging_buffers)
+        self.ring = PrefetchRing(self.device, streamed, self.config.prefetch_depth, self.staging)
         for layer in layers:
             self._handles.append(layer.module.register_forward_pre_hook(
                 lambda _module, _args, layer=layer: layer.pre_forward()))
@@ -233,6 +250,11 @@ class LayerStreamer:
     @property
     def resident_bytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers if layer.resident)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Page-locked host bytes of the staging buffers (0 without PAGEABLE/MAPPED layers or staging)."""
+        return self.staging.staging_bytes if self.staging is not None else 0
 
     def predicted_peak_bytes(self) -> int:
         """Device weight bytes at peak: non-layer + resident + slots."""
@@ -259,19 +281,28 @@ class LayerStreamer:
         """Force-release streamed layers; resident layers and slots too unless kept."""
         keep = self.config.keep_resident if keep_resident is None else keep_resident
         self.ring.release_all()
+        if self.staging is not None:
+            self.staging.stop()
         if not keep:
             for layer in self.layers:
                 if layer.resident:
                     layer.release()
+            self.device.compute_waits_for_copies()
+            self.device.retire(self._resident_buffers.values())
             self._resident_buffers = {}
+            self._resident_events = {}
             self.ring.deallocate()
             self._armed = False
+        elif self.staging is not None:
+            self.staging.begin()  # fill the next use's first staged layers while the replica idles
         logger.info("streamer %s: finished use, %s resident layers (%d B) and slots",
                     type(self.model).__name__, "kept" if keep else "released", self.resident_bytes)
 
     def remove(self) -> None:
         """Undo streaming: hooks removed, layers back as plain host tensors (views of their buffers)."""
         self.finish_use(keep_resident=False)
+        if self.staging is not None:
+            self.staging.close()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -287,7 +318,11 @@ class LayerStreamer:
     def before_layer(self, layer: StreamedLayer) -> None:
         self._claim(layer)
         self._arm()
-        if not layer.resident:
+        if layer.resident:
+            event = self._resident_events.pop(layer.key, None)
+            if event is not None:  # its first entry this use waits for its own copy, not the others'
+                self.device.compute_waits(event)
+        else:
             self.ring.enter(layer.position)
 
     def after_layer(self, layer: StreamedLayer) -> None:
@@ -328,14 +363,18 @@ class LayerStreamer:
                 buffer = torch.empty(regions.nbytes, dtype=torch.uint8, device=self.device.device)
                 self._resident_buffers[layer.key] = buffer
                 targets.append((layer, regions.carve(buffer)))
+        if self.staging is not None:
+            self.staging.begin([layer for layer, _ in targets if self.staging.stages(layer)])
         self.device.copy_waits_for_compute()
         with self.device.on_copy_stream():
             for layer, carved in targets:
-                self._resident_copied += layer.host.copy_to(carved)
-            event = self.device.record_copy()
+                if self.staging is not None and self.staging.stages(layer):
+                    self._resident_copied += self.staging.copy_to(layer, carved)
+                else:
+                    self._resident_copied += layer.host.copy_to(carved)
+                self._resident_events[layer.key] = self.device.record_copy()
         for layer, carved in targets:
             layer.bind(layer.views(carved))
-        self.device.compute_waits(event)
         self._armed = True
         logger.info("streamer %s: armed %d resident layers (%d B) and %d slots (%d B)",
                     type(self.model).__name__, len(self._resident_buffers), self.resident_bytes,
@@ -377,11 +416,11 @@ def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,
     setattr(model, STREAMER_ATTRIBUTE, streamer)
     counts = {tier.value: sum(1 for l in layers if l.tier is tier) for tier in HostingTier}
     logger.info("streaming %s on %s: %d layers in %s (%d B), %d resident (%s), depth %d -> %d slots; "
-                "predicted peak %d B = non-layer %d + resident %d + slots %d; hosting %s",
+                "predicted peak %d B = non-layer %d + resident %d + slots %d; hosting %s; staging %d B pinned",
                 type(model).__name__, context.device, len(layers), list(paths), sum(l.nbytes for l in layers),
                 len(resident), config.resident_placement.value, config.prefetch_depth, streamer.ring.n_slots,
                 streamer.predicted_peak_bytes(), streamer.non_layer_bytes, streamer.resident_bytes,
-                streamer.ring.slot_bytes, counts)
+                streamer.ring.slot_bytes, counts, streamer.staging_bytes)
     return streamer
 
 

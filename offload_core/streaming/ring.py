@@ -17,6 +17,7 @@ import torch
 from offload_core.layout import LayerLayout, RegionMap, slot_count
 from offload_core.streaming.device import Device
 from offload_core.streaming.host_layer import HostLayer
+from offload_core.streaming.staging import StagingRing
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,10 @@ class InFlight(NamedTuple):
 class PrefetchRing:
     """Slots and in-flight copies for the streamed (non-resident) layers of one model."""
 
-    def __init__(self, device: Device, layers: Sequence[RingLayer], depth: int):
+    def __init__(self, device: Device, layers: Sequence[RingLayer], depth: int,
+                 staging: StagingRing | None = None):
         self._device = device
+        self._staging = staging  # PAGEABLE and MAPPED layers copy through it
         self._layers = tuple(layers)
         # More slots than layers would only hold a layer twice: cap at the number of layers.
         self.n_slots = slot_count(depth, len(self._layers))
@@ -100,6 +103,7 @@ class PrefetchRing:
         """Release every layer and drop the slots (stage teardown)."""
         self.release_all()
         self._device.compute_waits_for_copies()
+        self._device.retire(self._buffers)  # before the storages go: every stream that read them
         # Emptying the storages gives the memory back to the allocator exactly as dropping the
         # tensors would, but keeps the parameter views: rebuilding them cost ~2.5 us per parameter
         # at every request (67 us per Wan block of 27 parameters), inside the hooks.
@@ -156,7 +160,10 @@ class PrefetchRing:
         # The slot's previous layer may still be read by queued kernels: copy only after them.
         self._device.copy_waits(self._last_use[slot])
         with self._device.on_copy_stream():
-            self.bytes_copied += layer.host.copy_to(self._carved[slot])
+            if self._staging is not None and self._staging.stages(layer):
+                self.bytes_copied += self._staging.copy_to(layer, self._carved[slot])
+            else:
+                self.bytes_copied += layer.host.copy_to(self._carved[slot])
             event = self._device.record_copy()
         views = self._views.get((position, slot))
         if views is None:

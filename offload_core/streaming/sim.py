@@ -28,12 +28,14 @@ import contextlib
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from offload_core.host.pinned import HostBuffer
 from offload_core.host.tier import HostingTier
+from offload_core.streaming.copier import CopyJob
 from offload_core.streaming.device import Device, DeviceFacts
 
 logger = logging.getLogger(__name__)
@@ -89,9 +91,12 @@ class _InterceptCopies(TorchFunctionMode):
         super().__init__()
         self._sim = sim
         self._host_memcpy = host_memcpy
+        # A copier job runs inside the launch thread's copy-stream context (in program order):
+        # each mode acts only for the simulated thread it was opened on.
+        self._thread = sim._thread
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") == "copy_":
+        if getattr(func, "__name__", "") == "copy_" and self._sim._thread == self._thread:
             dst, src = args[0], args[1]
             if self._host_memcpy:
                 self._sim._host_memcpy(dst, src)
@@ -102,6 +107,48 @@ class _InterceptCopies(TorchFunctionMode):
 
 def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
+
+
+class _SimJob:
+    """A finished host-copier job: waiting for it moves the waiting thread's clock to its end."""
+
+    def __init__(self, sim: SimDevice, done_at: float, error: BaseException | None):
+        self._sim, self.done_at, self._error = sim, done_at, error
+
+    def result(self) -> None:
+        thread = self._sim._thread
+        self._sim._clocks[thread] = max(self._sim._clocks[thread], self.done_at)
+        if self._error is not None:
+            raise self._error
+
+
+class SimCopier:
+    """A host copier thread on its own virtual clock; each job runs at once (data in program order).
+
+    A job cannot start before it was submitted, nor before its thread finished the previous one;
+    its host memcpys and waits advance its own clock, not the launch thread's.
+    """
+
+    def __init__(self, sim: SimDevice, name: str):
+        self._sim, self.name = sim, name
+        sim._clocks.setdefault(name, 0.0)
+
+    def submit(self, job: Callable[[], None]) -> CopyJob:
+        sim = self._sim
+        caller, sim._thread = sim._thread, self.name
+        sim._clocks[self.name] = max(sim._clocks[self.name], sim._clocks[caller])
+        error = None
+        try:
+            with _InterceptCopies(sim, host_memcpy=True):
+                job()
+        except BaseException as failure:  # handed to result(), as a thread's future would
+            error = failure
+        finally:
+            sim._thread = caller
+        return _SimJob(sim, sim._clocks[self.name], error)
+
+    def close(self) -> None:
+        """Nothing runs in the background."""
 
 
 class SimDevice(Device):
@@ -247,6 +294,23 @@ class SimDevice(Device):
 
     def compute_waits_for_copies(self) -> None:
         self.compute_waits(self.record_copy())
+
+    def host_waits(self, event: SimEvent | None) -> None:
+        """The calling host thread (a copier) blocks until ``event``'s stream reached it."""
+        if event is not None:
+            self._clocks[self._thread] = max(self._clocks[self._thread], event.time)
+
+    def host_copier(self, name: str) -> SimCopier:
+        return SimCopier(self, name)
+
+    def allocate_staging(self, nbytes: int) -> HostBuffer:
+        """A staging buffer: page-locked on the simulated machine, so copies from it are asynchronous."""
+        buffer = HostBuffer(torch.empty(int(nbytes), dtype=torch.uint8), int(nbytes), page_locked=False)
+        self.register_host_memory([buffer.data], HostingTier.PINNED)
+        return buffer
+
+    def free_staging(self, buffer: HostBuffer) -> None:
+        self._host_memory.pop(_storage(buffer.data), None)
 
     def synchronize(self) -> None:
         """The launch thread waits for every stream (as ``torch.cuda.synchronize``)."""
