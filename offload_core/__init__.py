@@ -13,7 +13,7 @@ Subpackages, one concept each: ``streaming`` (the engine), ``host`` (host memory
 (component lifecycle and report), ``planner`` (facts, cost model, plan; no runtime state).
 """
 from offload_core.host.budget import InProcessLedger, Lease, MemoryBudget, Refusal
-from offload_core.host.hosting import HostingPlan, HostingPolicy, plan_hosting
+from offload_core.host.hosting import HostingError, HostingPlan, HostingPolicy, plan_hosting
 from offload_core.host.pinned import PinError
 from offload_core.host.tier import HostingTier
 from offload_core.layout import LayoutError
@@ -60,4 +60,5 @@ __all__ = [
     "PerformanceMode", "ComponentOverride", "ComponentPlan", "PipelinePlan",
     # exceptions a user may catch
     "LayoutError", "AlreadyStreamedError", "ConcurrentForwardError", "LifecycleError", "PinError",
+    "HostingError",
 ]

@@ -12,6 +12,9 @@ the node's RAM is shared. The rules, each pinned by a test:
 - The cost is the NET anonymous cost: only bytes copied out of a file mapping into anonymous
   memory count (plus the flat buffer's 512 B alignment padding). Consolidating an
   already-anonymous layer (e.g. a fused qkv) frees the original, so it is a wash.
+- A component with PAGEABLE or MAPPED layers also holds pinned staging buffers (the engine copies
+  those layers through them, ``streaming/staging.py``): ``layout.staging_bytes`` of its staged
+  layers, part of its net cost. Giving a pin back can add them; the fit recounts them each time.
 - The plan asks the budget for ONE lease for its whole net cost: asking per tier would test each
   tier against the same free bytes and so double-charge them.
 - If the cost does not fit: demote unpinned (pageable) mapping-backed layers to MAPPED, tail of
@@ -27,12 +30,14 @@ from typing import Mapping, Sequence
 from offload_core.host.budget import Lease, MemoryBudget, Refusal
 from offload_core.host.maps import MapsSnapshot
 from offload_core.host.pin_order import PinClaim, pin_order
-from offload_core.host.tier import HostingTier
+from offload_core.host.tier import STAGED_TIERS, HostingTier
 from offload_core.layout import (
+    DEFAULT_STAGING_BUFFERS,
     STREAMER_ATTRIBUTE,
     declared_layer_groups,
     layer_parameters,
     plan_layer_layout,
+    staging_bytes,
 )
 from offload_core.order import execution_order
 
@@ -43,6 +48,10 @@ GiB = 1024**3
 # re-fits the plan to the figure it reports. Five rounds is far more than two replicas racing need;
 # the last round asks for nothing copied, which any ledger grants.
 _MAX_REQUEST_ROUNDS = 5
+
+
+class HostingError(RuntimeError):
+    """No hosting plan fits the host: not even its floor (the staging buffers) can be leased."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,9 @@ class LayerFacts:
     # Alignment gaps the consolidated flat buffer adds (the engine aligns each tensor to 512 B):
     # a few hundred KB for a 14B layer, but 12 % of a toy layer, and a ledger must not undercount.
     padding_bytes: int = 0
+    # (dtype name, flat bytes) as the engine lays the layer out; sizes its share of a staging buffer.
+    # Empty: one region of ``host_bytes`` (facts made by hand, single-dtype layers).
+    flat_bytes: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         assert min(self.nbytes, self.mapped_bytes, self.anon_bytes, self.padding_bytes) >= 0, \
@@ -69,6 +81,10 @@ class LayerFacts:
     def host_bytes(self) -> int:
         """Bytes of the layer's own host buffers once consolidated (PINNED or PAGEABLE)."""
         return self.nbytes + self.padding_bytes
+
+    @property
+    def layout_bytes(self) -> tuple[tuple[str, int], ...]:
+        return self.flat_bytes or (("flat", self.host_bytes),)
 
     @property
     def consolidation_cost(self) -> int:
@@ -162,9 +178,10 @@ def facts_from_module(
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         mapped = (int(nbytes * mapped_fraction) if mapped_fraction is not None
                   else maps.mapped_bytes(tensors))
-        padding = plan_layer_layout(key, [(n, p.data) for n, p in named]).nbytes - nbytes
+        layout = plan_layer_layout(key, [(n, p.data) for n, p in named])
         facts = LayerFacts(key, nbytes, mapped, nbytes - mapped, resident=key in resident_keys,
-                           padding_bytes=max(0, padding))
+                           padding_bytes=max(0, layout.nbytes - nbytes),
+                           flat_bytes=tuple((str(d), n) for d, n in layout.flat_bytes))
         (resident if facts.resident else streamed).append(facts)
     unknown = set(resident_keys) - known
     if unknown:
@@ -183,8 +200,10 @@ class ComponentHosting:
     pinned_bytes: int
     pageable_bytes: int
     mapped_bytes: int
-    net_cost: int  # anonymous bytes this plan adds for the component
+    net_cost: int  # anonymous bytes this plan adds for the component (staging included)
     reason: str
+    staging_bytes: int = 0  # pinned staging buffers for its PAGEABLE and MAPPED layers
+
 
     def tiers_for(self) -> dict[str, HostingTier]:
         return dict(self.tiers)
@@ -196,7 +215,8 @@ class ComponentHosting:
         c = {t: self.count(t) for t in HostingTier}
         return (f"hosting {self.name}: {c[HostingTier.PINNED]} pinned ({_gib(self.pinned_bytes)}), "
                 f"{c[HostingTier.PAGEABLE]} pageable ({_gib(self.pageable_bytes)}), "
-                f"{c[HostingTier.MAPPED]} mapped ({_gib(self.mapped_bytes)}), net anonymous cost "
+                f"{c[HostingTier.MAPPED]} mapped ({_gib(self.mapped_bytes)}), staging "
+                f"{_gib(self.staging_bytes)} pinned, net anonymous cost "
                 f"{_gib(self.net_cost)}; {self.reason}")
 
 
@@ -233,6 +253,7 @@ class _Slot:
     layer: LayerFacts
     tier: HostingTier
     wanted: HostingTier  # before the host was consulted, for the log's "why"
+    staging_buffers: int  # the policy's, carried so a slot list alone prices its staging
 
     @property
     def cost(self) -> int:
@@ -252,6 +273,9 @@ class HostingPolicy:
     # Per component, per layer key: the best tier a planner wants for that layer (a performance
     # mode may want resident layers pageable, say); layers not named get ``ceiling``.
     wanted: Mapping[str, Mapping[str, HostingTier]] | None = None
+    # Pinned staging buffers the engine keeps per component with PAGEABLE or MAPPED layers
+    # (StreamingConfig.staging_buffers); 0: the engine runs with staged_copies=False.
+    staging_buffers: int = DEFAULT_STAGING_BUFFERS
 
     def __post_init__(self) -> None:
         if not isinstance(self.ceiling, HostingTier):
@@ -263,6 +287,8 @@ class HostingPolicy:
         object.__setattr__(self, "wanted", wanted)  # a private copy: the caller's dicts may change
         if self.max_pinned_bytes is not None and self.max_pinned_bytes < 0:
             raise ValueError(f"max_pinned_bytes must be >= 0, got {self.max_pinned_bytes}")
+        if isinstance(self.staging_buffers, bool) or not isinstance(self.staging_buffers, int) or self.staging_buffers < 0:
+            raise ValueError(f"staging_buffers must be an int >= 0, got {self.staging_buffers!r}")
 
     def best_tier(self, component: str, key: str) -> HostingTier:
         return self.wanted.get(component, {}).get(key, self.ceiling)
@@ -304,9 +330,13 @@ def plan_hosting(
     else:
         reasons.extend(_fit(slots, 0))
         granted = _request(budget, slots, owner, ranked, purpose)
-        assert isinstance(granted, Lease), f"a ledger refused a zero-byte lease: {granted}"
+        if not isinstance(granted, Lease):
+            # Only the staging buffers are left to pay for: the floor of any plan with a
+            # pageable or mapped layer (2 x the largest such layer).
+            raise HostingError(f"the host cannot hold even the pinned staging buffers ({_gib(_staging(slots))}) "
+                               f"with every layer left mapped: {granted.reason}, {_gib(granted.available)} free")
     plan = HostingPlan(tuple(_summarize(c, i + 1, slots, available) for i, c in enumerate(ranked)),
-                       granted, sum(s.cost for s in slots), available, tuple(reasons))
+                       granted, _cost(slots), available, tuple(reasons))
     for c in plan.components:
         logger.info(c.log_line())
     return plan
@@ -327,22 +357,25 @@ def _wanted(ranked: Sequence[ComponentFacts], policy: HostingPolicy) -> list[_Sl
                 pin_open = pin_open and best is not HostingTier.PINNED
                 copy_nothing = best is HostingTier.MAPPED and layer.mapped_bytes > 0
                 tier = HostingTier.MAPPED if copy_nothing else HostingTier.PAGEABLE
-            slots.append(_Slot(comp, layer, tier, tier))
+            slots.append(_Slot(comp, layer, tier, tier, policy.staging_buffers))
     return slots
 
 
 def _fit(slots: list[_Slot], available: int) -> list[str]:
-    """Demote pageable mapped layers, then give pins back, tail of the pin order first."""
+    """Demote pageable mapped layers, then give pins back, tail of the pin order first.
+
+    Each move is recounted in full: a pin given back may add its component's staging buffers.
+    """
     reasons = []
-    cost = sum(s.cost for s in slots)
+    cost = _cost(slots)
     for from_tier in (HostingTier.PAGEABLE, HostingTier.PINNED):
         moved = 0
         for slot in reversed(slots):
             if cost <= available:
                 break
             if slot.tier is from_tier and slot.cost > 0:
-                cost -= slot.cost
                 slot.tier = HostingTier.MAPPED
+                cost = _cost(slots)
                 moved += 1
         if moved:
             verb = "demoted pageable layers to mapped" if from_tier is HostingTier.PAGEABLE else "gave back pins"
@@ -351,9 +384,24 @@ def _fit(slots: list[_Slot], available: int) -> list[str]:
     return reasons
 
 
+def _staging(slots: Sequence[_Slot]) -> int:
+    """Staging bytes of every component with a PAGEABLE or MAPPED layer (the engine's exact figure)."""
+    staged: dict[str, list[tuple[tuple[str, int], ...]]] = {}
+    buffers = 0
+    for slot in slots:
+        if slot.tier in STAGED_TIERS:
+            staged.setdefault(slot.component.name, []).append(slot.layer.layout_bytes)
+            buffers = slot.staging_buffers
+    return sum(staging_bytes(layouts, buffers) for layouts in staged.values())
+
+
+def _cost(slots: Sequence[_Slot]) -> int:
+    return sum(s.cost for s in slots) + _staging(slots)
+
+
 def _request(budget: MemoryBudget, slots: list[_Slot], owner: str,
              ranked: Sequence[ComponentFacts], purpose: str) -> Lease | Refusal:
-    cost = sum(s.cost for s in slots)
+    cost = _cost(slots)
     priority = float(ranked[0].priority) if ranked else 0.0
     return budget.request(cost, owner, priority=priority, purpose=purpose)
 
@@ -370,9 +418,10 @@ def _summarize(comp: ComponentFacts, rank: int, slots: list[_Slot], available: i
                 f"{left_mapped} pageable layers left mapped, from the tail of the pin order")
     else:
         why += f"everything wanted fits the {_gib(available)} free"
+    staging = _staging(mine)
     return ComponentHosting(comp.name, rank, comp.priority, tuple((s.layer.key, s.tier) for s in mine),
                             by_tier[HostingTier.PINNED], by_tier[HostingTier.PAGEABLE],
-                            by_tier[HostingTier.MAPPED], sum(s.cost for s in mine), why)
+                            by_tier[HostingTier.MAPPED], sum(s.cost for s in mine) + staging, why, staging)
 
 
 def _gib(nbytes: int) -> str:

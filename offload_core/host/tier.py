@@ -18,3 +18,8 @@ class HostingTier(enum.Enum):
     # Left as zero-copy views of the safetensors file mapping: costs no anonymous memory, the
     # page cache may drop it, and a copy may fault pages in from disk.
     MAPPED = "mapped"
+
+
+# Tiers whose host->device copies the CUDA driver would stage itself, blocking the calling thread:
+# the engine copies them through its own pinned staging buffers instead (streaming/staging.py).
+STAGED_TIERS = frozenset({HostingTier.PAGEABLE, HostingTier.MAPPED})

@@ -4,28 +4,41 @@ Byte figures follow the engine exactly, so predictions equal what its meter and 
 - a streamed layer occupies its flat layout (one buffer per dtype, 512-byte aligned tensors);
   the ring has min(depth + 1, streamed layers) slots, each sized per dtype to the largest
   streamed layer; a resident layer has its own flat buffer;
-- PINNED and PAGEABLE layers copy their flat buffers, MAPPED ones copy tensor by tensor;
+- every layer copies its flat buffers (PINNED from its own, PAGEABLE and MAPPED from the pinned
+  staging buffer the host copier filled); a component with PAGEABLE or MAPPED layers holds
+  ``layout.staging_bytes`` of pinned staging buffers on the host;
 - per request, ``prepare_for_use`` arms the resident layers and prefetches the first
   ``slots`` layers, each use enters every streamed layer once (each entry issues the copy
   ``slots - 1`` layers ahead, wrapping into the next use), so U uses copy
   ``U * streamed + slots - 1`` layers in cyclic order; ``finish_use`` releases the wrapped ones.
-Times: pinned copies run on a side stream and overlap compute; pageable (and mapped) copies are
-staged by the driver synchronously and do not.
+Times: every copy to the device is from pinned memory on a side stream and overlaps compute; PAGEABLE
+and MAPPED layers add a host memcpy into staging, on its own thread, that overlaps both. A use takes
+the slowest of compute, the DMA (all streamed bytes at the pinned rate) and the memcpy (staged
+bytes at the pageable rate: the driver's pageable copy, measured, is itself a memcpy into its own
+staging overlapped with a DMA, so its rate bounds ours from below).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from offload_core.host.tier import HostingTier
-from offload_core.layout import RegionMap, slot_count
+from offload_core.host.tier import STAGED_TIERS, HostingTier
+from offload_core.layout import RegionMap, slot_count, staging_bytes
 from offload_core.planner.facts import ComponentProfile, LayerProfile, LinkFacts
 from offload_core.planner.pipeline_plan import ComponentPlan, ComponentPrediction
 from offload_core.planner.strategy import Strategy
 
 
 def copy_bytes(layer: LayerProfile, tier: HostingTier) -> int:
-    """Bytes one host->device copy of ``layer`` moves from ``tier``."""
-    return layer.tensor_bytes if tier is HostingTier.MAPPED else layer.nbytes
+    """Bytes one host->device copy of ``layer`` moves from ``tier``: its flat layout, staged or not."""
+    return layer.nbytes
+
+
+def component_staging_bytes(profile: ComponentProfile, plan: ComponentPlan) -> int:
+    """Pinned host bytes of the component's staging buffers (0 unless a layer is PAGEABLE or MAPPED)."""
+    if plan.strategy is not Strategy.LAYERWISE:
+        return 0
+    tiers = _tiers(plan)
+    return staging_bytes(layer.layout.flat_bytes for layer in profile.layers if tiers.get(layer.key) in STAGED_TIERS)
 
 
 def slot_region_bytes(streamed: Sequence[LayerProfile]) -> int:
@@ -102,16 +115,16 @@ def predict(profile: ComponentProfile, plan: ComponentPlan, link: LinkFacts, par
     once_s = restore / link.pageable_Bps + sum(_seconds(n, t, link) for t, n in moved.items())
     for tier, nbytes in _streamed_copy_bytes(streamed, tiers, n_slots(plan, len(streamed)), uses).items():
         moved[tier] += nbytes
-    per_use_pinned = sum(copy_bytes(l, tiers[l.key]) for l in streamed
-                         if tiers[l.key] is HostingTier.PINNED) / link.pinned_Bps
-    per_use_sync = sum(copy_bytes(l, tiers[l.key]) for l in streamed
-                       if tiers[l.key] is not HostingTier.PINNED) / link.pageable_Bps
-    per_use = max(profile.compute_s_per_use, per_use_pinned) + per_use_sync
+    per_use_dma = sum(copy_bytes(l, tiers[l.key]) for l in streamed) / link.pinned_Bps
+    per_use_memcpy = sum(copy_bytes(l, tiers[l.key]) for l in streamed
+                         if tiers[l.key] in STAGED_TIERS) / link.pageable_Bps
+    per_use = max(profile.compute_s_per_use, per_use_dma, per_use_memcpy)
     transfer = restore / link.pageable_Bps + sum(_seconds(n, t, link) for t, n in moved.items())
     # A batch shares every copy: each request pays its share (1 unless the stage batches).
     share = profile.expected_batch
     return ComponentPrediction(in_use, idle, round((restore + sum(moved.values())) / share), transfer / share,
-                               compute, once_s + uses * per_use, parked)
+                               compute, once_s + uses * per_use, parked,
+                               component_staging_bytes(profile, plan))
 
 
 def _seconds(nbytes: int, tier: HostingTier, link: LinkFacts) -> float:

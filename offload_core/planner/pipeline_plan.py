@@ -59,6 +59,7 @@ class ComponentPrediction:
     compute_s: float  # compute per request (all uses)
     time_s: float  # compute plus the transfer time not hidden behind it
     parked: bool  # the parking gate is predicted to park its non-layer weights between uses
+    staging_bytes: int = 0  # pinned host staging buffers for its PAGEABLE and MAPPED layers
 
 
 @dataclass(frozen=True)
@@ -123,13 +124,14 @@ class PipelinePlan:
     transfer_s_per_request: float
     compute_s_per_request: float
     time_s_per_request: float
-    pinned_bytes: int  # host bytes the plan page-locks
+    pinned_bytes: int  # host bytes the plan page-locks: PINNED layers and staging buffers
     feasible: bool
     park_fraction: float  # the parking gate's fraction of headroom, as predicted and as run
     notes: tuple[str, ...] = field(default=())
     # The facts the plan was made from: a change after planning (the host re-tiering layers)
     # re-predicts from them (``search.retier``), so the plan reported is always the plan that runs.
     facts: PipelineFacts | None = field(default=None, compare=False, repr=False)
+    staging_bytes: int = 0  # of pinned_bytes, the staging buffers PAGEABLE and MAPPED layers copy through
 
     def component(self, name: str) -> ComponentPlan:
         for c in self.components:
@@ -148,7 +150,8 @@ class PipelinePlan:
                 f"{_gib(self.weight_budget)}): {'feasible' if self.feasible else 'INFEASIBLE'}; predicted peak "
                 f"{_gib(self.peak_device_bytes)} in stage {self.peak_stage}; {_gib(self.bytes_moved_per_request)} "
                 f"moved and {self.time_s_per_request:.2f} s per request ({self.compute_s_per_request:.2f} s compute, "
-                f"{self.transfer_s_per_request:.2f} s transfer); {_gib(self.pinned_bytes)} pinned")
+                f"{self.transfer_s_per_request:.2f} s transfer); {_gib(self.pinned_bytes)} pinned "
+                f"({_gib(self.staging_bytes)} of it staging)")
         return (head, *(c.explain() for c in self.components), *self.notes)
 
     def to_dict(self) -> dict[str, Any]:

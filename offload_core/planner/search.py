@@ -20,7 +20,8 @@ import logging
 from typing import Mapping, Sequence
 
 from offload_core.host.pin_order import PinClaim, pin_order
-from offload_core.host.tier import HostingTier
+from offload_core.host.tier import STAGED_TIERS, HostingTier
+from offload_core.layout import staging_bytes
 from offload_core.planner.cost_model import non_layer_device_bytes, predict
 from offload_core.planner.facts import ComponentProfile, PipelineFacts
 from offload_core.planner.pipeline_plan import (  # noqa: F401 (re-exported)
@@ -65,7 +66,11 @@ def _override(plan: ComponentPlan, o: ComponentOverride) -> ComponentPlan:
 
 def _assign_hosting(facts: PipelineFacts, plans: dict[str, ComponentPlan],
                     overrides: Mapping[str, ComponentOverride]) -> dict[str, ComponentPlan]:
-    """Tiers per layer: pins along the pin order (``host.pin_order``, as the host plan leases them) up to the lease."""
+    """Tiers per layer: pins along the pin order (``host.pin_order``, as the host plan leases them) up to the lease.
+
+    A layer is pinned only if the lease also holds the staging buffers the layers after it would
+    need if none of them were pinned; what a component stages is taken from the lease at its end.
+    """
     claims = []
     for profile in facts.components:
         if plans[profile.name].strategy is Strategy.LAYERWISE:
@@ -78,15 +83,30 @@ def _assign_hosting(facts: PipelineFacts, plans: dict[str, ComponentPlan],
         plan, profile = plans[claim.component], facts.component(claim.component)
         forced = overrides.get(claim.component, ComponentOverride()).hosting
         tiers = {}
-        for key, nbytes in claim.layers:
+        layouts = {l.key: l.layout.flat_bytes for l in profile.layers}
+        keys = [key for key, _ in claim.layers]
+        after = _suffix_staging([layouts[key] for key in keys])
+        for index, (key, nbytes) in enumerate(claim.layers):
             if forced is not None:
                 tiers[key] = forced
-            elif pin_open and nbytes <= left:
+            elif pin_open and nbytes + after[index + 1] <= left:
                 tiers[key], left = HostingTier.PINNED, left - nbytes
             else:
                 pin_open = False  # a priority order: later layers do not jump ahead of a missed one
                 tiers[key] = HostingTier.PAGEABLE
+        left -= staging_bytes(layouts[key] for key in keys if tiers[key] in STAGED_TIERS)
         out[claim.component] = dataclasses.replace(plan, hosting=tuple((l.key, tiers[l.key]) for l in profile.layers))
+    return out
+
+
+def _suffix_staging(layouts: list) -> list[int]:
+    """``[i]``: the staging bytes of layers ``i..`` (``layout.staging_bytes``), for every i; ``[n]`` is 0."""
+    out, largest = [0] * (len(layouts) + 1), {}
+    for i in range(len(layouts) - 1, -1, -1):
+        for dtype, nbytes in layouts[i]:
+            largest[dtype] = max(largest.get(dtype, 0), nbytes)
+        # the suffix's per-dtype largest stands for each of its layers: same buffers, same bytes
+        out[i] = staging_bytes([tuple(largest.items())] * (len(layouts) - i))
     return out
 
 
@@ -152,6 +172,7 @@ def _evaluate(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str, Comp
     pinned = sum(l.nbytes for n, c in done.items() for l in profiles[n].layers
                  if dict(c.hosting).get(l.key) is HostingTier.PINNED)
     preds = [c.prediction for c in done.values()]
+    staging = sum(p.staging_bytes for p in preds)
     return PipelinePlan(
         mode=mode, components=tuple(done[p.name] for p in facts.components), stages=facts.stages,
         device_name=facts.device_name, device_capacity=facts.device_capacity, weight_budget=budget,
@@ -159,8 +180,8 @@ def _evaluate(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str, Comp
         bytes_moved_per_request=sum(p.bytes_moved for p in preds),
         transfer_s_per_request=sum(p.transfer_s for p in preds),
         compute_s_per_request=sum(p.compute_s for p in preds),
-        time_s_per_request=sum(p.time_s for p in preds), pinned_bytes=pinned,
-        feasible=peak <= budget, park_fraction=facts.park_fraction, facts=facts)
+        time_s_per_request=sum(p.time_s for p in preds), pinned_bytes=pinned + staging,
+        feasible=peak <= budget, park_fraction=facts.park_fraction, facts=facts, staging_bytes=staging)
 
 
 def _fill_residents(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str, ComponentPlan],

@@ -6,7 +6,8 @@ Each component's tensors are walked once, in this order, and every byte is count
 1. the streamer's layers (``host_tensors()`` with the layer's ``.tier``): PINNED layers count as
    pinned (planned and accounted pinned even where no CUDA can page-lock them); other host bytes
    are classified by the maps snapshot, so a layer planned MAPPED whose weights were in fact
-   copied out (a dtype conversion) shows as pageable, not as the plan hoped;
+   copied out (a dtype conversion) shows as pageable, not as the plan hoped; then its pinned
+   staging buffers (for PAGEABLE and MAPPED layers), counted as pinned and shown apart too;
 2. the parking object's ``parked_tensors()``: host copies of parked non-layer weights;
 3. the model's own parameters and buffers: on ``device`` -> device bytes, else host by backing.
 
@@ -49,6 +50,8 @@ class ComponentResidency:
     # Layers hosted from a node weight store (shared memory, one copy per node): mapped read-only
     # here, pinned or pageable per their tier, and not this replica's own anonymous memory.
     host_shared_bytes: int = 0
+    # Of host_pinned_bytes, the staging buffers PAGEABLE and MAPPED layers are copied through.
+    host_staging_bytes: int = 0
 
     @property
     def host_bytes(self) -> int:
@@ -63,7 +66,8 @@ class ComponentResidency:
     def log_line(self) -> str:
         tiers = ", ".join(f"{n} {t}" for t, n in self.layer_tiers) or "no streamed layers"
         return (f"residency {self.name}: device {_gib(self.device_bytes)}, host pinned "
-                f"{_gib(self.host_pinned_bytes)}, mapped {_gib(self.host_mapped_bytes)}, pageable "
+                f"{_gib(self.host_pinned_bytes)} (staging {_gib(self.host_staging_bytes)}), mapped "
+                f"{_gib(self.host_mapped_bytes)}, pageable "
                 f"{_gib(self.host_pageable_bytes)}, parked {_gib(self.parked_bytes)}, shared "
                 f"{_gib(self.host_shared_bytes)}; layers: {tiers}")
 
@@ -86,7 +90,7 @@ class ResidencyReport:
     def to_json(self) -> dict:
         """A JSON-ready dict (plain ints and strings), as FastAPI and Ray hand it on."""
         fields = ("device_bytes", "host_pinned_bytes", "host_mapped_bytes", "host_pageable_bytes", "parked_bytes",
-                  "host_shared_bytes")
+                  "host_shared_bytes", "host_staging_bytes")
         return {"components": [c.to_json() for c in self.components],
                 "totals": {f: self.total(f) for f in fields}}
 
@@ -157,6 +161,11 @@ def component_residency(name: str, model: torch.nn.Module, *, streamer=None, par
                 tally.add(tensor, "shared")
             else:
                 tally.add(tensor, "pinned" if layer.tier is HostingTier.PINNED else tally.host_place(tensor))
+    pinned_before = tally.bytes["pinned"]
+    staging = getattr(streamer, "staging", None)
+    for tensor in (staging.host_tensors() if staging is not None else ()):
+        tally.add(tensor, "pinned")
+    staging_bytes = tally.bytes["pinned"] - pinned_before
     for tensor in (parking.parked_tensors() if parking is not None else ()):
         tally.add(tensor, "parked")
     for tensor in _model_tensors(model):
@@ -164,7 +173,7 @@ def component_residency(name: str, model: torch.nn.Module, *, streamer=None, par
     b = tally.bytes
     layer_tiers = tuple((t.value, n) for t, n in tiers.items()) if streamer is not None else ()
     return ComponentResidency(name, b["device"], b["pinned"], b["mapped"], b["pageable"], b["parked"], layer_tiers,
-                              b["shared"])
+                              b["shared"], staging_bytes)
 
 
 def residency_report(models: Mapping[str, torch.nn.Module], *, streamers: Mapping[str, object] | None = None,

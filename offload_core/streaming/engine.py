@@ -22,8 +22,9 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from offload_core.host.tier import HostingTier
+from offload_core.host.tier import STAGED_TIERS, HostingTier
 from offload_core.layout import (
+    DEFAULT_STAGING_BUFFERS,
     STREAMER_ATTRIBUTE,
     LayerLayout,
     LayoutError,
@@ -41,7 +42,7 @@ from offload_core.streaming.device import Device, get_device
 from offload_core.streaming.host_layer import HostLayer
 from offload_core.streaming.meter import DeviceWeightMeter
 from offload_core.streaming.ring import PrefetchRing
-from offload_core.streaming.staging import DEFAULT_STAGING_BUFFERS, STAGED_TIERS, StagingRing
+from offload_core.streaming.staging import StagingRing
 
 logger = logging.getLogger(__name__)
 
@@ -414,6 +415,14 @@ def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,
                    for i, e in enumerate(entries))
     streamer._start(layers)
     setattr(model, STREAMER_ATTRIBUTE, streamer)
+    if streamer.staging is not None:
+        try:
+            # Now, not at the first use: the staging bytes are held from here on, as planned and
+            # reported; a refused pin surfaces here, with the model given back as it came.
+            streamer.staging.allocate()
+        except Exception:
+            streamer.remove()
+            raise
     counts = {tier.value: sum(1 for l in layers if l.tier is tier) for tier in HostingTier}
     logger.info("streaming %s on %s: %d layers in %s (%d B), %d resident (%s), depth %d -> %d slots; "
                 "predicted peak %d B = non-layer %d + resident %d + slots %d; hosting %s; staging %d B pinned",

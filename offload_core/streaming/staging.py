@@ -26,19 +26,13 @@ from typing import Mapping, NamedTuple, Protocol, Sequence
 import torch
 
 from offload_core.host.pinned import HostBuffer
-from offload_core.host.tier import HostingTier
-from offload_core.layout import LayerLayout, RegionMap
+from offload_core.layout import DEFAULT_STAGING_BUFFERS, LayerLayout, RegionMap
 from offload_core.streaming.copier import CopyJob, HostCopier
 from offload_core.streaming.device import Device
 from offload_core.streaming.host_layer import HostLayer
 
 logger = logging.getLogger(__name__)
 
-# Tiers whose copies the driver would stage synchronously; PINNED layers copy directly.
-STAGED_TIERS = frozenset({HostingTier.PAGEABLE, HostingTier.MAPPED})
-# Two buffers: the copier fills one while the DMA drains the other. In the simulator (25 GB/s DMA,
-# 12 GB/s memcpy) two reach every steady-state ratio <= 1.05 at depth 1 and 2; one serialises them.
-DEFAULT_STAGING_BUFFERS = 2
 
 
 class StagedLayer(Protocol):
@@ -78,8 +72,12 @@ class StagingRing:
 
     @property
     def staging_bytes(self) -> int:
-        """Page-locked host bytes of all staging buffers together."""
+        """Page-locked host bytes of all staging buffers together (``layout.staging_bytes``, exactly)."""
         return self.n_buffers * self.regions.nbytes
+
+    def host_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The staging buffers, once allocated (for the residency report)."""
+        return tuple(buffer.data for buffer in self._buffers)
 
     def stages(self, layer: StagedLayer) -> bool:
         return id(layer) in self._staged

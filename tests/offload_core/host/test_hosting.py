@@ -1,4 +1,9 @@
-"""plan_hosting: one lease, net cost, demote-then-give-back, ranking by bytes x uses, real scale."""
+"""plan_hosting: one lease, net cost, demote-then-give-back, ranking by bytes x uses, staging, real scale.
+
+The pin-order rules are tested with ``staging_buffers=0`` (the engine's ``staged_copies=False``), so
+their byte figures are the rules' own; the staging buffers' charge has its own tests, and the
+real-scale tests run with it.
+"""
 from __future__ import annotations
 
 import copy
@@ -20,6 +25,10 @@ from offload_core.host.tier import HostingTier
 from offload_core.planner import real_models
 
 PINNED, PAGEABLE, MAPPED = HostingTier.PINNED, HostingTier.PAGEABLE, HostingTier.MAPPED
+
+
+def _policy(**fields) -> HostingPolicy:
+    return HostingPolicy(staging_buffers=0, **fields)
 
 
 def _mapped_layers(prefix: str, n: int, nbytes: int, resident: int = 0) -> tuple[LayerFacts, ...]:
@@ -52,7 +61,7 @@ def test_one_lease_covers_pinned_and_pageable_together():
     # test 60 B pinned and 60 B pageable each against the same 100 B and take both.
     ledger = RecordingLedger(100)
     comp = ComponentFacts("dit", _mapped_layers("blocks", 6, 20), uses_per_request=50)
-    plan = plan_hosting([comp], ledger, "replica-a", HostingPolicy(max_pinned_bytes=60))
+    plan = plan_hosting([comp], ledger, "replica-a", _policy(max_pinned_bytes=60))
     assert ledger.asked == [100], "exactly one request, for the plan's whole net cost"
     assert plan.lease.nbytes == plan.net_cost == 100 and ledger.leased() == 100
     tiers = plan.tiers_for("dit")
@@ -62,7 +71,7 @@ def test_one_lease_covers_pinned_and_pageable_together():
 
 def test_everything_wanted_gets_one_lease_when_it_fits():
     ledger = RecordingLedger(1000)
-    plan = plan_hosting([ComponentFacts("dit", _mapped_layers("blocks", 4, 50), 10)], ledger, "r")
+    plan = plan_hosting([ComponentFacts("dit", _mapped_layers("blocks", 4, 50), 10)], ledger, "r", _policy())
     assert ledger.asked == [200] and set(plan.tiers_for("dit").values()) == {PINNED}
     assert ledger.outstanding("r") == (plan.lease,)
     plan.release(ledger)
@@ -74,7 +83,7 @@ def test_net_cost_counts_only_bytes_copied_out_of_a_mapping():
     anonymous = tuple(LayerFacts(f"blocks.{i}", 50, 0, 50) for i in range(4))
     mixed = (LayerFacts("layers.0", 100, 30, 70),)
     ledger = InProcessLedger(30)
-    plan = plan_hosting([ComponentFacts("dit", anonymous, 50), ComponentFacts("enc", mixed, 1)], ledger, "r")
+    plan = plan_hosting([ComponentFacts("dit", anonymous, 50), ComponentFacts("enc", mixed, 1)], ledger, "r", _policy())
     assert set(plan.tiers_for("dit").values()) == {PINNED}, "a zero-net layer must never be demoted"
     assert plan.tiers_for("enc") == {"layers.0": PINNED}, "30 B net fits 30 B free (gross 100 B would not)"
     assert plan.net_cost == 30 and plan.lease.nbytes == 30
@@ -84,7 +93,7 @@ def test_net_cost_counts_only_bytes_copied_out_of_a_mapping():
 def test_pins_are_given_back_from_the_tail_when_the_host_cannot_fit():
     comp = ComponentFacts("dit", _mapped_layers("blocks", 10, 10, resident=2), uses_per_request=50)
     ledger = InProcessLedger(35)
-    plan = plan_hosting([comp], ledger, "r")
+    plan = plan_hosting([comp], ledger, "r", _policy())
     tiers = plan.tiers_for("dit")
     assert [k for k, t in tiers.items() if t is PINNED] == ["blocks.0", "blocks.1", "blocks.2"], \
         "the head of the streamed order keeps its pins; resident layers are last in the pin order"
@@ -95,14 +104,14 @@ def test_pins_are_given_back_from_the_tail_when_the_host_cannot_fit():
 
 def test_resident_layers_are_offered_pins_after_every_streamed_layer():
     comp = ComponentFacts("dit", _mapped_layers("blocks", 4, 10, resident=1), uses_per_request=5)
-    plan = plan_hosting([comp], InProcessLedger(30), "r")
+    plan = plan_hosting([comp], InProcessLedger(30), "r", _policy())
     assert plan.tiers_for("dit") == {"blocks.0": PINNED, "blocks.1": PINNED, "blocks.2": PINNED,
                                      "blocks.3": MAPPED}
 
 
 def test_pageable_layers_are_demoted_before_any_pin_is_given_back():
     comp = ComponentFacts("dit", _mapped_layers("blocks", 6, 10), uses_per_request=50)
-    plan = plan_hosting([comp], InProcessLedger(30), "r", HostingPolicy(max_pinned_bytes=30))
+    plan = plan_hosting([comp], InProcessLedger(30), "r", _policy(max_pinned_bytes=30))
     assert [plan.tiers_for("dit")[f"blocks.{i}"] for i in range(6)] == [PINNED] * 3 + [MAPPED] * 3
 
 
@@ -111,7 +120,7 @@ def test_ranking_is_weight_bytes_times_uses_not_raw_bytes():
     dit = ComponentFacts("dit", _mapped_layers("blocks", 4, 10), uses_per_request=denoiser_uses(
         {"num_inference_steps": 50}))
     enc = ComponentFacts("enc", _mapped_layers("encoder.block", 2, 50), uses_per_request=1)
-    plan = plan_hosting([enc, dit], InProcessLedger(40), "r")
+    plan = plan_hosting([enc, dit], InProcessLedger(40), "r", _policy())
     assert set(plan.tiers_for("dit").values()) == {PINNED}
     assert set(plan.tiers_for("enc").values()) == {MAPPED}
     assert [c.name for c in plan.components] == ["dit", "enc"] and plan.component("dit").rank == 1
@@ -143,7 +152,7 @@ def test_a_refused_request_refits_to_what_the_ledger_reports_and_never_over_comm
             return super().request(nbytes, owner, priority, purpose)
 
     ledger = RacedLedger(100)
-    plan = plan_hosting([ComponentFacts("dit", _mapped_layers("blocks", 10, 10), 50)], ledger, "r")
+    plan = plan_hosting([ComponentFacts("dit", _mapped_layers("blocks", 10, 10), 50)], ledger, "r", _policy())
     assert ledger.asked == [100, 50]
     assert plan.lease.nbytes == 50 and ledger.leased() == 100 == ledger.capacity()
     assert sum(t is PINNED for t in plan.tiers_for("dit").values()) == 5
@@ -152,11 +161,11 @@ def test_a_refused_request_refits_to_what_the_ledger_reports_and_never_over_comm
 
 def test_ceiling_mapped_copies_nothing_and_pageable_pins_nothing():
     comp = ComponentFacts("dit", _mapped_layers("blocks", 3, 10) + (LayerFacts("blocks.3", 10, 0, 10),), 5)
-    mapped = plan_hosting([comp], InProcessLedger(1000), "a", HostingPolicy(ceiling=MAPPED))
+    mapped = plan_hosting([comp], InProcessLedger(1000), "a", _policy(ceiling=MAPPED))
     assert mapped.net_cost == 0
     assert mapped.tiers_for("dit") == {"blocks.0": MAPPED, "blocks.1": MAPPED, "blocks.2": MAPPED,
                                        "blocks.3": PAGEABLE}
-    pageable = plan_hosting([comp], InProcessLedger(1000), "b", HostingPolicy(ceiling=PAGEABLE))
+    pageable = plan_hosting([comp], InProcessLedger(1000), "b", _policy(ceiling=PAGEABLE))
     assert set(pageable.tiers_for("dit").values()) == {PAGEABLE} and pageable.net_cost == 30
 
 
@@ -164,7 +173,7 @@ def test_one_info_line_per_component_with_counts_and_why(caplog):
     dit = ComponentFacts("dit", _mapped_layers("blocks", 4, GiB), 50)
     enc = ComponentFacts("enc", _mapped_layers("encoder.block", 2, GiB), 1)
     with caplog.at_level("INFO", logger="offload_core.host.hosting"):
-        plan_hosting([dit, enc], InProcessLedger(2 * GiB), "r")
+        plan_hosting([dit, enc], InProcessLedger(2 * GiB), "r", _policy())
     lines = [r.getMessage() for r in caplog.records if r.name == "offload_core.host.hosting"]
     assert len(lines) == 2
     assert lines[0].startswith("hosting dit: 2 pinned (2.00 GiB), 0 pageable (0.00 GiB), 2 mapped (2.00 GiB)")
@@ -217,7 +226,10 @@ def test_real_scale_dit_pins_some_layers_not_zero_when_the_whole_does_not_fit(wa
     plan = plan_hosting([enc, dit], ledger, "wan14b-replica")
     pinned = [k for k, t in plan.tiers_for("transformer").items() if t is PINNED]
     per_layer_net = dit.layers[0].consolidation_cost
-    assert len(pinned) == SPENDABLE // per_layer_net > 0, "pins what fits, not zero"
+    # Both components keep some layers mapped, so each holds two staging buffers of its largest layer.
+    staging = sum(plan.component(name).staging_bytes for name in ("transformer", "text_encoder"))
+    assert plan.component("transformer").staging_bytes == 2 * max(l.host_bytes for l in dit.layers)
+    assert len(pinned) == (SPENDABLE - staging) // per_layer_net > 0, "pins what fits, not zero"
     assert pinned == [f"blocks.{i}" for i in range(len(pinned))]
     assert plan.component("transformer").rank == 1
     assert set(plan.tiers_for("text_encoder").values()) == {MAPPED}
@@ -228,9 +240,12 @@ def test_real_scale_plan_with_room_for_the_dit_spends_the_rest_on_encoder_layers
     dit_model, enc_model, steps = wan14b
     dit = facts_from_module("transformer", dit_model, ["blocks"], steps, mapped_fraction=MAPPED_SHARE)
     enc = facts_from_module("text_encoder", enc_model, ["encoder.block"], 1, mapped_fraction=1.0)
-    room = sum(l.consolidation_cost for l in dit.layers) + 2 * GiB
+    enc_staging = 2 * max(l.host_bytes for l in enc.layers)
+    room = sum(l.consolidation_cost for l in dit.layers) + enc_staging + 2 * GiB
     plan = plan_hosting([enc, dit], InProcessLedger(room), "r")
     assert set(plan.tiers_for("transformer").values()) == {PINNED}
+    assert plan.component("transformer").staging_bytes == 0, "an all-pinned component stages nothing"
+    assert plan.component("text_encoder").staging_bytes == enc_staging
     enc_pins = sum(t is PINNED for t in plan.tiers_for("text_encoder").values())
     assert 0 < enc_pins < len(enc.layers) and plan.net_cost <= room
 
@@ -238,9 +253,9 @@ def test_real_scale_plan_with_room_for_the_dit_spends_the_rest_on_encoder_layers
 # --- the PINNED tier on this machine ------------------------------------------------------------
 def test_padding_of_the_flat_buffer_is_charged_even_for_anonymous_layers():
     layers = (LayerFacts("blocks.0", 1000, 0, 1000, padding_bytes=24),)
-    plan = plan_hosting([ComponentFacts("dit", layers, 5)], InProcessLedger(24), "r")
+    plan = plan_hosting([ComponentFacts("dit", layers, 5)], InProcessLedger(24), "r", _policy())
     assert plan.net_cost == 24 and plan.tiers_for("dit") == {"blocks.0": PINNED}
-    starved = plan_hosting([ComponentFacts("dit", layers, 5)], InProcessLedger(23), "r")
+    starved = plan_hosting([ComponentFacts("dit", layers, 5)], InProcessLedger(23), "r", _policy())
     assert starved.net_cost == 0 and starved.tiers_for("dit") == {"blocks.0": MAPPED}, \
         "left as it is, an anonymous layer costs nothing; consolidated it costs its padding"
 
@@ -279,10 +294,45 @@ def test_bad_policy_and_duplicate_components_are_refused_with_a_clear_error():
 def test_a_planners_wanted_tiers_are_ceilings_that_still_fit_the_host():
     comp = ComponentFacts("dit", _mapped_layers("blocks", 4, 10), 50)
     wanted = {"dit": {"blocks.0": PINNED, "blocks.1": PINNED, "blocks.2": PAGEABLE, "blocks.3": MAPPED}}
-    roomy = plan_hosting([comp], InProcessLedger(100), "a", HostingPolicy(wanted=wanted))
+    roomy = plan_hosting([comp], InProcessLedger(100), "a", _policy(wanted=wanted))
     assert roomy.tiers_for("dit") == wanted["dit"] and roomy.net_cost == 30
-    tight = plan_hosting([comp], InProcessLedger(15), "b", HostingPolicy(wanted=wanted))
+    tight = plan_hosting([comp], InProcessLedger(15), "b", _policy(wanted=wanted))
     assert tight.tiers_for("dit") == {"blocks.0": PINNED, "blocks.1": MAPPED, "blocks.2": MAPPED,
                                       "blocks.3": MAPPED}, "pageable demoted first, then the tail pin"
     with pytest.raises(ValueError, match="do not have"):
         plan_hosting([comp], InProcessLedger(15), "c", HostingPolicy(wanted={"dit": {"blocks.9": PINNED}}))
+
+
+# --- staging buffers ------------------------------------------------------------------------------
+def test_a_component_with_a_pageable_or_mapped_layer_pays_two_staging_buffers_of_its_largest_layer():
+    comp = ComponentFacts("dit", _mapped_layers("blocks", 3, 10) + (LayerFacts("blocks.3", 30, 30, 0),), 5)
+    plan = plan_hosting([comp], InProcessLedger(1000), "r", HostingPolicy(ceiling=MAPPED))
+    assert plan.component("dit").staging_bytes == 2 * 30 == plan.net_cost == plan.lease.nbytes
+    assert "staging 0.00 GiB pinned" in plan.component("dit").log_line()
+
+
+def test_staging_is_sized_per_dtype_as_the_engine_carves_it():
+    layers = (LayerFacts("blocks.0", 110, 110, 0, flat_bytes=(("bf16", 100), ("f32", 10))),
+              LayerFacts("blocks.1", 80, 80, 0, flat_bytes=(("bf16", 50), ("f32", 30))))
+    plan = plan_hosting([ComponentFacts("dit", layers, 5)], InProcessLedger(1000), "r", HostingPolicy(ceiling=MAPPED))
+    assert plan.component("dit").staging_bytes == 2 * (100 + 30), "per dtype the largest, not the largest layer"
+
+
+def test_giving_a_pin_back_adds_the_staging_buffers_the_component_now_needs():
+    comp = ComponentFacts("dit", _mapped_layers("blocks", 4, 10), 50)
+    everything = plan_hosting([comp], InProcessLedger(40), "a")
+    assert set(everything.tiers_for("dit").values()) == {PINNED} and everything.net_cost == 40
+    # 39 B: one pin back would cost 30 + 20 staging = 50; it takes three back (10 + 20 = 30).
+    tight = plan_hosting([comp], InProcessLedger(39), "b")
+    assert [tight.tiers_for("dit")[f"blocks.{i}"] for i in range(4)] == [PINNED, MAPPED, MAPPED, MAPPED]
+    assert tight.net_cost == tight.lease.nbytes == 10 + 20
+
+
+def test_a_host_that_cannot_hold_even_the_staging_buffers_is_a_clear_error():
+    from offload_core.host.hosting import HostingError
+
+    comp = ComponentFacts("dit", _mapped_layers("blocks", 4, 10), 50)
+    with pytest.raises(HostingError, match="staging buffers"):
+        plan_hosting([comp], InProcessLedger(19), "r")
+    with pytest.raises(ValueError, match="staging_buffers"):
+        HostingPolicy(staging_buffers=-1)

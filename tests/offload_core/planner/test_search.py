@@ -121,10 +121,15 @@ def test_a_hand_pinned_field_is_kept_and_the_rest_is_still_planned():
 
 
 def test_pins_follow_the_host_lease_in_layer_order():
+    # 10 layers of 1,024 B, a 3,584 B lease: pageable layers need two 1,024 B staging buffers, so
+    # one pin fits beside them (1,024 + 2,048), two would not (2,048 + 2,048).
     plan = plan_pipeline(one_component(capacity=4_096, lease=3_584), PerformanceMode.MEMORY)
     tiers = [tier for _, tier in plan.component("dit").hosting]
-    assert tiers == [HostingTier.PINNED] * 3 + [HostingTier.PAGEABLE] * 7
-    assert plan.pinned_bytes == 3 * 1024
+    assert tiers == [HostingTier.PINNED] + [HostingTier.PAGEABLE] * 9
+    assert plan.pinned_bytes == 1_024 + 2_048 and plan.staging_bytes == 2_048
+    everything = plan_pipeline(one_component(capacity=4_096, lease=10_240), PerformanceMode.MEMORY)
+    assert {tier for _, tier in everything.component("dit").hosting} == {HostingTier.PINNED}
+    assert everything.pinned_bytes == 10_240 and everything.staging_bytes == 0, "all pinned: nothing staged"
 
 
 def test_the_plan_configures_the_engine():

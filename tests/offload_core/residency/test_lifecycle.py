@@ -176,10 +176,13 @@ def test_the_host_budget_fits_the_planned_tiers_with_one_lease_given_back_on_rem
     res.remove()
     assert enough.leased() == 0
 
-    short = InProcessLedger(5 * layer_bytes)  # room for 5 of the 8 layers' copies
+    # Room for 4 of the 8 layers' copies and the two staging buffers (one layer each) of the
+    # component left mapped: the first component in pin order keeps its pins, the other stages.
+    short = InProcessLedger(6 * layer_bytes)
     res = remove_after(PipelineResidency.apply(mapped_toys(tmp_path), plan, "cpu", short, owner="toy"))
     tiers = [layer.tier for c in res.components.values() for layer in c.streamer.layers]
-    assert tiers.count(HostingTier.MAPPED) == 3 and short.leased() == 5 * layer_bytes
+    assert tiers.count(HostingTier.MAPPED) == 4 and short.leased() == 6 * layer_bytes
+    assert sum(c.streamer.staging_bytes for c in res.components.values()) == 2 * layer_bytes
     assert any("re-tiered by the host budget" in note for note in res.plan.notes)
     x = torch.randn(2, 16)
     with torch.no_grad(), res.stage(["b"]):
@@ -273,9 +276,13 @@ def test_tiny_pipeline_peak_and_bytes_moved_equal_the_plan_in_every_mode(family,
     capacity = memory_peak + memory_peak // 2
     facts = PipelineFacts(facts.components, stages, capacity, LINK, 1 << 30)
     cpu_capacity(capacity)
-    seen = set()
-    for mode in PerformanceMode:
-        plan = plan_pipeline(facts, mode)
+    seen, staged = set(), 0
+    # Every mode with room to pin everything, then the memory mode with no host lease: every
+    # layer pageable, copied through staging buffers the plan must predict exactly.
+    no_lease = PipelineFacts(facts.components, stages, capacity, LINK, 0)
+    for mode, mode_facts in [(m, facts) for m in PerformanceMode] + [(PerformanceMode.MEMORY, no_lease)]:
+        plan = plan_pipeline(mode_facts, mode)
+        staged += plan.staging_bytes
         comps, _, call = family()
         res = remove_after(PipelineResidency.apply(comps, plan, "cpu", tables=TABLES))
         for request in range(2):
@@ -289,8 +296,13 @@ def test_tiny_pipeline_peak_and_bytes_moved_equal_the_plan_in_every_mode(family,
             if c.streamer is not None:  # the engine's own formula and meter agree with the plan too
                 predicted = plan.component(name).prediction.in_use_bytes
                 assert predicted == c.streamer.predicted_peak_bytes() == c.streamer.meter.peak_bytes, name
+                # and the pinned staging buffers its pageable and mapped layers copy through
+                assert plan.component(name).prediction.staging_bytes == c.streamer.staging_bytes, name
+        assert plan.staging_bytes == sum(c.streamer.staging_bytes for c in res.components.values()
+                                         if c.streamer is not None), mode.value
         seen.add(tuple(c.strategy for c in plan.components))
         res.remove()  # untracks its meters: the next mode's headroom starts from zero
+    assert staged > 0, "the no-lease plan staged its pageable layers"
     assert len(seen) >= 2, "the modes should exercise more than one strategy mix"
 
 

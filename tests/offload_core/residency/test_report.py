@@ -57,8 +57,11 @@ def test_a_planned_streamed_model_is_bitwise_equal_and_reported_where_the_plan_p
     facts = facts_from_module("transformer", model, ["blocks"], uses_per_request=50)
     per_layer = facts.layers[0].mapped_bytes
     assert per_layer == facts.layers[0].nbytes > 0, "from_pretrained keeps same-dtype weights mapped"
-    # Room for three layers' net cost; a cap of 2 layers on pins leaves one pageable, the rest mapped.
-    ledger = InProcessLedger(3 * facts.layers[0].consolidation_cost)
+    # Room for three layers' net cost and the staging buffers (two of the largest layer) the
+    # pageable and mapped layers are copied through; a cap of 2 layers on pins leaves one
+    # pageable, the rest mapped.
+    staging = 2 * max(layer.host_bytes for layer in facts.layers)
+    ledger = InProcessLedger(3 * facts.layers[0].consolidation_cost + staging)
     plan = plan_hosting([facts], ledger, "r", HostingPolicy(max_pinned_bytes=2 * facts.layers[0].host_bytes))
     tiers = plan.tiers_for("transformer")
     assert [tiers[f"blocks.{i}"] for i in range(6)] == [PINNED, PINNED, PAGEABLE, MAPPED, MAPPED, MAPPED]
@@ -74,12 +77,14 @@ def test_a_planned_streamed_model_is_bitwise_equal_and_reported_where_the_plan_p
 
     rep = component_residency("transformer", model, streamer=streamer, device=CPU)
     by_tier = {t: sum(l.host.nbytes for l in streamer.layers if l.tier is t) for t in HostingTier}
-    assert rep.host_pinned_bytes == by_tier[PINNED] >= 2 * per_layer
+    assert rep.host_staging_bytes == streamer.staging_bytes == staging, "the staging buffers, as planned"
+    assert rep.host_pinned_bytes == by_tier[PINNED] + staging and by_tier[PINNED] >= 2 * per_layer
     assert rep.host_pageable_bytes == by_tier[PAGEABLE] >= per_layer
     assert rep.host_mapped_bytes == 3 * per_layer, "mapped layers stay views of the checkpoint"
     planned = plan.component("transformer")
-    assert (rep.host_pinned_bytes, rep.host_pageable_bytes, rep.host_mapped_bytes) == (
-        planned.pinned_bytes, planned.pageable_bytes, planned.mapped_bytes), "the plan accounts what is there"
+    assert (rep.host_pinned_bytes - rep.host_staging_bytes, rep.host_pageable_bytes, rep.host_mapped_bytes,
+            rep.host_staging_bytes) == (planned.pinned_bytes, planned.pageable_bytes, planned.mapped_bytes,
+                                        planned.staging_bytes), "the plan accounts what is there"
     assert planned.net_cost == rep.host_pinned_bytes + rep.host_pageable_bytes == plan.lease.nbytes
     assert rep.device_bytes == streamer.non_layer_bytes + _buffer_bytes(model), \
         "after finish_use only non-layer weights (and buffers) stay"
