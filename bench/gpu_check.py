@@ -1,14 +1,21 @@
-"""GPU check: step time and peak device memory, side by side, for three ways to run a denoiser.
+"""GPU check: step time and peak device memory, side by side, for the ways to run a denoiser.
 
 - speed: the whole model resident on the device;
-- layerwise: our streaming engine, every layer pinned, copies on a side stream, prefetch depth 1;
+- layerwise (pinned), layerwise_pageable, layerwise_mapped: our streaming engine with every layer
+  in that hosting tier, prefetch depth 1; pageable and mapped layers copy through pinned staging
+  buffers filled by a host thread;
+- layerwise_pageable_unstaged: pageable with staging switched off (the driver's blocking copy), the
+  negative control that shows what staging fixes;
 - group offload: diffusers' ``apply_group_offloading(block_level, 1 block per group, use_stream=True)``,
   the peer implementation;
 on (a) the zoo's medium Wan denoiser and (b) real-size Wan2.1-1.3B blocks with random weights,
-plus measured pinned and pageable host->device bandwidth. Peak memory is
-``torch.cuda.max_memory_allocated`` (weights and activations). Without CUDA the script still runs
-end to end on CPU with a cut-down real-size model (``--real-blocks``), skipping what needs CUDA
-(the side stream, diffusers' streams, bandwidth, CUDA peaks) and saying so. Last line: one JSON.
+plus measured pinned and pageable host->device bandwidth. Each streamed way is also put over its
+bound ``max(speed step, streamed bytes / measured pinned bandwidth)``: 1.0 is copy fully hidden
+behind compute (or compute behind copy). Peak memory is ``torch.cuda.max_memory_allocated``
+(weights and activations). At the end, on CUDA, the engine's CUDA-only tests run
+(``pytest tests/offload_core -k cuda``), so one device run covers them. Without CUDA the script
+still runs end to end on CPU with a cut-down real-size model (``--real-blocks``), skipping what
+needs CUDA and saying so. Last line: one JSON object; exit 1 if a CUDA test failed.
 """
 from __future__ import annotations
 
@@ -16,6 +23,8 @@ import argparse
 import gc
 import json
 import logging
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,8 +49,15 @@ def medium_denoiser(dtype: torch.dtype):
     return WanTransformer3DModel.from_pretrained(ensure_medium_wan() / "transformer", torch_dtype=dtype).eval()
 
 
+_REAL_WEIGHTS: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
 def real_denoiser(dtype: torch.dtype, blocks: int | None):
-    """Wan2.1-1.3B's transformer at real size (``blocks`` caps the layer count), random weights."""
+    """Wan2.1-1.3B's transformer at real size (``blocks`` caps the layer count), random weights.
+
+    The weights are drawn once per run and cloned into each build: drawing 1.4 B random numbers
+    takes ~15 s, and the check builds the model once per way.
+    """
     from diffusers import WanTransformer3DModel
 
     config = json.loads((Path(__file__).resolve().parents[1] / "configs/models/real_model_configs.json").read_text())
@@ -52,10 +68,15 @@ def real_denoiser(dtype: torch.dtype, blocks: int | None):
         model = WanTransformer3DModel.from_config(cfg)
     model = model.to_empty(device="cpu")
     keep = set(model._keep_in_fp32_modules or ())  # as from_pretrained(torch_dtype=...) keeps them
-    generator = torch.Generator().manual_seed(0)
-    for name, p in model.named_parameters():  # random weights at a trained model's scale
-        weights = torch.randn(p.shape, generator=generator) * 0.02
-        p.data = weights if keep.intersection(name.split(".")) else weights.to(dtype)
+    weights = _REAL_WEIGHTS.get((dtype, blocks))
+    if weights is None:
+        generator = torch.Generator().manual_seed(0)
+        weights = _REAL_WEIGHTS[(dtype, blocks)] = {}
+        for name, p in model.named_parameters():  # random weights at a trained model's scale
+            drawn = torch.randn(p.shape, generator=generator) * 0.02
+            weights[name] = drawn if keep.intersection(name.split(".")) else drawn.to(dtype)
+    for name, p in model.named_parameters():
+        p.data = weights[name].clone()
     for b in model.buffers():
         b.zero_()
     return model.eval()
@@ -92,10 +113,16 @@ def time_steps(model, kwargs, steps: int):
     return best, peak, out
 
 
-def run_case(name: str, build, shape, steps: int, device, mapped: bool = False) -> dict:
+# way -> (hosting tier, staged copies); "layerwise" is the pinned tier (the name CI reads).
+LAYERWISE = {"layerwise": (HostingTier.PINNED, True), "layerwise_pageable": (HostingTier.PAGEABLE, True),
+             "layerwise_mapped": (HostingTier.MAPPED, True),
+             "layerwise_pageable_unstaged": (HostingTier.PAGEABLE, False)}
+
+
+def run_case(name: str, build, shape, steps: int, device, pinned_Bps: float | None, mapped: bool = False) -> dict:
     dtype = torch.bfloat16 if CUDA else torch.float32
-    rows, reference = {}, None
-    for way in ("speed", "layerwise", "layerwise_pageable", "layerwise_mapped", "group_offload"):
+    rows, reference, streamed = {}, None, None
+    for way in ("speed", *LAYERWISE, "group_offload"):
         if way == "layerwise_mapped" and not mapped:
             rows[way] = {"skipped": "random weights are not on a file mapping"}
             continue
@@ -103,18 +130,19 @@ def run_case(name: str, build, shape, steps: int, device, mapped: bool = False) 
             rows[way] = {"skipped": "diffusers' use_stream=True needs CUDA streams"}
             continue
         model = build(dtype)
+        streamed = layer_bytes(model) if streamed is None else streamed
         kwargs = inputs(model, *shape, device, dtype)
         extra = {}
         if way == "speed":
             model.to(device)
         elif way.startswith("layerwise"):
-            tier = {"layerwise": HostingTier.PINNED, "layerwise_pageable": HostingTier.PAGEABLE,
-                    "layerwise_mapped": HostingTier.MAPPED}[way]
+            tier, staged = LAYERWISE[way]
             keys = [f"{g}.{i}" for g in declared_layer_groups(model)
                     for i in range(len(resolve_layer_group(model, g).layers))]
             streamer = apply_layer_streaming(model, device, StreamingConfig(
-                prefetch_depth=1, hosting={k: tier for k in keys}))
-            extra = {"predicted_weight_peak_bytes": streamer.predicted_peak_bytes()}
+                prefetch_depth=1, hosting={k: tier for k in keys}, staged_copies=staged))
+            extra = {"predicted_weight_peak_bytes": streamer.predicted_peak_bytes(),
+                     "staging_bytes": streamer.staging_bytes}
         else:
             from diffusers.hooks import apply_group_offloading
 
@@ -132,12 +160,38 @@ def run_case(name: str, build, shape, steps: int, device, mapped: bool = False) 
         if CUDA:
             torch.cuda.empty_cache()
     base = rows["speed"]
-    for row in rows.values():
+    bound = max(base["step_s"], streamed / pinned_Bps) if pinned_Bps else None
+    for way, row in rows.items():
         if "step_s" in row:
             row["step_vs_speed"] = round(row["step_s"] / base["step_s"], 3)
             if CUDA:
                 row["peak_vs_speed"] = round(row["peak_allocated_bytes"] / base["peak_allocated_bytes"], 3)
-    return {"case": name, "input_shape": list(shape), "rows": rows}
+            if bound is not None and way != "speed":
+                row["bound_s"] = round(bound, 4)
+                row["step_vs_bound"] = round(row["step_s"] / bound, 3)
+    return {"case": name, "input_shape": list(shape), "streamed_bytes_per_step": streamed, "rows": rows}
+
+
+def layer_bytes(model) -> int:
+    """Bytes every step streams: each layer's flat layout (what the engine copies), all layers streamed."""
+    from offload_core.layout import layer_parameters, plan_layer_layout
+
+    return sum(plan_layer_layout(f"{g}.{i}", [(n, p.data) for n, p in layer_parameters(layer)]).nbytes
+               for g in declared_layer_groups(model) for i, layer in enumerate(resolve_layer_group(model, g).layers))
+
+
+def cuda_tests(timeout_s: int) -> dict:
+    """The engine's CUDA-only tests (stream safety, staging on a real GPU), in a subprocess."""
+    if not CUDA:
+        return {"skipped": "the CUDA-only tests need CUDA"}
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                           "tests/offload_core", "-k", "cuda"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    print(done.stdout[-4000:], done.stderr[-2000:], sep="\n", flush=True)
+    lines = done.stdout.strip().splitlines()
+    return {"returncode": done.returncode, "summary": lines[-1] if lines else ""}
 
 
 def bandwidth() -> dict:
@@ -155,6 +209,8 @@ def main() -> None:
     parser.add_argument("--real-blocks", type=int, default=None if CUDA else 2,
                         help="cap Wan2.1-1.3B's 30 blocks (default: all on CUDA, 2 on CPU)")
     parser.add_argument("--require-cuda", action="store_true", help="exit 2 when CUDA is not available")
+    parser.add_argument("--cuda-tests-timeout", type=int, default=120,
+                        help="seconds for the CUDA-only tests at the end (0: do not run them)")
     args = parser.parse_args()
     if args.require_cuda and not CUDA:
         parser.exit(2, "gpu_check: --require-cuda given but torch sees no CUDA device\n")
@@ -168,23 +224,29 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name() if CUDA else 'cpu (CUDA-only parts skipped)'}", flush=True)
     link = bandwidth()
     print(f"host->device bandwidth: {link}", flush=True)
+    pinned_Bps = link["pinned_GBps"] * 1e9 if "pinned_GBps" in link else None
     results = []
     for name, build, shape, mapped in (
             ("medium-wan-denoiser", medium_denoiser, medium_shape, True),
             ("wan2.1-1.3b-random", lambda dt: real_denoiser(dt, args.real_blocks), real_shape, False)):
-        result = run_case(name, build, shape, args.steps, device, mapped)
+        result = run_case(name, build, shape, args.steps, device, pinned_Bps, mapped)
         results.append(result)
-        print(f"\n{name} {shape}:")
-        print(f"  {'way':19} {'step s':>9} {'vs speed':>8} {'peak MiB':>10} {'vs speed':>8}  bitwise")
+        print(f"\n{name} {shape}: streams {result['streamed_bytes_per_step'] / MiB:.1f} MiB per step")
+        print(f"  {'way':27} {'step s':>9} {'vs speed':>8} {'vs bound':>8} {'peak MiB':>10} {'vs speed':>8}  bitwise")
         for way, row in result["rows"].items():
             if "skipped" in row:
-                print(f"  {way:19} skipped: {row['skipped']}")
+                print(f"  {way:27} skipped: {row['skipped']}")
                 continue
             peak = row["peak_allocated_bytes"]
-            print(f"  {way:19} {row['step_s']:>9.4f} {row['step_vs_speed']:>8.2f} "
+            print(f"  {way:27} {row['step_s']:>9.4f} {row['step_vs_speed']:>8.2f} "
+                  f"{row.get('step_vs_bound', float('nan')):>8.2f} "
                   f"{(peak / MiB if peak else float('nan')):>10.1f} {row.get('peak_vs_speed', float('nan')):>8.2f}  "
                   f"{row['bitwise_equal_to_speed']}", flush=True)
-    print("\n" + json.dumps({"bench": "gpu_check", "cuda": CUDA, "bandwidth": link, "results": results}))
+    tests = cuda_tests(args.cuda_tests_timeout) if args.cuda_tests_timeout else {"skipped": "--cuda-tests-timeout 0"}
+    print("\n" + json.dumps({"bench": "gpu_check", "cuda": CUDA, "bandwidth": link, "results": results,
+                             "cuda_tests": tests}))
+    if tests.get("returncode", 0) != 0:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

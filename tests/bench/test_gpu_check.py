@@ -21,8 +21,13 @@ def test_gpu_check_runs_in_cpu_mode_and_streams_bitwise_equal():
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["cuda"] is False and "skipped" in report["bandwidth"]
     assert [r["case"] for r in report["results"]] == ["medium-wan-denoiser", "wan2.1-1.3b-random"]
+    assert "need CUDA" in report["cuda_tests"]["skipped"]
     for result in report["results"]:
         rows = result["rows"]
-        assert rows["layerwise"]["bitwise_equal_to_speed"] is True
-        assert rows["layerwise"]["measured_weight_peak_bytes"] == rows["layerwise"]["predicted_weight_peak_bytes"]
+        assert result["streamed_bytes_per_step"] > 0
+        for way in ("layerwise", "layerwise_pageable", "layerwise_pageable_unstaged"):
+            assert rows[way]["bitwise_equal_to_speed"] is True, way
+            assert rows[way]["measured_weight_peak_bytes"] == rows[way]["predicted_weight_peak_bytes"], way
+        assert rows["layerwise_pageable"]["staging_bytes"] > 0, "pageable layers copy through pinned staging"
+        assert rows["layerwise"]["staging_bytes"] == rows["layerwise_pageable_unstaged"]["staging_bytes"] == 0
         assert "needs CUDA" in rows["group_offload"]["skipped"]
