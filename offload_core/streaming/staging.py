@@ -94,6 +94,10 @@ class StagingRing:
             for buffer in buffers:  # a refused pin must not leave the earlier buffers locked
                 self._device.free_staging(buffer)
             raise
+        refused = [buffer.refusal for buffer in buffers if buffer.refusal is not None]
+        if refused:
+            logger.info("staging on %s: %s; copies from these buffers will block like pageable ones",
+                        self._device.device, refused[0].explain())
         self._buffers = buffers
         self._carved = [self.regions.carve(buffer.data) for buffer in buffers]
         self._dma_done = [None] * self.n_buffers
