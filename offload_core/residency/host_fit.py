@@ -16,6 +16,7 @@ from torch import nn
 from offload_core.host.budget import MemoryBudget
 from offload_core.host.replica_budget import BudgetTooSmall, CappedBudget
 from offload_core.host.tier import HostingTier
+from offload_core.layout import staging_bytes
 from offload_core.planner.pipeline_plan import PipelinePlan
 from offload_core.planner.search import retier
 from offload_core.planner.strategy import Strategy
@@ -44,7 +45,7 @@ def host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget:
                                resident_keys=[key for key, _ in c.hosting[:c.resident_layers]],
                                layer_order=[key for key, _ in c.hosting]) for c in streamed]
     if host_budget_bytes is not None:
-        budget = _capped(budget, facts, owner, host_budget_bytes)
+        budget = _capped(budget, facts, streamed, owner, host_budget_bytes)
     # The plan's tiers are the ceilings: the host may only lower them.
     policy = HostingPolicy(wanted={c.name: dict(c.hosting) for c in streamed})
     hosting = plan_hosting(facts, budget, owner, policy)
@@ -91,17 +92,28 @@ def _shared(plan: PipelinePlan, components: Mapping[str, nn.Module], shared, dev
     return dataclasses.replace(plan, components=tuple(updated)), hosts
 
 
-def _capped(budget: MemoryBudget, facts, owner: str, host_budget_bytes: int) -> CappedBudget:
+def _capped(budget: MemoryBudget, facts, streamed, owner: str, host_budget_bytes: int) -> CappedBudget:
     """The node budget within this replica's own: what its layers already hold in anonymous memory counts first.
 
     Layers a converting dtype copied out of the file mapping are anonymous whatever the plan (a
-    MAPPED layer keeps them as they are; consolidating them is a wash), so they are the floor.
+    MAPPED layer keeps them as they are; consolidating them is a wash), so they are the floor. On
+    top, each component's cheapest hosting: every layer left as it is plus the pinned staging
+    buffers they are then copied through, or (when the plan lets every layer be pinned) every
+    layer consolidated, if that costs less (anonymous layers cost only their padding). That part
+    is leased through the plan, so only the anonymous layers come off the cap.
     """
     floor = sum(layer.anon_bytes for c in facts for layer in c.layers)
-    if floor > host_budget_bytes:
-        raise BudgetTooSmall(owner, host_budget_bytes, floor,
+    staging = 0
+    for component, plan in zip(facts, streamed):
+        stage_all = staging_bytes(layer.layout_bytes for layer in component.layers)
+        all_pinnable = all(tier is HostingTier.PINNED for _, tier in plan.hosting)
+        pin_all = sum(layer.consolidation_cost for layer in component.layers)
+        staging += min(stage_all, pin_all) if all_pinnable else stage_all
+    if floor + staging > host_budget_bytes:
+        raise BudgetTooSmall(owner, host_budget_bytes, floor + staging,
                              f"{floor} B of its streamed layers are already anonymous host memory (loaded with a "
-                             "converting dtype), and no plan holds less")
+                             f"converting dtype) and {staging} B of pinned staging buffers carry the layers left "
+                             "in pageable or mapped memory, and no plan holds less")
     logger.info("residency %s: host budget %d B, %d B of it already held by anonymous layer weights, so "
                 "tiers fit within min(%d B, what the node grants)", owner, host_budget_bytes, floor,
                 host_budget_bytes - floor)

@@ -322,22 +322,45 @@ def test_the_report_shows_parked_weights_and_pinned_layers_of_each_component(cpu
     assert report.to_json()["totals"]["parked_bytes"] == 2 * non_layer
 
 
+def _layouts(model):
+    from offload_core.layout import layer_parameters, plan_layer_layout
+
+    return [plan_layer_layout(str(i), [(n, p) for n, p in layer_parameters(block)]) for i, block in enumerate(model.blocks)]
+
+
+def _staging_bytes(model) -> int:
+    """The engine's staging buffers for a toy whose layers all stage: layout.staging_bytes of its blocks."""
+    from offload_core.layout import staging_bytes
+
+    return staging_bytes(layout.flat_bytes for layout in _layouts(model))
+
+
+def _padding_bytes(model) -> int:
+    """What consolidating a toy's (anonymous) layers into aligned flat buffers adds."""
+    return sum(layout.nbytes - layout.tensor_bytes for layout in _layouts(model))
+
+
 def test_a_host_budget_caps_the_tiers_and_the_plan_stays_bitwise(cpu_capacity):
     cpu_capacity(1 << 30)
     plan = toy_plan(1 << 30)
     x = torch.randn(3, 16)
     expected = {n: m(x) for n, m in toys().items()}
     models = toys()
-    # The toys' weights are anonymous (made in memory): that floor, plus nothing more to copy.
-    floor = sum(p.numel() * 4 for m in models.values() for p in m.blocks.parameters())
+    # The toys' weights are anonymous (made in memory): that floor, plus the cheapest hosting on top:
+    # consolidating every layer costs its padding (8 x 448 B), less than leaving them and staging
+    # their copies (two 1,536 B buffers per component).
+    padding = sum(_padding_bytes(m) for m in models.values())
+    assert padding < sum(_staging_bytes(m) for m in models.values())
+    floor = sum(p.numel() * 4 for m in models.values() for p in m.blocks.parameters()) + padding
     node = InProcessLedger(1 << 30)
     residency = PipelineResidency.apply(models, plan, "cpu", node, owner="capped", host_budget_bytes=floor)
-    assert node.leased() == residency.host_leased_bytes() == 0, "no room past the floor: nothing may be leased"
+    assert node.leased() == residency.host_leased_bytes() == padding, "no room past the floor: only padding leased"
     for name, model in models.items():
         with residency.stage([name]):
             assert torch.equal(model(x), expected[name])
     tiers = {t for c in residency.plan.components for _, t in c.hosting}
-    assert tiers == {HostingTier.MAPPED}, "a budget at the floor leaves every layer as it is"
+    assert tiers == {HostingTier.PINNED}, "at the floor, the cheapest: every layer in its flat buffer"
+    assert all(c.streamer.staging_bytes == 0 for c in residency.components.values())
     residency.remove()
 
 
@@ -347,6 +370,7 @@ def test_a_host_budget_below_every_plan_fails_at_start_naming_the_smallest_that_
     cpu_capacity(1 << 30)
     models = toys()
     floor = sum(p.numel() * 4 for m in models.values() for p in m.blocks.parameters())
+    floor += sum(_padding_bytes(m) for m in models.values())
     with pytest.raises(BudgetTooSmall, match=f"smallest that works is .* \\({floor} B\\)") as caught:
         PipelineResidency.apply(models, toy_plan(1 << 30), "cpu", InProcessLedger(1 << 30), owner="tiny",
                                 host_budget_bytes=floor - 1)
