@@ -157,12 +157,17 @@ def test_models_and_residency_describe_the_served_model_and_every_replica(client
     (component,) = denoiser["weights"]["components"]
     # Memory mode streams all 4 blocks: their weights wait on the host between calls.
     assert component["name"] == "transformer" and sum(component["layer_tiers"].values()) == 4, component
-    assert component["host_pinned_bytes"] + component["host_pageable_bytes"] + component["host_mapped_bytes"] > 0
+    host_bytes = ("host_pinned_bytes", "host_pageable_bytes", "host_mapped_bytes", "host_shared_bytes")
+    assert sum(component[k] for k in host_bytes) > 0
     assert any(line.startswith("transformer: ") for line in denoiser["plan"]), denoiser["plan"]
     assert denoiser["last_device_peak_bytes"] == denoiser["predicted_peak_bytes"]
     host = denoiser["host_memory"]  # the config's 64MiB host_memory_budget, what it leased and holds
     assert host["budget_bytes"] == 64 * 1024**2 and host["leased_bytes"] <= host["budget_bytes"]
     assert host["used_bytes"] >= host["leased_bytes"], "what a lease paid for is held on the host"
+    (store,) = host["shared"]  # its streamed layers come from the node weight store
+    assert store["component"] == "transformer" and store["attached"] >= 1 and store["bytes"] > 0
+    assert store["share_bytes"] == store["bytes"] // store["attached"]
+    assert component["host_shared_bytes"] > 0 and component["host_pinned_bytes"] == 0
     assert next(r for r in replicas if r["stage"] == "encode")["host_memory"]["budget_bytes"] is None
     # Only the Denoiser batches; between requests its batch is empty.
     assert denoiser["batch"]["max"] == 4 and denoiser["batch"]["size"] == 0

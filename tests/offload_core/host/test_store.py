@@ -132,3 +132,4 @@ def test_a_replica_whose_budget_could_not_hold_the_whole_copy_is_not_admitted(tm
     registry = InProcessStoreRegistry(InProcessLedger(1 << 30))
     refused = registry.acquire(key, layout.total_bytes, str(path), "small", budget_bytes=layout.total_bytes - 1)
     assert not refused and "could not hold the whole" in refused.reason
+
