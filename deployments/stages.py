@@ -197,6 +197,9 @@ class StageWorker:
     def record(self, stats: StageStats) -> None:
         self.metrics.record(stats)
         self._last = stats
+        # Also here, not only when the use ends: the Denoiser records a request after its batch's
+        # busy period, and the report published then showed the previous request's peak.
+        self._publish_soon()
 
     def call_bytes(self, activation_bytes: int = 0) -> int:
         """What a call adds on the device beyond the standing lease: streamed slots, restores, activations."""
