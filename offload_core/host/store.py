@@ -23,6 +23,7 @@ job; ``cluster/shared_store.py`` implements it over the node ledger.
 from __future__ import annotations
 
 import enum
+import errno
 import fcntl
 import hashlib
 import json
@@ -177,7 +178,7 @@ class WeightStore:
         fd = os.open(partial, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            os.ftruncate(fd, layout.total_bytes)
+            _reserve(fd, layout.total_bytes)
             with mmap.mmap(fd, layout.total_bytes) as writable:
                 _write_layers(writable, layout, layers)
                 view = memoryview(writable)
@@ -262,6 +263,18 @@ class WeightStore:
             self._mapping.close()
         except BufferError:
             logger.info("store %s: closed; tensors still view its mapping, which lives on with them", self.key.digest)
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Give the file its blocks now: a full tmpfs then fails here with ENOSPC (an OSError the caller
+    can answer by hosting privately), never later with SIGBUS on a write into a sparse mapping.
+    Docker's default /dev/shm is 64 MiB, smaller than one medium-Wan copy (289 MiB)."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, nbytes)  # a file system without fallocate: sparse, as before
 
 
 def _write_layers(writable: mmap.mmap, layout: StoreLayout,

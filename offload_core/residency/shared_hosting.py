@@ -99,7 +99,12 @@ class SharedWeights:
                 logger.info("%s: store %s exists and a live process holds it: mapping it", self.owner, key.digest)
                 store = WeightStore.attach(path, key, layout)
             else:
-                store = WeightStore.create(path, key, layout, layers)
+                try:
+                    store = WeightStore.create(path, key, layout, layers)
+                except OSError as exc:  # no room in /dev/shm (ENOSPC), or no such file system
+                    logger.info("%s: store %s (%d B) could not be written in %s (%s); hosting privately",
+                                self.owner, key.digest, layout.total_bytes, path.parent, exc)
+                    return None
             self.registry.ready(key, self.owner)
             return store
         try:

@@ -102,3 +102,24 @@ def test_a_refused_read_only_pin_streams_store_layers_pageable_with_the_error_cl
     assert torch.equal(run(models, residency, x)["b"], expected)
     residency.remove()
     assert fake.locked == {}
+
+
+def test_a_store_that_finds_no_room_in_shared_memory_leaves_the_replica_hosting_privately(cpu_capacity, tmp_path,
+                                                                                         monkeypatch):
+    import errno
+    import os
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    cpu_capacity(1 << 30)
+    x = torch.randn(3, 16)
+    expected = {n: m(x) for n, m in {"a": Toy(0), "b": Toy(1)}.items()}
+    node = InProcessLedger(1 << 30)
+    models, residency = replica("r1", InProcessStoreRegistry(node), node, tmp_path)
+    assert residency.shared.roles() == {} and not list(tmp_path.glob("offload-serve-*"))
+    assert all(torch.equal(v, expected[n]) for n, v in run(models, residency, x).items())
+    assert node.leased() == residency.host_leased_bytes(), "no store lease left behind, only its own copy's"
+    residency.remove()
+    assert node.leased() == 0
