@@ -2,5 +2,7 @@
 
 Owns the device (copy stream, events), the layer layout (flat per-dtype buffers, placeholders;
 pure math the planner shares), one layer's host copy, the prefetch ring of device slots, the
-streamer's hooks and the meter of weight bytes on the device.
+streamer's hooks and the meter of weight bytes on the device; the pinned staging ring and its host
+copier thread for PAGEABLE and MAPPED layers (``staging``, ``copier``); the engine's configuration
+(``config``); and the simulated accelerator CI checks overlap on (``sim``).
 """
