@@ -161,6 +161,8 @@ class StageWorker:
         return self._lock.locked()
 
     def run(self, work: Callable[[], object], spec: GenerationSpec | None = None) -> StageOutput:
+        if spec is not None:
+            self.admit(spec)
         start = time.perf_counter()
         with self.in_use(self.activation_bytes(spec)):
             value = work()
@@ -170,10 +172,30 @@ class StageWorker:
         return StageOutput(value, stats)
 
     def activation_bytes(self, spec: GenerationSpec | None, batch: int = 1) -> int:
-        """Predicted activation peak of a call at ``spec`` (``batch`` such requests together); 0 before calibration."""
+        """Predicted activation peak of a call at ``spec`` (``batch`` such requests together), at most
+        what the share leaves beside the weights; 0 before calibration."""
         if spec is None or self.activations is None:
             return 0
-        return self.activations.predict(dataclasses.replace(spec, n=spec.n * batch))
+        return min(self.activations.predict(dataclasses.replace(spec, n=spec.n * batch)), self.activation_room())
+
+    def activation_room(self) -> int:
+        """What the replica's share of its GPU leaves for a call's activations beside its weights."""
+        return max(0, self.memory.share_bytes - self.residency.predicted_peak_bytes())
+
+    def admit(self, spec: GenerationSpec) -> None:
+        """Refuse (4xx naming the limit) a request whose activations can never fit the replica's share;
+        one that does not fit now waits for its lease and may get 503 instead."""
+        if self.activations is None:
+            return
+        need, room = self.activations.predict(spec), self.activation_room()
+        if need > room:
+            logger.info("%s: request %s refused: %d B of activations > %d B room", self.replica, spec.request_id,
+                        need, room)
+            raise RequestRejected("size", (
+                f"{spec.width}x{spec.height}x{spec.num_frames} (n={spec.n}) needs {need / 2**30:.2f} GiB of "
+                f"activations in the {self.config.stage.value} stage; this deployment serves at most "
+                f"{room / 2**30:.2f} GiB there ({self.memory.share_bytes / 2**30:.2f} GiB share of "
+                f"{self.memory.device_pool}, {self.residency.predicted_peak_bytes() / 2**30:.2f} GiB of weights)"))
 
     @contextlib.contextmanager
     def in_use(self, activation_bytes: int = 0):
@@ -318,6 +340,7 @@ class Denoiser:
             loop.call_soon_threadsafe(events.put_nowait, item)
 
         start = time.perf_counter()
+        self.worker.admit(spec)
         request = self.stepper.start(encoded.value, spec, on_step=put)
         self.last_spec = spec  # batched requests share a shape: a busy period leases max_batch of it
         future = self.batcher.submit(request)

@@ -115,3 +115,27 @@ def test_stand_in_inputs_reach_the_peaks_of_real_ones(model):
                                    stages._weights(stage))
         real = stages.peaks(spec)[stage]
         assert abs(m.peak_bytes - real) <= 0.02 * real, f"{model} {stage.value}: {m.peak_bytes} vs {real}"
+
+
+def test_a_request_whose_activations_never_fit_the_share_is_refused_naming_the_limit():
+    from deployments.app import stage_configs
+    from deployments.spec import RequestRejected
+    from deployments.stages import StageWorker
+    from tests.deployments.conftest import tiny_args
+
+    facts = families.read_family_facts(tiny.ensure_tiny_wan())
+    worker = StageWorker(stage_configs(tiny_args(), facts)[PipelineStage.DECODE])
+    try:
+        small = GenerationSpec("small", "p", None, 32, 32, 1, 1, 5.0, 0, 1)
+        large = dataclasses.replace(small, request_id="large", height=64, width=64, n=2)
+        assert 0 < worker.activation_bytes(small) < worker.activation_bytes(large)
+        # A share that leaves room for the small request's activations, not the large one's.
+        worker.memory.share_bytes = worker.residency.predicted_peak_bytes() + worker.activation_bytes(small) + 1
+        worker.admit(small)
+        with pytest.raises(RequestRejected, match=r"64x64x1 \(n=2\) needs .* GiB of activations in the decode "
+                                                  r"stage; this deployment serves at most") as refused:
+            worker.run(lambda: pytest.fail("a refused request must not run"), large)
+        assert refused.value.status == 400 and refused.value.param == "size"
+        assert worker.activation_bytes(large, batch=4) == worker.activation_room(), "a lease never exceeds the share"
+    finally:
+        worker.close()
