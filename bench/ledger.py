@@ -6,7 +6,9 @@ leased over the spendable (must stay <= 1.0), granted/refused counts, and grant 
 (one ``request`` round trip from the replica, p50/p99). Then the same replicas share one fake
 "12 GB" GPU (the node advertises accelerator_type:RTX3060) and run stage calls whose 4 GB
 working sets fit two at a time: the most ever leased over the GPU pool (<= 1.0) and the time a
-call waited for its working set. The last line is one JSON object.
+call waited for its working set. Last, three real stage replicas of the tiny Wan share one small GPU
+(bench/shared_gpu.py): the peak of their standing + call leases, and the peak of what they held
+(weights and activations), over the GPU's pool, both <= 1.0. The last line is one JSON object.
 
     .venv/bin/python bench/ledger.py --quick      # 8 replicas x 16 requests, < 60 s
     .venv/bin/python bench/ledger.py              # 24 replicas x 40 requests
@@ -86,7 +88,8 @@ def main() -> None:
     requests = args.requests or (16 if args.quick else 40)
 
     # One fake 12 GB GPU (cluster/node.py sizes it from the gpus table when NVML sees none).
-    ray.init(num_cpus=2, num_gpus=1, resources={"accelerator_type:RTX3060": 1}, include_dashboard=False,
+    # address="local": a cluster of its own, never one another process on this machine started.
+    ray.init(address="local", num_cpus=2, num_gpus=1, resources={"accelerator_type:RTX3060": 1}, include_dashboard=False,
              object_store_memory=100 * 2**20, log_to_driver=False, namespace="offload-serve-bench")
     try:
         ledger = node_ledger(config=CONFIG)
@@ -109,6 +112,9 @@ def main() -> None:
         gpu = ray.get(ledger.state.remote()).pool("gpu:0")
     finally:
         ray.shutdown()
+    from bench import shared_gpu
+
+    shared = shared_gpu.run(calls=8 if args.quick else 24)
 
     latencies = [x for lat, _, _ in results for x in lat]
     granted, refused = sum(r[1] for r in results), sum(r[2] for r in results)
@@ -134,6 +140,12 @@ def main() -> None:
     print(f"shared {gpu_capacity / 1e9:.2f} GB GPU pool, {len(waits)} stage calls of {working_set / 1e9:.2f} GB: "
           f"peak leased / pool {figures['gpu_peak_over_capacity']:.4f} (must be <= 1.0); working-set wait "
           f"p50 {figures['working_set_wait_p50_ms']:.2f} ms, p99 {figures['working_set_wait_p99_ms']:.2f} ms")
+    figures.update(shared)
+    print(f"shared GPU: 3 tiny-Wan stage replicas, {shared['shared_gpu_calls']} calls of mixed shapes on a "
+          f"{shared['shared_gpu_pool_bytes'] / 1e6:.0f} MB pool: lease peak / pool "
+          f"{shared['shared_gpu_lease_peak_over_capacity']:.4f}, held peak / pool "
+          f"{shared['shared_gpu_held_peak_over_capacity']:.4f} (both must be <= 1.0); calls holding more than "
+          f"they leased: {shared['shared_gpu_calls_holding_more_than_leased']}")
     print(json.dumps(figures))
 
 

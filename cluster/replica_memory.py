@@ -65,10 +65,13 @@ class LocalBudget(MemoryBudget):
         self._recallable: dict[str, str] = {}  # lease id -> owner, reservations the budget may ask back
         self._watchers: dict[str, Callable[[str], None]] = {}  # owner -> its recall callback
         self._recalled: set[str] = set()
+        self.peak_leased = 0  # the most ever leased at once
 
     def request(self, nbytes: int, owner: str, priority: float = 0.0, purpose: str = "") -> Lease | Refusal:
         with self._freed:
-            return self._ledger.request(nbytes, owner, priority, purpose)
+            got = self._ledger.request(nbytes, owner, priority, purpose)
+            self.peak_leased = max(self.peak_leased, self._ledger.leased())
+            return got
 
     def acquire(self, nbytes: int, owner: str, priority: float = 0.0, purpose: str = "",
                 wait_s: float = 0.0, recallable: bool = False) -> Lease | Refusal:
@@ -82,6 +85,7 @@ class LocalBudget(MemoryBudget):
                 self._freed.wait(left)
             if recallable:
                 self._recallable[got.lease_id] = owner
+            self.peak_leased = max(self.peak_leased, self._ledger.leased())
             return got
 
     def resize(self, lease: Lease, nbytes: int, wait_s: float = 0.0) -> Lease | Refusal:
@@ -94,6 +98,7 @@ class LocalBudget(MemoryBudget):
                 if got:
                     if self._recallable.pop(lease.lease_id, None) is not None:
                         self._recallable[got.lease_id] = lease.owner
+                    self.peak_leased = max(self.peak_leased, self._ledger.leased())
                     self._freed.notify_all()
                     return got
                 lease = self._ledger.request(lease.nbytes, lease.owner, lease.priority, lease.purpose)
@@ -275,11 +280,12 @@ class ReplicaMemory:
     @classmethod
     def open_local(cls, owner: str, device: "torch.device | str" = "cpu", *,
                    config: LedgerConfig = LedgerConfig(), node: NodeFacts | None = None,
-                   gpu_fraction: float | None = None) -> "ReplicaMemory":
-        """Process-local ledgers (what :meth:`open` uses without Ray); ``node`` is injectable for tests."""
+                   gpu_fraction: float | None = None, assigned: tuple[int, ...] = ()) -> "ReplicaMemory":
+        """Process-local ledgers (what :meth:`open` uses without Ray); ``node`` is injectable for tests,
+        ``assigned`` GPUs too (a CPU replica then stands in for the first, as under Ray)."""
         device = as_device(device)
         node = node or probe_node(resources={}, reserve=config.reserve_bytes)
-        gpu = _pick_gpu(device, [], node.gpus, owner)
+        gpu = _pick_gpu(device, list(assigned), node.gpus, owner)
         profile = profile_for_gpu(gpu)
         spendable = node.ram.spendable
         host = _local_pool(HOST_POOL, spendable)
