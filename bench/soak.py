@@ -37,7 +37,7 @@ LEASE_WAIT_S = 60  # the ledger reclaims a killed replica's leases once its live
 
 
 @dataclass(frozen=True)
-class Outcome:
+class RequestOutcome:
     kind: str  # "valid" or the kind of invalid request
     started: float  # time.monotonic()
     finished: float
@@ -63,7 +63,7 @@ def _invalid(kind: str, token: str) -> dict:
 INVALID = ("bad_json", "deep_json", "bad_field", "wrong_type", "no_token")
 
 
-def client(base: str, token: str, seed: int, stop: threading.Event, out: list[Outcome]) -> None:
+def client(base: str, token: str, seed: int, stop: threading.Event, out: list[RequestOutcome]) -> None:
     import httpx
 
     rng = random.Random(seed)
@@ -76,15 +76,15 @@ def client(base: str, token: str, seed: int, stop: threading.Event, out: list[Ou
             try:
                 response = c.post(IMAGES, **request)
             except httpx.ConnectError:
-                out.append(Outcome(kind, started, time.monotonic(), None, False, None))
+                out.append(RequestOutcome(kind, started, time.monotonic(), None, False, None))
                 continue
             except httpx.HTTPError:
-                out.append(Outcome(kind, started, time.monotonic(), None, True, None))
+                out.append(RequestOutcome(kind, started, time.monotonic(), None, True, None))
                 continue
             replica = None
             if response.status_code == 200:
                 replica = next(s["replica"] for s in response.json()["stages"] if s["stage"] == "denoise")
-            out.append(Outcome(kind, started, time.monotonic(), response.status_code, True, replica))
+            out.append(RequestOutcome(kind, started, time.monotonic(), response.status_code, True, replica))
 
 
 def _denoiser_replica() -> str:
