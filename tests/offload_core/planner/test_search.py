@@ -155,3 +155,17 @@ def test_facts_refuse_negative_sizes_and_components_outside_the_stages():
         PipelineFacts((uniform(),), (Stage("denoise", ("other",)),), 10, LinkFacts(1.0, 1.0), 0)
     with pytest.raises(ValueError, match="bandwidths must be > 0"):
         LinkFacts(0.0, 1.0)
+
+
+@pytest.mark.parametrize("compute_s,bound", [(20.0, "compute"), (1.0, "host memcpy")])
+def test_staged_pageable_copies_overlap_compute_in_the_prediction(compute_s, bound):
+    # No host lease: every layer PAGEABLE, copied through staging. Per use the DMA moves 10 KiB at
+    # 512 B/s (20 s) while the host memcpy into staging runs at the pageable rate (100 s): a use
+    # takes the slowest of compute, DMA and memcpy, not compute plus the copies.
+    plan = plan_pipeline(one_component(capacity=4_096, lease=0, compute_s=compute_s), PerformanceMode.MEMORY)
+    p = plan.component("dit").prediction
+    assert {tier for _, tier in plan.component("dit").hosting} == {HostingTier.PAGEABLE}
+    once = (512 / 102.4) if p.parked else 0.0  # parked non-layer weights come back once per request
+    per_use = 10 * compute_s if bound == "compute" else 10 * 1024 / 102.4
+    assert p.time_s == pytest.approx(once + 10 * per_use)
+    assert p.staging_bytes == plan.staging_bytes == 2 * 1024
