@@ -186,9 +186,13 @@ def cuda_tests(timeout_s: int) -> dict:
         return {"skipped": "the CUDA-only tests need CUDA"}
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                           "tests/offload_core", "-k", "cuda"], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=timeout_s)
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                               "tests/offload_core", "-k", "cuda"], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as late:
+        print(late.stdout[-4000:] if late.stdout else "", flush=True)
+        return {"returncode": 124, "summary": f"timed out after {timeout_s} s"}
     print(done.stdout[-4000:], done.stderr[-2000:], sep="\n", flush=True)
     lines = done.stdout.strip().splitlines()
     return {"returncode": done.returncode, "summary": lines[-1] if lines else ""}
