@@ -5,8 +5,8 @@
 For each hosting tier (pinned, pageable, mapped) x prefetch depth (1, 2) x model (copy-bound,
 balanced, compute-bound), streams a small model on :class:`SimDevice` (PCIe Gen4: 25 GB/s pinned,
 10 GB/s pageable and mapped, 12 GB/s host memcpy) and prints the simulated steady-state step time
-(the third step: the pipeline is full, the last layer already prefetched the next step's first)
-over the bound ``max(sum copy, sum compute) + one layer's copy``.
+(the last of 3 steps, 4 without --quick: the pipeline is full, the last layer already prefetched
+the next step's first) over the bound ``max(sum copy, sum compute) + one layer's copy``.
 
 ``sum copy`` is what the tier could achieve at best: for PINNED the DMA at the pinned rate; for
 PAGEABLE and MAPPED the copy is a two-stage pipeline (host memcpy into a pinned staging buffer,
