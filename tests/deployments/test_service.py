@@ -284,11 +284,25 @@ def _lease_figures(client, calls_at_least: dict | None = None) -> dict:
         time.sleep(0.2)
 
 
+def _settled_lease_figures(client) -> dict:
+    """Each stage's lease figures once its reports stop changing: a replica publishes at most once
+    per PUBLISH_INTERVAL_S and always publishes its last state within it (+0.5 s for the board)."""
+    from deployments.stages import PUBLISH_INTERVAL_S
+
+    deadline, last = time.monotonic() + 30, _lease_figures(client)
+    while True:
+        time.sleep(PUBLISH_INTERVAL_S + 0.5)
+        now = _lease_figures(client)
+        if now == last:
+            return now
+        assert time.monotonic() < deadline, f"reports kept changing: {last} -> {now}"
+        last = now
+
+
 def test_back_to_back_requests_reuse_their_call_reservations_without_ledger_round_trips(client):
     body = {"prompt": "again and again", "seed": 3, "num_inference_steps": 2}
     assert client.post(IMAGES, json=body).status_code == 200  # the first of this shape may grow a reservation
-    before = _lease_figures(client)
-    before = _lease_figures(client, {stage: f["calls"] for stage, f in before.items()})
+    before = _settled_lease_figures(client)  # with that first request's calls counted
     for _ in range(3):
         assert client.post(IMAGES, json=body).status_code == 200
     after = _lease_figures(client, {stage: f["calls"] + 3 for stage, f in before.items()})
