@@ -39,6 +39,9 @@ class GpuFacts:
     pcie_gen: int | None  # None when unknown (injected facts without a link line)
     pcie_width: int | None
     source: str  # "nvml" or "injected:<where from>"
+    # NVML's "GPU-..." (a card) or "MIG-..." (a MIG instance: memory is the instance's, not the card's);
+    # None for injected facts. CUDA_VISIBLE_DEVICES and Ray's GPU ids may name a GPU by it.
+    uuid: str | None = None
 
 
 @dataclass(frozen=True)
@@ -61,32 +64,96 @@ def fake_gpus(accelerator_type: str, count: int, source: str) -> tuple[GpuFacts,
                  for i in range(count))
 
 
-def probe_nvml_gpus() -> tuple[GpuFacts, ...]:
-    """Every GPU NVML sees, or () when there is no NVIDIA driver (said once, at INFO)."""
-    import pynvml
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _mig_instances(nvml, handle) -> list:
+    """The MIG instance handles of a card in MIG mode; [] for a card that is not (or cannot be)."""
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except nvml.NVMLError:  # not MIG-capable
+        return []
+    if current != nvml.NVML_DEVICE_MIG_ENABLE:
+        return []
+    instances = []
+    for j in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            instances.append(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j))
+        except nvml.NVMLError:  # an empty slot
+            continue
+    return instances
+
+
+def probe_nvml_gpus(nvml=None) -> tuple[GpuFacts, ...]:
+    """Every GPU NVML sees, or () when there is no NVIDIA driver (said once, at INFO).
+
+    A card in MIG mode is listed as its MIG instances, each with its own memory and "MIG-" UUID
+    (the card's total would let replicas on one instance plan for memory they cannot have); the
+    instances are numbered after the cards. ``nvml`` is injectable for tests (default: pynvml).
+    """
+    if nvml is None:
+        import pynvml as nvml
 
     try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
         logger.info("no GPUs seen through NVML (%s): node has no NVIDIA driver", exc)
         return ()
     try:
-        gpus = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(handle)
-            name = name.decode() if isinstance(name, bytes) else name
-            memory = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+        count = nvml.nvmlDeviceGetCount()
+        cards, migs = [], []
+        for i in range(count):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            name = _text(nvml.nvmlDeviceGetName(handle))
             try:
-                gen = int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle))
-                width = int(pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle))
-            except pynvml.NVMLError as exc:  # SXM boards without a PCIe link report NotSupported
+                gen = int(nvml.nvmlDeviceGetMaxPcieLinkGeneration(handle))
+                width = int(nvml.nvmlDeviceGetMaxPcieLinkWidth(handle))
+            except nvml.NVMLError as exc:  # SXM boards without a PCIe link report NotSupported
                 logger.info("GPU %d (%s): PCIe link not reported by NVML (%s)", i, name, exc)
                 gen = width = None
-            gpus.append(GpuFacts(i, name, memory, gen, width, "nvml"))
-        return tuple(gpus)
+            instances = _mig_instances(nvml, handle)
+            if not instances:
+                cards.append(GpuFacts(i, name, int(nvml.nvmlDeviceGetMemoryInfo(handle).total), gen, width, "nvml",
+                                      _text(nvml.nvmlDeviceGetUUID(handle))))
+                continue
+            logger.info("GPU %d (%s) is in MIG mode: its %d instance(s) are listed in its place", i, name,
+                        len(instances))
+            for mig in instances:
+                migs.append(GpuFacts(count + len(migs), _text(nvml.nvmlDeviceGetName(mig)),
+                                     int(nvml.nvmlDeviceGetMemoryInfo(mig).total), gen, width, "nvml:mig",
+                                     _text(nvml.nvmlDeviceGetUUID(mig))))
+        return tuple(cards + migs)
     finally:
-        pynvml.nvmlShutdown()
+        nvml.nvmlShutdown()
+
+
+def visible_gpu_indices(ids, gpus: tuple[GpuFacts, ...]) -> list[int]:
+    """Indices (in ``gpus``) of the GPUs named by ``ids``: Ray's GPU ids or CUDA_VISIBLE_DEVICES'
+    entries, each a number (the card's NVML index) or a "GPU-"/"MIG-" UUID (a prefix is enough, as
+    for CUDA). Unknown names are an error naming what the node has."""
+    indices = []
+    for raw in ids:
+        name = str(raw).strip()
+        if name.isdigit():
+            match = [g for g in gpus if g.index == int(name) and not g.source.endswith(":mig")]
+        else:
+            match = [g for g in gpus if g.uuid is not None and g.uuid.startswith(name)]
+        if len(match) != 1:
+            raise LookupError(f"GPU {name!r} matches {len(match)} of this node's GPUs: "
+                              f"{[(g.index, g.uuid) for g in gpus]}")
+        indices.append(match[0].index)
+    return indices
+
+
+def cuda_visible_ids(environ=None) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as a list of names; None when unset (every GPU is visible)."""
+    import os
+
+    value = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [part for part in (p.strip() for p in value.split(",")) if part]
 
 
 def probe_host_ram(reserve: int | None = None, reserved_elsewhere: int = 0,

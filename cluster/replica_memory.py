@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 
 from cluster.fleet import FleetProfile, profile_for_gpu
 from cluster.ledger import HOST_POOL, LedgerConfig, gpu_pool
-from cluster.node import GB, GpuFacts, NodeFacts, probe_node
+from cluster.node import GB, GpuFacts, NodeFacts, cuda_visible_ids, probe_node, visible_gpu_indices
 from offload_core.host.budget import InProcessLedger, Lease, MemoryBudget, Refusal
 from offload_core.host.store_registry import InProcessStoreRegistry, StoreRegistry
 
@@ -267,7 +267,8 @@ class ReplicaMemory:
         from cluster.ledger_client import LedgerClient
 
         node = probe_node()
-        assigned = [int(i) for i in ray.get_gpu_ids()]
+        # Ray's ids are numbers, or UUIDs where CUDA_VISIBLE_DEVICES names GPUs that way (MIG, some k8s).
+        assigned = visible_gpu_indices(ray.get_gpu_ids(), node.gpus)
         gpu = _pick_gpu(device, assigned, node.gpus, owner)
         client = LedgerClient(node_ledger(node.node_id, config), owner, config)
         pool = gpu_pool(gpu.index) if gpu is not None else HOST_POOL
@@ -285,6 +286,10 @@ class ReplicaMemory:
         ``assigned`` GPUs too (a CPU replica then stands in for the first, as under Ray)."""
         device = as_device(device)
         node = node or probe_node(resources={}, reserve=config.reserve_bytes)
+        visible = cuda_visible_ids()
+        if device.type == "cuda" and not assigned and visible is not None:
+            # cuda:0 is the first GPU CUDA_VISIBLE_DEVICES names, not NVML's GPU 0.
+            assigned = tuple(visible_gpu_indices(visible, node.gpus))
         gpu = _pick_gpu(device, list(assigned), node.gpus, owner)
         profile = profile_for_gpu(gpu)
         spendable = node.ram.spendable

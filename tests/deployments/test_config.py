@@ -44,3 +44,12 @@ def test_the_denoiser_holds_as_many_requests_as_a_batch_takes(name):
     # The config file's option overrides build_app's: fewer would starve the batch, more would
     # queue requests in the replica instead of routing them to another one.
     assert denoiser["max_ongoing_requests"] == max_batch
+
+
+def test_the_gpu_config_fits_the_one_gpu_node_it_documents():
+    config = yaml.safe_load((CONFIGS / "gpu.yaml").read_text())
+    most = 0.0
+    for deployment in config["applications"][0]["deployments"]:
+        replicas = deployment.get("autoscaling_config", {}).get("max_replicas", deployment.get("num_replicas", 1))
+        most += deployment.get("ray_actor_options", {}).get("num_gpus", 0) * replicas
+    assert most <= 1.0, f"at its maximum the config asks for {most} GPUs on a one-GPU node"
