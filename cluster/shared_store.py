@@ -67,7 +67,9 @@ class _Store:
     path: str
     lease: Lease
     creator: OwnerRef
-    attached: dict = field(default_factory=dict)  # OwnerRef -> budget bytes (None: unset)
+    # OwnerRef -> its attachments' budgets (None: unset); a process holding two replicas of one
+    # owner name attaches twice and stays attached until both detach.
+    attached: dict = field(default_factory=dict)
     status: StoreStatus = StoreStatus.WRITING
 
 
@@ -91,17 +93,18 @@ class SharedStores:
                                               purpose=f"shared-weights:{component}")
             if not isinstance(lease, Lease):
                 return lease
-            self._stores[digest] = _Store(digest, component, path, lease, ref, {ref: budget_bytes})
+            self._stores[digest] = _Store(digest, component, path, lease, ref, {ref: [budget_bytes]})
             logger.info("%s: store %s (%s, %d B) leased once; %s writes it", self._label, digest, component,
                         nbytes, ref.owner)
             return StoreTicket(StoreRole.CREATE, 1)
         if store.status is StoreStatus.WRITING:
             # The creator's own retried call (its first attempt may have run) is still the creator.
             return StoreTicket(StoreRole.CREATE, 1) if store.creator == ref else StoreWait(digest)
-        store.attached[ref] = budget_bytes
+        store.attached.setdefault(ref, []).append(budget_bytes)
+        n = _count(store)
         logger.info("%s: %s attached to store %s (%d replicas now, %d B each share)", self._label, ref.owner,
-                    digest, len(store.attached), store.lease.nbytes // len(store.attached))
-        return StoreTicket(StoreRole.ATTACH, len(store.attached))
+                    digest, n, store.lease.nbytes // n)
+        return StoreTicket(StoreRole.ATTACH, n)
 
     def ready(self, digest: str, ref: OwnerRef) -> None:
         store = self._stores[digest]
@@ -111,8 +114,11 @@ class SharedStores:
 
     def detach(self, digest: str, ref: OwnerRef, why: str = "detached") -> None:
         store = self._stores.get(digest)
-        if store is None or store.attached.pop(ref, "absent") == "absent":
+        if store is None or not store.attached.get(ref):
             raise KeyError(f"{ref.owner} is not attached to store {digest}")
+        store.attached[ref].pop()
+        if not store.attached[ref] or why != "detached":  # a dead process takes all its attachments
+            del store.attached[ref]
         if store.attached:
             logger.info("%s: %s left store %s (%s); %d replica(s) still attached", self._label, ref.owner,
                         digest, why, len(store.attached))
@@ -132,7 +138,7 @@ class SharedStores:
             lease = Lease(f"{self._pool}-store-{digest}", f"store:{digest}", nbytes, 0.0, f"shared-weights:{component}")
             self._pools.readopt(((self._pool, lease),), self._ref)
             store = self._stores[digest] = _Store(digest, component, path, lease, ref, status=StoreStatus.READY)
-        store.attached[ref] = budget_bytes
+        store.attached.setdefault(ref, []).append(budget_bytes)
 
     def reclaim(self, ref: OwnerRef, why: str) -> int:
         """Detach a dead replica from every store it was attached to; returns the stores it left."""
@@ -148,7 +154,7 @@ class SharedStores:
         store = self._stores.get(digest)
         if store is None:
             return None
-        return StoreAttachment(digest, store.component, store.lease.nbytes, len(store.attached))
+        return StoreAttachment(digest, store.component, store.lease.nbytes, _count(store))
 
     def states(self) -> tuple[StoreState, ...]:
         return tuple(StoreState(s.digest, s.component, s.path, s.lease.nbytes, s.status,
@@ -156,12 +162,17 @@ class SharedStores:
                      for s in self._stores.values())
 
 
+def _count(store: _Store) -> int:
+    return sum(len(budgets) for budgets in store.attached.values())
+
+
 class LedgerStoreRegistry(StoreRegistry):
     """offload_core's StoreRegistry over the node ledger, for one replica process."""
 
     def __init__(self, client):
         self._client = client  # cluster.ledger_client.LedgerClient
-        self._held: dict[str, tuple] = {}  # digest -> (component, path, nbytes, budget) attached here
+        # digest -> one (component, path, nbytes, budget) per attachment this process holds
+        self._held: dict[str, list[tuple]] = {}
         self._lock = threading.Lock()
         client.on_reregister(self._reregister)
 
@@ -178,7 +189,7 @@ class LedgerStoreRegistry(StoreRegistry):
             backoff = min(backoff * 2, 0.5)
         if isinstance(got, StoreTicket):
             with self._lock:
-                self._held[key.digest] = (key.component, path, int(nbytes), budget_bytes)
+                self._held.setdefault(key.digest, []).append((key.component, path, int(nbytes), budget_bytes))
         return got
 
     def ready(self, key: StoreKey, owner: str) -> None:
@@ -186,7 +197,11 @@ class LedgerStoreRegistry(StoreRegistry):
 
     def release(self, key: StoreKey, owner: str) -> None:
         with self._lock:
-            self._held.pop(key.digest, None)
+            held = self._held.get(key.digest, [])
+            if held:
+                held.pop()
+            if not held:
+                self._held.pop(key.digest, None)
         self._client.call("store_detach", key.digest)
 
     def attachment(self, key: StoreKey) -> StoreAttachment | None:
@@ -194,8 +209,8 @@ class LedgerStoreRegistry(StoreRegistry):
 
     def _reregister(self) -> None:
         with self._lock:
-            held = dict(self._held)
-        for digest, (component, path, nbytes, budget) in held.items():
+            held = [(digest, entry) for digest, entries in self._held.items() for entry in entries]
+        for digest, (component, path, nbytes, budget) in held:
             self._client.call("store_readopt", digest, component, path, nbytes, budget)
         if held:
             logger.info("re-registered %d store attachment(s) with the restarted ledger", len(held))

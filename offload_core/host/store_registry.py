@@ -89,7 +89,7 @@ class _Entry:
     key: StoreKey
     path: str
     lease: Lease
-    owners: set
+    owners: list  # one entry per attachment: two replicas of one owner name (in one process) count twice
     ready: bool = False
 
 
@@ -110,12 +110,12 @@ class InProcessStoreRegistry(StoreRegistry):
                 if not self._changed.wait(max(0.0, deadline - time.monotonic())):
                     return Refusal(owner, nbytes, 0, f"store {key.digest} still being written after {CREATE_WAIT_S} s")
             if entry is not None:
-                entry.owners.add(owner)
+                entry.owners.append(owner)
                 return StoreTicket(StoreRole.ATTACH, len(entry.owners))
             lease = self._budget.request(nbytes, f"store:{key.digest}", purpose=f"shared-weights:{key.component}")
             if not isinstance(lease, Lease):
                 return lease
-            self._entries[key.digest] = _Entry(key, path, lease, {owner})
+            self._entries[key.digest] = _Entry(key, path, lease, [owner])
             return StoreTicket(StoreRole.CREATE, 1)
 
     def ready(self, key, owner):
@@ -128,7 +128,7 @@ class InProcessStoreRegistry(StoreRegistry):
             entry = self._entries.get(key.digest)
             if entry is None or owner not in entry.owners:
                 raise KeyError(f"{owner} is not attached to store {key.digest}")
-            entry.owners.discard(owner)
+            entry.owners.remove(owner)
             if not entry.owners:
                 del self._entries[key.digest]
                 self._budget.release(entry.lease)

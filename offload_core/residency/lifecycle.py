@@ -330,8 +330,8 @@ class PipelineResidency:
             self._hosting.release(self._budget)
             self._hosting = None
         if self.shared is not None:
-            self.shared.close()
-            self.shared = None
+            shared, self.shared = self.shared, None
+            shared.close()
 
     def _pick(self, names: Sequence[str]) -> list[_Component]:
         unknown = [n for n in names if n not in self.components]

@@ -123,7 +123,7 @@ class SharedWeights:
 
     def close(self) -> None:
         """Detach from every store: the lock, then the registry (the last one out frees the copy)."""
-        for component, store in list(self._stores.items()):
+        while self._stores:  # popped first: a failed release is not retried by a second close
+            _, store = self._stores.popitem()
             store.close()
             self.registry.release(store.key, self.owner)
-            del self._stores[component]

@@ -133,3 +133,18 @@ def test_a_replica_whose_budget_could_not_hold_the_whole_copy_is_not_admitted(tm
     refused = registry.acquire(key, layout.total_bytes, str(path), "small", budget_bytes=layout.total_bytes - 1)
     assert not refused and "could not hold the whole" in refused.reason
 
+
+
+def test_two_replicas_of_one_owner_name_in_one_process_stay_attached_until_both_detach(tmp_path):
+    layers, key, layout, path = make(tmp_path)
+    node = InProcessLedger(1 << 30)
+    registry = InProcessStoreRegistry(node)
+    registry.acquire(key, layout.total_bytes, str(path), "local-encode")
+    store = WeightStore.create(path, key, layout, layers)
+    registry.ready(key, "local-encode")
+    assert registry.acquire(key, layout.total_bytes, str(path), "local-encode").attached == 2
+    registry.release(key, "local-encode")
+    assert path.exists() and node.leased() == layout.total_bytes, "the other replica still uses it"
+    registry.release(key, "local-encode")
+    assert not path.exists() and node.leased() == 0
+    store.close()
