@@ -29,6 +29,7 @@ from cluster.fleet import FleetProfile, profile_for_gpu
 from cluster.ledger import HOST_POOL, LedgerConfig, gpu_pool
 from cluster.node import GB, GpuFacts, NodeFacts, cuda_visible_ids, probe_node, visible_gpu_indices
 from offload_core.host.budget import InProcessLedger, Lease, MemoryBudget, Refusal
+from offload_core.host.store import sweep_orphans
 from offload_core.host.store_registry import InProcessStoreRegistry, StoreRegistry
 
 if TYPE_CHECKING:  # duck-typed: replicas pass torch.device, the ledger side never imports torch
@@ -152,6 +153,8 @@ _LOCAL_STORES: dict[int, InProcessStoreRegistry] = {}  # id(host budget) -> its 
 def _local_stores(host: MemoryBudget) -> InProcessStoreRegistry:
     with _LOCAL_LOCK:
         if id(host) not in _LOCAL_STORES:
+            # Without Ray no ledger starts to clean what a crashed process left: the first registry does.
+            sweep_orphans()
             _LOCAL_STORES[id(host)] = InProcessStoreRegistry(host)
         return _LOCAL_STORES[id(host)]
 
