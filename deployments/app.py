@@ -17,6 +17,7 @@ from ray.serve import Application
 from deployments.batching import BatchingConfig
 from deployments.families import FamilyFacts, read_family_facts, uses_per_request
 from deployments.ingress import Ingress, IngressConfig
+from deployments.job_store import JobsArgs
 from deployments.schemas import Limits
 from deployments.spec import PipelineStage
 from deployments.stages import DTYPES, Denoiser, StageConfig, TextEncoder, VaeDecoder
@@ -91,6 +92,8 @@ class AppArgs(BaseModel):
     api_token_env: str | None = None
     device_timeout_s: float = Field(30.0, gt=0)
     retry_after_s: int = Field(2, ge=1)
+    # The Videos API's jobs: where the SQLite file and the results live, expiry, leases.
+    video_jobs: JobsArgs = JobsArgs()
     # Defaults for every replica; a Serve config file overrides them per deployment by name.
     # 0.25 CPU each so the whole app (4 deployments) fits on a 2-CPU machine.
     replica_num_cpus: float = Field(0.25, ge=0)
@@ -165,6 +168,6 @@ def build_app(args: AppArgs | dict) -> Application:
         configs[PipelineStage.DENOISE])
     decoder = VaeDecoder.options(**stage).bind(configs[PipelineStage.DECODE])
     config = IngressConfig(args.app_name, model_id, facts, args.limits, token, args.retry_after_s,
-                           tuple(args.cors_allow_origins))
+                           tuple(args.cors_allow_origins), jobs=args.video_jobs)
     return Ingress.options(ray_actor_options=actor, max_ongoing_requests=args.ingress_max_ongoing_requests,
                            **drain).bind(encoder, denoiser, decoder, config)

@@ -1,5 +1,6 @@
 """`make demo`: start Ray and the service from configs/local.yaml, generate one image over HTTP,
-save it, print where every replica's weights are, and shut everything down.
+make one short video through the Videos API's jobs (create, poll, download), save both, print
+where every replica's weights are, and shut everything down.
 
 Ray is started as ``make serve`` starts it (:mod:`deployments.local_ray`: token authentication,
 node address 127.0.0.1, dashboard on loopback), then the config is deployed exactly as
@@ -84,10 +85,37 @@ def print_residency(replicas: list[dict]) -> None:
                   f"{c['parked_bytes']} B; streamed layers: {tiers or 'none'}")
 
 
+def make_video(client, out: pathlib.Path, prompt: str, size: str, steps: int, seed: int) -> bool:
+    """``POST /v1/videos``, poll ``GET /v1/videos/{id}`` until it finishes, download its mp4."""
+    started = time.monotonic()
+    created = client.post("/v1/videos", json={"prompt": prompt, "seconds": "1", "size": size,
+                                              "num_inference_steps": steps, "seed": seed})
+    if created.status_code != 200:
+        print(f"video job refused: HTTP {created.status_code} {created.text}", file=sys.stderr)
+        return False
+    video, seen = created.json(), []
+    while video["status"] in ("queued", "in_progress"):
+        if not seen or seen[-1] != (video["status"], video["progress"]):
+            seen.append((video["status"], video["progress"]))
+        time.sleep(0.2)
+        video = client.get(f"/v1/videos/{video['id']}").json()
+    if video["status"] != "completed":
+        print(f"video job {video['id']} {video['status']}: {video['error']}", file=sys.stderr)
+        return False
+    content = client.get(f"/v1/videos/{video['id']}/content")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(content.content)
+    print(f"POST /v1/videos -> {video['id']}: " + ", ".join(f"{status} {pct}%" for status, pct in seen) +
+          f", completed; GET /v1/videos/{{id}}/content -> {out} ({len(content.content)} B, {video['seconds']} s, "
+          f"{video['size']}) in {time.monotonic() - started:.2f} s")
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", type=pathlib.Path, default=REPO / "configs" / "local.yaml")
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "out" / "demo.png")
+    parser.add_argument("--video-out", type=pathlib.Path, default=REPO / "out" / "demo.mp4")
     parser.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
     parser.add_argument("--size", default="64x64")
     parser.add_argument("--steps", type=int, default=4)
@@ -130,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{body['seed']}) in {time.monotonic() - started:.2f} s; stages: " +
                   ", ".join(f"{s['stage']} {s['seconds']:.3f} s / {s['bytes_streamed']} B streamed"
                             for s in body["stages"]))
+            if not make_video(client, args.video_out, args.prompt, args.size, args.steps, args.seed):
+                return 1
             print_residency(client.get("/v1/residency").json()["replicas"])
         return 0
     finally:

@@ -6,6 +6,7 @@ instead of treating it as a server fault.
 """
 from __future__ import annotations
 
+import enum
 import logging
 
 from fastapi.responses import JSONResponse
@@ -95,3 +96,20 @@ def overload_or_failure(exc: BaseException, retry_after_s: int, request_id: str)
             return error_json(503, "a stage replica was lost mid-request and is being replaced; retry",
                               None, "replica_unavailable", "overloaded", retry)
     return internal_error(request_id, exc)
+
+
+class FailureKind(enum.Enum):
+    """Why a stage call failed, for callers that retry (the video job runner) rather than answer."""
+
+    OVERLOAD = "overload"  # a stage queue was full or the device lease was not granted: try later
+    LOST_REPLICA = "lost_replica"  # a stage replica died or went away mid-call: rerun elsewhere
+    OTHER = "other"  # anything else: a fault, not worth a rerun
+
+
+def failure_kind(exc: BaseException) -> FailureKind:
+    for cause in _causes(exc):
+        if isinstance(cause, (serve_errors.BackPressureError, DeviceBusy)):
+            return FailureKind.OVERLOAD
+        if isinstance(cause, _UNAVAILABLE):
+            return FailureKind.LOST_REPLICA
+    return FailureKind.OTHER

@@ -22,9 +22,11 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from deployments import errors, media
+from deployments import videos as jobs_api
 from deployments.body import BodyError, parse_object
 from deployments.families import FamilyFacts
 from deployments.guard import JSON_TYPES, Guard, GuardConfig, request_id
+from deployments.job_store import JobsArgs
 from deployments.schemas import FieldError, ImageRequest, Limits, VideoRequest, image_spec, video_spec
 from deployments.seams import ReplicaBoard, StagePipeline
 from deployments.spec import DenoiseProgress, GenerationSpec, StageOutput
@@ -43,6 +45,7 @@ class IngressConfig:
     api_token: str | None  # None: no auth; else every route but /health needs "Bearer <token>"
     retry_after_s: int
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers (see deployments.guard)
+    jobs: JobsArgs = JobsArgs()  # the Videos API's jobs (deployments.videos)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,16 @@ class Generated:
     spec: GenerationSpec
     frames: object  # torch.Tensor (n, frames, H, W, 3)
     stats: tuple  # tuple[StageStats, ...], in stage order
+
+
+def _cancel(stream) -> None:
+    """Stop the Denoiser's call when its reader leaves early (cancelled between two steps, or
+    ``on_progress`` failed). Serve passes a cancelled *request's* cancellation on to the calls it
+    made, but the video job runner is a background task, not a request: so it is cancelled here,
+    explicitly (``DeploymentResponseGenerator.cancel``; in-process fakes have none)."""
+    cancel = getattr(stream, "cancel", None)
+    if cancel is not None:
+        cancel()
 
 
 def _sse(event: str, data: dict) -> str:
@@ -80,12 +93,17 @@ class Service:
     async def generate(self, spec: GenerationSpec, on_progress=None) -> Generated:
         encoded = self.stages.encode(spec)
         latents = None
-        async for item in self.stages.denoise(encoded, spec):
-            if isinstance(item, DenoiseProgress):
-                if on_progress is not None:
-                    await on_progress(item)
-            else:
-                latents = item
+        stream = self.stages.denoise(encoded, spec)
+        try:
+            async for item in stream:
+                if isinstance(item, DenoiseProgress):
+                    if on_progress is not None:
+                        await on_progress(item)
+                else:
+                    latents = item
+        except BaseException:
+            _cancel(stream)
+            raise
         if not isinstance(latents, StageOutput):
             raise RuntimeError("the denoiser's stream ended without the latents")
         decoded: StageOutput = await self.stages.decode(latents, spec)
@@ -195,8 +213,9 @@ def _install_error_handlers(api: FastAPI) -> None:
     api.add_exception_handler(Exception, crashed)
 
 
-def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard) -> FastAPI:
-    """The whole HTTP API over ``stages`` and ``board``."""
+def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
+              jobs: jobs_api.JobsBackend | None = None) -> FastAPI:
+    """The whole HTTP API over ``stages`` and ``board``; with ``jobs``, the Videos API (/v1/videos) too."""
     service = Service(config, stages, board)
     api = FastAPI(title="offload-serve", version="0.1.0")
     _install_error_handlers(api)
@@ -233,6 +252,10 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard)
         return await service.respond(spec, parsed.stream, service.video_renderer(spec, parsed))
 
     api.state.service = service  # the video jobs API (and tests) reach the same drive through it
-    guard = GuardConfig(config.api_token, config.cors_origins, ((IMAGES, JSON_TYPES), (VIDEOS, JSON_TYPES)))
+    if jobs is not None:
+        jobs_api.mount(api, jobs_api.VideoJobsConfig(config.model_id, config.facts, config.limits, config.jobs),
+                     jobs, service.generate, config.retry_after_s)
+    guard = GuardConfig(config.api_token, config.cors_origins, ((IMAGES, JSON_TYPES), (VIDEOS, JSON_TYPES),
+                                                                (jobs_api.CREATE, jobs_api.CREATE_TYPES)))
     api.add_middleware(Guard, config=guard)
     return api

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments import videos
 from deployments.http_api import Generated, IngressConfig, build_api
 from deployments.residency_board import ReplicaResidency, get_board, live_replicas
 from deployments.spec import DenoiseProgress, GenerationSpec, StageOutput
@@ -64,9 +65,10 @@ class Ingress:
         self.stages = HandleStages(encoder, denoiser, decoder)
         self.config = config
         self.board = ResidencyBoardClient(config.app_name)
+        self.jobs = videos.serve_backend(config.app_name, config.jobs)
         logger.info("ingress for %s (%s, %s): auth %s, CORS origins %s, limits %s", config.model_id,
                     config.facts.family.value, config.facts.folder, "bearer token" if config.api_token else "off",
                     list(config.cors_origins) or "none", config.limits)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self.config, self.stages, self.board)
+        return build_api(self.config, self.stages, self.board, self.jobs)

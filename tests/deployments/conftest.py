@@ -1,7 +1,10 @@
 """One tiny-Wan service per test module that asks for it, on a free localhost port."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -24,8 +27,21 @@ def serve_base_url(ray_cluster) -> str:
     return f"http://{config.host}:{config.port}"
 
 
+def jobs_directory() -> str:
+    """One temporary folder per test session for the apps' job stores (SQLite files, results)."""
+    global _JOBS_DIR
+    if _JOBS_DIR is None:
+        _JOBS_DIR = tempfile.mkdtemp(prefix="offload-serve-test-jobs-")
+        atexit.register(shutil.rmtree, _JOBS_DIR, True)
+    return _JOBS_DIR
+
+
+_JOBS_DIR: str | None = None
+
+
 def tiny_args(**overrides):
     from deployments.app import AppArgs, StageArgs
+    from deployments.job_store import JobsArgs
     from deployments.schemas import Limits
     from offload_core.planner.search import PerformanceMode
 
@@ -40,7 +56,7 @@ def tiny_args(**overrides):
                 # The denoiser streams every layer (memory), so requests exercise the engine; the
                 # others take the fleet profile's mode for what they got (a CPU-only node: memory).
                 denoiser=StageArgs(offload_mode=PerformanceMode.MEMORY, host_memory_budget="64MiB"),
-                retry_after_s=1)
+                retry_after_s=1, video_jobs=JobsArgs(directory=jobs_directory()))
     base.update(overrides)
     return AppArgs(**base)
 
@@ -58,4 +74,7 @@ def service(ray_cluster):
     try:
         yield base + PREFIX, {"Authorization": f"Bearer {TOKEN}"}
     finally:
+        from deployments.job_store import drop_job_store
+
         serve.delete(APP)
+        drop_job_store(APP)  # detached (it outlives replicas by design): the module's app is done

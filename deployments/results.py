@@ -1,0 +1,82 @@
+"""Where finished videos live: a local directory, or any fsspec URL (``s3://bucket/videos``, ...).
+
+The runner (an ingress replica) writes a job's mp4 and thumbnail here; any ingress replica serves
+them back; the job store deletes them when the job is deleted or expires. So the location must be
+one every ingress replica and the store reach: on one machine a directory, on a cluster shared
+storage or object storage (with its fsspec driver installed, e.g. s3fs).
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import re
+
+import fsspec
+
+logger = logging.getLogger(__name__)
+
+# Keys are built from job ids the server made (video_<hex>) and an attempt number, never from
+# request text; this pattern keeps it so.
+_KEY = re.compile(r"^video_[0-9a-f]{24}-[0-9]{1,3}$")
+
+
+class Variant(str, enum.Enum):
+    """``GET /v1/videos/{id}/content?variant=``: the assets a completed job has."""
+
+    VIDEO = "video"  # the H.264 mp4
+    THUMBNAIL = "thumbnail"  # the first frame as PNG
+
+    @property
+    def suffix(self) -> str:
+        return ".mp4" if self is Variant.VIDEO else ".png"
+
+    @property
+    def media_type(self) -> str:
+        return "video/mp4" if self is Variant.VIDEO else "image/png"
+
+
+def result_key(job_id: str, attempt: int) -> str:
+    """One key per attempt: a runner that lost its lease never overwrites or deletes the rerun's files."""
+    key = f"{job_id}-{attempt}"
+    if not _KEY.match(key):
+        raise ValueError(f"not a job result key: {key!r}")
+    return key
+
+
+class ResultStore:
+    """Bytes in, bytes out, by key and variant; writes land whole (temporary name, then a rename)."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.fs, self.root = fsspec.core.url_to_fs(url)
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    def _path(self, key: str, variant: Variant) -> str:
+        if not _KEY.match(key):
+            raise ValueError(f"not a job result key: {key!r}")
+        return f"{self.root.rstrip('/')}/{key}{variant.suffix}"
+
+    def put(self, key: str, variant: Variant, data: bytes) -> None:
+        path = self._path(key, variant)
+        partial = path + ".partial"
+        with self.fs.open(partial, "wb") as out:
+            out.write(data)
+        self.fs.mv(partial, path)
+
+    def get(self, key: str, variant: Variant) -> bytes | None:
+        try:
+            with self.fs.open(self._path(key, variant), "rb") as src:
+                return src.read()
+        except FileNotFoundError:
+            return None
+
+    def delete(self, key: str) -> int:
+        """Remove every variant of ``key``; returns how many files there were."""
+        removed = 0
+        for variant in Variant:
+            path = self._path(key, variant)
+            for candidate in (path, path + ".partial"):
+                if self.fs.exists(candidate):
+                    self.fs.rm(candidate)
+                    removed += 1
+        return removed
