@@ -76,7 +76,7 @@ class StepBatch:
     """The running batch and its FIFO queue; ``step()`` runs one boundary: admit, forward, retire."""
 
     def __init__(self, stepper: Stepper, config: BatchingConfig = BatchingConfig(),
-                 fits: Callable[[int], bool] = lambda rows: True, clock: Callable[[], float] = time.monotonic,
+                 fits: Callable[[list[StepRequest]], bool] = lambda batch: True, clock: Callable[[], float] = time.monotonic,
                  bytes_streamed: Callable[[], int] = lambda: 0,
                  on_forward: Callable[[ForwardFigures], None] = lambda figures: None):
         self.stepper, self.config, self._fits, self._clock = stepper, config, fits, clock
@@ -172,8 +172,9 @@ class StepBatch:
             head = self.waiting[0]
             if self.running and head.request.key != self.running[0].request.key:
                 return
-            rows = sum(e.request.rows for e in self.running) + head.request.rows
-            if self.running and not self._fits(rows):
+            candidate = [e.request for e in self.running] + [head.request]
+            rows = sum(r.rows for r in candidate)
+            if self.running and not self._fits(candidate):
                 return  # the activation lease cannot cover it; it joins when others leave
             self.waiting.popleft()
             head.request.waited_s = self._clock() - head.queued_at

@@ -42,7 +42,7 @@ from deployments.spec import (
     StageOutput,
     StageStats,
 )
-from deployments.steppers import stepper_for
+from deployments.steppers import StepRequest, stepper_for
 from offload_core.host.replica_budget import HostBudgetSpec
 from offload_core.host.store import folder_identity
 from offload_core.planner.search import PerformanceMode
@@ -326,8 +326,9 @@ class Denoiser:
         self.worker = StageWorker(config)
         self.stepper = stepper_for(self.worker.pipe, config.facts, self.worker.device)
         self.batch_metrics = BatchMetrics()
-        batch = StepBatch(self.stepper, config.batching or BatchingConfig(),
+        batch = StepBatch(self.stepper, config.batching or BatchingConfig(), fits=self._fits,
                           bytes_streamed=self.worker.residency.bytes_streamed_so_far, on_forward=self._on_forward)
+        self._leased_activation_bytes = 0  # what the running busy period leased for activations
         self.batcher = StepBatcher(batch, around_busy=self._busy_period)
         self.in_flight: dict[str, CancelFlag] = {}  # request id -> its flag, while its call runs
         self.last_spec: GenerationSpec | None = None
@@ -384,9 +385,22 @@ class Denoiser:
 
     def _busy_period(self, run: Callable[[], None]) -> None:
         max_batch = (self.worker.config.batching or BatchingConfig()).max_batch
-        with self.worker.in_use(self.worker.activation_bytes(self.last_spec, max_batch)):
+        self._leased_activation_bytes = self.worker.activation_bytes(self.last_spec, max_batch)
+        with self.worker.in_use(self._leased_activation_bytes):
             run()
         self.worker.set_batch(0, self.batcher.batch.mean_batch)
+
+    def _fits(self, batch: list[StepRequest]) -> bool:
+        """A request joins only if the batch's predicted activations fit what this busy period
+        leased (leased for max_batch of the shape that started it; a larger shape waits)."""
+        together = dataclasses.replace(batch[0].spec, n=sum(r.spec.n for r in batch))
+        need = self.worker.activation_bytes(together)
+        if need > self._leased_activation_bytes:
+            logger.info("%s: request %s waits: a batch of %d needs %d B of activations > %d B leased",
+                        self.worker.replica, batch[-1].spec.request_id, len(batch), need,
+                        self._leased_activation_bytes)
+            return False
+        return True
 
     def _on_forward(self, figures: ForwardFigures) -> None:
         self.batch_metrics.record_forward(figures)

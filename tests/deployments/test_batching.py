@@ -173,7 +173,7 @@ def test_a_full_batch_and_an_incompatible_head_make_later_requests_wait_in_fifo_
 
 def test_the_activation_lease_bounds_the_rows_in_a_batch():
     stepper = _FakeStepper()
-    batch = StepBatch(stepper, BatchingConfig(max_batch=8), fits=lambda rows: rows <= 3)
+    batch = StepBatch(stepper, BatchingConfig(max_batch=8), fits=lambda batch: sum(r.rows for r in batch) <= 3)
     for rid in "abc":
         batch.submit(stepper.start(rid, 1, rows=2 if rid == "a" else 1))
     while not batch.idle:

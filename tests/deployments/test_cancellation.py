@@ -3,6 +3,7 @@ the Denoiser class itself, cancelled the way Serve cancels it when the client di
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -81,3 +82,17 @@ def test_a_flag_stops_the_loop_only_once_set():
     with pytest.raises(RequestCancelled, match="after step 2: client left"):
         flag.raise_if_cancelled(2)
     assert flag.stopped_at_step == 2
+
+
+def test_a_request_joins_a_batch_only_within_the_activations_its_busy_period_leased(stages):
+    encoder, denoiser = stages
+    encoded = encoder.encode(SPEC)
+    first = denoiser.stepper.start(encoded.value, SPEC)
+    second = denoiser.stepper.start(encoded.value, dataclasses.replace(SPEC, request_id="second"))
+    one = denoiser.worker.activation_bytes(SPEC)
+    two = denoiser.worker.activation_bytes(SPEC, batch=2)
+    assert 0 < one < two, "a batch of two needs more activations than one request"
+    denoiser._leased_activation_bytes = one  # a busy period that leased room for one request
+    assert denoiser._fits([first]) and not denoiser._fits([first, second])
+    denoiser._leased_activation_bytes = two
+    assert denoiser._fits([first, second])
