@@ -189,19 +189,23 @@ class CudaPageLocker:
         return name(int(code)).decode()
 
 
-@functools.lru_cache(maxsize=1)
 def loaded_cuda_runtime() -> ctypes.CDLL | None:
     """The libcudart this process already loaded (torch's), found in /proc/self/maps; None if none.
 
     torch exposes no ``cudaGetLastError``; the same library object torch calls has it, and its
     error state is per thread, so this must be the very library torch uses, not another copy.
     """
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart" in line}
-    except OSError:
-        return None
-    for path in sorted(paths):
-        if os.path.basename(path).startswith("libcudart") and os.path.exists(path):
-            return ctypes.CDLL(path)
-    return None
+    global _runtime
+    if _runtime is None:
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        except OSError:
+            return None
+        found = [p for p in sorted(paths) if os.path.basename(p).startswith("libcudart") and os.path.exists(p)]
+        # Only a library found is kept: looked for before torch loaded it, it is found on a later call.
+        _runtime = ctypes.CDLL(found[0]) if found else None
+    return _runtime
+
+
+_runtime: ctypes.CDLL | None = None
