@@ -34,17 +34,28 @@ LONG = {"seed": 2, "num_inference_steps": 200}
 
 
 @pytest.fixture(scope="module")
-def service(ray_cluster, tmp_path_factory):
+def app_args(tmp_path_factory):
+    # A 10 s lease: a loaded 2-core machine can stall a replica's loop for seconds.
+    jobs = JobsArgs(directory=str(tmp_path_factory.mktemp("jobs")), lease_s=10.0, poll_after_ms=100,
+                    poll_interval_s=0.2, replica_retry_delay_s=3.0)
+    return tiny_args(app_name=APP, limits=LIMITS, video_jobs=jobs)
+
+
+def _deploy(app_args) -> None:
     from ray import serve
 
     from deployments.app import build_app
 
+    serve.run(build_app(app_args), name=APP, route_prefix=PREFIX)
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, app_args):
+    from ray import serve
+
     os.environ[TOKEN_ENV] = TOKEN
     base = serve_base_url(ray_cluster)
-    # A 10 s lease: a loaded 2-core machine can stall a replica's loop for seconds.
-    jobs = JobsArgs(directory=str(tmp_path_factory.mktemp("jobs")), lease_s=10.0, poll_after_ms=100,
-                    poll_interval_s=0.2, replica_retry_delay_s=3.0)
-    serve.run(build_app(tiny_args(app_name=APP, limits=LIMITS, video_jobs=jobs)), name=APP, route_prefix=PREFIX)
+    _deploy(app_args)
     try:
         yield base + PREFIX
     finally:
@@ -201,3 +212,21 @@ def test_a_denoiser_killed_mid_job_reruns_it_once_and_no_job_stays_in_progress(c
     done = _wait(client, video.id, timeout_s=240)
     assert done.status == "completed", done.error
     assert _frames(client.videos.download_content(video.id).content).shape == (5, 64, 64, 3)
+
+
+def test_jobs_survive_a_restart_of_the_whole_application(client, app_args):
+    """Last: everything stops (stages, ingress, store), as when serve run is stopped, and starts again."""
+    from ray import serve
+
+    done = _wait(client, client.videos.create(prompt="before the restart", extra_body=SHORT).id)
+    running = client.videos.create(prompt="across the restart", size="64x64", extra_body=LONG)
+    _wait_progress(client, running.id)
+    serve.delete(APP)
+    assert drop_job_store(APP)
+    _deploy(app_args)
+    assert client.videos.retrieve(done.id).status == "completed"
+    assert _frames(client.videos.download_content(done.id).content).shape == (5, 16, 16, 3)
+    rerun = _wait(client, running.id, timeout_s=240)
+    assert rerun.status == "completed", rerun.error
+    store = ray.get_actor(store_name(APP), namespace="serve")
+    assert ray.get(store.get.remote(running.id)).attempts == 2, "queued again and rerun from the start: its retry"
