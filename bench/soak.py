@@ -54,7 +54,9 @@ def _invalid(kind: str, token: str) -> dict:
     if kind == "deep_json":
         return {"content": b"[" * 3000 + b"]" * 3000, "headers": {**auth, "Content-Type": "application/json"}}
     if kind == "bad_field":
-        return {"json": {"prompt": "a \ud800 cat", "size": "６４x６４"}, "headers": auth}
+        # A lone surrogate as a hostile client sends it: a \\ud800 escape (httpx's json= cannot encode it).
+        body = json.dumps({"prompt": "a \ud800 cat", "size": "６４x６４"}, ensure_ascii=True).encode()
+        return {"content": body, "headers": {**auth, "Content-Type": "application/json"}}
     if kind == "wrong_type":
         return {"content": b"prompt=a cat", "headers": {**auth, "Content-Type": "text/plain"}}
     return {"json": {"prompt": "no token"}}  # "no_token"
@@ -63,7 +65,15 @@ def _invalid(kind: str, token: str) -> dict:
 INVALID = ("bad_json", "deep_json", "bad_field", "wrong_type", "no_token")
 
 
-def client(base: str, token: str, seed: int, stop: threading.Event, out: list[RequestOutcome]) -> None:
+def client(base: str, token: str, seed: int, stop: threading.Event, out: list[RequestOutcome],
+           crashes: list[BaseException]) -> None:
+    try:
+        _client_loop(base, token, seed, stop, out)
+    except BaseException as exc:  # a dead client would quietly shrink the traffic: the run fails instead
+        crashes.append(exc)
+
+
+def _client_loop(base: str, token: str, seed: int, stop: threading.Event, out: list[RequestOutcome]) -> None:
     import httpx
 
     rng = random.Random(seed)
@@ -121,8 +131,8 @@ def run(duration_s: float, clients: int) -> dict:
     serve.run(build_app(args), name=APP, route_prefix="/")
     deploy_s = time.monotonic() - deploy_started
     victim = _denoiser_replica()
-    stop, outcomes = threading.Event(), []
-    threads = [threading.Thread(target=client, args=(f"http://127.0.0.1:{port}", token, i, stop, outcomes))
+    stop, outcomes, crashes = threading.Event(), [], []
+    threads = [threading.Thread(target=client, args=(f"http://127.0.0.1:{port}", token, i, stop, outcomes, crashes))
                for i in range(clients)]
     started = time.monotonic()
     for t in threads:
@@ -135,6 +145,8 @@ def run(duration_s: float, clients: int) -> dict:
     for t in threads:
         t.join()
     traffic_s = time.monotonic() - started
+    if crashes:
+        raise RuntimeError(f"{len(crashes)} client(s) crashed; first: {crashes[0]!r}") from crashes[0]
     recovered = [o.finished for o in outcomes if o.status == 200 and o.denoise_replica not in (None, victim)
                  and o.finished > killed_at]
     serve.delete(APP)
