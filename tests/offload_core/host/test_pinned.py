@@ -104,7 +104,7 @@ def test_a_failed_unlock_raises_pin_error_and_clears_the_cuda_error(locker):
     assert fake.calls[-1] == ("clear_error",)
 
 
-def test_a_layer_whose_pin_is_refused_is_streamed_pageable_with_one_info_line(locker, caplog):
+def test_a_layer_whose_pin_is_refused_is_streamed_pageable_through_staging_with_one_info_line(locker, caplog):
     fake = locker(refuse={3})  # Stack's layers hold one fp32 buffer each: the third layer is refused
     torch.manual_seed(0)
     model, x = Stack(), torch.randn(3, 8)
@@ -118,6 +118,9 @@ def test_a_layer_whose_pin_is_refused_is_streamed_pageable_with_one_info_line(lo
     assert len(refused) == 1 and sum(t is HostingTier.PINNED for t in tiers.values()) == 3
     lines = [r.getMessage() for r in caplog.records if "planned PINNED" in r.getMessage()]
     assert len(lines) == 1 and refused[0] in lines[0] and "CUDA error 2" in lines[0]
+    fallen = next(layer for layer in streamer.layers if layer.key == refused[0])
+    assert streamer.staging is not None and streamer.staging.stages(fallen), "a PAGEABLE layer goes through staging"
+    assert not any(streamer.staging.stages(layer) for layer in streamer.layers if layer is not fallen)
     with torch.no_grad():
         assert torch.equal(model(x), expected)
     streamer.remove()
