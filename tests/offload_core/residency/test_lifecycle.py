@@ -192,14 +192,17 @@ def test_the_host_budget_fits_the_planned_tiers_with_one_lease_given_back_on_rem
 
 
 def test_a_plan_re_tiered_by_the_host_predicts_what_its_requests_move(cpu_capacity, tmp_path):
-    # A MAPPED layer copies its tensors (1088 B), not its flat buffer (1536 B): the plan that runs,
-    # and that the report shows, must be re-predicted with the host's tiers.
+    # A layer the host left MAPPED is copied through pinned staging buffers (its flat buffer, 1536 B,
+    # as a pinned one): the plan that runs, and that the report shows, must be re-predicted with the
+    # host's tiers, staging bytes included.
     cpu_capacity(10_000)
     planned = toy_plan(10_000)
     short = InProcessLedger(5 * 1536)
     res = PipelineResidency.apply(mapped_toys(tmp_path), planned, "cpu", short, owner="toy")
-    assert res.plan.bytes_moved_per_request < planned.bytes_moved_per_request
     assert [c.hosting for c in res.plan.components] != [c.hosting for c in planned.components]
+    assert planned.staging_bytes == 0 < res.plan.staging_bytes
+    assert res.plan.staging_bytes == sum(c.streamer.staging_bytes for c in res.components.values())
+    assert res.plan.bytes_moved_per_request == planned.bytes_moved_per_request, "staged or pinned: flat bytes"
     x = torch.randn(2, 16)
     for _ in range(2):  # the second request is the steady state the plan predicts too
         with torch.no_grad():
