@@ -221,7 +221,13 @@ class LayerStreamer:
                     type(self.model).__name__, "kept" if keep else "released", self.resident_bytes)
 
     def remove(self) -> None:
-        """Undo streaming: hooks removed, layers back as plain host tensors (views of their buffers)."""
+        """Undo streaming: hooks removed, layers back as plain host tensors (views of their buffers).
+
+        A second call does nothing (a replica closed, then collected, removes twice): the host
+        buffers are gone by then, and the model already holds its weights.
+        """
+        if getattr(self.model, STREAMER_ATTRIBUTE, None) is not self:
+            return
         self.finish_use(keep_resident=False)
         if self.staging is not None:
             self.staging.close()

@@ -314,6 +314,18 @@ def test_a_removed_streamer_stops_counting_in_cpu_headroom_while_the_model_lives
     assert device.headroom_bytes() == before, "remove() must untrack the meter, not leave it to the GC"
 
 
+def test_removing_a_streamer_twice_leaves_the_plain_model():
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(x)
+    streamer = apply_layer_streaming(model, "cpu")
+    streamer.remove()
+    streamer.remove()  # a replica closed, then collected: the second call must not touch the model
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
 def test_a_model_already_under_streaming_is_refused():
     model = Stack()
     apply_layer_streaming(model, "cpu")
