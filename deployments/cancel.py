@@ -18,7 +18,7 @@ class CancelFlag:
         self.request_id = request_id
         self._event = threading.Event()
         self.reason = ""
-        self.cancelled_after_step = 0  # steps the caller had seen when it went away
+        self.cancelled_after_step = 0  # steps done when the cancel arrived: where 'within one step' counts from
         self.cancelled_at_s = 0.0  # time.monotonic() then
         self.stopped_at_step: int | None = None  # the boundary where the batch saw the flag
 

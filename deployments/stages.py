@@ -354,16 +354,17 @@ class Denoiser:
         future.add_done_callback(lambda _: put(_DONE))
         future.add_done_callback(lambda done: self._on_left(done, request.cancel))
         self.in_flight[spec.request_id] = request.cancel
-        seen = 0  # steps handed to the caller
         try:
             while (item := await events.get()) is not _DONE:
                 yield item
-                seen = item.step
             latents = future.result()
         finally:
             del self.in_flight[spec.request_id]
             if not future.done():  # closed early: the caller is gone; it leaves at the next boundary
-                request.cancel.cancel("the caller went away", after_step=seen)
+                # Counted from the steps the batch had done when the cancel arrived, not from the last
+                # progress event the caller read: those reach it through the event loop, a step late
+                # when the loop is busy, and the disconnect is what "within one step" is measured from.
+                request.cancel.cancel("the caller went away", after_step=request.step)
                 self.last_cancelled = request.cancel
                 logger.info("%s: request %s cancelled by its caller; it leaves the batch at the next step "
                             "boundary", self.worker.replica, spec.request_id)
