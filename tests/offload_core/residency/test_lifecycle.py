@@ -140,11 +140,11 @@ def test_model_offload_holds_nothing_on_the_device_between_its_stages(cpu_capaci
     assert all(p.numel() == 0 for p in a.parameters())
 
 
-def test_a_removed_residency_stops_counting_in_cpu_headroom_while_it_lives(cpu_capacity):
+def test_a_removed_residency_stops_counting_in_cpu_headroom_while_it_lives(cpu_capacity, remove_after):
     cpu_capacity(10**9)
     device = get_device("cpu")
     before = device.headroom_bytes()
-    res = PipelineResidency.apply(toys(), toy_plan(10**9, mode=PerformanceMode.SPEED), "cpu")
+    res = remove_after(PipelineResidency.apply(toys(), toy_plan(10**9, mode=PerformanceMode.SPEED), "cpu"))
     assert {c.strategy for c in res.plan.components} == {Strategy.RESIDENT}
     assert device.headroom_bytes() < before
     res.remove()
@@ -191,14 +191,14 @@ def test_the_host_budget_fits_the_planned_tiers_with_one_lease_given_back_on_rem
     assert short.leased() == 0
 
 
-def test_a_plan_re_tiered_by_the_host_predicts_what_its_requests_move(cpu_capacity, tmp_path):
+def test_a_plan_re_tiered_by_the_host_predicts_what_its_requests_move(cpu_capacity, tmp_path, remove_after):
     # A layer the host left MAPPED is copied through pinned staging buffers (its flat buffer, 1536 B,
     # as a pinned one): the plan that runs, and that the report shows, must be re-predicted with the
     # host's tiers, staging bytes included.
     cpu_capacity(10_000)
     planned = toy_plan(10_000)
     short = InProcessLedger(5 * 1536)
-    res = PipelineResidency.apply(mapped_toys(tmp_path), planned, "cpu", short, owner="toy")
+    res = remove_after(PipelineResidency.apply(mapped_toys(tmp_path), planned, "cpu", short, owner="toy"))
     assert [c.hosting for c in res.plan.components] != [c.hosting for c in planned.components]
     assert planned.staging_bytes == 0 < res.plan.staging_bytes
     assert res.plan.staging_bytes == sum(c.streamer.staging_bytes for c in res.components.values())
@@ -213,7 +213,6 @@ def test_a_plan_re_tiered_by_the_host_predicts_what_its_requests_move(cpu_capaci
         figures = res.finish_request()
         assert figures.bytes_moved == res.plan.bytes_moved_per_request
         assert figures.peak_device_bytes == res.plan.peak_device_bytes
-    res.remove()
 
 
 # ---- the tiny pipelines: predictions equal measurements --------------------------------------
@@ -343,7 +342,7 @@ def _padding_bytes(model) -> int:
     return sum(layout.nbytes - layout.tensor_bytes for layout in _layouts(model))
 
 
-def test_a_host_budget_caps_the_tiers_and_the_plan_stays_bitwise(cpu_capacity):
+def test_a_host_budget_caps_the_tiers_and_the_plan_stays_bitwise(cpu_capacity, remove_after):
     cpu_capacity(1 << 30)
     plan = toy_plan(1 << 30)
     x = torch.randn(3, 16)
@@ -356,7 +355,8 @@ def test_a_host_budget_caps_the_tiers_and_the_plan_stays_bitwise(cpu_capacity):
     assert padding < sum(_staging_bytes(m) for m in models.values())
     floor = sum(p.numel() * 4 for m in models.values() for p in m.blocks.parameters()) + padding
     node = InProcessLedger(1 << 30)
-    residency = PipelineResidency.apply(models, plan, "cpu", node, owner="capped", host_budget_bytes=floor)
+    residency = remove_after(
+        PipelineResidency.apply(models, plan, "cpu", node, owner="capped", host_budget_bytes=floor))
     assert node.leased() == residency.host_leased_bytes() == padding, "no room past the floor: only padding leased"
     for name, model in models.items():
         with residency.stage([name]):

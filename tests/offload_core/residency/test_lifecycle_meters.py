@@ -12,11 +12,11 @@ from offload_core.streaming import meter as meter_module
 from tests.offload_core.residency.test_lifecycle import GROUPS, LINK, TABLES, _flux, _wan, toy_plan, toys
 
 
-def test_a_request_with_parking_and_streaming_never_walks_the_parameters(cpu_capacity, monkeypatch):
+def test_a_request_with_parking_and_streaming_never_walks_the_parameters(cpu_capacity, monkeypatch, remove_after):
     cpu_capacity(10_000)  # tight: non-layer weights park and restore every stage
     plan = toy_plan(10_000)
     models = toys()
-    res = PipelineResidency.apply(models, plan, "cpu")
+    res = remove_after(PipelineResidency.apply(models, plan, "cpu"))
 
     def no_walks(*_args):
         raise AssertionError("a meter walked the parameters during a request")
@@ -33,7 +33,6 @@ def test_a_request_with_parking_and_streaming_never_walks_the_parameters(cpu_cap
         assert figures.peak_device_bytes == plan.peak_device_bytes
         assert figures.bytes_moved == plan.bytes_moved_per_request
     monkeypatch.undo()
-    res.remove()
 
 
 def _audit(res: PipelineResidency, seen: list) -> None:
@@ -52,7 +51,7 @@ def _audit(res: PipelineResidency, seen: list) -> None:
 
 
 @pytest.mark.parametrize("family", [_wan, _flux], ids=["wan", "flux"])
-def test_every_component_meter_equals_the_walk_at_every_hook_in_every_mode(family, cpu_capacity):
+def test_every_component_meter_equals_the_walk_at_every_hook_in_every_mode(family, cpu_capacity, remove_after):
     comps, stages, call = family()
     groups = GROUPS if "text_encoder_2" in comps else {}
     figures = measure_warmup(comps, call, groups)
@@ -64,7 +63,7 @@ def test_every_component_meter_equals_the_walk_at_every_hook_in_every_mode(famil
     for mode in PerformanceMode:
         plan = plan_pipeline(facts, mode)
         comps, _, call = family()
-        res = PipelineResidency.apply(comps, plan, "cpu", tables=TABLES)
+        res = remove_after(PipelineResidency.apply(comps, plan, "cpu", tables=TABLES))
         seen: list[int] = []
         _audit(res, seen)
         for _request in range(2):

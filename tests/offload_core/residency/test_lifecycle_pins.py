@@ -10,7 +10,8 @@ from tests.offload_core.host.test_pinned import FakeLocker
 from tests.offload_core.residency.test_lifecycle import toy_plan, toys
 
 
-def test_a_refused_pin_is_in_the_plan_and_the_report_and_the_output_stays_exact(cpu_capacity, monkeypatch):
+def test_a_refused_pin_is_in_the_plan_and_the_report_and_the_output_stays_exact(
+        cpu_capacity, monkeypatch, remove_after):
     cpu_capacity(10**9)
     plan = toy_plan(10**9)
     pinned_keys = [key for key, tier in plan.component("b").hosting if tier is HostingTier.PINNED]
@@ -18,7 +19,7 @@ def test_a_refused_pin_is_in_the_plan_and_the_report_and_the_output_stays_exact(
     fake = FakeLocker(refuse=range(1, 1000))  # a memlock limit of zero: every registration refused
     monkeypatch.setattr(pinned, "page_locker", lambda device: fake)
     plain, models = toys(), toys()
-    res = PipelineResidency.apply(models, plan, "cpu")
+    res = remove_after(PipelineResidency.apply(models, plan, "cpu"))
     hosted = dict(res.plan.component("b").hosting)
     assert all(hosted[key] is HostingTier.PAGEABLE for key in pinned_keys)
     assert any(f"b: {len(pinned_keys)} layers PAGEABLE instead of PINNED" in note for note in res.plan.notes)
