@@ -187,6 +187,7 @@ class PipelineResidency:
         self.device = device
         self._hosting, self._budget = hosting, budget  # hosting.HostingPlan and its one lease
         self.shared = None  # SharedWeights: the node stores its streamed layers are hosted from
+        self._removed = False
         # The sampler: every component's meter reports each change to one total (O(1), no hooks).
         self._weights = WeightTotal()
         for c in components.values():
@@ -323,7 +324,11 @@ class PipelineResidency:
         return self._hosting.lease.nbytes if self._hosting is not None else 0
 
     def remove(self) -> None:
-        """Undo everything: hooks, streamers, host tables; give the host lease back."""
+        """Undo everything: hooks, streamers, host tables; give the host lease back. A second call does nothing
+        (a replica closed explicitly is closed again by its ``__del__``)."""
+        if self._removed:
+            return
+        self._removed = True
         for c in self.components.values():
             c.remove()
         if self._hosting is not None:

@@ -123,3 +123,16 @@ def test_a_store_that_finds_no_room_in_shared_memory_leaves_the_replica_hosting_
     assert node.leased() == residency.host_leased_bytes(), "no store lease left behind, only its own copy's"
     residency.remove()
     assert node.leased() == 0
+
+
+def test_removing_a_replica_twice_detaches_it_once(cpu_capacity, tmp_path):
+    cpu_capacity(1 << 30)
+    node = InProcessLedger(1 << 30)
+    registry = InProcessStoreRegistry(node)
+    _, first = replica("r1", registry, node, tmp_path)
+    _, second = replica("r2", registry, node, tmp_path)
+    first.remove()
+    first.remove()  # what a replica's __del__ does after an explicit close
+    assert [a.attached for a in second.shared.attachments()] == [1, 1], "the second replica stays attached"
+    second.remove()
+    assert node.leased() == 0
