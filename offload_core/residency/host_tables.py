@@ -1,13 +1,7 @@
-"""Host-resident embedding tables: huge token tables that stay in host memory, gathered there.
+"""Host-resident embedding tables at run time: detached around device moves, gathered on the host.
 
-umT5-XXL's token table is 256384 x 4096 fp32 = 3.91 GiB, yet a 512-token prompt reads 8 MiB of
-it. Keeping the table on the host and gathering the prompt's rows there saves the whole table's
-device bytes for the price of one small copy of the gathered rows per call.
-
-Opt-in only: a model class declares ``host_resident_table_names`` (dotted module paths), and
-classes we cannot edit are listed in :data:`KNOWN_HOST_TABLES`. Undeclared models are never
-touched. A table tied to anything but embeddings (an output head) is never hosted, and a
-tensor-parallel sharded table stays on the device so the all-reduce it feeds sees device tensors.
+Which tables qualify, and why, is decided in ``offload_core.tables`` (pure, shared with the
+planner); this module keeps the chosen ones in host memory and gathers a prompt's rows there.
 """
 from __future__ import annotations
 
