@@ -6,13 +6,13 @@ import dataclasses
 import json
 
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deployments import videos
 from deployments.http_api import build_api
 from deployments.job_store import InProcessJobStore, JobStoreService
 from tests.deployments.fakes import FakeBoard, FakeStages, fake_config
+from tests.deployments.properties import status_codes_never_5xx
 from tests.deployments.test_http_properties import _json, _text
 from tests.deployments.video_fakes import LIMITS, FakePipeline, jobs_args
 
@@ -58,22 +58,9 @@ def test_no_generated_videos_request_gets_a_5xx_and_every_error_is_the_openai_ob
     backend = videos.JobsBackend(InProcessJobStore(service), service.results, "prop-runner", FakePipeline())
     config = dataclasses.replace(fake_config(None), limits=LIMITS, jobs=args)
     api = build_api(config, FakeStages(), FakeBoard(), backend)
-    seen: list[int] = []
     with TestClient(api, raise_server_exceptions=False) as client:  # one loop: the runner lives in it
-
-        @settings(max_examples=EXAMPLES, deadline=None, database=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-        @given(request=requests())
-        def check(request):
-            response = client.request(**request)
-            seen.append(response.status_code)
-            assert response.status_code < 500, (request, response.text[:300])
-            if response.status_code >= 400:
-                error = response.json()["error"]
-                assert set(error) == {"message", "type", "param", "code"}, response.text[:300]
-
         try:
-            check()
+            seen = status_codes_never_5xx(client, requests(), EXAMPLES)
         finally:
             client.portal.call(api.state.video_jobs.runner.stop)
             service.jobs.close()
