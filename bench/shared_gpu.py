@@ -40,7 +40,7 @@ class _Held:
 def _workers(folder):
     from cluster.node import GpuFacts, NodeFacts, probe_host_ram
     from cluster.replica_memory import ReplicaMemory
-    from deployments import stages
+    from deployments import worker as stages
     from deployments.app import AppArgs, stage_configs
     from deployments.families import read_family_facts
     from deployments.spec import PipelineStage

@@ -20,7 +20,8 @@ from deployments.ingress import Ingress, IngressConfig
 from deployments.job_store import JobsArgs
 from deployments.schemas import Limits
 from deployments.spec import PipelineStage
-from deployments.stages import DTYPES, Denoiser, StageConfig, TextEncoder, VaeDecoder
+from deployments.stages import Denoiser, TextEncoder, VaeDecoder
+from deployments.worker import DTYPES, StageConfig
 from offload_core.host.replica_budget import HostBudgetSpec, parse_host_budget
 from offload_core.planner.search import PerformanceMode
 

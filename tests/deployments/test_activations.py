@@ -120,7 +120,7 @@ def test_stand_in_inputs_reach_the_peaks_of_real_ones(model):
 def test_a_request_whose_activations_never_fit_the_share_is_refused_naming_the_limit():
     from deployments.app import stage_configs
     from deployments.spec import RequestRejected
-    from deployments.stages import StageWorker
+    from deployments.worker import StageWorker
     from tests.deployments.conftest import tiny_args
 
     facts = families.read_family_facts(tiny.ensure_tiny_wan())

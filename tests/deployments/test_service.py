@@ -287,7 +287,7 @@ def _lease_figures(client, calls_at_least: dict | None = None) -> dict:
 def _settled_lease_figures(client) -> dict:
     """Each stage's lease figures once its reports stop changing: a replica publishes at most once
     per PUBLISH_INTERVAL_S and always publishes its last state within it (+0.5 s for the board)."""
-    from deployments.stages import PUBLISH_INTERVAL_S
+    from deployments.worker import PUBLISH_INTERVAL_S
 
     deadline, last = time.monotonic() + 30, _lease_figures(client)
     while True:
