@@ -13,7 +13,9 @@ plus measured pinned and pageable host->device bandwidth. Each streamed way is a
 bound ``max(speed step, streamed bytes / measured pinned bandwidth)``: 1.0 is copy fully hidden
 behind compute (or compute behind copy). Peak memory is ``torch.cuda.max_memory_allocated``
 (weights and activations). At the end, on CUDA, the engine's CUDA-only tests run
-(``pytest tests/offload_core -k cuda``), so one device run covers them. Without CUDA the script
+(``pytest tests/offload_core -k cuda``), and the activation model's CUDA calibration
+(``bench/gpu_activations.py``: each zoo stage calibrated on two shapes with ``max_memory_allocated``,
+predicting a held-out third), so one device run covers them. Without CUDA the script
 still runs end to end on CPU with a cut-down real-size model (``--real-blocks``), skipping what
 needs CUDA and saying so. Last line: one JSON object; exit 1 if a CUDA test failed.
 """
@@ -198,6 +200,26 @@ def cuda_tests(timeout_s: int) -> dict:
     return {"returncode": done.returncode, "summary": lines[-1] if lines else ""}
 
 
+def activation_comparison(timeout_s: int) -> dict:
+    """bench/gpu_activations.py on CUDA (a CPU calibration is not a CUDA one), in a subprocess: its
+    table printed here, its JSON returned. On CPU the tests pin the same comparison."""
+    if not CUDA:
+        return {"skipped": "the CUDA calibration needs CUDA (tests/deployments/test_activations.py pins the CPU one)"}
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    try:
+        done = subprocess.run([sys.executable, "bench/gpu_activations.py"], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"returncode": 124, "summary": f"timed out after {timeout_s} s"}
+    lines = done.stdout.strip().splitlines()
+    print("\n" + "\n".join(lines[:-1]), done.stderr[-2000:] if done.returncode else "", sep="\n", flush=True)
+    if done.returncode or not lines:
+        return {"returncode": done.returncode, "summary": done.stderr.strip().splitlines()[-1:]}
+    report = json.loads(lines[-1])
+    return {"returncode": 0, "max_abs_error": report["max_abs_error"], "rows": report["rows"]}
+
+
 def bandwidth() -> dict:
     if not CUDA:
         return {"skipped": "host->device bandwidth is measured on CUDA only"}
@@ -215,6 +237,8 @@ def main() -> None:
     parser.add_argument("--require-cuda", action="store_true", help="exit 2 when CUDA is not available")
     parser.add_argument("--cuda-tests-timeout", type=int, default=120,
                         help="seconds for the CUDA-only tests at the end (0: do not run them)")
+    parser.add_argument("--activations-timeout", type=int, default=45,
+                        help="seconds for the activation model's CUDA calibration, after the tests (0: skip)")
     args = parser.parse_args()
     if args.require_cuda and not CUDA:
         parser.exit(2, "gpu_check: --require-cuda given but torch sees no CUDA device\n")
@@ -247,8 +271,10 @@ def main() -> None:
                   f"{(peak / MiB if peak else float('nan')):>10.1f} {row.get('peak_vs_speed', float('nan')):>8.2f}  "
                   f"{row['bitwise_equal_to_speed']}", flush=True)
     tests = cuda_tests(args.cuda_tests_timeout) if args.cuda_tests_timeout else {"skipped": "--cuda-tests-timeout 0"}
+    calibration = (activation_comparison(args.activations_timeout) if args.activations_timeout
+                   else {"skipped": "--activations-timeout 0"})
     print("\n" + json.dumps({"bench": "gpu_check", "cuda": CUDA, "bandwidth": link, "results": results,
-                             "cuda_tests": tests}))
+                             "activations": calibration, "cuda_tests": tests}))
     if tests.get("returncode", 0) != 0:
         sys.exit(1)
 

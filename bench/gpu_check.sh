@@ -11,5 +11,5 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # 330 s: the 6-minute budget minus the interpreter and import start-up (the CUDA tests at the end
-# have 120 s of it).
+# have 120 s of it, the activation calibration after them 45 s: tiny zoo models, seconds on a GPU).
 exec timeout "${GPU_CHECK_TIMEOUT_S:-330}" "$PY" bench/gpu_check.py "$@"

@@ -22,6 +22,7 @@ def test_gpu_check_runs_in_cpu_mode_and_streams_bitwise_equal():
     assert report["cuda"] is False and "skipped" in report["bandwidth"]
     assert [r["case"] for r in report["results"]] == ["medium-wan-denoiser", "wan2.1-1.3b-random"]
     assert "need CUDA" in report["cuda_tests"]["skipped"]
+    assert "needs CUDA" in report["activations"]["skipped"]
     for result in report["results"]:
         rows = result["rows"]
         assert result["streamed_bytes_per_step"] > 0
