@@ -33,10 +33,10 @@ def _materialized_keys(streamer) -> set[str]:
 @pytest.mark.parametrize("residency", sorted(RESIDENCY))
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.name)
-def test_streamed_output_is_bitwise_equal_over_two_requests(case, depth, residency):
+def test_streamed_output_is_bitwise_equal_over_two_requests(case, depth, residency, remove_after):
     model, inputs = case.build(), case.inputs()
     expected = case.run(model, inputs)
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=depth, **RESIDENCY[residency]))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=depth, **RESIDENCY[residency])))
     assert _materialized_keys(streamer) == set(), "loading must not materialize any layer on the device"
 
     first = case.run(model, inputs)  # armed lazily by the first forward
@@ -61,9 +61,9 @@ def _expected_window(streamer, layer_key: str, depth: int) -> set[str]:
 
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("case", [WAN, FLUX], ids=lambda c: c.name)
-def test_at_each_hook_exactly_the_expected_layers_are_materialized(case, depth):
+def test_at_each_hook_exactly_the_expected_layers_are_materialized(case, depth, remove_after):
     model, inputs = case.build(), case.inputs()
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=depth, resident=1))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=depth, resident=1)))
     seen = []
 
     def check(layer_key, phase):
@@ -84,9 +84,9 @@ def test_at_each_hook_exactly_the_expected_layers_are_materialized(case, depth):
     assert len(seen) == 2 * 2 * n_streamed
 
 
-def test_flux_layers_run_across_groups_in_group_order():
+def test_flux_layers_run_across_groups_in_group_order(remove_after):
     model = FLUX.build()
-    streamer = apply_layer_streaming(model, "cpu")
+    streamer = remove_after(apply_layer_streaming(model, "cpu"))
     order = []
     for layer in streamer.layers:
         layer.module.register_forward_pre_hook(lambda *_, k=layer.key: order.append(k))
@@ -109,7 +109,7 @@ def _aligned_layer_bytes(layer: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize("depth,resident", [(1, 0), (2, 1), (1, 4)])
-def test_measured_peak_equals_non_layer_plus_resident_plus_slots(depth, resident):
+def test_measured_peak_equals_non_layer_plus_resident_plus_slots(depth, resident, remove_after):
     model, inputs = WAN.build(), WAN.inputs()
     blocks = list(model.blocks)
     layer_bytes = [_aligned_layer_bytes(b) for b in blocks]
@@ -119,13 +119,13 @@ def test_measured_peak_equals_non_layer_plus_resident_plus_slots(depth, resident
     slots = min(depth + 1, len(streamed)) * max(streamed, default=0)
     formula = non_layer + sum(layer_bytes[:resident]) + slots
 
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=depth, resident=resident))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=depth, resident=resident)))
     assert streamer.predicted_peak_bytes() == formula
     WAN.run(model, inputs)
     assert streamer.meter.peak_bytes == formula
 
 
-def test_multi_group_init_calls_to_once_with_every_layer_weight_a_placeholder(monkeypatch):
+def test_multi_group_init_calls_to_once_with_every_layer_weight_a_placeholder(monkeypatch, remove_after):
     model = FLUX.build()
     layer_params = [p for path in declared_layer_groups(model)
                     for layer in resolve_layer_group(model, path).layers for p in layer.parameters()]
@@ -147,7 +147,7 @@ def test_multi_group_init_calls_to_once_with_every_layer_weight_a_placeholder(mo
         return original_consolidate(cls, layout, *args, **kwargs)
 
     monkeypatch.setattr(host_layer.HostLayer, "consolidate", classmethod(spy_consolidate))
-    apply_layer_streaming(model, "cpu")
+    remove_after(apply_layer_streaming(model, "cpu"))
     assert len(calls) == 1, f"model.to was called {len(calls)} times; a later group would move twice"
     assert all(n == 0 for n in calls[0]), "a layer weight was still materialized when model.to ran"
     # Group bytes from the layouts (the parameters are placeholders by now).
@@ -159,9 +159,9 @@ def test_multi_group_init_calls_to_once_with_every_layer_weight_a_placeholder(mo
     assert consolidated[0].startswith(largest + "."), f"moved {consolidated[0]} first; largest group is {largest}"
 
 
-def test_bytes_copied_counts_every_layer_copy_of_a_request():
+def test_bytes_copied_counts_every_layer_copy_of_a_request(remove_after):
     model, inputs = WAN.build(), WAN.inputs()
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=1, resident=1))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=1, resident=1)))
     layer_bytes = streamer.layers[0].nbytes  # Wan blocks are all the same size
     streamer.prepare_for_use()
     WAN.run(model, inputs)
@@ -171,10 +171,10 @@ def test_bytes_copied_counts_every_layer_copy_of_a_request():
     assert streamer.bytes_copied == 0
 
 
-def test_keep_resident_keeps_resident_layers_across_requests():
+def test_keep_resident_keeps_resident_layers_across_requests(remove_after):
     model, inputs = WAN.build(), WAN.inputs()
     expected = WAN.run(model, inputs)
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(resident=2, keep_resident=True))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(resident=2, keep_resident=True)))
     WAN.run(model, inputs)
     streamer.finish_use()
     assert _materialized_keys(streamer) == {"blocks.0", "blocks.1"}
@@ -185,16 +185,16 @@ def test_keep_resident_keeps_resident_layers_across_requests():
     assert _materialized_keys(streamer) == set()
 
 
-def test_strided_residents_are_spread_evenly():
+def test_strided_residents_are_spread_evenly(remove_after):
     model = WAN.build()
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(
-        resident=2, resident_placement=ResidentPlacement.STRIDED))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(
+        resident=2, resident_placement=ResidentPlacement.STRIDED)))
     assert [layer.key for layer in streamer.layers if layer.resident] == ["blocks.0", "blocks.2"]
 
 
-def test_a_device_copy_never_aliases_its_host_buffer():
+def test_a_device_copy_never_aliases_its_host_buffer(remove_after):
     model, inputs = WAN.build(), WAN.inputs()
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(resident=1))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(resident=1)))
     host_ranges = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes())
                    for layer in streamer.layers for t in layer.host_tensors()]
     checked = []
@@ -214,7 +214,7 @@ def test_a_device_copy_never_aliases_its_host_buffer():
     assert checked
 
 
-def test_mapped_layers_stream_from_the_safetensors_mapping_without_a_host_copy(tmp_path):
+def test_mapped_layers_stream_from_the_safetensors_mapping_without_a_host_copy(tmp_path, remove_after):
     from safetensors.torch import load_file, save_file
 
     model, inputs = WAN.build(), WAN.inputs()
@@ -225,8 +225,8 @@ def test_mapped_layers_stream_from_the_safetensors_mapping_without_a_host_copy(t
     # CPU kernels may round differently on unaligned weights than on freshly allocated ones.
     expected = WAN.run(model, inputs)
     originals = {f"blocks.{i}.{n}": p.data_ptr() for i, b in enumerate(model.blocks) for n, p in b.named_parameters()}
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(
-        hosting={f"blocks.{i}": HostingTier.MAPPED for i in range(4)}))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(
+        hosting={f"blocks.{i}": HostingTier.MAPPED for i in range(4)})))
 
     mapped = _file_mappings(path)
     for layer in streamer.layers:
@@ -248,10 +248,10 @@ def _file_mappings(path) -> list[tuple[int, int]]:
     return ranges
 
 
-def test_pinned_and_pageable_layers_are_consolidated_into_one_buffer_per_dtype():
+def test_pinned_and_pageable_layers_are_consolidated_into_one_buffer_per_dtype(remove_after):
     model, inputs = WAN.build(), WAN.inputs()
     expected = WAN.run(model, inputs)
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(hosting={"blocks.0": HostingTier.PINNED}))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(hosting={"blocks.0": HostingTier.PINNED})))
     tiers = [layer.tier for layer in streamer.layers]
     assert tiers == [HostingTier.PINNED] + [HostingTier.PAGEABLE] * 3
     for layer in streamer.layers:
@@ -260,13 +260,13 @@ def test_pinned_and_pageable_layers_are_consolidated_into_one_buffer_per_dtype()
     assert torch.equal(WAN.run(model, inputs), expected)
 
 
-def test_non_contiguous_parameters_keep_their_strides():
+def test_non_contiguous_parameters_keep_their_strides(remove_after):
     torch.manual_seed(0)
     model, x = Stack(), torch.randn(3, 8)
     expected = model(x)
     strides = [b.mix.stride() for b in model.blocks]
     assert strides[0] == (1, 8)
-    streamer = apply_layer_streaming(model, "cpu")
+    streamer = remove_after(apply_layer_streaming(model, "cpu"))
     seen = []
     for block in model.blocks:
         block.register_forward_pre_hook(lambda module, _args: seen.append(module.mix.stride()))
@@ -277,10 +277,10 @@ def test_non_contiguous_parameters_keep_their_strides():
     assert all(not layer.materialized for layer in streamer.layers)
 
 
-def test_a_released_weight_used_without_the_hooks_fails_loudly():
+def test_a_released_weight_used_without_the_hooks_fails_loudly(remove_after):
     torch.manual_seed(0)
     model, x = Stack(), torch.randn(3, 8)
-    apply_layer_streaming(model, "cpu")
+    remove_after(apply_layer_streaming(model, "cpu"))
     block = model.blocks[1]
     with pytest.raises(RuntimeError):
         block.forward(x)  # forward() bypasses the hooks
@@ -288,49 +288,49 @@ def test_a_released_weight_used_without_the_hooks_fails_loudly():
         x * block.scale  # a (1,) placeholder would broadcast here; a zero-element one cannot
 
 
-def test_remove_gives_back_a_plain_model():
+def test_remove_gives_back_a_plain_model(remove_after):
     torch.manual_seed(0)
     model, x = Stack(), torch.randn(3, 8)
     expected = model(x)
-    streamer = apply_layer_streaming(model, "cpu")
+    streamer = remove_after(apply_layer_streaming(model, "cpu"))
     streamer.remove()
     assert not hasattr(model, "_offload_layer_streamer")
     assert torch.equal(model(x), expected)
     assert all(p.numel() > 0 for p in model.parameters())
-    apply_layer_streaming(model, "cpu")  # and it can be streamed again
+    remove_after(apply_layer_streaming(model, "cpu"))  # and it can be streamed again
 
 
-def test_a_removed_streamer_stops_counting_in_cpu_headroom_while_the_model_lives(cpu_capacity):
+def test_a_removed_streamer_stops_counting_in_cpu_headroom_while_the_model_lives(cpu_capacity, remove_after):
     from offload_core.streaming.device import get_device
 
     cpu_capacity(1 << 30)
     device = get_device("cpu")
     before = device.headroom_bytes()
     model, x = Stack(), torch.randn(3, 8)
-    streamer = apply_layer_streaming(model, "cpu")
+    streamer = remove_after(apply_layer_streaming(model, "cpu"))
     model(x)
     assert device.headroom_bytes() < before, "a streamed model's device weights count against headroom"
     streamer.remove()
     assert device.headroom_bytes() == before, "remove() must untrack the meter, not leave it to the GC"
 
 
-def test_removing_a_streamer_twice_leaves_the_plain_model():
+def test_removing_a_streamer_twice_leaves_the_plain_model(remove_after):
     torch.manual_seed(0)
     model, x = Stack(), torch.randn(3, 8)
     with torch.no_grad():
         expected = model(x)
-    streamer = apply_layer_streaming(model, "cpu")
+    streamer = remove_after(apply_layer_streaming(model, "cpu"))
     streamer.remove()
     streamer.remove()  # a replica closed, then collected: the second call must not touch the model
     with torch.no_grad():
         assert torch.equal(model(x), expected)
 
 
-def test_a_model_already_under_streaming_is_refused():
+def test_a_model_already_under_streaming_is_refused(remove_after):
     model = Stack()
-    apply_layer_streaming(model, "cpu")
+    remove_after(apply_layer_streaming(model, "cpu"))
     with pytest.raises(AlreadyStreamedError, match="already under layer streaming"):
-        apply_layer_streaming(model, "cpu")
+        remove_after(apply_layer_streaming(model, "cpu"))
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -347,21 +347,21 @@ def test_bad_config_is_refused_with_the_field_named(kwargs, error, match):
         StreamingConfig(**kwargs)
 
 
-def test_hosting_for_a_layer_that_is_not_streamed_is_refused():
+def test_hosting_for_a_layer_that_is_not_streamed_is_refused(remove_after):
     with pytest.raises(ValueError, match="blocks.9"):
-        apply_layer_streaming(Stack(), "cpu", StreamingConfig(hosting={"blocks.9": HostingTier.PINNED}))
+        remove_after(apply_layer_streaming(Stack(), "cpu", StreamingConfig(hosting={"blocks.9": HostingTier.PINNED})))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the same code runs on CPU above)")
 @pytest.mark.parametrize("tier", [HostingTier.PINNED, HostingTier.PAGEABLE, HostingTier.MAPPED])
 @pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.name)
-def test_streamed_output_is_bitwise_equal_on_cuda(case, tier):
+def test_streamed_output_is_bitwise_equal_on_cuda(case, tier, remove_after):
     model, inputs = case.build(), case.inputs()
     expected = case.run(model.to("cuda"), {k: v.to("cuda") for k, v in inputs.items()})
     model.to("cpu")
     keys = [f"{p}.{i}" for p in declared_layer_groups(model) for i in range(len(resolve_layer_group(model, p).layers))]
-    streamer = apply_layer_streaming(model, "cuda", StreamingConfig(prefetch_depth=2, resident=1,
-                                                                     hosting={k: tier for k in keys}))
+    streamer = remove_after(apply_layer_streaming(model, "cuda", StreamingConfig(prefetch_depth=2, resident=1,
+                                                                     hosting={k: tier for k in keys})))
     cuda_inputs = {k: v.to("cuda") for k, v in inputs.items()}
     for _ in range(2):
         streamer.prepare_for_use()
@@ -376,12 +376,12 @@ class Failing(Exception):
     pass
 
 
-def test_a_layer_that_raises_is_released_and_the_next_request_is_exact():
+def test_a_layer_that_raises_is_released_and_the_next_request_is_exact(remove_after):
     torch.manual_seed(0)
     model, x = Stack(), torch.randn(3, 8)
     with torch.no_grad():
         expected = model(x)
-    streamer = apply_layer_streaming(model, "cpu")
+    streamer = remove_after(apply_layer_streaming(model, "cpu"))
 
     def boom(*_):
         raise Failing("layer 2 failed")
@@ -397,7 +397,7 @@ def test_a_layer_that_raises_is_released_and_the_next_request_is_exact():
     assert _materialized_keys(streamer) == set()
 
 
-def test_a_second_thread_entering_a_running_layer_is_refused():
+def test_a_second_thread_entering_a_running_layer_is_refused(remove_after):
     import threading
 
     from offload_core.streaming.engine import ConcurrentForwardError
@@ -406,7 +406,7 @@ def test_a_second_thread_entering_a_running_layer_is_refused():
     model, x = Stack(), torch.randn(3, 8)
     with torch.no_grad():
         expected = model(x)
-    streamer = apply_layer_streaming(model, "cpu")
+    streamer = remove_after(apply_layer_streaming(model, "cpu"))
     inside, release = threading.Event(), threading.Event()
 
     def hold(*_):
@@ -432,24 +432,24 @@ def test_a_second_thread_entering_a_running_layer_is_refused():
     streamer.finish_use()
 
 
-def test_buffers_stay_on_the_device_and_only_parameters_stream():
+def test_buffers_stay_on_the_device_and_only_parameters_stream(remove_after):
     model = Stack()
     shifts = [b.shift for b in model.blocks]
-    streamer = apply_layer_streaming(model, "cpu")
+    streamer = remove_after(apply_layer_streaming(model, "cpu"))
     assert all(b.shift is s and b.shift.numel() == 8 for b, s in zip(model.blocks, shifts))
     assert all(len(layer.params) == 4 for layer in streamer.layers)
 
 
-def test_a_resident_count_above_the_layer_count_makes_every_layer_resident(caplog):
+def test_a_resident_count_above_the_layer_count_makes_every_layer_resident(caplog, remove_after):
     import logging
 
     with caplog.at_level(logging.INFO, logger="offload_core.streaming.engine"):
-        streamer = apply_layer_streaming(Stack(depth=3), "cpu", StreamingConfig(resident=5))
+        streamer = remove_after(apply_layer_streaming(Stack(depth=3), "cpu", StreamingConfig(resident=5)))
     assert all(layer.resident for layer in streamer.layers) and streamer.ring.n_slots == 0
     assert "resident=5 asked, only 3 layers" in caplog.text
 
 
-def test_a_failed_host_allocation_leaves_the_model_as_it_was(monkeypatch):
+def test_a_failed_host_allocation_leaves_the_model_as_it_was(monkeypatch, remove_after):
     from offload_core.streaming import host_layer
 
     torch.manual_seed(0)
@@ -467,35 +467,35 @@ def test_a_failed_host_allocation_leaves_the_model_as_it_was(monkeypatch):
 
     monkeypatch.setattr(host_layer, "allocate_host_buffer", fail_third)
     with pytest.raises(MemoryError):
-        apply_layer_streaming(model, "cpu", StreamingConfig(hosting={f"blocks.{i}": HostingTier.PINNED for i in range(4)}))
+        remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(hosting={f"blocks.{i}": HostingTier.PINNED for i in range(4)})))
     assert not hasattr(model, "_offload_layer_streamer")
     assert all(p.numel() > 0 for p in model.parameters()), "a layer was left on its placeholder"
     with torch.no_grad():
         assert torch.equal(model(x), expected)
     monkeypatch.setattr(host_layer, "allocate_host_buffer", real_allocate)
-    apply_layer_streaming(model, "cpu")
+    remove_after(apply_layer_streaming(model, "cpu"))
     with torch.no_grad():
         assert torch.equal(model(x), expected)
 
 
-def test_streaming_under_inference_mode_then_no_grad_stays_exact():
+def test_streaming_under_inference_mode_then_no_grad_stays_exact(remove_after):
     model, inputs = WAN.build(), WAN.inputs()
     expected = WAN.run(model, inputs)
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(resident=1, keep_resident=True))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(resident=1, keep_resident=True)))
     with torch.inference_mode():  # views made here are inference tensors, reused under no_grad below
         assert torch.equal(model(**inputs, return_dict=False)[0], expected)
     assert torch.equal(WAN.run(model, inputs), expected)
     streamer.finish_use(keep_resident=False)
 
 
-def test_mixed_dtype_layers_stream_one_flat_buffer_per_dtype():
+def test_mixed_dtype_layers_stream_one_flat_buffer_per_dtype(remove_after):
     torch.manual_seed(0)
     model, x = Stack(), torch.randn(3, 8)
     for block in model.blocks[1:]:  # bf16 scales, fp32 matmuls: fp32 * bf16 promotes to fp32
         block.scale.data = block.scale.data.to(torch.bfloat16)
     with torch.no_grad():
         expected = model(x)
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=2))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=2)))
     assert [layer.layout.dtypes for layer in streamer.layers] == [(torch.float32,)] + [(torch.bfloat16, torch.float32)] * 3
     assert [len(layer.host_tensors()) for layer in streamer.layers] == [1, 2, 2, 2]
     with torch.no_grad():

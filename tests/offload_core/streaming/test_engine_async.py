@@ -112,12 +112,12 @@ def _all(model, tier: HostingTier) -> dict[str, HostingTier]:
 @pytest.mark.parametrize("tier", list(HostingTier), ids=lambda t: t.value)
 @pytest.mark.parametrize("depth,resident", [(1, 0), (2, 1), (1, 0.5)])
 @pytest.mark.parametrize("case", [WAN, FLUX], ids=lambda c: c.name)
-def test_every_layer_waits_for_its_own_copy_before_it_runs(deferred, case, depth, resident, tier):
+def test_every_layer_waits_for_its_own_copy_before_it_runs(deferred, case, depth, resident, tier, remove_after):
     device = deferred(DeferredCopyDevice())
     model, inputs = case.build(), case.inputs()
     expected = case.run(model, inputs)
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=depth, resident=resident,
-                                                                   hosting=_all(model, tier)))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=depth, resident=resident,
+                                                                   hosting=_all(model, tier))))
     for _ in range(2):
         streamer.prepare_for_use()
         assert torch.equal(case.run(model, inputs), expected)
@@ -132,9 +132,9 @@ def test_every_layer_waits_for_its_own_copy_before_it_runs(deferred, case, depth
     assert (device.host_waits_count > 0) is staged, "only staged fills wait (on the copier) for a copy out"
 
 
-def test_a_layer_that_skipped_its_wait_would_compute_on_a_stale_slot(deferred):
+def test_a_layer_that_skipped_its_wait_would_compute_on_a_stale_slot(deferred, remove_after):
     deferred(DeferredCopyDevice(honour_waits=False))
     model, inputs = WAN.build(), WAN.inputs()
     expected = WAN.run(model, inputs)
-    apply_layer_streaming(model, "cpu", StreamingConfig(hosting=_all(model, HostingTier.PINNED)))
+    remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(hosting=_all(model, HostingTier.PINNED))))
     assert not torch.equal(WAN.run(model, inputs), expected), "the deferred device must expose a missing wait"

@@ -67,21 +67,21 @@ def test_without_the_trace_the_declared_order_wastes_prefetches():
     assert untraced["copied"][0] > _two_requests(IN_ORDER, resident=0)["copied"][0]
 
 
-def test_a_layer_without_parameters_gets_no_slot_and_no_hook():
+def test_a_layer_without_parameters_gets_no_slot_and_no_hook(remove_after):
     model = tiny_hunyuan(IN_ORDER)
     gelu = model.single_transformer_blocks[1]
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=1))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=1)))
     assert "single_transformer_blocks.1" not in [layer.key for layer in streamer.layers]
     assert len(streamer.layers) == 7 and streamer.ring.n_slots == 2
     assert not gelu._forward_pre_hooks and not gelu._forward_hooks
     streamer.remove()
 
 
-def test_a_layer_order_that_misses_a_layer_is_refused_before_anything_moves():
+def test_a_layer_order_that_misses_a_layer_is_refused_before_anything_moves(remove_after):
     model = tiny_hunyuan(IN_ORDER)
     weight = model.transformer_blocks[0].linear.weight
     with pytest.raises(LayoutError, match="missing"):
-        apply_layer_streaming(model, "cpu", StreamingConfig(layer_order=("transformer_blocks.0",)))
+        remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(layer_order=("transformer_blocks.0",))))
     assert weight.numel() > 0 and weight.device.type == "cpu"
 
 

@@ -73,10 +73,10 @@ def test_moves_change_the_count_and_a_reset_peak_starts_from_now():
     assert meter.peak_bytes == 400
 
 
-def test_a_streamed_request_never_walks_the_parameters(monkeypatch):
+def test_a_streamed_request_never_walks_the_parameters(monkeypatch, remove_after):
     model, inputs = WAN.build(), WAN.inputs()
     expected = WAN.run(model, inputs)
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=1, resident=1))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=1, resident=1)))
 
     def no_walks(*_args):
         raise AssertionError("the meter walked the parameters during a request")
@@ -106,10 +106,10 @@ def audit_at_every_hook(meter: DeviceWeightMeter, modules) -> list[int]:
 @pytest.mark.parametrize("depth,resident", [(1, 0), (2, 1), (1, 0.5)])
 @pytest.mark.parametrize("tier", list(HostingTier), ids=lambda t: t.value)
 @pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.name)
-def test_incremental_bytes_equal_the_walk_at_every_hook(case, tier, depth, resident):
+def test_incremental_bytes_equal_the_walk_at_every_hook(case, tier, depth, resident, remove_after):
     model, inputs = case.build(), case.inputs()
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(
-        prefetch_depth=depth, resident=resident, hosting={key: tier for key in _layer_keys(model)}))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(
+        prefetch_depth=depth, resident=resident, hosting={key: tier for key in _layer_keys(model)})))
     seen = audit_at_every_hook(streamer.meter, [model, *(layer.module for layer in streamer.layers)])
     for _request in range(2):
         streamer.prepare_for_use()

@@ -139,9 +139,9 @@ def test_bad_link_rates_are_refused():
         SimLink(launch_s=-1.0)
 
 
-def test_compute_time_is_required_for_every_layer():
+def test_compute_time_is_required_for_every_layer(remove_after):
     sim = SimDevice(LINK)
     model = WAN.build()
-    streamer = apply_layer_streaming(model, sim)
+    streamer = remove_after(apply_layer_streaming(model, sim))
     with pytest.raises(ValueError, match="no compute time for layers"):
         sim.charge_layer_compute(streamer, {})

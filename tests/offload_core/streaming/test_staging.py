@@ -34,9 +34,9 @@ class ThreadedCpuDevice(Device):
         return ThreadCopier(name)
 
 
-def test_staging_bytes_are_the_buffers_times_the_largest_staged_layer_per_dtype():
+def test_staging_bytes_are_the_buffers_times_the_largest_staged_layer_per_dtype(remove_after):
     model = FLUX.build()
-    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(hosting=_mixed(model), staging_buffers=3))
+    streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(hosting=_mixed(model), staging_buffers=3)))
     staged = [layer for layer in streamer.layers if layer.tier is not HostingTier.PINNED]
     assert streamer.staging_bytes == 3 * RegionMap.covering(layer.layout for layer in staged).nbytes > 0
     streamer.prepare_for_use()
@@ -44,12 +44,12 @@ def test_staging_bytes_are_the_buffers_times_the_largest_staged_layer_per_dtype(
     streamer.remove()
 
 
-def test_pinned_layers_and_staging_switched_off_take_no_staging_bytes():
+def test_pinned_layers_and_staging_switched_off_take_no_staging_bytes(remove_after):
     model = WAN.build()
-    pinned = apply_layer_streaming(model, "cpu", StreamingConfig(hosting={k: HostingTier.PINNED for k in _keys(model)}))
+    pinned = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(hosting={k: HostingTier.PINNED for k in _keys(model)})))
     assert pinned.staging is None and pinned.staging_bytes == 0
     pinned.remove()
-    off = apply_layer_streaming(model, "cpu", StreamingConfig(staged_copies=False))
+    off = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(staged_copies=False)))
     assert off.staging is None and off.staging_bytes == 0
 
 
@@ -62,11 +62,11 @@ def test_staging_buffers_must_be_a_positive_count():
 
 @pytest.mark.parametrize("depth,resident", [(1, 0), (2, 0), (1, 2)])
 @pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.name)
-def test_staged_streaming_with_a_real_copier_thread_is_bitwise_equal(case, depth, resident):
+def test_staged_streaming_with_a_real_copier_thread_is_bitwise_equal(case, depth, resident, remove_after):
     model, inputs = case.build(), case.inputs()
     expected = case.run(model, inputs)
-    streamer = apply_layer_streaming(model, ThreadedCpuDevice(), StreamingConfig(
-        prefetch_depth=depth, resident=resident, hosting=_mixed(model)))
+    streamer = remove_after(apply_layer_streaming(model, ThreadedCpuDevice(), StreamingConfig(
+        prefetch_depth=depth, resident=resident, hosting=_mixed(model))))
     for _ in range(2):
         streamer.prepare_for_use()
         for _ in range(3):
@@ -78,11 +78,11 @@ def test_staged_streaming_with_a_real_copier_thread_is_bitwise_equal(case, depth
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["released", "kept"])
-def test_staged_layers_never_block_the_launch_thread_and_copy_only_from_pinned_memory(keep):
+def test_staged_layers_never_block_the_launch_thread_and_copy_only_from_pinned_memory(keep, remove_after):
     sim = SimDevice(SimLink())
     model, inputs = WAN.build(), WAN.inputs()
     expected = WAN.run(model, inputs)
-    streamer = apply_layer_streaming(model, sim, StreamingConfig(resident=1, hosting=_mixed(model), keep_resident=keep))
+    streamer = remove_after(apply_layer_streaming(model, sim, StreamingConfig(resident=1, hosting=_mixed(model), keep_resident=keep)))
     sim.register_streamer(streamer)
     sim.charge_layer_compute(streamer, {layer.key: 1e-5 for layer in streamer.layers})
     for _ in range(3):
@@ -94,19 +94,19 @@ def test_staged_layers_never_block_the_launch_thread_and_copy_only_from_pinned_m
     assert streamer.staging.restarts == 0, "the copier filled exactly the layers asked for, in order"
 
 
-def test_without_staging_pageable_copies_block_the_launch_thread():
+def test_without_staging_pageable_copies_block_the_launch_thread(remove_after):
     sim = SimDevice(SimLink())
     model, inputs = WAN.build(), WAN.inputs()
-    streamer = apply_layer_streaming(model, sim, StreamingConfig(staged_copies=False))
+    streamer = remove_after(apply_layer_streaming(model, sim, StreamingConfig(staged_copies=False)))
     sim.register_streamer(streamer)
     sim.charge_layer_compute(streamer, {layer.key: 1e-5 for layer in streamer.layers})
     WAN.run(model, inputs)
     assert sim.blocked_s > 0
 
 
-def test_a_failed_fill_surfaces_in_the_forward_that_needed_it(monkeypatch):
+def test_a_failed_fill_surfaces_in_the_forward_that_needed_it(monkeypatch, remove_after):
     model, inputs = WAN.build(), WAN.inputs()
-    streamer = apply_layer_streaming(model, ThreadedCpuDevice())
+    streamer = remove_after(apply_layer_streaming(model, ThreadedCpuDevice()))
 
     def refuse(_regions):
         raise OSError("page fault reading the mapping")
