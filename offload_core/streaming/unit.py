@@ -1,0 +1,96 @@
+"""One layer under streaming (the streamed unit): its host copy, its parameters, its device views.
+
+The unit knows how to bind its parameters to device views and release them to placeholders; the
+:class:`offload_core.streaming.engine.LayerStreamer` (the driver) decides when, from the hooks that
+call :meth:`StreamedLayer.pre_forward` / :meth:`StreamedLayer.post_forward`.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Protocol
+
+import torch
+from torch import nn
+
+from offload_core.host.tier import HostingTier
+from offload_core.layout import LayerLayout, placeholder, tensor_view
+from offload_core.streaming.host_layer import HostLayer
+from offload_core.streaming.meter import DeviceWeightMeter
+
+
+class LayerDriver(Protocol):
+    """What a unit needs of the streamer that drives it (the engine's LayerStreamer)."""
+
+    meter: DeviceWeightMeter
+
+    def before_layer(self, layer: StreamedLayer) -> None: ...
+
+    def after_layer(self, layer: StreamedLayer) -> None: ...
+
+
+class StreamedLayer:
+    """One layer under streaming: its host copy, its parameters, and its hooks' entry points."""
+
+    def __init__(self, key: str, module: nn.Module, params: tuple[nn.Parameter, ...], host: HostLayer,
+                 resident: bool, device: torch.device, streamer: LayerDriver):
+        self.key = key
+        self.module = module
+        self.params = params
+        self.host = host
+        self.resident = resident
+        self.position = -1  # in the ring's streamed order; set for streamed layers only
+        self._placeholders = tuple(placeholder(device, p.dtype) for p in params)
+        self._streamer = streamer
+        # Any one non-empty parameter tells the meter which device allocation the layer is bound
+        # to (all its views share one); None when the layer has no data (it counts nothing).
+        self._witness = next((i for i, meta in enumerate(host.layout.tensors) if meta.extent), None)
+
+    @property
+    def layout(self) -> LayerLayout:
+        return self.host.layout
+
+    @property
+    def tier(self) -> HostingTier:
+        return self.host.tier
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer occupies on the device when materialized (its flat layout)."""
+        return self.layout.nbytes
+
+    def host_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.host.host_tensors()
+
+    @property
+    def materialized(self) -> bool:
+        return any(p.numel() > 0 for p in self.params)
+
+    def views(self, regions: Mapping[torch.dtype, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Each parameter's view of the device ``regions`` (shape and strides as the original)."""
+        return tuple(tensor_view(regions[meta.dtype], meta) for meta in self.layout.tensors)
+
+    def bind(self, views: tuple[torch.Tensor, ...]) -> None:
+        """Point every parameter at its device view (from :meth:`views`)."""
+        for param, view in zip(self.params, views):
+            param.data = view
+        if self._witness is not None:
+            self._streamer.meter.bind(self, views[self._witness])
+
+    def release(self) -> None:
+        """Point every parameter back at the shared zero-element placeholder."""
+        for param, empty in zip(self.params, self._placeholders):
+            param.data = empty
+        self._streamer.meter.release(self)
+
+    def pre_forward(self) -> None:
+        if torch.is_inference_mode_enabled():
+            # A slot allocated (or a view made) inside a caller's inference_mode would be an
+            # inference tensor, and the next copy into it from a forward under plain no_grad would
+            # raise ("inplace update to inference tensor outside InferenceMode"): the engine's
+            # tensors outlive any one forward, so they are made as normal tensors.
+            with torch.inference_mode(False):
+                self._streamer.before_layer(self)
+        else:
+            self._streamer.before_layer(self)
+
+    def post_forward(self) -> None:
+        self._streamer.after_layer(self)  # only rebinds placeholders and records events
