@@ -77,6 +77,11 @@ class ComponentPlan:
     prediction: ComponentPrediction | None = None
     uses_per_request: int = 1  # from the facts: ranks the component's claim on pins
 
+    def decisions(self) -> tuple:
+        """What the engine is configured from (no predictions): equal decisions run the same way."""
+        return (self.strategy, self.layer_groups, self.resident_layers, self.prefetch_depth, self.park,
+                self.host_tables, self.hosting)
+
     def explain(self) -> str:
         p = self.prediction
         what = {
@@ -102,6 +107,10 @@ def _tier_counts(hosting) -> dict[HostingTier, int]:
     for _, tier in hosting:
         counts[tier] += 1
     return counts
+
+
+def _tiers_text(hosting) -> str:
+    return ", ".join(f"{n} {t.value}" for t, n in _tier_counts(hosting).items() if n) or "none"
 
 
 def _gib(nbytes: int) -> str:
@@ -145,9 +154,30 @@ class PipelinePlan:
                 return stage
         raise KeyError(component)
 
+    def changes_from(self, other: PipelinePlan) -> tuple[str, ...]:
+        """How this plan's decisions differ from ``other``'s, one line per difference (empty: none)."""
+        out = [f"mode {other.mode.value} -> {self.mode.value}"] if self.mode is not other.mode else []
+        theirs = {c.name: c for c in other.components}
+        for c in self.components:
+            was = theirs.get(c.name)
+            if was is None:
+                out.append(f"{c.name}: new")
+                continue
+            for label, old, new in (("strategy", was.strategy.value, c.strategy.value),
+                                    ("resident layers", was.resident_layers, c.resident_layers),
+                                    ("depth", was.prefetch_depth, c.prefetch_depth), ("park", was.park, c.park),
+                                    ("tables on host", was.host_tables, c.host_tables)):
+                if old != new:
+                    out.append(f"{c.name}: {label} {old} -> {new}")
+            if was.hosting != c.hosting:
+                out.append(f"{c.name}: tiers {_tiers_text(was.hosting)} -> {_tiers_text(c.hosting)}")
+        out += [f"{name}: gone" for name in theirs if name not in {c.name for c in self.components}]
+        return tuple(out)
+
     def explain(self) -> tuple[str, ...]:
-        head = (f"{self.mode.value} plan on {self.device_name} ({_gib(self.device_capacity)}, weights may take "
-                f"{_gib(self.weight_budget)}): {'feasible' if self.feasible else 'INFEASIBLE'}; predicted peak "
+        working_set = self.device_capacity - self.weight_budget
+        head = (f"{self.mode.value} plan on {self.device_name} ({_gib(self.device_capacity)}, "
+                f"{_gib(working_set)} kept for activations, weights may take {_gib(self.weight_budget)}): {'feasible' if self.feasible else 'INFEASIBLE'}; predicted peak "
                 f"{_gib(self.peak_device_bytes)} in stage {self.peak_stage}; {_gib(self.bytes_moved_per_request)} "
                 f"moved and {self.time_s_per_request:.2f} s per request ({self.compute_s_per_request:.2f} s compute, "
                 f"{self.transfer_s_per_request:.2f} s transfer); {_gib(self.pinned_bytes)} pinned "

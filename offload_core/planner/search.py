@@ -287,3 +287,21 @@ def retier(plan: PipelinePlan, tiers: Mapping[str, Mapping[str, HostingTier]], w
                 again.time_s_per_request, plan.time_s_per_request)
     return dataclasses.replace(again, weight_budget=plan.weight_budget, feasible=plan.feasible,
                                notes=(*plan.notes, *why))
+
+
+def memory_floor_bytes(facts: PipelineFacts, overrides: Mapping[str, ComponentOverride] | None = None) -> int:
+    """The device weight bytes of the leanest plan (the memory mode's peak): a working set larger
+    than the capacity minus this would leave the weights no plan that fits. Not logged: no plan is made."""
+    return _fixed(facts, PerformanceMode.MEMORY, dict(overrides or {}), facts.weight_budget).peak_device_bytes
+
+
+def repredict(plan: PipelinePlan, facts: PipelineFacts, why: Sequence[str] = ()) -> PipelinePlan:
+    """The same decisions (strategies, resident layers, depths, tiers) predicted from other facts of the
+    same components: measured compute, a working set. Device and host bytes do not change; times,
+    the weight budget and feasibility may."""
+    if {c.name for c in plan.components} != {c.name for c in facts.components}:
+        raise ValueError(f"facts describe {[c.name for c in facts.components]}, the plan "
+                         f"{[c.name for c in plan.components]}: re-predicting needs the same components")
+    again = _evaluate(facts, plan.mode, {c.name: c for c in plan.components}, {}, facts.weight_budget,
+                      assign_hosting=False)
+    return dataclasses.replace(again, notes=(*plan.notes, *why))

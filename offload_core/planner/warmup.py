@@ -4,10 +4,21 @@ A pipeline's components are called a model-dependent number of times per request
 text encoder for the prompt and the negative prompt, the denoiser twice per step for guidance,
 the VAE decoder once per latent frame), so counting beats guessing. Hooks on each component's
 layers count passes over the first layer that runs, time each layer, and note the order layers
-first run in (the profile's execution order); the warm-up runs the plain model.
+first ran in (the profile's execution order). The warm-up may run the plain model or a model
+already under streaming (a service replica times its layers as applied):
+
+- a layer's *compute* is timed by an inner pair of hooks: the pre-hook registered after any hook
+  already on the layer (the streamer's, which waits for the layer's copy and issues the next
+  ones), the post-hook put before them (so the streamer's release is not counted either); on CUDA
+  each syncs the *current* (compute) stream only, never the copy stream, so a copy still in flight
+  for a later layer is not waited for;
+- an outer pair spans the layer with every hook on it, so the component's non-layer compute
+  (total minus the spans) holds no copy wait either. A streamed layer's wait for its copy is in
+  neither figure: it is transfer, which the cost model adds from the link, not compute.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
@@ -31,11 +42,42 @@ class WarmupFigures:
 
     uses: int  # passes over its first layer (or calls of the module, without layer groups)
     order: tuple[str, ...]  # layer keys in the order they first ran
-    layer_s: tuple[float, ...]  # mean seconds per use, per layer, in that order
-    total_s: float  # seconds inside the component's own forwards, per request
+    layer_s: tuple[float, ...]  # mean seconds of compute per use, per layer, in that order
+    total_s: float  # seconds inside the component's own forwards, per request (copy waits included)
+    # Seconds per request spent in the layers with every hook on them (their compute, the streamer's
+    # hooks and waits); total_s minus this is the component's non-layer compute.
+    layer_span_s: float = 0.0
+
+    @property
+    def rest_s(self) -> float:
+        """Non-layer compute per use (embeddings, norms, heads): no layer, no copy wait in it."""
+        return max(self.total_s - self.layer_span_s, 0.0) / max(self.uses, 1)
+
+
+@dataclass(frozen=True)
+class MeasuredCompute:
+    """One component's compute per use, as measured: seconds per layer by key, and the rest."""
+
+    layer_s: tuple[tuple[str, float], ...]  # (layer key, seconds per use)
+    rest_s: float  # non-layer seconds per use
+
+    @property
+    def per_use_s(self) -> float:
+        return sum(s for _, s in self.layer_s) + self.rest_s
+
+    @classmethod
+    def of(cls, figures: WarmupFigures) -> MeasuredCompute:
+        return cls(tuple(zip(figures.order, figures.layer_s)), figures.rest_s)
 
 
 _ENTRIES = itertools.count(1)  # a global clock of first entries: orders layers across groups
+
+
+def compute_sync(device: torch.device | None = None) -> Callable[[], None]:
+    """Wait for the kernels of the current stream only: never for copies on another stream."""
+    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
+        return lambda: None
+    return lambda: torch.cuda.current_stream().synchronize()
 
 
 class _Timer:
@@ -54,22 +96,35 @@ class _Timer:
         self.calls += 1
 
 
+def _hook(module: nn.Module, inner: _Timer, outer: _Timer) -> list:
+    """Inner timer closest to the forward (compute only), outer around every other hook (the span)."""
+    return [module.register_forward_pre_hook(outer.pre, prepend=True),
+            module.register_forward_pre_hook(inner.pre),
+            module.register_forward_hook(inner.post, prepend=True),
+            module.register_forward_hook(outer.post, always_call=True)]
+
+
 def measure_warmup(components: Mapping[str, nn.Module], run: Callable[[], object],
-                   layer_groups: Mapping[str, Sequence[str]] | None = None) -> dict[str, WarmupFigures]:
-    """Run ``run`` once with timing hooks on every component; returns per-component figures."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+                   layer_groups: Mapping[str, Sequence[str]] | None = None,
+                   device: torch.device | None = None) -> dict[str, WarmupFigures]:
+    """Run ``run`` once with timing hooks on every component; returns per-component figures.
+
+    ``device``: where the components compute (None: CUDA's current stream is synced when CUDA is
+    available, as for a plain model on the GPU).
+    """
+    sync = compute_sync(device)
     handles, timers = [], {}
     for name, model in components.items():
         layers = declared_layers(model, streamable_groups(model, (layer_groups or {}).get(name)))
-        timers[name] = ([(layer.key, _Timer(sync)) for layer in layers], _Timer(sync))
-        for layer, (_, timer) in zip(layers, timers[name][0]):
-            handles += [layer.module.register_forward_pre_hook(timer.pre),
-                        layer.module.register_forward_hook(timer.post)]
+        pairs = [(layer.key, _Timer(sync), _Timer(sync)) for layer in layers]
+        timers[name] = (pairs, _Timer(sync))
+        for layer, (_, inner, outer) in zip(layers, pairs):
+            handles += _hook(layer.module, inner, outer)
         # Components whose pipeline calls a method (vae.decode) rather than forward: time every child.
         roots = [model] if layers else list(model.children()) or [model]
         for root in roots:
-            handles += [root.register_forward_pre_hook(timers[name][1].pre),
-                        root.register_forward_hook(timers[name][1].post)]
+            handles += [root.register_forward_pre_hook(timers[name][1].pre, prepend=True),
+                        root.register_forward_hook(timers[name][1].post, always_call=True)]
     try:
         with torch.no_grad():
             run()
@@ -77,15 +132,26 @@ def measure_warmup(components: Mapping[str, nn.Module], run: Callable[[], object
         for handle in handles:
             handle.remove()
     out = {}
-    for name, (layer_timers, root) in timers.items():
-        never = [key for key, t in layer_timers if not t.calls]
+    for name, (pairs, root) in timers.items():
+        never = [key for key, t, _ in pairs if not t.calls]
         if never:
             raise ValueError(f"{name}: the warm-up never ran layers {never[:4]}: their compute and order are unknown")
-        ran = sorted(layer_timers, key=lambda item: item[1].first)
+        ran = sorted(pairs, key=lambda item: item[1].first)
         uses = ran[0][1].calls if ran else root.calls
-        per_layer = tuple(t.elapsed / max(uses, 1) for _, t in ran)
-        out[name] = WarmupFigures(uses, tuple(key for key, _ in ran), per_layer, root.elapsed)
+        per_layer = tuple(t.elapsed / max(uses, 1) for _, t, _ in ran)
+        out[name] = WarmupFigures(uses, tuple(key for key, _, _ in ran), per_layer, root.elapsed,
+                                  sum(o.elapsed for _, _, o in ran))
     return out
+
+
+def with_measured_compute(profile: ComponentProfile, measured: MeasuredCompute) -> ComponentProfile:
+    """``profile`` (layers in its own order) with the measured seconds per use of each of its layers."""
+    by_key = dict(measured.layer_s)
+    missing = [layer.key for layer in profile.layers if layer.key not in by_key]
+    if missing:
+        raise ValueError(f"{profile.name}: no measured compute for layers {missing[:4]}")
+    return dataclasses.replace(profile, compute_s_per_layer=tuple(by_key[layer.key] for layer in profile.layers),
+                               compute_s_rest=measured.rest_s)
 
 
 def profiles_from_warmup(components: Mapping[str, nn.Module], figures: Mapping[str, WarmupFigures],
@@ -95,8 +161,7 @@ def profiles_from_warmup(components: Mapping[str, nn.Module], figures: Mapping[s
     profiles = []
     for name, model in components.items():
         f = figures[name]
-        rest = max(f.total_s - sum(f.layer_s) * f.uses, 0.0) / max(f.uses, 1)
         profiles.append(profile_component(name, model, uses_per_request=f.uses, compute_s_per_layer=f.layer_s,
-                                          compute_s_rest=rest, tables=tables, layer_order=f.order,
+                                          compute_s_rest=f.rest_s, tables=tables, layer_order=f.order,
                                           layer_groups=(layer_groups or {}).get(name)))
     return tuple(profiles)

@@ -169,3 +169,42 @@ def test_staged_pageable_copies_overlap_compute_in_the_prediction(compute_s, bou
     per_use = 10 * compute_s if bound == "compute" else 10 * 1024 / 102.4
     assert p.time_s == pytest.approx(once + 10 * per_use)
     assert p.staging_bytes == plan.staging_bytes == 2 * 1024
+
+
+def test_measured_compute_that_hides_transfer_needs_fewer_resident_layers_than_0_s():
+    # A layer copies in 2 s. With 0 s of compute nothing hides a copy: every resident layer saves
+    # time, so AUTO keeps as many as fit (6 in 9216 B). Measured at 3 s per layer, 30 s per use hide
+    # all ten streamed layers' 20 s of copies: no resident layer is worth its bytes.
+    unmeasured = plan_pipeline(one_component(capacity=9_216, compute_s=0.0), PerformanceMode.AUTO).component("dit")
+    measured = plan_pipeline(one_component(capacity=9_216, compute_s=3.0), PerformanceMode.AUTO).component("dit")
+    assert unmeasured.strategy is measured.strategy is Strategy.LAYERWISE
+    assert (unmeasured.resident_layers, measured.resident_layers) == (6, 0)
+    assert measured.prediction.time_s == pytest.approx(10 * 30.0), "the copies hide behind compute"
+
+
+def test_a_working_set_is_taken_from_the_weights_room_and_shown_in_the_explanation():
+    roomy = plan_pipeline(one_component(capacity=9_216, compute_s=0.0), PerformanceMode.AUTO)
+    facts = dataclasses.replace(one_component(capacity=9_216, compute_s=0.0), working_set_bytes=3_072)
+    tight = plan_pipeline(facts, PerformanceMode.AUTO)
+    assert tight.weight_budget == 6_144 and tight.peak_device_bytes <= 6_144
+    assert tight.component("dit").resident_layers == 3 < roomy.component("dit").resident_layers
+    assert "0.00 GiB kept for activations" in roomy.explain()[0]
+    assert f"{3_072 / 2**30:.2f} GiB kept for activations" in tight.explain()[0]
+
+
+def test_a_plan_re_predicted_from_measured_compute_keeps_its_decisions_and_shows_the_new_times():
+    from offload_core.planner.search import memory_floor_bytes, repredict
+
+    zero = one_component(capacity=9_216, compute_s=0.0)
+    plan = plan_pipeline(zero, PerformanceMode.AUTO)
+    measured = one_component(capacity=9_216, compute_s=3.0)
+    again = repredict(plan, measured, ("compute measured",))
+    assert [c.decisions() for c in again.components] == [c.decisions() for c in plan.components]
+    assert again.peak_device_bytes == plan.peak_device_bytes and again.bytes_moved_per_request == plan.bytes_moved_per_request
+    assert again.compute_s_per_request == pytest.approx(10 * 30.0) and plan.compute_s_per_request == 0
+    assert again.explain()[-1] == "compute measured"
+    fewer = plan_pipeline(measured, PerformanceMode.AUTO)
+    assert fewer.changes_from(plan) == ("dit: resident layers 6 -> 0",)
+    assert plan.changes_from(plan) == ()
+    # The leanest plan: non-layer weights and two slots, whatever the compute.
+    assert memory_floor_bytes(zero) == memory_floor_bytes(measured) == 512 + 2 * 1024

@@ -1,6 +1,8 @@
 """The warm-up: uses per request, compute per layer, and the order layers first ran in."""
 from __future__ import annotations
 
+import time
+
 from offload_core.planner.warmup import measure_warmup, profiles_from_warmup
 from tests.offload_core.tiny_models import hunyuan_inputs, tiny_hunyuan
 
@@ -25,3 +27,47 @@ def test_the_warmup_profiles_layers_in_the_order_they_ran_with_their_uses():
     assert profile.compute_s_per_layer == figures.layer_s and profile.uses_per_request == 3
     assert all(p.device.type == "cpu" and p.numel() > 0 for p in model.parameters())
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()), "the warm-up leaves no hook"
+
+
+# A copy that takes this long would dwarf the tiny Wan blocks' compute (well under 5 ms each on CPU).
+SLOW_COPY_S = 0.05
+
+
+def test_a_slow_copy_of_a_streamed_layer_is_not_counted_as_its_compute(monkeypatch):
+    import torch
+
+    from offload_core.streaming import engine as streaming
+    from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
+    from tests.offload_core.streaming.test_engine_async import DeferredCopyDevice
+    from tests.offload_core.tiny_models import WAN
+
+    class SlowCopyDevice(DeferredCopyDevice):
+        """Copies land only when waited for, and each wait for a copy takes SLOW_COPY_S."""
+
+        def _run_until(self, position: int) -> None:
+            if position > self.ran:
+                time.sleep(SLOW_COPY_S)
+                self.slow_waits += 1
+            super()._run_until(position)
+
+    device = SlowCopyDevice()
+    device.slow_waits = 0
+    monkeypatch.setattr(streaming, "get_device", lambda _device: device)
+    model, inputs = WAN.build(), WAN.inputs()
+    expected = WAN.run(model, inputs)
+    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=1))
+    try:
+        streamer.prepare_for_use()
+        before = device.slow_waits
+        figures = measure_warmup({"dit": model}, lambda: WAN.run(model, inputs))["dit"]
+        slow = device.slow_waits - before
+        streamer.finish_use()
+    finally:
+        streamer.remove()
+    n_layers = len(streamer.layers)
+    assert slow >= n_layers - 1, "the layers' forwards waited for slow copies"
+    assert figures.uses == 1 and len(figures.layer_s) == n_layers
+    assert all(0 < s < SLOW_COPY_S / 2 for s in figures.layer_s), f"copy waits counted as compute: {figures.layer_s}"
+    assert figures.rest_s < SLOW_COPY_S / 2, f"copy waits counted as non-layer compute: {figures.rest_s}"
+    assert figures.layer_span_s >= slow * SLOW_COPY_S, "the spans hold the waits the compute leaves out"
+    assert torch.equal(WAN.run(model, inputs), expected)
