@@ -34,7 +34,8 @@ def host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget:
     plan is re-predicted from its facts (``search.retier``): the plan returned, the one the report
     shows, is the one that runs.
     """
-    from offload_core.host.hosting import HostingPolicy, facts_from_module, plan_hosting
+    from offload_core.host.facts import facts_from_module
+    from offload_core.host.hosting import HostingPolicy, plan_hosting
 
     planned = plan
     plan, shared_hosts = _shared(plan, components, shared, device)

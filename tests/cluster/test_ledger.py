@@ -99,7 +99,7 @@ def test_one_replica_cannot_take_more_than_its_cap(fleet_nodes):
 
 
 def test_a_replica_refused_pins_still_runs_on_mapped_layers_and_says_so(fleet_nodes):
-    from offload_core.host.hosting import ComponentFacts, LayerFacts
+    from offload_core.host.facts import ComponentFacts, LayerFacts
 
     node = fleet_nodes.small
     crowd = [on_node(node.node_id).remote(f"crowd-{i}", FAST) for i in range(2)]  # each under its cap

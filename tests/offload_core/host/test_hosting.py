@@ -12,15 +12,8 @@ import pytest
 import torch
 
 from offload_core.host.budget import InProcessLedger, MemoryBudget
-from offload_core.host.hosting import (
-    ComponentFacts,
-    GiB,
-    HostingPolicy,
-    LayerFacts,
-    denoiser_uses,
-    facts_from_module,
-    plan_hosting,
-)
+from offload_core.host.facts import ComponentFacts, LayerFacts, facts_from_module
+from offload_core.host.hosting import GiB, HostingPolicy, plan_hosting
 from offload_core.host.tier import HostingTier
 from offload_core.planner import real_models
 
@@ -117,8 +110,7 @@ def test_pageable_layers_are_demoted_before_any_pin_is_given_back():
 
 def test_ranking_is_weight_bytes_times_uses_not_raw_bytes():
     # The encoder is bigger, but the denoiser moves 40 B x 50 steps per request vs 100 B x 1.
-    dit = ComponentFacts("dit", _mapped_layers("blocks", 4, 10), uses_per_request=denoiser_uses(
-        {"num_inference_steps": 50}))
+    dit = ComponentFacts("dit", _mapped_layers("blocks", 4, 10), uses_per_request=50)
     enc = ComponentFacts("enc", _mapped_layers("encoder.block", 2, 50), uses_per_request=1)
     plan = plan_hosting([enc, dit], InProcessLedger(40), "r", _policy())
     assert set(plan.tiers_for("dit").values()) == {PINNED}
@@ -130,8 +122,6 @@ def test_ranking_is_weight_bytes_times_uses_not_raw_bytes():
 def test_a_missing_uses_figure_is_an_error_not_a_fallback_to_bytes(uses):
     with pytest.raises(ValueError, match="uses_per_request"):
         ComponentFacts("enc", _mapped_layers("encoder.block", 2, 50), uses_per_request=uses)
-    with pytest.raises(ValueError, match="num_inference_steps"):
-        denoiser_uses({"height": 480})
 
 
 def test_streamed_layers_must_come_before_resident_ones():
@@ -209,7 +199,7 @@ SPENDABLE = int(5.3 * GiB)
 def wan14b():
     return (real_models.meta_component("wan2.1-t2v-14b", "transformer"),
             real_models.meta_component("wan2.1-t2v-14b", "text_encoder"),
-            denoiser_uses(real_models.pipeline_defaults("wan2.1-t2v-14b")))
+            int(real_models.pipeline_defaults("wan2.1-t2v-14b")["num_inference_steps"]))
 
 
 @pytest.mark.parametrize("dtype", [None, torch.float32], ids=["published", "fp32"])

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from offload_core.host.budget import InProcessLedger
-from offload_core.host.hosting import HostingPolicy, facts_from_module, plan_hosting
+from offload_core.host.facts import facts_from_module
+from offload_core.host.hosting import HostingPolicy, plan_hosting
 from offload_core.host.tier import HostingTier
 from offload_core.residency.parking import Parking
 from offload_core.residency.report import component_residency, residency_report
