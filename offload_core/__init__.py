@@ -8,6 +8,8 @@ The public API. Everything a user needs for a model the project does not ship:
 - run a pipeline's components per plan: ``PipelineResidency``
 - plan without a GPU:           ``profile_component`` -> ``PipelineFacts`` -> ``plan_pipeline``
 - see where the weights are:    ``residency_report``
+- share a GPU with other processes: ``get_device(d).set_neighbours(outstanding_bytes)``; headroom
+  (``get_device(d).headroom(min_block)``) then leaves their leased bytes alone
 
 Subpackages, one concept each: ``streaming`` (the engine), ``host`` (host memory), ``residency``
 (component lifecycle and report), ``planner`` (facts, cost model, plan; no runtime state).
@@ -43,12 +45,13 @@ from offload_core.streaming.engine import (
                                            StreamingConfig,
                                            apply_layer_streaming,
 )
+from offload_core.streaming.headroom import Headroom, HeadroomTimeout
 from offload_core.tables import HostTablesConfig
 
 __all__ = [
     # streaming
     "apply_layer_streaming", "StreamingConfig", "ResidentPlacement", "LayerStreamer", "DeviceFacts",
-    "get_device",
+    "get_device", "Headroom", "HeadroomTimeout",
     # host memory
     "HostingTier", "HostingPlan", "HostingPolicy", "plan_hosting", "MemoryBudget", "InProcessLedger",
     "Lease", "Refusal",

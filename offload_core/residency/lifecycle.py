@@ -141,8 +141,11 @@ class _Layerwise(_Component):
             self.meter = self.streamer.meter
             if self.plan.park:
                 layer_params = [p for layer in self.streamer.layers for p in layer.params]
+                # The next use's largest allocation is a ring slot: the gate counts only headroom
+                # slot-sized allocations can get.
+                slot = self.streamer.ring.regions.nbytes if self.streamer.ring.n_slots else 0
                 self.parking = Parking(self.name, self.module, self.device, exclude=layer_params,
-                                       fraction=park_fraction, meter=self.meter)
+                                       fraction=park_fraction, meter=self.meter, min_block=slot)
         if self.parking is not None and parked:
             # Start as the planner predicts the gate leaves it between requests, so the first
             # request moves what every later one does.

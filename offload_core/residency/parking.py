@@ -6,15 +6,18 @@ Parking copies them once to a pageable host copy, points every parameter at a ze
 placeholder shared per (device, dtype), and restores them before the next use. Weights do not
 change between inference requests, so the host copy is kept and later parks copy nothing.
 
-The gate is real headroom (driver free + the allocator's reserved-but-unallocated bytes): park
-only if the bytes exceed ``fraction`` of it. When headroom is ample the device copy stays and any
-held host copy is dropped: it would be host memory spent for nothing.
+The gate is real headroom for the component's next use: bytes allocations of its slot's size can
+still get (driver free less neighbours' outstanding leases, whole free cached segments, cached
+blocks at least a slot big; ``offload_core.streaming.headroom``). Park only if the bytes exceed
+``fraction`` of it. When headroom is ample the device copy stays and any held host copy is
+dropped: it would be host memory spent for nothing.
 """
 from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -23,14 +26,15 @@ from torch import nn
 from offload_core.layout import placeholder
 from offload_core.planner.facts import DEFAULT_PARK_FRACTION
 from offload_core.streaming.device import get_device, normalize_device
+from offload_core.streaming.headroom import Headroom
 from offload_core.streaming.meter import DeviceWeightMeter, walked_device_bytes
 
 logger = logging.getLogger(__name__)
 
 
-def device_headroom(device: torch.device | str) -> int:
-    """Real headroom: CUDA driver free + allocator reserved-but-unallocated; CPU: configured capacity - in use."""
-    return get_device(device).headroom_bytes()
+def device_headroom(device: torch.device | str, min_block: int = 0) -> int:
+    """Bytes allocations of at least ``min_block`` can still get (``Device.headroom``)."""
+    return get_device(device).headroom_bytes(min_block)
 
 
 class ParkVerdict(enum.Enum):
@@ -47,10 +51,12 @@ class ParkDecision:
     nbytes: int
     headroom: int
     fraction: float
+    parts: Headroom | None = field(default=None, compare=False)  # where the headroom came from, if measured
 
     def explain(self) -> str:
-        return (f"{self.verdict.value}: {self.nbytes} B non-layer weights vs {self.fraction:.0%} of "
+        said = (f"{self.verdict.value}: {self.nbytes} B non-layer weights vs {self.fraction:.0%} of "
                 f"{self.headroom} B headroom = {int(self.fraction * self.headroom)} B")
+        return said if self.parts is None else f"{said}; headroom {self.parts.explain()}"
 
 
 class Parking:
@@ -58,12 +64,15 @@ class Parking:
 
     def __init__(self, name: str, module: nn.Module, device: torch.device | str,
                  exclude: Iterable[torch.Tensor] = (), fraction: float = DEFAULT_PARK_FRACTION,
-                 meter: DeviceWeightMeter | None = None):
+                 meter: DeviceWeightMeter | None = None, min_block: int = 0):
+        """``min_block``: the largest allocation the component's next use makes (a ring slot); the
+        gate counts only headroom such allocations can get."""
         if not 0.0 <= fraction:
             raise ValueError(f"fraction must be >= 0, got {fraction}")
         self.name = name
         self.device = normalize_device(device)
         self.fraction = fraction
+        self.min_block = min_block
         excluded = {id(t) for t in exclude}
         unique = {id(p): p for p in module.parameters() if id(p) not in excluded}
         self._params: tuple[nn.Parameter, ...] = tuple(unique.values())
@@ -88,21 +97,30 @@ class Parking:
         """The host copies held now (parked or kept for a cheap next park), for the residency report."""
         return tuple(self._host.values())
 
-    def decide(self, headroom: int) -> ParkDecision:
+    def decide(self, headroom: int, parts: Headroom | None = None) -> ParkDecision:
         nbytes = self.nbytes
         if nbytes == 0:
             verdict = ParkVerdict.EMPTY
         else:
             verdict = ParkVerdict.PARKED if nbytes > self.fraction * headroom else ParkVerdict.KEPT
-        return ParkDecision(verdict, nbytes, int(headroom), self.fraction)
+        return ParkDecision(verdict, nbytes, int(headroom), self.fraction, parts)
 
     def park_if_it_pays(self, headroom: int | None = None) -> ParkDecision:
         """The gate: park when the bytes exceed ``fraction`` of headroom, else keep and drop host copies.
 
-        ``headroom`` defaults to the device's real headroom, measured now.
+        ``headroom`` defaults to the device's real headroom for blocks of ``min_block``, measured
+        now (the cached blocks' sizes only when the gate's answer depends on them). Logged once per
+        change of verdict, with the numbers.
         """
-        decision = self.decide(device_headroom(self.device) if headroom is None else headroom)
-        if decision != self.last_decision:
+        if headroom is None:
+            nbytes = self.nbytes
+            # Keeping needs headroom >= nbytes / fraction: more than that never changes the verdict.
+            enough = math.ceil(nbytes / self.fraction) + 1 if self.fraction > 0 else None
+            parts = get_device(self.device).headroom(self.min_block, enough=enough)
+            decision = self.decide(parts.usable_bytes, parts)
+        else:
+            decision = self.decide(headroom)
+        if self.last_decision is None or decision.verdict is not self.last_decision.verdict:
             logger.info("parking %s: %s", self.name, decision.explain())
         self.last_decision = decision
         if decision.verdict is ParkVerdict.PARKED:

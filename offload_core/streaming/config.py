@@ -43,6 +43,10 @@ class StreamingConfig:
     # copy (the negative control of bench/sim_overlap.py: a step costs copy + compute).
     staged_copies: bool = True
     staging_buffers: int = DEFAULT_STAGING_BUFFERS  # pinned buffers, each the largest staged layer
+    # How long allocating the ring's slots waits when only bytes neighbour processes leased (and
+    # have not allocated yet) keep them from fitting; then HeadroomTimeout. 30 s: the service's
+    # default device_timeout_s, the bound a call already waits for its lease.
+    neighbour_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.layer_groups is not None:
@@ -73,6 +77,9 @@ class StreamingConfig:
             raise TypeError(f"staged_copies must be a bool, got {self.staged_copies!r}")
         if isinstance(self.staging_buffers, bool) or not isinstance(self.staging_buffers, int) or self.staging_buffers < 1:
             raise ValueError(f"staging_buffers must be an int >= 1, got {self.staging_buffers!r}")
+        if isinstance(self.neighbour_wait_s, bool) or not isinstance(self.neighbour_wait_s, (int, float)) \
+                or self.neighbour_wait_s < 0:
+            raise ValueError(f"neighbour_wait_s must be a number >= 0, got {self.neighbour_wait_s!r}")
         if self.hosting is not None:
             bad = {k: v for k, v in self.hosting.items() if not isinstance(v, HostingTier)}
             if bad:

@@ -9,17 +9,20 @@ headroom gates can be tested on machines without a GPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import psutil
 import torch
 
 from offload_core.host.pinned import HostBuffer, allocate_host_buffer, free_host_buffer
 from offload_core.streaming.copier import HostCopier, InlineCopier, ThreadCopier
+from offload_core.streaming.headroom import CachedBlocks, Headroom, HeadroomTimeout, cuda_cached_blocks, usable_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +32,17 @@ class WeightMeter(Protocol):
 
     @property
     def current_bytes(self) -> int: ...
+
+
+# How often a wait for neighbours' leases looks again: a call's lease ends within tens of ms at the
+# soonest (a tiny-model stage call), so 10 ms adds little to a wait and costs one cached read.
+NEIGHBOUR_POLL_S = 0.01
+# Bytes other processes on this device leased and have not allocated yet (set by the replica from
+# its node ledger's figures; offload_core never asks the ledger itself).
+NeighbourBytes = Callable[[], int]
+# The allocator's cached blocks of a device: (device, detailed) -> CachedBlocks; detailed reads
+# every split free block's size.
+CachedSource = Callable[[torch.device, bool], CachedBlocks]
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,8 @@ class Device:
         # Every stream the engine's compute ran on (CUDA): buffers are retired on each of them.
         self._compute_streams: set = set()
         self._meters: weakref.WeakSet[WeightMeter] = weakref.WeakSet()
+        self._neighbours: NeighbourBytes | None = None
+        self._cached: CachedSource | None = None
 
     @property
     def facts(self) -> DeviceFacts:
@@ -189,22 +205,76 @@ class Device:
         """Stop counting ``meter`` (its model left the engine): explicit, not left to the GC."""
         self._meters.discard(meter)
 
-    def headroom_bytes(self) -> int:
-        """Bytes a new allocation may still take on this device.
+    def set_neighbours(self, outstanding: NeighbourBytes | None) -> None:
+        """Count ``outstanding()`` bytes (leased by other processes on this device, not allocated
+        yet) out of headroom. The replica sets it from its node ledger's figures; it must be cheap
+        (a cached number): headroom is asked at decisions on the call path."""
+        self._neighbours = outstanding
 
-        CUDA: driver free + what torch's allocator reserved but does not use (that memory is
-        free to torch, invisible to the driver). CPU: the configured capacity (or host RAM
-        available) minus the weight bytes the tracked meters see materialized.
+    def set_allocator(self, cached: CachedSource | None) -> None:
+        """Where the allocator's cached blocks are read (tests give a fake; None: the device's own)."""
+        self._cached = cached
+
+    def headroom(self, min_block: int = 0, enough: int | None = None) -> Headroom:
+        """What allocations of at least ``min_block`` bytes can still get on this device, by part.
+
+        CUDA: driver free (less neighbours' outstanding leases) + whole free cached segments, within
+        the process cap, + cached free blocks of at least ``min_block``. CPU: the configured
+        capacity (or host RAM available) minus the weight bytes the tracked meters see, less
+        neighbours' outstanding leases; no cache unless a fake allocator is set. The cached blocks'
+        sizes (a walk of every segment) are read only when the answer depends on them and
+        ``enough`` bytes (if given) are not already usable without them.
         """
         if self.is_cuda:
-            free, _total = torch.cuda.mem_get_info(self.device)
-            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            return int(free + cached)
-        capacity = self._facts.capacity_bytes
-        if capacity is None:
-            return int(psutil.virtual_memory().available)
-        in_use = sum(meter.current_bytes for meter in list(self._meters))
-        return int(capacity - in_use)
+            driver_free, _total = torch.cuda.mem_get_info(self.device)
+        elif self._facts.capacity_bytes is None:
+            driver_free = psutil.virtual_memory().available
+        else:
+            driver_free = self._facts.capacity_bytes - sum(meter.current_bytes for meter in list(self._meters))
+        neighbours = max(0, int(self._neighbours())) if self._neighbours is not None else 0
+        source = self._cached or (cuda_cached_blocks if self.is_cuda else None)
+        blocks = source(self.device, False) if source is not None else CachedBlocks()
+        usable = usable_blocks(blocks, min_block)
+        if usable is None:
+            partial = Headroom(min_block, int(driver_free), neighbours, blocks)
+            if enough is not None and partial.usable_bytes >= enough:
+                usable = ()
+            else:
+                blocks = source(self.device, True)
+                usable = usable_blocks(blocks, min_block) or ()
+        return Headroom(min_block, int(driver_free), neighbours, blocks, usable)
+
+    def wait_for_neighbours(self, nbytes: int, count: int, timeout_s: float, what: str) -> Headroom | None:
+        """Before ``count`` allocations of ``nbytes``: if only neighbours' outstanding leases keep
+        them from fitting, wait (bounded) for those leases to end; HeadroomTimeout after ``timeout_s``.
+
+        A shortfall that is this device's own (its capacity, the process cap) is not waited for:
+        the allocation itself decides, as before. Polls every NEIGHBOUR_POLL_S: the neighbours'
+        figure is a cached number, refreshed by the replica's ledger heartbeat. Returns None at once
+        (nothing measured) when no neighbour holds an outstanding lease: the common case costs one read.
+        """
+        if count <= 0 or self._neighbours is None or self._neighbours() <= 0:
+            return None
+        room = self.headroom(nbytes, enough=nbytes * count)
+        if room.allocations(nbytes) >= count:
+            return room
+        if dataclasses.replace(room, neighbours_outstanding=0).allocations(nbytes) < count:
+            return room  # short even without the neighbours: not theirs to give back
+        logger.info("%s on %s: %d x %d B wait for neighbours' leases: %s", what, self.device, count, nbytes,
+                    room.explain())
+        start = time.monotonic()
+        while room.allocations(nbytes) < count:
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                raise HeadroomTimeout(what, nbytes * count, waited, room)
+            time.sleep(min(NEIGHBOUR_POLL_S, timeout_s - waited))
+            room = self.headroom(nbytes, enough=nbytes * count)
+        logger.info("%s on %s: room after %.2f s: %s", what, self.device, time.monotonic() - start, room.explain())
+        return room
+
+    def headroom_bytes(self, min_block: int = 0) -> int:
+        """Bytes allocations of at least ``min_block`` bytes may still take (:meth:`headroom`)."""
+        return self.headroom(min_block).usable_bytes
 
 
 _devices: dict[torch.device, Device] = {}

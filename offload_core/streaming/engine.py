@@ -90,7 +90,8 @@ class LayerStreamer:
         if staged and self.config.staged_copies:
             self.staging = StagingRing(self.device, staged, [layer for layer in streamed if layer.tier in STAGED_TIERS],
                                        self.config.staging_buffers)
-        self.ring = PrefetchRing(self.device, streamed, self.config.prefetch_depth, self.staging)
+        self.ring = PrefetchRing(self.device, streamed, self.config.prefetch_depth, self.staging,
+                                 self.config.neighbour_wait_s)
         for layer in layers:
             self._handles.append(layer.module.register_forward_pre_hook(
                 lambda _module, _args, layer=layer: layer.pre_forward()))

@@ -46,8 +46,9 @@ class PrefetchRing:
     """Slots and in-flight copies for the streamed (non-resident) layers of one model."""
 
     def __init__(self, device: Device, layers: Sequence[RingLayer], depth: int,
-                 staging: StagingRing | None = None):
+                 staging: StagingRing | None = None, neighbour_wait_s: float = 30.0):
         self._device = device
+        self._neighbour_wait_s = neighbour_wait_s
         self._staging = staging  # PAGEABLE and MAPPED layers copy through it
         self._layers = tuple(layers)
         # More slots than layers would only hold a layer twice: cap at the number of layers.
@@ -79,10 +80,15 @@ class PrefetchRing:
         return tuple(sorted(self._in_flight))
 
     def allocate(self) -> None:
-        """Allocate the slots once per use; the copy stream then waits for the allocating stream."""
+        """Allocate the slots once per use; the copy stream then waits for the allocating stream.
+
+        Bytes a neighbour process leased but has not allocated yet are not taken: while only they
+        keep the slots from fitting, the first prefetch waits for them (bounded, HeadroomTimeout).
+        """
         if self._allocated or not self.n_slots:
             return
         nbytes = self.regions.nbytes
+        self._device.wait_for_neighbours(nbytes, self.n_slots, self._neighbour_wait_s, "prefetch ring")
         if self._buffers:
             # The slots' storages were emptied at deallocate: their memory comes back here, and
             # the views made into them stay valid (they follow the storage), so no view is rebuilt.

@@ -26,3 +26,14 @@ def cpu_capacity():
         gc.enable()
         gc.collect()  # this test's own streamers go before the next test measures
         device.configure(before)
+
+
+@pytest.fixture
+def cpu_device(cpu_capacity):
+    """The CPU device with a configured capacity; its neighbours and allocator are reset after."""
+    device = get_device("cpu")
+    try:
+        yield device, cpu_capacity
+    finally:
+        device.set_neighbours(None)
+        device.set_allocator(None)

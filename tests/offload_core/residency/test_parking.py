@@ -104,3 +104,44 @@ def test_the_gate_reads_the_configured_cpu_capacity_both_ways(cpu_capacity):
     parking.restore()
     cpu_capacity(NONLAYER_BYTES * 100)  # ample: 1 %
     assert parking.park_if_it_pays().verdict is ParkVerdict.KEPT and not parking.parked
+
+
+MiB = 1 << 20
+
+
+def test_parking_does_not_count_on_cached_blocks_too_small_for_a_slot(cpu_device):
+    from offload_core.streaming.headroom import CachedBlocks, Rounding
+    from tests.offload_core.fake_allocator import FakeAllocator
+
+    device, capacity = cpu_device
+    model = Component()
+    parking = Parking("c", model, "cpu", exclude=layer_weights(model), min_block=4 * MiB)
+    capacity(NONLAYER_BYTES * 5)  # short by the driver's figure alone
+    # 64 MiB cached, but in 2 MiB holes between live blocks: none serves a 4 MiB slot.
+    holes = (2 * MiB,) * 32
+    device.set_allocator(FakeAllocator(CachedBlocks(Rounding.CUDA_CACHING, 96 * MiB, 0, sum(holes), 0, holes)))
+    decision = parking.park_if_it_pays()
+    assert decision.verdict is ParkVerdict.PARKED, "reserved - allocated would have called 64 MiB of holes headroom"
+    assert decision.parts.cached_free == 64 * MiB and decision.parts.cached_usable == 0
+    parking.restore()
+    one_big = (*holes, 8 * MiB)
+    device.set_allocator(FakeAllocator(CachedBlocks(Rounding.CUDA_CACHING, 96 * MiB, 0, sum(one_big), 0, one_big)))
+    decision = parking.park_if_it_pays()
+    assert decision.verdict is ParkVerdict.KEPT and decision.parts.largest_cached_block == 8 * MiB
+
+
+def test_parking_counts_a_neighbours_outstanding_lease_out_of_headroom(cpu_device, caplog):
+    device, capacity = cpu_device
+    model = Component()
+    parking = Parking("c", model, "cpu", exclude=layer_weights(model))
+    capacity(NONLAYER_BYTES * 100)  # ample: 1 %
+    assert parking.park_if_it_pays().verdict is ParkVerdict.KEPT
+    device.set_neighbours(lambda: NONLAYER_BYTES * 95)  # leased next door, not allocated yet
+    caplog.clear()
+    with caplog.at_level("INFO", logger="offload_core.residency.parking"):
+        assert parking.park_if_it_pays().verdict is ParkVerdict.PARKED
+        parking.restore()
+        assert parking.park_if_it_pays().verdict is ParkVerdict.PARKED
+    lines = [r.message for r in caplog.records if r.message.startswith("parking c:")]
+    assert len(lines) == 1, "one line when the verdict changes, none when it repeats"
+    assert f"neighbours' outstanding leases {NONLAYER_BYTES * 95} B" in lines[0]
