@@ -27,6 +27,7 @@ from deployments.body import BodyError, parse_object
 from deployments.families import FamilyFacts
 from deployments.guard import JSON_TYPES, Guard, GuardConfig, request_id
 from deployments.job_store import JobsArgs
+from deployments.limits import ModelList, model_card
 from deployments.schemas import FieldError, ImageRequest, Limits, VideoRequest, image_spec, video_spec
 from deployments.seams import ReplicaBoard, StagePipeline
 from deployments.spec import DenoiseProgress, GenerationSpec, StageOutput
@@ -169,12 +170,10 @@ class Service:
                 logger.info("request %s cancelled: the event stream's client went away", spec.request_id)
                 task.cancel()
 
-    def models(self) -> dict:
-        facts = self.config.facts
-        return {"object": "list", "data": [{
-            "id": self.config.model_id, "object": "model", "created": 0, "owned_by": "offload-serve",
-            "family": facts.family.value, "modalities": ["image", "video"] if facts.supports_video else ["image"],
-            "size_multiple": facts.size_multiple, "limits": self.config.limits.model_dump()}]}
+    async def models(self) -> ModelList:
+        """The served model with the largest request it accepts, from the replicas' reports (limits.py)."""
+        admissions = [r.admission for r in await self.board.residency() if r.admission is not None]
+        return ModelList(data=[model_card(self.config.model_id, self.config.facts, self.config.limits, admissions)])
 
     def video_renderer(self, spec: GenerationSpec, parsed: VideoRequest) -> Callable[[Generated], Response | dict]:
         fps = parsed.fps or self.config.limits.default_fps
@@ -224,9 +223,9 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
     async def health() -> dict:
         return {"status": "ok", "model": config.model_id}
 
-    @api.get("/v1/models")
-    async def models() -> dict:
-        return service.models()
+    @api.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return await service.models()
 
     @api.get("/v1/residency")
     async def residency() -> dict:

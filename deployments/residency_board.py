@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import ray
 
+from deployments.limits import StageAdmission
+
 logger = logging.getLogger(__name__)
 
 
@@ -46,6 +48,8 @@ class ReplicaResidency:
     batch: BatchState | None = None  # the Denoiser's step batching; None for the stages that do not batch
     # cluster.device_leases.LeaseFigures as JSON: standing and reserved bytes, calls without a round trip.
     leases: dict = field(default_factory=dict)
+    # What the replica admits (activation models, room beside its weights); None before calibration.
+    admission: StageAdmission | None = None
 
     def to_json(self) -> dict:
         return {"replica": self.replica, "stage": self.stage, "device": self.device, "mode": self.mode,
@@ -54,6 +58,7 @@ class ReplicaResidency:
                 "last_device_peak_bytes": self.last_device_peak_bytes,
                 "last_bytes_streamed": self.last_bytes_streamed, "weights": self.weights,
                 "host_memory": self.host_memory, "leases": self.leases,
+                "activation_room_bytes": None if self.admission is None else self.admission.room_bytes,
                 **({"batch": self.batch.to_json()} if self.batch is not None else {})}
 
 

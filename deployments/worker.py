@@ -29,6 +29,7 @@ from cluster.replica_memory import DeviceBusy
 from deployments import activations, families
 from deployments.batching import BatchingConfig
 from deployments.families import FamilyFacts
+from deployments.limits import StageAdmission, nearest_admitted, size_text
 from deployments.memory import LEASE_REFUSED, open_device_leases, open_replica_memory
 from deployments.metrics import StageMetrics
 from deployments.offload import StageResidency, host_lease_bytes, plan_stage, predicted_kept_bytes
@@ -185,20 +186,28 @@ class StageWorker:
         """What the replica's share of its GPU leaves for a call's activations beside its weights."""
         return max(0, self.memory.share_bytes - self.residency.predicted_peak_bytes())
 
+    def admission(self) -> StageAdmission | None:
+        """What this replica admits (published to the board: GET /v1/models states limits from it)."""
+        if self.activations is None:
+            return None
+        return StageAdmission(self.config.stage, self.activation_room(), tuple(self.activations.models.items()))
+
     def admit(self, spec: GenerationSpec) -> None:
         """Refuse (4xx naming the limit) a request whose activations can never fit the replica's share;
         one that does not fit now waits for its lease and may get 503 instead."""
-        if self.activations is None:
+        admission = self.admission()
+        if admission is None or admission.admits(self.config.facts, spec):
             return
-        need, room = self.activations.predict(spec), self.activation_room()
-        if need > room:
-            logger.info("%s: request %s refused: %d B of activations > %d B room", self.replica, spec.request_id,
-                        need, room)
-            raise RequestRejected("size", (
-                f"{spec.width}x{spec.height}x{spec.num_frames} (n={spec.n}) needs {need / 2**30:.2f} GiB of "
-                f"activations in the {self.config.stage.value} stage; this deployment serves at most "
-                f"{room / 2**30:.2f} GiB there ({self.memory.share_bytes / 2**30:.2f} GiB share of "
-                f"{self.memory.device_pool}, {self.residency.predicted_peak_bytes() / 2**30:.2f} GiB of weights)"))
+        need, room = admission.need_bytes(self.config.facts, spec), admission.room_bytes
+        logger.info("%s: request %s refused: %d B of activations > %d B room", self.replica, spec.request_id,
+                    need, room)
+        nearest = nearest_admitted(admission, self.config.facts, spec)
+        raise RequestRejected(nearest.param(spec), (
+            f"{spec.width}x{spec.height}x{spec.num_frames} (n={spec.n}) needs {size_text(need)} of "
+            f"activations in the {self.config.stage.value} stage; this deployment serves at most "
+            f"{size_text(room)} there ({size_text(self.memory.share_bytes)} share of {self.memory.device_pool}, "
+            f"{size_text(self.residency.predicted_peak_bytes())} of weights); {nearest.describe(spec)}; "
+            f"GET /v1/models states the limits"))
 
     @contextlib.contextmanager
     def in_use(self, activation_bytes: int = 0):
@@ -245,7 +254,7 @@ class StageWorker:
                                 self.residency.plan.explain(), self.residency.predicted_peak_bytes(),
                                 self._last.device_peak_bytes, self._last.bytes_streamed, weights.to_json(),
                                 self.residency.host_status(weights).to_json(), self._batch,
-                                self.leases.figures().to_json())
+                                self.leases.figures().to_json(), self.admission())
 
     def set_batch(self, size: int, mean: float) -> None:
         """Publish the Denoiser's batch size when it changes (no lock: the batch is running)."""

@@ -132,7 +132,7 @@ def test_a_request_whose_activations_never_fit_the_share_is_refused_naming_the_l
         # A share that leaves room for the small request's activations, not the large one's.
         worker.memory.share_bytes = worker.residency.predicted_peak_bytes() + worker.activation_bytes(small) + 1
         worker.admit(small)
-        with pytest.raises(RequestRejected, match=r"64x64x1 \(n=2\) needs .* GiB of activations in the decode "
+        with pytest.raises(RequestRejected, match=r"64x64x1 \(n=2\) needs .* of activations in the decode "
                                                   r"stage; this deployment serves at most") as refused:
             worker.run(lambda: pytest.fail("a refused request must not run"), large)
         assert refused.value.status == 400 and refused.value.param == "size"
