@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from offload_core.host.budget import Lease, Refusal
+from offload_core.streaming.headroom import Headroom
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +82,17 @@ class LeaseFigures:
     calls_without_round_trip: int  # fitted the reservation held from an earlier call
     given_back: tuple[tuple[str, int], ...]  # (GiveBack value, times), every reason
     to_driver: int  # times the allocator's cache went back to the driver
+    # The device's headroom by part (driver free, cached blocks, neighbours' outstanding leases),
+    # measured when the figures were asked for with it (reports, not calls); None otherwise.
+    headroom: Headroom | None = None
 
     def to_json(self) -> dict:
-        return {"standing_bytes": self.standing_bytes, "reserved_bytes": self.reserved_bytes, "calls": self.calls,
+        said = {"standing_bytes": self.standing_bytes, "reserved_bytes": self.reserved_bytes, "calls": self.calls,
                 "calls_without_round_trip": self.calls_without_round_trip, "given_back": dict(self.given_back),
                 "to_driver": self.to_driver}
+        if self.headroom is not None:
+            said["headroom"] = self.headroom.to_json()
+        return said
 
 
 class _ProcessCalls:
@@ -122,11 +129,12 @@ class DeviceLeases:
     """One replica's standing lease and call reservation on its device pool."""
 
     def __init__(self, ledger: DeviceLedger, owner: str, pool: str, *, idle_s: float = DEFAULT_IDLE_S,
-                 to_driver: Callable[[], None] | None = None):
+                 to_driver: Callable[[], None] | None = None, headroom: Callable[[], Headroom] | None = None):
         if idle_s <= 0:
             raise ValueError(f"idle_s must be > 0, got {idle_s}")
         self.ledger, self.owner, self.pool, self.idle_s = ledger, owner, pool, idle_s
         self._to_driver = to_driver  # None: nothing to return (CPU)
+        self._headroom = headroom  # the device's headroom now, for reports; None: not reported
         self._call_lock = threading.Lock()  # one call at a time; give-backs wait for it
         self._standing: Lease | None = None
         self._reservation: Lease | None = None
@@ -238,10 +246,13 @@ class DeviceLeases:
             self._to_driver()
         self._emptied += 1
 
-    def figures(self) -> LeaseFigures:
+    def figures(self, with_headroom: bool = False) -> LeaseFigures:
+        """What the leases did; ``with_headroom`` also measures the device's headroom (a report's
+        cost, a memory_snapshot walk on CUDA: never asked on a call's path)."""
+        headroom = self._headroom() if with_headroom and self._headroom is not None else None
         return LeaseFigures(self._standing.nbytes if self._standing else 0,
                             self._reservation.nbytes if self._reservation else 0, self._calls, self._fast,
-                            tuple((why.value, n) for why, n in self._given_back.items()), self._emptied)
+                            tuple((why.value, n) for why, n in self._given_back.items()), self._emptied, headroom)
 
     def close(self) -> None:
         """Give everything back (replica shutdown)."""

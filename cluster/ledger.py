@@ -85,6 +85,14 @@ class StaleEpoch:
 
 
 @dataclass(frozen=True)
+class Pulse:
+    """The heartbeat's answer: the epoch, and per pool asked about the bytes each process leases."""
+
+    epoch: str
+    leased_by_process: tuple[tuple[str, tuple[tuple[int, int], ...]], ...]  # (pool, ((pid, bytes), ...))
+
+
+@dataclass(frozen=True)
 class LedgerState:
     node_id: str
     epoch: str
@@ -148,6 +156,12 @@ class NodeLedger:
         self._ensure_reclaimer()
         return LedgerState(self._node_id, self._epoch, self._restarted, self._pools.states(), self._owner_cap,
                            self._pools.reclaimed_bytes)
+
+    async def pulse(self, pools: tuple[str, ...]) -> Pulse:
+        """The epoch (as :meth:`epoch`) and each of ``pools``' leases per process: replicas learn their
+        neighbours' leases on the heartbeat they make anyway, never on a call's path."""
+        self._ensure_reclaimer()
+        return Pulse(self._epoch, tuple((pool, self._pools.leased_by_process(pool)) for pool in pools))
 
     async def capacity(self, pool: str) -> int:
         return self._pools.capacity(pool)

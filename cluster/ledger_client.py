@@ -45,6 +45,7 @@ class LedgerClient:
         self._reregister_hooks: list = []  # run after leases are re-registered with a restarted ledger
         self._on_recall = None  # called with a recalled lease id, from the listener thread
         self._listener: threading.Thread | None = None
+        self._watched: dict[str, list] = {}  # pool -> callbacks given its leases per process on each beat
         self._epoch = self._call(lambda retry: handle.epoch.remote())
         self._heartbeat = threading.Thread(target=self._beat, name=f"ledger-heartbeat-{owner}", daemon=True)
         self._heartbeat.start()
@@ -95,6 +96,14 @@ class LedgerClient:
                 self._listener = threading.Thread(target=self._listen, name=f"ledger-recalls-{self.ref.owner}",
                                                   daemon=True)
                 self._listener.start()
+
+    def watch_pool(self, pool: str, on_figures) -> None:
+        """Call ``on_figures(((pid, bytes), ...))`` with ``pool``'s leases per process now and on every
+        heartbeat after (cluster/neighbours.py): the heartbeat's one round trip carries them."""
+        pulse = self._call(lambda retry: self._handle.pulse.remote((pool,)))
+        on_figures(dict(pulse.leased_by_process)[pool])
+        with self._lock:
+            self._watched.setdefault(pool, []).append(on_figures)
 
     def release(self, pool: str, lease: Lease) -> None:
         with self._lock:
@@ -189,16 +198,20 @@ class LedgerClient:
         while not self._closed.wait(self._config.heartbeat_s):
             with self._lock:
                 # Store attachments (a registry's hook) are held too: a restart must hear of them.
-                holding = bool(self._held) or bool(self._reregister_hooks)
+                holding = bool(self._held) or bool(self._reregister_hooks) or bool(self._watched)
+                watched = {pool: tuple(hooks) for pool, hooks in self._watched.items()}
             if not holding:
                 continue
             try:
-                epoch = self._call(lambda retry: self._handle.epoch.remote())
+                pulse = self._call(lambda retry: self._handle.pulse.remote(tuple(watched)))
             except LedgerUnavailable as exc:
                 logger.info("ledger heartbeat of %s failed, retrying next beat: %s", self.ref.owner, exc)
                 continue
-            if epoch != self._epoch:
+            if pulse.epoch != self._epoch:
                 self._reregister()
+            for pool, figures in pulse.leased_by_process:
+                for hook in watched[pool]:
+                    hook(figures)
 
 
 class LedgerBudget(MemoryBudget):

@@ -104,6 +104,14 @@ class LeasePools:
         pools = self._pools.values() if pool is None else (self._pool(pool),)
         return tuple(lease for p in pools for lease, _ in p.leases.values() if owner is None or lease.owner == owner)
 
+    def leased_by_process(self, pool: str) -> tuple[tuple[int, int], ...]:
+        """(pid, bytes leased) per owner process in ``pool``: what a neighbour's device headroom leaves
+        alone until the process holds it (cluster/neighbours.py). One node per ledger: pids are unique."""
+        by_pid: dict[int, int] = {}
+        for lease, ref in self._pool(pool).leases.values():
+            by_pid[ref.pid] = by_pid.get(ref.pid, 0) + lease.nbytes
+        return tuple(sorted(by_pid.items()))
+
     def owners(self) -> set[OwnerRef]:
         return {ref for p in self._pools.values() for _, ref in p.leases.values()}
 

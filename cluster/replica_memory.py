@@ -227,6 +227,7 @@ class ReplicaMemory:
         self.gpu = gpu
         self._client = client
         self._stores: StoreRegistry | None = None
+        self._neighbours = None  # cluster.neighbours.NeighbourLeases, once asked for
         pool = device_budget.capacity()
         # Ray's num_gpus is logical; the share makes it the planner's capacity and the process's cap.
         self.share_bytes = pool if gpu is None or gpu_fraction is None else min(pool, int(gpu_fraction * pool))
@@ -250,12 +251,28 @@ class ReplicaMemory:
         """The share as a fraction of the GPU's memory (torch.cuda.set_per_process_memory_fraction); None: no GPU."""
         return None if self.gpu is None else min(1.0, self.share_bytes / self.gpu.memory_bytes)
 
-    def device_leases(self, *, to_driver=None, idle_s: float | None = None):
-        """This replica's standing lease and call reservation on its device pool (cluster.device_leases)."""
+    def neighbour_leases(self):
+        """Bytes other processes leased on this replica's GPU and do not hold yet, kept fresh by the
+        ledger client's heartbeat (cluster/neighbours.py): a provider for ``Device.set_neighbours``.
+        None without a GPU pool, or without Ray (the in-process ledger knows no other process)."""
+        from cluster.neighbours import neighbour_leases
+
+        provider = neighbour_leases(self.device_pool, self.gpu) if self._client is not None else None
+        self._neighbours = provider
+        if provider is not None:
+            self._client.watch_pool(self.device_pool, provider.refresh)
+            logger.info("%s: headroom on %s leaves neighbours' outstanding leases alone (%d B now, %s)",
+                        self.owner, self.device_pool, provider(),
+                        "NVML per process" if self.gpu.source.startswith("nvml") else "fake GPU: whole leases")
+        return provider
+
+    def device_leases(self, *, to_driver=None, idle_s: float | None = None, headroom=None):
+        """This replica's standing lease and call reservation on its device pool (cluster.device_leases);
+        ``headroom``: reads the device's headroom for reports."""
         from cluster.device_leases import DEFAULT_IDLE_S, DeviceLeases
 
         return DeviceLeases(self.device_budget, self.owner, self.device_pool, to_driver=to_driver,
-                            idle_s=DEFAULT_IDLE_S if idle_s is None else idle_s)
+                            idle_s=DEFAULT_IDLE_S if idle_s is None else idle_s, headroom=headroom)
 
     @classmethod
     def open(cls, owner: str, device: "torch.device | str" = "cpu", *,
@@ -342,6 +359,8 @@ class ReplicaMemory:
 
     def close(self) -> int:
         """Give back every lease this replica holds. Returns the bytes released."""
+        if self._neighbours is not None:
+            self._neighbours.close()
         if self._client is not None:
             return self._client.close()
         freed = self.host_budget.release_owner(self.owner)

@@ -3,7 +3,8 @@
 ``cluster.replica_memory.ReplicaMemory`` leases from the node's one ledger actor (and falls back
 to an in-process ledger itself when Ray is not running). :func:`open_replica_memory` is the only
 place the service opens it; :func:`open_device_leases` caps the process at its share of the GPU
-and gives the device leases torch's ``empty_cache`` to return bytes to the driver.
+and gives the device leases torch's ``empty_cache`` to return bytes to the driver; it also gives
+the replica's device its neighbours' outstanding leases, so headroom leaves them alone.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import logging
 import torch
 
 from cluster import device_leases, replica_memory
+from offload_core.streaming.device import get_device
+from offload_core.streaming.headroom import SMALL_REQUEST
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +37,12 @@ def open_device_leases(memory: replica_memory.ReplicaMemory, device: torch.devic
         logger.info("%s: process capped at %.3f of %s (%.2f GB, its share)", memory.owner, fraction, device,
                     memory.share_bytes / 1e9)
     to_driver = torch.cuda.empty_cache if device.type == "cuda" else None
-    return memory.device_leases(to_driver=to_driver)
+    engine_device = get_device(device)
+    neighbours = memory.neighbour_leases()
+    if neighbours is not None:
+        engine_device.set_neighbours(neighbours)
+    # Reported with a large-pool request's size: the largest cached block is then the large pool's.
+    return memory.device_leases(to_driver=to_driver, headroom=lambda: engine_device.headroom(SMALL_REQUEST + 1))
 
 
 LEASE_REFUSED = device_leases.LeaseRefused

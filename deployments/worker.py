@@ -41,11 +41,13 @@ from deployments.spec import (
     StageOutput,
     StageStats,
 )
+from offload_core.host.budget import Refusal
 from offload_core.host.replica_budget import HostBudgetSpec
 from offload_core.host.store import folder_identity
 from offload_core.planner.search import PerformanceMode
 from offload_core.residency.activations import measure_activations
 from offload_core.residency.shared_hosting import SharedWeights
+from offload_core.streaming.headroom import HeadroomTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +249,9 @@ class StageWorker:
                 yield lease
         except LEASE_REFUSED as exc:
             raise DeviceBusy(self.replica, self.memory.device_pool, exc.nbytes, exc.refusal, exc.waited_s) from None
+        except HeadroomTimeout as exc:  # a neighbour's lease kept the slots out: busy, as a refused lease
+            refusal = Refusal(self.replica, exc.nbytes, exc.headroom.usable_bytes, str(exc))
+            raise DeviceBusy(self.replica, self.memory.device_pool, exc.nbytes, refusal, exc.waited_s) from None
 
     def report(self) -> ReplicaResidency:
         weights = self.residency.report()
@@ -254,7 +259,7 @@ class StageWorker:
                                 self.residency.plan.explain(), self.residency.predicted_peak_bytes(),
                                 self._last.device_peak_bytes, self._last.bytes_streamed, weights.to_json(),
                                 self.residency.host_status(weights).to_json(), self._batch,
-                                self.leases.figures().to_json(), self.admission())
+                                self.leases.figures(with_headroom=True).to_json(), self.admission())
 
     def set_batch(self, size: int, mean: float) -> None:
         """Publish the Denoiser's batch size when it changes (no lock: the batch is running)."""

@@ -193,3 +193,24 @@ def test_replicas_on_a_shared_gpu_recall_each_others_idle_reservations_through_t
         for replica in (first, second):
             ray.get(replica.close.remote())
             ray.kill(replica)
+
+
+def test_reports_carry_the_devices_headroom_by_part_and_calls_never_measure_it():
+    from offload_core.streaming.headroom import Headroom
+
+    measured = []
+
+    def headroom() -> Headroom:
+        measured.append(1)
+        return Headroom(0, driver_free=80 * MB, neighbours_outstanding=30 * MB)
+
+    leases = DeviceLeases(CountingBudget(100 * MB), "reported", "gpu:0", headroom=headroom)
+    try:
+        with leases.call(10 * MB, timeout_s=1.0):
+            pass
+        assert leases.figures().headroom is None and measured == [], "a call's figures measure nothing"
+        said = leases.figures(with_headroom=True).to_json()["headroom"]
+        assert said["driver_free_bytes"] == 80 * MB and said["neighbours_outstanding_bytes"] == 30 * MB
+        assert said["usable_bytes"] == 50 * MB and said["largest_cached_block_bytes"] == 0
+    finally:
+        leases.close()
