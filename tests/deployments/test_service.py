@@ -314,6 +314,9 @@ def test_back_to_back_requests_reuse_their_call_reservations_without_ledger_roun
     # The denoiser streams every layer (memory mode): its calls add slots and activations, kept as a
     # reservation; the resident encoder keeps its weights under its standing lease.
     assert after["denoise"]["reserved_bytes"] > 0 and after["encode"]["standing_bytes"] > 0
+    # The headroom by part, measured when the report was built (a CPU device: its capacity, no cache).
+    assert {"driver_free_bytes", "largest_cached_block_bytes", "neighbours_outstanding_bytes"} <= set(
+        after["denoise"]["headroom"]), after["denoise"]
 
 
 def _replica_actor(deployment: str):
