@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+from typing import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 
+from deployments import placement_status
 from deployments.batching import BatchingConfig
 from deployments.families import FamilyFacts, read_family_facts, uses_per_request
 from deployments.ingress import Ingress, IngressConfig
@@ -114,6 +116,11 @@ class AppArgs(BaseModel):
     # as long as the new one takes to load (30-55 s measured here under test load). 0 stops old
     # replicas first, for GPUs that cannot hold two copies of a stage's working set.
     update_surge_percent: int = Field(100, ge=0, le=100)
+    # Whether the cluster adds nodes when replicas wait for resources (KubeRay's in-tree autoscaling:
+    # the k8s manifests set true). false: the nodes present are all there will be, so build_app warns
+    # when the configured maximum replicas x num_gpus can never be placed on their GPUs. null: detected
+    # (Ray's autoscaler v2 in the GCS), else false.
+    cluster_autoscaler: bool | None = None
 
 
 def _mode(stage: StageArgs) -> str:
@@ -145,6 +152,14 @@ def stage_configs(args: AppArgs, facts: FamilyFacts) -> dict[str, StageConfig]:
 
 
 def build_app(args: AppArgs | dict) -> Application:
+    """The application (Serve's builder: exactly one parameter); a config file's ``deployments`` then
+    override the options set here, by deployment name."""
+    return build_app_with(args, {})
+
+
+def build_app_with(args: AppArgs | dict, options: Mapping[str, Mapping]) -> Application:
+    """:func:`build_app` with per-deployment Serve options over the defaults (what a config file's
+    ``deployments`` do, for Python callers: ``{"Denoiser": {"num_replicas": 2, "ray_actor_options": ...}}``)."""
     if not isinstance(args, AppArgs):
         args = AppArgs.model_validate(args)
     facts = read_family_facts(resolve_model_folder(args))
@@ -158,17 +173,23 @@ def build_app(args: AppArgs | dict) -> Application:
                  max_surge_percent=args.update_surge_percent)
     stage = dict(ray_actor_options=actor, max_ongoing_requests=1, max_queued_requests=args.stage_max_queued_requests,
                  **drain)
+    chosen = {"TextEncoder": stage, "Denoiser": {**stage, "max_ongoing_requests": args.batching.max_batch},
+              "VaeDecoder": stage,
+              "Ingress": dict(ray_actor_options=actor, max_ongoing_requests=args.ingress_max_ongoing_requests, **drain)}
+    unknown = set(options) - set(chosen)
+    if unknown:
+        raise ValueError(f"options for unknown deployments {sorted(unknown)}; the app has {sorted(chosen)}")
+    chosen = {name: {**defaults, **options.get(name, {})} for name, defaults in chosen.items()}
     logger.info("building %s: %s model %r from %s; offload modes encoder=%s denoiser=%s decoder=%s; "
                 "host budgets encoder=%s denoiser=%s decoder=%s", args.app_name, facts.family.value, model_id,
                 facts.folder, _mode(args.encoder), _mode(args.denoiser), _mode(args.decoder),
                 args.encoder.host_memory_budget, args.denoiser.host_memory_budget,
                 args.decoder.host_memory_budget)
     configs = stage_configs(args, facts)
-    encoder = TextEncoder.options(**stage).bind(configs[PipelineStage.ENCODE])
-    denoiser = Denoiser.options(**{**stage, "max_ongoing_requests": args.batching.max_batch}).bind(
-        configs[PipelineStage.DENOISE])
-    decoder = VaeDecoder.options(**stage).bind(configs[PipelineStage.DECODE])
+    encoder = TextEncoder.options(**chosen["TextEncoder"]).bind(configs[PipelineStage.ENCODE])
+    denoiser = Denoiser.options(**chosen["Denoiser"]).bind(configs[PipelineStage.DENOISE])
+    decoder = VaeDecoder.options(**chosen["VaeDecoder"]).bind(configs[PipelineStage.DECODE])
     config = IngressConfig(args.app_name, model_id, facts, args.limits, token, args.retry_after_s,
                            tuple(args.cors_allow_origins), jobs=args.video_jobs)
-    return Ingress.options(ray_actor_options=actor, max_ongoing_requests=args.ingress_max_ongoing_requests,
-                           **drain).bind(encoder, denoiser, decoder, config)
+    placement_status.warn_if_unplaceable(args.app_name, chosen, autoscaler=args.cluster_autoscaler)
+    return Ingress.options(**chosen["Ingress"]).bind(encoder, denoiser, decoder, config)

@@ -229,7 +229,8 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
 
     @api.get("/v1/residency")
     async def residency() -> dict:
-        return {"replicas": [r.to_json() for r in await board.residency()]}
+        replicas, pending = await asyncio.gather(board.residency(), board.pending_replicas())
+        return {"replicas": [r.to_json() for r in replicas], "pending": [p.to_json() for p in pending]}
 
     @api.post(IMAGES)
     async def images(request: Request):

@@ -16,8 +16,9 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments import videos
+from deployments import placement_status, videos
 from deployments.http_api import Generated, IngressConfig, build_api
+from deployments.placement import PendingReplica
 from deployments.residency_board import ReplicaResidency, get_board, live_replicas
 from deployments.spec import DenoiseProgress, GenerationSpec, StageOutput
 
@@ -48,11 +49,15 @@ class ResidencyBoardClient:
     """:class:`deployments.seams.ReplicaBoard` over the application's residency board actor."""
 
     def __init__(self, app_name: str):
+        self.app_name = app_name
         self.board = get_board(app_name)
 
     async def residency(self) -> tuple[ReplicaResidency, ...]:
         alive = frozenset(await asyncio.to_thread(live_replicas))  # a GCS round trip: off the event loop
         return tuple(await self.board.snapshot.remote(alive))
+
+    async def pending_replicas(self) -> tuple[PendingReplica, ...]:
+        return await asyncio.to_thread(placement_status.pending_replicas, self.app_name)  # controller + GCS
 
 
 @serve.deployment(name="Ingress")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Awaitable, Protocol
 
+from deployments.placement import PendingReplica
 from deployments.residency_board import ReplicaResidency
 from deployments.spec import DenoiseProgress, GenerationSpec, StageOutput
 
@@ -31,6 +32,9 @@ class StagePipeline(Protocol):
 
 
 class ReplicaBoard(Protocol):
-    """What the ingress reads about the live stage replicas (placements and bytes per replica)."""
+    """What the ingress reads about the live stage replicas (placements and bytes per replica), and
+    about the ones Ray has not placed yet (deployments.placement_status)."""
 
     async def residency(self) -> tuple[ReplicaResidency, ...]: ...
+
+    async def pending_replicas(self) -> tuple[PendingReplica, ...]: ...

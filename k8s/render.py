@@ -252,6 +252,9 @@ def serve_config(variant: ServiceVariant) -> dict:
         **{s.args_key: {"offload_mode": s.offload_mode} for s in variant.stages},
         "device_timeout_s": 30.0,
         "retry_after_s": 2,
+        # enableInTreeAutoscaling adds GPU nodes for waiting replicas: build_app need not warn that the
+        # GPUs present (none, while a worker group is at zero) cannot hold the configured maximum.
+        "cluster_autoscaler": True,
     }
     deployments = [{
         "name": "Ingress",

@@ -13,6 +13,7 @@ import torch
 
 from deployments.families import read_family_facts
 from deployments.http_api import IngressConfig, build_api
+from deployments.placement import PendingReplica
 from deployments.residency_board import ReplicaResidency
 from deployments.schemas import Limits
 from deployments.spec import DenoiseProgress, EncodedPrompt, GenerationSpec, StageOutput, StageStats
@@ -79,9 +80,13 @@ class FakeBoard:
     """deployments.seams.ReplicaBoard in process."""
 
     reports: tuple[ReplicaResidency, ...] = ()
+    pending: tuple[PendingReplica, ...] = ()  # replicas Ray has not placed
 
     async def residency(self) -> tuple[ReplicaResidency, ...]:
         return self.reports
+
+    async def pending_replicas(self) -> tuple[PendingReplica, ...]:
+        return self.pending
 
 
 def fake_config(token: str | None = TOKEN, cors: tuple[str, ...] = ()) -> IngressConfig:

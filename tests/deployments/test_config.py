@@ -8,6 +8,8 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.app import AppArgs
+from deployments.placement import GpuNode, capacity_warning, shortfalls
+from deployments.placement_status import demand_of
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 STAGES = {"TextEncoder", "Denoiser", "VaeDecoder", "Ingress"}
@@ -46,10 +48,24 @@ def test_the_denoiser_holds_as_many_requests_as_a_batch_takes(name):
     assert denoiser["max_ongoing_requests"] == max_batch
 
 
-def test_the_gpu_config_fits_the_one_gpu_node_it_documents():
-    config = yaml.safe_load((CONFIGS / "gpu.yaml").read_text())
-    most = 0.0
-    for deployment in config["applications"][0]["deployments"]:
-        replicas = deployment.get("autoscaling_config", {}).get("max_replicas", deployment.get("num_replicas", 1))
-        most += deployment.get("ray_actor_options", {}).get("num_gpus", 0) * replicas
-    assert most <= 1.0, f"at its maximum the config asks for {most} GPUs on a one-GPU node"
+# The machine each config's header documents: local.yaml one machine without a GPU, gpu.yaml "One GPU
+# node shared by the three stages".
+DOCUMENTED_NODES = {"local.yaml": (GpuNode("documented-cpu-node", 0, 0.0),),
+                    "gpu.yaml": (GpuNode("documented-gpu-node", 1, 1.0),)}
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED_NODES))
+def test_every_replica_a_config_allows_can_be_placed_on_the_machine_it_documents(name):
+    (app,) = yaml.safe_load((CONFIGS / name).read_text())["applications"]
+    demands = [demand_of(d["name"], d) for d in app["deployments"]]
+    assert shortfalls(demands, DOCUMENTED_NODES[name]) == ()
+    assert capacity_warning(demands, DOCUMENTED_NODES[name]) is None, "build_app would warn on it"
+    assert AppArgs.model_validate(app["args"]).cluster_autoscaler is not True, "these machines do not autoscale"
+
+
+def test_a_second_denoiser_at_0_6_of_the_one_gpu_is_what_the_check_refuses():
+    (app,) = yaml.safe_load((CONFIGS / "gpu.yaml").read_text())["applications"]
+    demands = [demand_of(d["name"], {**d, "num_replicas": 2} if d["name"] == "Denoiser" else d)
+               for d in app["deployments"]]
+    (short,) = shortfalls(demands, DOCUMENTED_NODES["gpu.yaml"])
+    assert (short.deployment, short.wanted, short.placed) == ("Denoiser", 2, 1)
