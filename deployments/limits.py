@@ -162,11 +162,14 @@ class Nearest:
         return "size"
 
     def describe(self, spec: GenerationSpec) -> str:
-        parts = [f"size {self.size[0]}x{self.size[1]}" if self.size else "no size at this aspect"]
+        """"size 16x16 at the same frames and n, or 65 frames at this size": the axes the request varies."""
+        parts = [f"size {self.size[0]}x{self.size[1]} at the same frames and n" if self.size
+                 else "no size at this aspect with the same frames and n"]
         if spec.num_frames > 1:
             parts.append(f"{self.frames} frames at this size" if self.frames else "no video at this size")
-        parts.append(f"n={self.n} at this size" if self.n else "not one at this size")
-        return "the largest it admits like this request: " + ", ".join(parts)
+        if spec.n > 1:
+            parts.append(f"n={self.n} at this size" if self.n else "not even n=1 at this size")
+        return "the largest it admits like this request: " + ", or ".join(parts)
 
 
 def _last_admitted(admission: StageAdmission, facts: FamilyFacts, specs) -> GenerationSpec | None:
