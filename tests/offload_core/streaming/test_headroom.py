@@ -140,7 +140,7 @@ def test_a_shortfall_of_the_device_itself_is_not_waited_for(cpu_device, remove_a
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: fragments the real caching allocator")
-def test_the_largest_cached_block_is_what_a_real_allocation_gets_from_the_cache():
+def test_on_cuda_the_largest_cached_block_is_what_a_real_allocation_gets_from_the_cache():
     device = get_device("cuda")
     torch.cuda.empty_cache()
     # One 64 MiB segment carved into 4 x 12 MiB + a 16 MiB tail; freeing the second leaves a 12 MiB
