@@ -42,6 +42,18 @@ class LeasingReplica:
     def lease_figures(self) -> dict:
         return self.leases.figures().to_json()
 
+    def watch_neighbours(self) -> None:
+        """Give the replica's device its neighbours' outstanding leases (as deployments/memory.py does)."""
+        from offload_core.streaming.device import get_device
+
+        get_device("cpu").set_neighbours(self.memory.neighbour_leases())
+
+    def neighbours_outstanding(self) -> int:
+        """What the device's headroom leaves to neighbours now."""
+        from offload_core.streaming.device import get_device
+
+        return get_device("cpu").headroom().neighbours_outstanding
+
     def pin(self, nbytes: int, count: int = 1, priority: float = 0.0) -> list:
         return [self.memory.host_budget.request(nbytes, self.memory.owner, priority, "pinned:test")
                 for _ in range(count)]

@@ -100,3 +100,22 @@ def test_a_replica_learns_a_neighbours_lease_on_its_heartbeat(fleet_nodes):
         client.close()
         neighbour.kill()
         neighbour.wait()
+
+
+def test_a_replicas_device_leaves_a_neighbour_replicas_leases_alone_until_they_go(fleet_nodes):
+    from tests.cluster.replicas import on_node
+
+    GB = 10**9
+    node = fleet_nodes.small  # a fake "12 GB" RTX3060: the CPU stands in, so all of a lease counts
+    watcher, neighbour = (on_node(node.node_id, num_gpus=0.5).remote(name, FAST) for name in ("watcher", "next"))
+    try:
+        ray.get(watcher.watch_neighbours.remote())
+        assert ray.get(watcher.neighbours_outstanding.remote()) == 0
+        assert ray.get(neighbour.reserved_call.remote(GB, 3 * GB, 0.0, 10))[0] == "ok"  # standing 1 + kept 3
+        assert _until(lambda: ray.get(watcher.neighbours_outstanding.remote()) == 4 * GB)
+        ray.get(neighbour.close.remote())
+        assert _until(lambda: ray.get(watcher.neighbours_outstanding.remote()) == 0)
+    finally:
+        for replica in (watcher, neighbour):
+            ray.get(replica.close.remote())
+            ray.kill(replica)
