@@ -72,7 +72,7 @@ def main() -> None:
     figures = {
         "no_neighbours_fast_path_us": _median_us(lambda: device.wait_for_neighbours(16 * MiB, 2, 1.0, "bench"),
                                                  repeat),
-        "headroom_stats_us": _median_us(lambda: device.headroom(16 * MiB, enough=1), repeat),
+        "headroom_stats_us": _median_us(lambda: device.headroom(16 * MiB, settled=lambda room: True), repeat),
         "headroom_with_block_sizes_us": _median_us(lambda: device.headroom(16 * MiB), repeat),
         "parking_gate_us": _median_us(parking.park_if_it_pays, repeat),
     }

@@ -116,7 +116,8 @@ class Parking:
             nbytes = self.nbytes
             # Keeping needs headroom >= nbytes / fraction: more than that never changes the verdict.
             enough = math.ceil(nbytes / self.fraction) + 1 if self.fraction > 0 else None
-            parts = get_device(self.device).headroom(self.min_block, enough=enough)
+            parts = get_device(self.device).headroom(
+                self.min_block, settled=None if enough is None else (lambda room: room.usable_bytes >= enough))
             decision = self.decide(parts.usable_bytes, parts)
         else:
             decision = self.decide(headroom)

@@ -215,7 +215,7 @@ class Device:
         """Where the allocator's cached blocks are read (tests give a fake; None: the device's own)."""
         self._cached = cached
 
-    def headroom(self, min_block: int = 0, enough: int | None = None) -> Headroom:
+    def headroom(self, min_block: int = 0, settled: Callable[[Headroom], bool] | None = None) -> Headroom:
         """What allocations of at least ``min_block`` bytes can still get on this device, by part.
 
         CUDA: driver free (less neighbours' outstanding leases) + whole free cached segments, within
@@ -223,7 +223,7 @@ class Device:
         capacity (or host RAM available) minus the weight bytes the tracked meters see, less
         neighbours' outstanding leases; no cache unless a fake allocator is set. The cached blocks'
         sizes (a walk of every segment) are read only when the answer depends on them and
-        ``enough`` bytes (if given) are not already usable without them.
+        ``settled`` (if given) does not already say the answer without them is enough for the question.
         """
         if self.is_cuda:
             driver_free, _total = torch.cuda.mem_get_info(self.device)
@@ -237,7 +237,7 @@ class Device:
         usable = usable_blocks(blocks, min_block)
         if usable is None:
             partial = Headroom(min_block, int(driver_free), neighbours, blocks)
-            if enough is not None and partial.usable_bytes >= enough:
+            if settled is not None and settled(partial):
                 usable = ()
             else:
                 blocks = source(self.device, True)
@@ -255,20 +255,24 @@ class Device:
         """
         if count <= 0 or self._neighbours is None or self._neighbours() <= 0:
             return None
-        room = self.headroom(nbytes, enough=nbytes * count)
-        if room.allocations(nbytes) >= count:
+
+        def fit(room: Headroom) -> bool:
+            return room.allocations(nbytes) >= count
+
+        room = self.headroom(nbytes, settled=fit)
+        if fit(room):
             return room
-        if dataclasses.replace(room, neighbours_outstanding=0).allocations(nbytes) < count:
+        if not fit(dataclasses.replace(room, neighbours_outstanding=0)):
             return room  # short even without the neighbours: not theirs to give back
         logger.info("%s on %s: %d x %d B wait for neighbours' leases: %s", what, self.device, count, nbytes,
                     room.explain())
         start = time.monotonic()
-        while room.allocations(nbytes) < count:
+        while not fit(room):
             waited = time.monotonic() - start
             if waited >= timeout_s:
                 raise HeadroomTimeout(what, nbytes * count, waited, room)
             time.sleep(min(NEIGHBOUR_POLL_S, timeout_s - waited))
-            room = self.headroom(nbytes, enough=nbytes * count)
+            room = self.headroom(nbytes, settled=fit)
         logger.info("%s on %s: room after %.2f s: %s", what, self.device, time.monotonic() - start, room.explain())
         return room
 

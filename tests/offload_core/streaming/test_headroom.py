@@ -86,12 +86,22 @@ def test_block_sizes_are_read_only_when_the_answer_depends_on_them(cpu_device):
     capacity(64 * MiB)
     fake = FakeAllocator(fragmented((2 * MiB, 8 * MiB)))
     device.set_allocator(fake)
-    device.headroom(min_block=4 * MiB, enough=32 * MiB)
+    device.headroom(min_block=4 * MiB, settled=lambda room: room.usable_bytes >= 32 * MiB)
     assert fake.detailed_reads == 0, "64 MiB of driver free already answers 'is 32 MiB there'"
     room = device.headroom(min_block=4 * MiB)
     assert fake.detailed_reads == 1 and room.usable_blocks == (8 * MiB,)
     device.headroom(min_block=512 * 1024)
     assert fake.detailed_reads == 1, "a small request never looks at large-pool blocks"
+
+
+def test_slots_a_cached_block_serves_do_not_wait_for_a_neighbour(cpu_device):
+    device, capacity = cpu_device
+    capacity(20 * MiB)
+    assert device.headroom().driver_free == 20 * MiB
+    device.set_neighbours(lambda: 1)  # one byte short of the 20 MiB segment two 3 MiB slots would make
+    device.set_allocator(FakeAllocator(fragmented((8 * MiB,))))  # but an 8 MiB hole holds both
+    room = device.wait_for_neighbours(3 * MiB, 2, timeout_s=0.0, what="test")
+    assert room.new_memory < LARGE_SEGMENT and room.allocations(3 * MiB) == 2
 
 
 def _streamer(remove_after, config=StreamingConfig(prefetch_depth=1)):
