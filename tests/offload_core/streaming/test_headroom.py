@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from offload_core.streaming.headroom import (
     Headroom,
     HeadroomTimeout,
     Rounding,
+    cuda_cached_blocks,
     segment_bytes,
 )
 from tests.offload_core.fake_allocator import FakeAllocator
@@ -102,6 +104,43 @@ def test_slots_a_cached_block_serves_do_not_wait_for_a_neighbour(cpu_device):
     device.set_allocator(FakeAllocator(fragmented((8 * MiB,))))  # but an 8 MiB hole holds both
     room = device.wait_for_neighbours(3 * MiB, 2, timeout_s=0.0, what="test")
     assert room.new_memory < LARGE_SEGMENT and room.allocations(3 * MiB) == 2
+
+
+def _fake_cuda(monkeypatch, expandable: bool = False):
+    """torch.cuda's allocator figures for one fragmented device: 100 MiB reserved, 40 MiB active;
+    of the 60 MiB free, 16 + 6 MiB are large-pool holes, 2 MiB small-pool ones, 36 MiB whole segments."""
+    stats = {"reserved_bytes.all.current": 100 * MiB, "active_bytes.all.current": 40 * MiB,
+             "inactive_split_bytes.large_pool.current": 22 * MiB, "inactive_split_bytes.small_pool.current": 2 * MiB}
+    segments = [
+        {"device": 0, "segment_type": "large", "blocks": [{"state": "active_allocated", "size": 20 * MiB},
+                                                          {"state": "inactive", "size": 16 * MiB}]},
+        {"device": 0, "segment_type": "large", "blocks": [{"state": "inactive", "size": 6 * MiB},
+                                                          {"state": "active_pending_free", "size": 20 * MiB}]},
+        {"device": 0, "segment_type": "large", "blocks": [{"state": "inactive", "size": 36 * MiB}]},
+        {"device": 1, "segment_type": "large", "blocks": [{"state": "inactive", "size": 99 * MiB},
+                                                          {"state": "active_allocated", "size": 1 * MiB}]},
+    ]
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=1000 * MiB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.5)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True" if expandable else "")
+
+
+def test_the_allocators_stats_split_its_cache_into_whole_segments_holes_and_small_blocks(monkeypatch):
+    _fake_cuda(monkeypatch)
+    cuda0 = torch.device("cuda", 0)
+    cheap = cuda_cached_blocks(cuda0, detailed=False)
+    assert (cheap.reclaimable, cheap.split_free, cheap.small_free) == (36 * MiB, 22 * MiB, 2 * MiB)
+    assert cheap.split_blocks is None and cheap.cap_bytes == 500 * MiB
+    detailed = cuda_cached_blocks(cuda0, detailed=True)
+    assert sorted(detailed.split_blocks) == [6 * MiB, 16 * MiB], "other devices' and whole free segments left out"
+
+
+def test_with_expandable_segments_no_free_byte_counts_as_a_whole_segment(monkeypatch):
+    _fake_cuda(monkeypatch, expandable=True)
+    blocks = cuda_cached_blocks(torch.device("cuda", 0), detailed=False)
+    assert blocks.reclaimable == 0 and blocks.split_free == 58 * MiB
 
 
 def _streamer(remove_after, config=StreamingConfig(prefetch_depth=1)):
