@@ -133,7 +133,11 @@ def why_pending(demand: GpuDemand, nodes: Sequence[GpuNode]) -> str:
     if demand.num_gpus <= 0:
         return "wants no GPU: waiting for Ray to start its worker (CPU, memory or a custom resource)"
     if roomy:
-        return (f"wants {demand.num_gpus:g} GPU; node {roomy[0].short()} has {roomy[0].free_gpus:g} free: "
+        node = roomy[0]
+        if demand.num_gpus < 1 < node.gpus:  # Ray reports a node's free share summed over its GPUs
+            return (f"wants {demand.num_gpus:g} of one GPU; node {node.short()} has {node.free_gpus:g} free across "
+                    f"its {node.gpus} GPUs: placed once one of them has {demand.num_gpus:g} free")
+        return (f"wants {demand.num_gpus:g} GPU; node {node.short()} has {node.free_gpus:g} free: "
                 f"waiting for Ray to start its worker")
     where = "one GPU" if demand.num_gpus < 1 else "one node"
     return (f"wants {demand.num_gpus:g} GPU on {where}; no alive node has it free: "

@@ -73,6 +73,10 @@ def test_a_pending_replicas_reason_names_each_node_and_its_free_share():
                       "node fedcba98 has no GPU")
     assert "node 01234567 is not H100" in why_pending(_gpu("Denoiser", 0.2, 1, "H100"), nodes)
     assert "waiting for Ray to start its worker" in why_pending(_gpu("Denoiser", 0.2), nodes)
+    # Two GPUs with 0.4 free each: 0.8 in all, yet no GPU holds 0.6; only the sum is known, so it says so.
+    split = why_pending(_gpu("Denoiser", 0.6), (GpuNode("0123456789abcdef", 2, 0.8),))
+    assert split == ("wants 0.6 of one GPU; node 01234567 has 0.8 free across its 2 GPUs: placed once one of "
+                     "them has 0.6 free")
 
 
 def test_residency_lists_pending_replicas_with_what_they_want_and_why():
