@@ -23,6 +23,7 @@ from deployments.job_store import JobsArgs
 from deployments.schemas import Limits
 from deployments.spec import PipelineStage
 from deployments.stages import Denoiser, TextEncoder, VaeDecoder
+from deployments.warmup import WarmupShape
 from deployments.worker import DTYPES, StageConfig
 from offload_core.host.replica_budget import HostBudgetSpec, parse_host_budget
 from offload_core.planner.search import PerformanceMode
@@ -140,6 +141,7 @@ def stage_configs(args: AppArgs, facts: FamilyFacts) -> dict[str, StageConfig]:
     options = {PipelineStage.ENCODE: args.encoder, PipelineStage.DENOISE: args.denoiser,
                PipelineStage.DECODE: args.decoder}
     configs = {}
+    shape = WarmupShape.default_for(args.limits, facts)  # a default size the API would refuse fails the build
     for stage, stage_args in options.items():
         # Planned for the default request; a request with more steps streams the same plan longer.
         uses = uses_per_request(facts, stage, args.limits.default_steps, facts.default_guidance,
@@ -147,7 +149,7 @@ def stage_configs(args: AppArgs, facts: FamilyFacts) -> dict[str, StageConfig]:
         batching = args.batching.config() if stage is PipelineStage.DENOISE else None
         configs[stage] = StageConfig(args.app_name, facts, stage, stage_args.offload_mode, tuple(uses.items()),
                                      args.dtype, args.device_timeout_s, stage_args.host_budget(), batching,
-                                     share_host_weights=stage_args.share_host_weights)
+                                     share_host_weights=stage_args.share_host_weights, warmup_shape=shape)
     return configs
 
 

@@ -26,7 +26,14 @@ from offload_core.planner.facts import (
     profile_component,
 )
 from offload_core.planner.gpus import link_Bps
-from offload_core.planner.search import PerformanceMode, PipelinePlan, plan_pipeline
+from offload_core.planner.search import (
+    ComponentOverride,
+    PerformanceMode,
+    PipelinePlan,
+    memory_floor_bytes,
+    plan_pipeline,
+)
+from offload_core.planner.warmup import MeasuredCompute, with_measured_compute
 from offload_core.residency.lifecycle import PipelineResidency, RequestFigures
 from offload_core.residency.shared_hosting import SharedWeights
 from offload_core.streaming.link import measure_link
@@ -40,30 +47,47 @@ def link_facts(device: torch.device) -> LinkFacts:
 
 def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request: Mapping[str, int],
                mode: PerformanceMode | None, device: torch.device, device_capacity: int, host_lease_bytes: int,
-               memory: ReplicaMemory | None = None, expected_batch: float = 1.0) -> PipelinePlan:
+               memory: ReplicaMemory | None = None, expected_batch: float = 1.0, *,
+               compute: Mapping[str, MeasuredCompute] | None = None, working_set_bytes: int = 0) -> PipelinePlan:
     """The plan for one stage's components: this replica's whole "pipeline" is its stage.
 
     With the replica's ``memory`` (the service always has it) the plan is the fleet profile's for
     the GPU the replica got (``cluster.replica_plan``): its mode when ``mode`` is None, its limits
     always. Without it, ``plan_pipeline`` in ``mode`` and nothing else. ``expected_batch``: requests
     expected to share each use (the Denoiser's configured batch maximum): bytes moved per request
-    are the stream's bytes divided by it.
+    are the stream's bytes divided by it. ``compute``: measured seconds per use of each component
+    (``deployments.warmup``; None: 0 s). ``working_set_bytes``: kept free of weights for activations,
+    at most what leaves the leanest (memory-mode) plan room.
     """
-    profiles = tuple(dataclasses.replace(profile_component(name, module, uses_per_request=uses_per_request[name]),
-                                         expected_batch=expected_batch)
-                     for name, module in components.items())
+    profiles = []
+    for name, module in components.items():
+        profile = profile_component(name, module, uses_per_request=uses_per_request[name])
+        if compute is not None:
+            profile = with_measured_compute(profile, compute[name])
+        profiles.append(dataclasses.replace(profile, expected_batch=expected_batch))
+    profiles = tuple(profiles)
     stages = (Stage(stage, tuple(components)),)
     if memory is None:
         if mode is None:
             raise ValueError(f"stage {stage}: no offload mode and no replica memory to take a fleet profile from")
         facts = PipelineFacts(components=profiles, stages=stages, device_capacity=device_capacity,
                               link=link_facts(device), host_lease_bytes=host_lease_bytes, device_name=str(device))
-        return plan_pipeline(facts, mode)
+        return plan_pipeline(_with_working_set(facts, working_set_bytes), mode)
     # On CUDA the link is measured; elsewhere the GPU table's link for the GPU the replica leases.
     link = link_facts(device) if device.type == "cuda" else None
     facts = replica_facts(memory, profiles, stages, device_capacity=device_capacity, link=link,
                           host_lease_bytes=host_lease_bytes)
-    return plan_for_replica(memory.profile, facts, mode, owner=memory.owner)
+    depth = {p.name: ComponentOverride(prefetch_depth=memory.profile.prefetch_depth) for p in profiles if p.layers}
+    return plan_for_replica(memory.profile, _with_working_set(facts, working_set_bytes, depth), mode,
+                            owner=memory.owner)
+
+
+def _with_working_set(facts: PipelineFacts, nbytes: int, overrides=None) -> PipelineFacts:
+    """``facts`` keeping ``nbytes`` for activations, capped so the leanest plan's weights still fit."""
+    if nbytes <= 0:
+        return facts
+    room = max(0, facts.device_capacity - memory_floor_bytes(facts, overrides))
+    return dataclasses.replace(facts, working_set_bytes=min(nbytes, room))
 
 
 def host_lease_bytes(host_budget: MemoryBudget, host_budget_bytes: int | None) -> int:
@@ -99,6 +123,13 @@ class StageResidency:
         # As applied: tiers the host budget lowered or the driver refused to pin are in it, with notes.
         self.plan = self._residency.plan
         self._last = RequestFigures(0, 0)
+
+    def adopt(self, plan: PipelinePlan) -> None:
+        """Show ``plan`` (the applied decisions re-predicted from measurements) as this residency's plan."""
+        if [c.decisions() for c in plan.components] != [c.decisions() for c in self.plan.components]:
+            raise ValueError("a plan with other decisions must be applied, not adopted: "
+                             + "; ".join(plan.changes_from(self.plan)))
+        self.plan = self._residency.plan = plan
 
     def prepare_for_use(self) -> None:
         self._residency.prepare_for_use(self._names)

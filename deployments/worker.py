@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import pathlib
@@ -26,7 +27,8 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from cluster.replica_memory import DeviceBusy
-from deployments import activations, families
+from deployments import activations, families, warmup
+from deployments.activations import ACTIVATION_MARGIN
 from deployments.batching import BatchingConfig
 from deployments.families import FamilyFacts
 from deployments.limits import StageAdmission, nearest_admitted, size_text
@@ -45,16 +47,11 @@ from offload_core.host.budget import Refusal
 from offload_core.host.replica_budget import HostBudgetSpec
 from offload_core.host.store import folder_identity
 from offload_core.planner.search import PerformanceMode
-from offload_core.residency.activations import measure_activations
 from offload_core.residency.shared_hosting import SharedWeights
 from offload_core.streaming.headroom import HeadroomTimeout
 
 logger = logging.getLogger(__name__)
 
-# A call leases its predicted activations plus this margin: predictions are within 10 % of the
-# measured peak on held-out shapes, and a decode call in bench/shared_gpu.py held 12 % more than its
-# prediction (a 48x32 image), so the lease carries 15 % more than predicted.
-ACTIVATION_MARGIN = 1.15
 # Residency reports reach the board at most this often per replica (and always within it).
 PUBLISH_INTERVAL_S = 1.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,6 +76,9 @@ class StageConfig:
     batching: BatchingConfig | None = None
     # Streamed layers hosted from the node weight store (one copy per node) rather than privately.
     share_host_weights: bool = True
+    # The default request (limits.default_size / default_frames): the warm-up times the layers and sizes
+    # the working set there (deployments/warmup.py); None: the default Limits'.
+    warmup_shape: warmup.WarmupShape | None = None
 
 
 def _replica_device() -> torch.device:
@@ -114,16 +114,20 @@ class StageWorker:
         if config.share_host_weights:
             identities = {name: folder_identity(pathlib.Path(config.facts.folder) / name) for name in modules}
             shared = SharedWeights(self.memory.store_registry(), identities, self.replica, budget_bytes=budget)
-        # Planned against the replica's share of its GPU, not the whole card.
-        plan = plan_stage(config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
-                          self.memory.share_bytes, host_lease_bytes(self.memory.host_budget, budget), self.memory,
-                          expected_batch=config.batching.max_batch if config.batching is not None else 1)
+        # Planned against the replica's share of its GPU, not the whole card; 0 s of compute and no
+        # working set until the warm-up measured them (it plans again with plan_stage bound here).
+        planner = functools.partial(
+            plan_stage, config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
+            self.memory.share_bytes, host_lease_bytes(self.memory.host_budget, budget), self.memory,
+            expected_batch=config.batching.max_batch if config.batching is not None else 1)
+        plan = planner()
         # What the plan keeps on the device is leased before applying it moves anything there.
         self.leases.hold_standing(predicted_kept_bytes(plan), config.device_timeout_s)
-        self.residency = StageResidency(
-            config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
+        applier = functools.partial(
+            StageResidency, config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
             device_capacity=self.memory.share_bytes, host_budget=self.memory.host_budget,
-            owner=self.replica, host_budget_bytes=budget, shared=shared, memory=self.memory, plan=plan)
+            owner=self.replica, host_budget_bytes=budget, shared=shared, memory=self.memory)
+        self.residency = applier(plan=plan)
         self.activations: activations.StageActivations | None = None
         self.metrics = StageMetrics(config.stage.value)
         # One call at a time per replica: the pipeline object (scheduler state) is not reentrant.
@@ -136,29 +140,8 @@ class StageWorker:
         self._publisher = concurrent.futures.ThreadPoolExecutor(1, f"publish-{config.stage.value}")
         self._publish_pending = threading.Event()
         self._published_at = time.monotonic()
-        self.activations = self._calibrate_activations(modules)
+        self.warmup = warmup.warm_up(self, modules, warmup.Replanning(planner, applier, plan))
         self.publish()
-
-    def _calibrate_activations(self, modules) -> activations.StageActivations:
-        """Measure the stage's activation peak on two small shapes per regime, on this replica's device,
-        and fit the family's model (deployments/activations.py); calls lease it from then on."""
-        facts, stage = self.config.facts, self.config.stage
-
-        def measure(spec: GenerationSpec) -> int:
-            value = activations.stage_input(self.pipe, facts, stage, spec)
-            with self.in_use():
-                weights = [t for m in modules.values() for t in (*m.parameters(), *m.buffers())]
-                _, measured = measure_activations(
-                    lambda: activations.run_stage(self.pipe, facts, stage, spec, self.device, value),
-                    self.device, weights)
-            return measured.peak_bytes
-
-        start = time.perf_counter()
-        fitted = activations.calibrate_stage(facts, stage, activations.calibration_shapes(facts), measure,
-                                             DTYPES[self.config.dtype].itemsize)
-        logger.info("%s: activations calibrated in %.2f s on %s: %s", self.replica, time.perf_counter() - start,
-                    self.device, fitted.explain())
-        return fitted
 
     @property
     def busy(self) -> bool:
@@ -252,6 +235,12 @@ class StageWorker:
         except HeadroomTimeout as exc:  # a neighbour's lease kept the slots out: busy, as a refused lease
             refusal = Refusal(self.replica, exc.nbytes, exc.headroom.usable_bytes, str(exc))
             raise DeviceBusy(self.replica, self.memory.device_pool, exc.nbytes, refusal, exc.waited_s) from None
+
+    def replace_residency(self, make: Callable[[], StageResidency]) -> None:
+        """Remove the applied residency and apply another (the warm-up's replan), no call or report running."""
+        with self._lock:
+            self.residency.remove()
+            self.residency = make()
 
     def report(self) -> ReplicaResidency:
         weights = self.residency.report()
