@@ -47,47 +47,57 @@ def link_facts(device: torch.device) -> LinkFacts:
 
 def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request: Mapping[str, int],
                mode: PerformanceMode | None, device: torch.device, device_capacity: int, host_lease_bytes: int,
-               memory: ReplicaMemory | None = None, expected_batch: float = 1.0, *,
-               compute: Mapping[str, MeasuredCompute] | None = None, working_set_bytes: int = 0) -> PipelinePlan:
+               memory: ReplicaMemory | None = None, expected_batch: float = 1.0) -> PipelinePlan:
     """The plan for one stage's components: this replica's whole "pipeline" is its stage.
 
     With the replica's ``memory`` (the service always has it) the plan is the fleet profile's for
     the GPU the replica got (``cluster.replica_plan``): its mode when ``mode`` is None, its limits
     always. Without it, ``plan_pipeline`` in ``mode`` and nothing else. ``expected_batch``: requests
     expected to share each use (the Denoiser's configured batch maximum): bytes moved per request
-    are the stream's bytes divided by it. ``compute``: measured seconds per use of each component
-    (``deployments.warmup``; None: 0 s). ``working_set_bytes``: kept free of weights for activations,
-    at most what leaves the leanest (memory-mode) plan room.
+    are the stream's bytes divided by it. Compute is 0 s and no working set is kept until the
+    warm-up measured them (:func:`replan_stage`).
     """
-    profiles = []
-    for name, module in components.items():
-        profile = profile_component(name, module, uses_per_request=uses_per_request[name])
-        if compute is not None:
-            profile = with_measured_compute(profile, compute[name])
-        profiles.append(dataclasses.replace(profile, expected_batch=expected_batch))
-    profiles = tuple(profiles)
+    profiles = tuple(dataclasses.replace(profile_component(name, module, uses_per_request=uses_per_request[name]),
+                                         expected_batch=expected_batch)
+                     for name, module in components.items())
     stages = (Stage(stage, tuple(components)),)
     if memory is None:
         if mode is None:
             raise ValueError(f"stage {stage}: no offload mode and no replica memory to take a fleet profile from")
         facts = PipelineFacts(components=profiles, stages=stages, device_capacity=device_capacity,
                               link=link_facts(device), host_lease_bytes=host_lease_bytes, device_name=str(device))
-        return plan_pipeline(_with_working_set(facts, working_set_bytes), mode)
+        return plan_pipeline(facts, mode)
     # On CUDA the link is measured; elsewhere the GPU table's link for the GPU the replica leases.
     link = link_facts(device) if device.type == "cuda" else None
     facts = replica_facts(memory, profiles, stages, device_capacity=device_capacity, link=link,
                           host_lease_bytes=host_lease_bytes)
-    depth = {p.name: ComponentOverride(prefetch_depth=memory.profile.prefetch_depth) for p in profiles if p.layers}
-    return plan_for_replica(memory.profile, _with_working_set(facts, working_set_bytes, depth), mode,
+    return plan_for_replica(memory.profile, facts, mode, owner=memory.owner)
+
+
+def replan_stage(planned: PipelinePlan, memory: ReplicaMemory | None, *, compute: Mapping[str, MeasuredCompute],
+                 working_set_bytes: int) -> PipelinePlan:
+    """``planned`` made again from its own facts with measured ``compute`` per use of each component and
+    ``working_set_bytes`` kept free of weights (at most what leaves the leanest plan room), in its mode.
+
+    The facts are the first plan's, not read again from the modules: applied, a streamed layer's
+    parameters are placeholders, and a profile read from them would have no bytes.
+    """
+    if planned.facts is None:
+        raise ValueError("the plan carries no facts to plan again from: make it with plan_stage")
+    facts = dataclasses.replace(planned.facts, components=tuple(
+        with_measured_compute(profile, compute[profile.name]) for profile in planned.facts.components))
+    if memory is None:
+        return plan_pipeline(_with_working_set(facts, working_set_bytes), planned.mode)
+    depth = {p.name: ComponentOverride(prefetch_depth=memory.profile.prefetch_depth) for p in facts.components
+             if p.layers}
+    return plan_for_replica(memory.profile, _with_working_set(facts, working_set_bytes, depth), planned.mode,
                             owner=memory.owner)
 
 
 def _with_working_set(facts: PipelineFacts, nbytes: int, overrides=None) -> PipelineFacts:
     """``facts`` keeping ``nbytes`` for activations, capped so the leanest plan's weights still fit."""
-    if nbytes <= 0:
-        return facts
     room = max(0, facts.device_capacity - memory_floor_bytes(facts, overrides))
-    return dataclasses.replace(facts, working_set_bytes=min(nbytes, room))
+    return dataclasses.replace(facts, working_set_bytes=min(max(0, nbytes), room))
 
 
 def host_lease_bytes(host_budget: MemoryBudget, host_budget_bytes: int | None) -> int:

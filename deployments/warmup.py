@@ -39,7 +39,7 @@ from torch import nn
 from deployments import activations, families
 from deployments.activations import ACTIVATION_MARGIN
 from deployments.families import FamilyFacts
-from deployments.offload import StageResidency, predicted_kept_bytes
+from deployments.offload import StageResidency, predicted_kept_bytes, replan_stage
 from deployments.schemas import Limits, parse_size
 from deployments.spec import GenerationSpec
 from offload_core.planner.search import PipelinePlan, repredict
@@ -78,9 +78,8 @@ class WarmupShape:
 class Replanning:
     """How the worker planned and applied its stage, so the warm-up can do it again with measurements."""
 
-    plan: Callable[..., PipelinePlan]  # deployments.offload.plan_stage with the replica's facts bound
     apply: Callable[..., StageResidency]  # StageResidency with everything but ``plan`` bound
-    provisional: PipelinePlan  # the plan as planned (before the host re-tiered it): compared with the new one
+    provisional: PipelinePlan  # the plan as planned (before the host re-tiered it): its facts, and compared
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,8 @@ def warm_up(worker: StageWorker, modules: Mapping[str, nn.Module], replanning: R
     compute = time_layers(worker, modules, shape.spec(config.facts))
     batch = config.batching.max_batch if config.batching is not None else 1
     predicted = worker.activations.predict(shape.spec(config.facts, n=batch))
-    plan = replanning.plan(compute=compute, working_set_bytes=math.ceil(ACTIVATION_MARGIN * predicted))
+    plan = replan_stage(replanning.provisional, worker.memory, compute=compute,
+                        working_set_bytes=math.ceil(ACTIVATION_MARGIN * predicted))
     working_set = plan.device_capacity - plan.weight_budget
     changes = plan.changes_from(replanning.provisional)
     note = (f"planned from a warm-up at {shape.describe()} (1 step): compute per use "

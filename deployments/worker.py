@@ -115,12 +115,10 @@ class StageWorker:
             identities = {name: folder_identity(pathlib.Path(config.facts.folder) / name) for name in modules}
             shared = SharedWeights(self.memory.store_registry(), identities, self.replica, budget_bytes=budget)
         # Planned against the replica's share of its GPU, not the whole card; 0 s of compute and no
-        # working set until the warm-up measured them (it plans again with plan_stage bound here).
-        planner = functools.partial(
-            plan_stage, config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
-            self.memory.share_bytes, host_lease_bytes(self.memory.host_budget, budget), self.memory,
-            expected_batch=config.batching.max_batch if config.batching is not None else 1)
-        plan = planner()
+        # working set until the warm-up measured them (deployments/warmup.py plans again).
+        plan = plan_stage(config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
+                          self.memory.share_bytes, host_lease_bytes(self.memory.host_budget, budget), self.memory,
+                          expected_batch=config.batching.max_batch if config.batching is not None else 1)
         # What the plan keeps on the device is leased before applying it moves anything there.
         self.leases.hold_standing(predicted_kept_bytes(plan), config.device_timeout_s)
         applier = functools.partial(
@@ -140,7 +138,7 @@ class StageWorker:
         self._publisher = concurrent.futures.ThreadPoolExecutor(1, f"publish-{config.stage.value}")
         self._publish_pending = threading.Event()
         self._published_at = time.monotonic()
-        self.warmup = warmup.warm_up(self, modules, warmup.Replanning(planner, applier, plan))
+        self.warmup = warmup.warm_up(self, modules, warmup.Replanning(applier, plan))
         self.publish()
 
     @property

@@ -15,6 +15,7 @@ from deployments.offload import predicted_kept_bytes
 from deployments.spec import GenerationSpec, PipelineStage
 from deployments.warmup import WarmupShape
 from deployments.worker import StageWorker
+from offload_core.planner.facts import profile_component
 from offload_core.planner.search import PerformanceMode
 from offload_core.planner.strategy import Strategy
 from tests.deployments.conftest import tiny_args
@@ -56,8 +57,13 @@ def test_the_final_plan_carries_measured_compute_and_the_default_requests_activa
     assert worker.warmup.batch == batch and worker.warmup.predicted_activation_bytes == predicted > 0
     assert plan.facts.working_set_bytes == math.ceil(ACTIVATION_MARGIN * predicted)
     assert plan.weight_budget == plan.device_capacity - plan.facts.working_set_bytes
+    plain = families.stage_modules(families.load_stage_pipeline(facts, stage, torch.float32), facts, stage)
     for profile in plan.facts.components:
         assert profile.layers and all(s > 0 for s in profile.compute_s_per_layer), profile.name
+        # Planned from the model's own bytes, not from the placeholders its streamed layers hold now.
+        expected = profile_component(profile.name, plain[profile.name], uses_per_request=1)
+        assert [layer.nbytes for layer in profile.layers] == [layer.nbytes for layer in expected.layers]
+        assert profile.non_layer_bytes == expected.non_layer_bytes
     assert plan.compute_s_per_request > 0
     explained = "\n".join(worker.report().plan)
     assert f"{plan.facts.working_set_bytes / 2**30:.2f} GiB kept for activations" in explained
@@ -116,6 +122,11 @@ def test_a_replan_that_keeps_the_plan_keeps_the_applied_residency_and_shows_the_
     assert plan.component("transformer").strategy is Strategy.LAYERWISE
     assert plan.compute_s_per_request > 0 and plan.facts.working_set_bytes > 0
     assert worker.leases.figures().standing_bytes == worker.residency.kept_bytes()
+    # Re-predicted, the same decisions predict the same bytes: the ring's slots are still in the peak.
+    encoded = families.encode(families.load_stage_pipeline(facts, PipelineStage.ENCODE, torch.float32), facts,
+                              SPEC, CPU)
+    out = worker.run(lambda: families.denoise(worker.pipe, facts, encoded, SPEC, worker.device), SPEC)
+    assert out.stats.device_peak_bytes == worker.residency.predicted_peak_bytes() > worker.residency.kept_bytes()
 
 
 def test_a_default_size_the_api_would_refuse_fails_the_build(facts):
