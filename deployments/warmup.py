@@ -128,11 +128,11 @@ def calibrate_activations(worker: StageWorker, modules: Mapping[str, nn.Module])
     """Measure the stage's activation peak on two small shapes per regime, on the replica's device, and
     fit the family's model (deployments/activations.py); calls lease it from then on."""
     facts, stage = worker.config.facts, worker.config.stage
-    weights = [t for m in modules.values() for t in (*m.parameters(), *m.buffers())]
 
     def measure(spec: GenerationSpec) -> int:
         value = activations.stage_input(worker.pipe, facts, stage, spec)
-        with worker.in_use():
+        with worker.in_use():  # the weights as prepared for the call (resident layers bound) are not its activations
+            weights = [t for m in modules.values() for t in (*m.parameters(), *m.buffers())]
             _, measured = measure_activations(
                 lambda: activations.run_stage(worker.pipe, facts, stage, spec, worker.device, value),
                 worker.device, weights)
