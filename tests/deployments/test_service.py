@@ -160,6 +160,11 @@ def test_models_and_residency_describe_the_served_model_and_every_replica(client
     host_bytes = ("host_pinned_bytes", "host_pageable_bytes", "host_mapped_bytes", "host_shared_bytes")
     assert sum(component[k] for k in host_bytes) > 0
     assert any(line.startswith("transformer: ") for line in denoiser["plan"]), denoiser["plan"]
+    # Every replica's plan says it was made from its warm-up: measured compute, a working set kept.
+    for replica in replicas:
+        assert "GiB kept for activations" in replica["plan"][0], replica["plan"]
+        assert any(line.startswith("planned from a warm-up at 16x16x5 (1 step): compute per use ")
+                   for line in replica["plan"]), replica["plan"]
     assert denoiser["last_device_peak_bytes"] == denoiser["predicted_peak_bytes"]
     host = denoiser["host_memory"]  # the config's 64MiB host_memory_budget, what it leased and holds
     assert host["budget_bytes"] == 64 * 1024**2 and host["leased_bytes"] <= host["budget_bytes"]
