@@ -93,6 +93,7 @@ class WarmupOutcome:
     working_set_bytes: int  # what the plan keeps free of weights (margin applied, capped)
     changes: tuple[str, ...]  # how the final plan differs from the provisional one (empty: kept)
     seconds: float  # the whole warm-up: calibration, the timed call, the replan (and re-apply)
+    calibration_s: float  # of it, the activation calibration (what a replica paid before it planned from measurements)
 
 
 def warm_up(worker: StageWorker, modules: Mapping[str, nn.Module], replanning: Replanning) -> WarmupOutcome:
@@ -100,6 +101,7 @@ def warm_up(worker: StageWorker, modules: Mapping[str, nn.Module], replanning: R
     start = time.perf_counter()
     config = worker.config
     worker.activations = calibrate_activations(worker, modules)
+    calibrated_s = time.perf_counter() - start
     shape = config.warmup_shape or WarmupShape.default_for(Limits(), config.facts)
     compute = time_layers(worker, modules, shape.spec(config.facts))
     batch = config.batching.max_batch if config.batching is not None else 1
@@ -118,7 +120,7 @@ def warm_up(worker: StageWorker, modules: Mapping[str, nn.Module], replanning: R
     else:
         worker.residency.adopt(repredict(worker.residency.plan, plan.facts, (note,)))
     outcome = WarmupOutcome(shape, batch, tuple(compute.items()), predicted, working_set, changes,
-                            time.perf_counter() - start)
+                            time.perf_counter() - start, calibrated_s)
     logger.info("%s: warm-up in %.2f s; %s; plan %s", worker.replica, outcome.seconds, note,
                 f"changed ({'; '.join(changes)}): re-applied" if changes else "unchanged: the applied one is kept")
     return outcome
