@@ -1,7 +1,11 @@
 """The warm-up: uses per request, compute per layer, and the order layers first ran in."""
 from __future__ import annotations
 
+import gc
 import time
+
+import pytest
+import torch
 
 from offload_core.planner.warmup import measure_warmup, profiles_from_warmup
 from tests.offload_core.tiny_models import hunyuan_inputs, tiny_hunyuan
@@ -56,6 +60,10 @@ def test_a_slow_copy_of_a_streamed_layer_is_not_counted_as_its_compute(monkeypat
     model, inputs = WAN.build(), WAN.inputs()
     expected = WAN.run(model, inputs)
     streamer = apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=1))
+    # A collection inside a layer would run earlier objects' finalizers, whose copy waits on this
+    # device are slow waits charged to whichever layer was running: collect first, then hold it off.
+    gc.collect()
+    gc.disable()
     try:
         streamer.prepare_for_use()
         before = device.slow_waits
@@ -63,6 +71,7 @@ def test_a_slow_copy_of_a_streamed_layer_is_not_counted_as_its_compute(monkeypat
         slow = device.slow_waits - before
         streamer.finish_use()
     finally:
+        gc.enable()
         streamer.remove()
     n_layers = len(streamer.layers)
     assert slow >= n_layers - 1, "the layers' forwards waited for slow copies"
@@ -71,3 +80,21 @@ def test_a_slow_copy_of_a_streamed_layer_is_not_counted_as_its_compute(monkeypat
     assert figures.rest_s < SLOW_COPY_S / 2, f"copy waits counted as non-layer compute: {figures.rest_s}"
     assert figures.layer_span_s >= slow * SLOW_COPY_S, "the spans hold the waits the compute leaves out"
     assert torch.equal(WAN.run(model, inputs), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compute-stream sync is CUDA's (gpu_check.sh runs it)")
+def test_on_cuda_the_warmup_sync_does_not_wait_for_work_on_another_stream():
+    """A layer's timer syncs the current (compute) stream only: a copy still running on the copy
+    stream for a later layer must not be charged to this layer's compute."""
+    from offload_core.planner.warmup import compute_sync
+
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(400):  # seconds of fp32 matmuls queued on the other stream (~55 TFLOP)
+            a = a @ a / 64.0
+    compute_sync(torch.device("cuda"))()
+    still_running = not side.query()
+    side.synchronize()
+    assert still_running, "the compute-stream sync waited for the other stream's work"
