@@ -75,7 +75,7 @@ def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode):
     def once():
         encoded = under(PipelineStage.ENCODE, lambda p: families.encode(p, facts, spec, cpu))
         latents = under(PipelineStage.DENOISE, lambda p: families.denoise(p, facts, encoded, spec, cpu))
-        frames = under(PipelineStage.DECODE, lambda p: families.decode(p, facts, latents, spec))
+        frames = under(PipelineStage.DECODE, lambda p: families.decode(p, facts, latents, spec, cpu))
         return [media.png_bytes(f[0]) for f in frames]
 
     return once

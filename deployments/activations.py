@@ -144,4 +144,4 @@ def run_stage(pipe, facts: FamilyFacts, stage: PipelineStage, spec: GenerationSp
         return families.encode(pipe, facts, spec, device)
     if stage is PipelineStage.DENOISE:
         return families.denoise(pipe, facts, value, spec, device)
-    return families.decode(pipe, facts, value, spec)
+    return families.decode(pipe, facts, value, spec, device)

@@ -27,6 +27,13 @@ from deployments.steppers import Stepper, StepRequest
 
 logger = logging.getLogger(__name__)
 
+# An idle replica gathers companions for at most this fraction of one forward. A request that
+# misses the gather joins one step late (it waits at most one forward), so a longer gather costs
+# every request arriving alone more than it saves the late ones: the tiny Wan's forward takes
+# ~5 ms, and the configured 10 ms gather doubled its denoise stage (bench/serve.py: 11.5 ms from
+# the call to the first forward). A ~1 s FLUX.1-dev forward still gathers the full 10 ms.
+GATHER_FRACTION_OF_FORWARD = 0.1
+
 
 class BatchingError(RuntimeError):
     """Base of what a batched request can end with instead of latents."""
@@ -44,6 +51,7 @@ class BatchingConfig:
     # When an idle replica gets a request, it waits this long for others before the first forward
     # (like Serve's batch_wait_timeout_s): requests sent together then share every step instead of
     # the later ones joining one step behind. 10 ms is 1 % of a ~1 s streamed FLUX.1-dev forward.
+    # At most GATHER_FRACTION_OF_FORWARD of the last forward (StepBatch.gather_wait_s).
     gather_s: float = 0.01
 
     def __post_init__(self) -> None:
@@ -87,6 +95,7 @@ class StepBatch:
         self.waiting: collections.deque[_Entry] = collections.deque()
         self.forwards = 0  # transformer forwards run: one per boundary, whatever the batch size
         self.request_steps = 0  # request steps served, for the mean batch size
+        self.last_forward_s: float | None = None  # None until the first forward ran
 
     def submit(self, request: StepRequest) -> concurrent.futures.Future:
         entry = _Entry(request, concurrent.futures.Future(), self._clock())
@@ -96,6 +105,13 @@ class StepBatch:
     @property
     def idle(self) -> bool:
         return not self.running and not self.waiting
+
+    def gather_wait_s(self) -> float:
+        """How long an idle replica waits for companions before its first forward: ``gather_s``, at
+        most GATHER_FRACTION_OF_FORWARD of the last forward (the whole ``gather_s`` before any)."""
+        if self.last_forward_s is None:
+            return self.config.gather_s
+        return min(self.config.gather_s, GATHER_FRACTION_OF_FORWARD * self.last_forward_s)
 
     @property
     def mean_batch(self) -> float:
@@ -130,10 +146,11 @@ class StepBatch:
             return len(batch)
         self.forwards += 1
         self.request_steps += len(batch)
+        self.last_forward_s = self._clock() - start
         streamed = self._bytes_streamed() - streamed_before
         for request in batch:
             request.bytes_streamed += streamed / len(batch)
-        self._on_forward(ForwardFigures(len(batch), sum(r.rows for r in batch), self._clock() - start, streamed))
+        self._on_forward(ForwardFigures(len(batch), sum(r.rows for r in batch), self.last_forward_s, streamed))
         for entry in [e for e in self.running if e.request.done]:
             self.running.remove(entry)
             entry.future.set_result(entry.request.latents)
@@ -220,7 +237,7 @@ class StepBatcher:
                     self._wake.wait()
                 if self._closed:
                     return
-            time.sleep(self.batch.config.gather_s)  # outside the lock: others may submit meanwhile
+            time.sleep(self.batch.gather_wait_s())  # outside the lock: others may submit meanwhile
             try:
                 self._around_busy(self._run_busy)
             except Exception as exc:  # a failed prepare/lease fails what was waiting, not the loop

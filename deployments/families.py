@@ -183,10 +183,14 @@ def denoise(pipe, facts: FamilyFacts, encoded: EncodedPrompt, spec: GenerationSp
 
 
 @torch.no_grad()
-def decode(pipe, facts: FamilyFacts, latents: torch.Tensor, spec: GenerationSpec) -> torch.Tensor:
-    """Frames (n, frames, H, W, 3) float32 in [0, 1]: the pipeline's ``output_type="np"`` result."""
+def decode(pipe, facts: FamilyFacts, latents: torch.Tensor, spec: GenerationSpec,
+           device: torch.device | None = None) -> torch.Tensor:
+    """Frames (n, frames, H, W, 3) float32 in [0, 1]: the pipeline's ``output_type="np"`` result.
+
+    ``device``: where the VAE runs; None asks the pipeline, which walks every module's hooks and
+    parameters (30 % of the tiny Wan's decode in a replica, py-spy): stage replicas pass theirs."""
     vae = pipe.vae
-    device = pipe._execution_device
+    device = pipe._execution_device if device is None else device
     if facts.family is Family.WAN:  # the tail of WanPipeline.__call__
         latents = latents.to(device, dtype=vae.dtype)
         mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)

@@ -108,8 +108,7 @@ class Service:
         if not isinstance(latents, StageOutput):
             raise RuntimeError("the denoiser's stream ended without the latents")
         decoded: StageOutput = await self.stages.decode(latents, spec)
-        enc: StageOutput = await encoded
-        stats = (enc.stats, latents.stats, decoded.stats)
+        stats = decoded.all_stats  # the encoder's output itself is never fetched here
         per_stage = ", ".join(f"{s.stage} {s.seconds:.3f} s ({s.bytes_streamed} B streamed, peak "
                               f"{s.device_peak_bytes} B)" for s in stats)
         logger.info("request %s: %dx%d, %d frame(s), n=%d, %d steps: %s", spec.request_id, spec.width,

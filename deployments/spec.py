@@ -87,6 +87,19 @@ class StageOutput:
 
     value: torch.Tensor | EncodedPrompt
     stats: StageStats
+    # The stats of the stages this output was computed from, in stage order: each stage passes its
+    # input's along, so the ingress reports every stage without fetching an earlier stage's tensors
+    # (the encoder's embeddings go replica to replica and never to the ingress).
+    upstream: tuple[StageStats, ...] = ()
+
+    @property
+    def all_stats(self) -> tuple[StageStats, ...]:
+        """Every stage's stats up to and including this one, in stage order."""
+        return (*self.upstream, self.stats)
+
+    def after(self, previous: "StageOutput") -> "StageOutput":
+        """This output, carrying the stats of ``previous`` (its input) and of the stages before it."""
+        return StageOutput(self.value, self.stats, previous.all_stats)
 
 
 class RequestRejected(ValueError):

@@ -113,7 +113,7 @@ class Denoiser:
         stats = StageStats(worker.config.stage.value, worker.replica, time.perf_counter() - start,
                            int(request.bytes_streamed), worker.residency.device_peak_bytes())
         worker.record(stats)
-        yield StageOutput(latents.to(families.CPU), stats)
+        yield StageOutput(latents.to(families.CPU), stats).after(encoded)
 
     def _on_left(self, future, flag: CancelFlag) -> None:
         """A cancelled request left the batch (the batch's thread): record how soon, in steps and seconds."""
@@ -164,7 +164,9 @@ class VaeDecoder:
 
     def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput:
         worker = self.worker
-        return worker.run(lambda: families.decode(worker.pipe, worker.config.facts, latents.value, spec), spec)
+        decoded = worker.run(
+            lambda: families.decode(worker.pipe, worker.config.facts, latents.value, spec, worker.device), spec)
+        return decoded.after(latents)
 
     def residency(self) -> ReplicaResidency:
         return self.worker.report()

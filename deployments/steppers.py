@@ -106,10 +106,12 @@ class WanStepper:
         assert not pipe.config.expand_timesteps and pipe.config.boundary_ratio is None, \
             "Wan2.2's expanded timesteps and two-expert switch are not batched yet"
         self.pipe, self.device = pipe, device
+        # Read once: ModelMixin.dtype walks the parameters, a quarter of the tiny Wan's step time
+        # when read per forward (py-spy, bench/serve.py --quick).
+        self.dtype = pipe.transformer.dtype
 
     def start(self, encoded, spec, on_step=None) -> StepRequest:
-        pipe, device = self.pipe, self.device
-        dtype = pipe.transformer.dtype
+        pipe, device, dtype = self.pipe, self.device, self.dtype
         encoded = encoded.to(device)
         scheduler = copy.deepcopy(pipe.scheduler)
         scheduler.set_timesteps(spec.steps, device=device)
@@ -125,7 +127,7 @@ class WanStepper:
         return StepRequest(spec, key, scheduler, scheduler.timesteps, latents, cond, uncond, on_step)
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
-        dtype = self.pipe.transformer.dtype
+        dtype = self.dtype
         latents = torch.cat([r.latents for r in batch]).to(dtype)
         timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch])
         text = _rows(batch, "encoder_hidden_states", "cond")
@@ -147,6 +149,7 @@ class FluxStepper:
     def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
         assert facts.family is Family.FLUX, facts.family
         self.pipe, self.device = pipe, device
+        self.dtype = pipe.transformer.dtype  # read once, as WanStepper's
 
     def start(self, encoded, spec, on_step=None) -> StepRequest:
         import numpy as np
@@ -154,7 +157,7 @@ class FluxStepper:
 
         pipe, device = self.pipe, self.device
         encoded = encoded.to(device)
-        dtype = pipe.transformer.dtype  # encode_prompt's dtype when the text encoders are elsewhere
+        dtype = self.dtype  # encode_prompt's dtype when the text encoders are elsewhere
         prompt_embeds = encoded.prompt_embeds.to(dtype)
         latents, image_ids = pipe.prepare_latents(spec.n, pipe.transformer.config.in_channels // 4, spec.height,
                                                   spec.width, prompt_embeds.dtype, device, generator_for(spec), None)

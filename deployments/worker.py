@@ -9,7 +9,6 @@ calibrates the stage's activation model and publishes its residency. The Serve d
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -43,6 +42,7 @@ from deployments.spec import (
     StageOutput,
     StageStats,
 )
+from deployments.throttle import Throttled
 from offload_core.host.budget import Refusal
 from offload_core.host.replica_budget import HostBudgetSpec
 from offload_core.host.store import folder_identity
@@ -134,10 +134,12 @@ class StageWorker:
         self._batch = None if config.batching is None else BatchState(0, 0.0, config.batching.max_batch)
         self._board = None
         # Reports are built after the response is on its way: one reads /proc/self/maps and walks
-        # every tensor (a few ms per call on the tiny zoo, more on a 14B model).
-        self._publisher = concurrent.futures.ThreadPoolExecutor(1, f"publish-{config.stage.value}")
-        self._publish_pending = threading.Event()
-        self._published_at = time.monotonic()
+        # every tensor (2.5-6.6 ms of CPU per report on the tiny zoo, more on a 14B model), taken
+        # from the next stage of the same request on a 2-core node, three times per request.
+        self._publisher = Throttled(self.publish, PUBLISH_INTERVAL_S, f"publish-{config.stage.value}", sent_now=True)
+        # The batch size goes on its own (no lock, no walk of the weights): a busy period holds the
+        # call lock for as long as its batch runs, and a report waits for that lock.
+        self._batch_sender = Throttled(self._send_batch, PUBLISH_INTERVAL_S, f"batch-{config.stage.value}")
         self.warmup = warmup.warm_up(self, modules, warmup.Replanning(applier, plan))
         self.publish()
 
@@ -209,14 +211,14 @@ class StageWorker:
                     self.residency.finish_use()
                 kept = self.residency.kept_bytes()
             self.leases.hold_standing(kept, self.config.device_timeout_s)
-        self._publish_soon()
+        self._publisher.poke()
 
     def record(self, stats: StageStats) -> None:
         self.metrics.record(stats)
         self._last = stats
         # Also here, not only when the use ends: the Denoiser records a request after its batch's
         # busy period, and the report published then showed the previous request's peak.
-        self._publish_soon()
+        self._publisher.poke()
 
     def call_bytes(self, activation_bytes: int = 0) -> int:
         """What a call adds on the device beyond the standing lease: streamed slots, restores, activations."""
@@ -249,35 +251,24 @@ class StageWorker:
                                 self.leases.figures(with_headroom=True).to_json(), self.admission())
 
     def set_batch(self, size: int, mean: float) -> None:
-        """Publish the Denoiser's batch size when it changes (no lock: the batch is running)."""
+        """The Denoiser's batch size; the board gets it within PUBLISH_INTERVAL_S when it changed."""
         changed = self._batch is not None and self._batch.size != size
         self._batch = BatchState(size, mean, self.config.batching.max_batch)
-        if changed and ray.is_initialized():
+        if changed:
+            self._batch_sender.poke()
+
+    def _send_batch(self) -> None:
+        if ray.is_initialized():
             self._board = self._board or get_board(self.config.app_name)
             self._board.set_batch.remote(self.replica, self._batch)  # fire and forget
 
     def close(self) -> None:
         """Replica shutdown: unhook the engine and give back every lease this replica holds."""
-        self._publisher.shutdown(wait=True)
+        self._publisher.close()
+        self._batch_sender.close()
         self.residency.remove()
         self.leases.close()
         logger.info("%s: shut down, released %d B of leases", self.replica, self.memory.close())
-
-    def _publish_soon(self) -> None:
-        """Publish after the call, at most once per PUBLISH_INTERVAL_S: a report takes 2.5-6.6 ms of CPU
-        on the tiny zoo (more on a real model), taken from the next stage of the same request on a
-        2-core node, three times per request; the last state is always published within the interval."""
-        if self._publish_pending.is_set():
-            return
-        self._publish_pending.set()
-        delay_s = max(0.0, self._published_at + PUBLISH_INTERVAL_S - time.monotonic())
-        self._publisher.submit(self._publish_later, delay_s)
-
-    def _publish_later(self, delay_s: float) -> None:
-        time.sleep(delay_s)
-        self._publish_pending.clear()  # a call ending from here on schedules the next one
-        self.publish()
-        self._published_at = time.monotonic()
 
     def publish(self) -> None:
         if not ray.is_initialized():

@@ -54,7 +54,7 @@ class FakeStages:
 
     async def denoise(self, encoded, spec: GenerationSpec):
         self.calls.append(("denoise", spec.request_id))
-        await encoded
+        enc = await encoded
         try:
             for step in range(1, spec.steps + 1):
                 if step > 1 and self.hold is not None:
@@ -62,7 +62,7 @@ class FakeStages:
                 self._maybe_fail("denoise")
                 self.steps_done[spec.request_id] = step
                 yield DenoiseProgress(spec.request_id, step, spec.steps)
-            yield StageOutput(torch.zeros(spec.n, 4, 1, spec.height // 8, spec.width // 8), _stats("denoise"))
+            yield StageOutput(torch.zeros(spec.n, 4, 1, spec.height // 8, spec.width // 8), _stats("denoise")).after(enc)
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled.append(spec.request_id)
             raise
@@ -72,7 +72,7 @@ class FakeStages:
         self._maybe_fail("decode")
         # A gradient, so PNG/MP4 encoding has something to encode.
         ramp = torch.linspace(0, 1, spec.width).expand(spec.n, spec.num_frames, spec.height, spec.width)
-        return StageOutput(ramp.unsqueeze(-1).expand(-1, -1, -1, -1, 3).contiguous(), _stats("decode"))
+        return StageOutput(ramp.unsqueeze(-1).expand(-1, -1, -1, -1, 3).contiguous(), _stats("decode")).after(latents)
 
 
 @dataclass

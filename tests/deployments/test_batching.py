@@ -196,6 +196,28 @@ def test_a_request_that_waits_past_max_wait_fails_with_queue_timeout():
     assert torch.equal(first.result(timeout=0), torch.full((1, 2), 3.0))
 
 
+def test_an_idle_replica_gathers_for_at_most_a_tenth_of_its_last_forward():
+    now = [0.0]
+
+    class _TimedStepper(_FakeStepper):
+        forward_s = 0.005  # the tiny Wan's forward: a 10 ms gather would double its denoise stage
+
+        def forward(self, batch):
+            now[0] += self.forward_s
+            return super().forward(batch)
+
+    stepper = _TimedStepper()
+    batch = StepBatch(stepper, BatchingConfig(gather_s=0.01), clock=lambda: now[0])
+    assert batch.gather_wait_s() == 0.01  # nothing measured yet: the configured gather
+    batch.submit(stepper.start("a", 1))
+    batch.step()
+    assert batch.gather_wait_s() == pytest.approx(0.0005)
+    stepper.forward_s = 1.0  # a streamed FLUX.1-dev forward: the configured 10 ms again
+    batch.submit(stepper.start("b", 1))
+    batch.step()
+    assert batch.gather_wait_s() == 0.01
+
+
 def test_the_batcher_thread_serves_concurrent_submissions_and_closes_cleanly():
     stepper = _FakeStepper()
     busy_periods = []

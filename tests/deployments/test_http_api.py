@@ -55,6 +55,31 @@ def test_an_image_request_runs_every_stage_and_returns_pngs_of_the_asked_size():
     assert response.json()["id"] == "req-42" and response.headers["x-request-id"] == "req-42"
 
 
+class _CountedEncoderOutput:
+    """The encoder's awaitable, counting who reads it (with Serve: a fetch of its tensors)."""
+
+    def __init__(self, inner):
+        self.inner, self.reads = inner, 0
+
+    def __await__(self):
+        self.reads += 1
+        return self.inner.__await__()
+
+
+class _CountingStages(FakeStages):
+    def encode(self, spec):
+        self.encoded = _CountedEncoderOutput(super().encode(spec))
+        return self.encoded
+
+
+def test_every_stage_is_reported_though_only_the_denoiser_reads_the_encoders_output():
+    client, stages = _client(_CountingStages())
+    response = client.post(IMAGES, json={"prompt": "a fox", "size": "32x16"})
+    assert response.status_code == 200, response.text
+    assert [s["stage"] for s in response.json()["stages"]] == ["encode", "denoise", "decode"]
+    assert stages.encoded.reads == 1, "the ingress fetched the prompt embeddings too"
+
+
 def test_an_event_stream_sends_accepted_each_step_then_the_result():
     client, _ = _client()
     with client.stream("POST", IMAGES, json={"prompt": "a tree", "stream": True, "num_inference_steps": 3}) as r:

@@ -1,0 +1,46 @@
+"""At most one send per interval, off the caller's thread, always with the latest state.
+
+A stage replica publishes what changes on every call (its residency report, the Denoiser's batch
+size) to the application's board. Sending on every change put an actor call (0.5-1 ms of CPU on
+2 cores) on the request's path twice per request for the batch size alone, and a residency
+report takes 2.5-6.6 ms of CPU to build; :class:`Throttled` sends after the change instead, in
+its own thread, at most once per interval, and the state read at send time is the newest.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from typing import Callable
+
+
+class Throttled:
+    """``poke()`` after a change: ``send()`` runs within ``interval_s`` in this object's thread, at
+    most once per ``interval_s``; pokes while a send is pending fold into it."""
+
+    def __init__(self, send: Callable[[], None], interval_s: float, name: str, sent_now: bool = False):
+        self._send, self._interval_s = send, interval_s
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, name)
+        self._pending = threading.Event()
+        # sent_now: the caller has just sent the current state itself (the next send waits a whole interval).
+        self._sent_at = time.monotonic() - (0.0 if sent_now else interval_s)
+
+    def poke(self) -> None:
+        """Schedule a send (never blocks: the caller may be a request's thread)."""
+        if self._pending.is_set():
+            return
+        self._pending.set()
+        delay_s = max(0.0, self._sent_at + self._interval_s - time.monotonic())
+        self._executor.submit(self._later, delay_s)
+
+    def _later(self, delay_s: float) -> None:
+        time.sleep(delay_s)
+        self._pending.clear()  # a change from here on schedules the next send
+        try:
+            self._send()
+        finally:
+            self._sent_at = time.monotonic()
+
+    def close(self) -> None:
+        """Wait for a pending send, then stop the thread."""
+        self._executor.shutdown(wait=True)
