@@ -36,10 +36,10 @@ class HandleStages:
     def encode(self, spec: GenerationSpec) -> Awaitable[StageOutput]:
         return self.encoder.encode.remote(spec)
 
-    def denoise(self, encoded: Awaitable[StageOutput], spec: GenerationSpec
+    def denoise(self, encoded: Awaitable[StageOutput], spec: GenerationSpec, progress: bool = True
                 ) -> AsyncIterator[DenoiseProgress | StageOutput]:
         # Cancelling the iterating task cancels this call on the replica (Serve propagates it).
-        return self.denoiser.options(stream=True).denoise.remote(encoded, spec)
+        return self.denoiser.options(stream=True).denoise.remote(encoded, spec, progress)
 
     async def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput:
         return await self.decoder.decode.remote(latents, spec)

@@ -74,8 +74,10 @@ class Denoiser:
         self.last_spec: GenerationSpec | None = None
         self.last_cancelled: CancelFlag | None = None
 
-    async def denoise(self, encoded: StageOutput, spec: GenerationSpec) -> AsyncIterator[DenoiseProgress | StageOutput]:
-        """Streams ``DenoiseProgress`` after every step, then the latents as the last item.
+    async def denoise(self, encoded: StageOutput, spec: GenerationSpec, progress: bool = True
+                      ) -> AsyncIterator[DenoiseProgress | StageOutput]:
+        """Streams ``DenoiseProgress`` after every step (unless ``progress`` is false), then the latents
+        as the last item.
 
         Async, so a replica holds many requests at once while one thread runs the batch. A client
         that goes away cancels this generator; its request leaves the batch at the next boundary.
@@ -88,7 +90,7 @@ class Denoiser:
 
         start = time.perf_counter()
         self.worker.admit(spec)
-        request = self.stepper.start(encoded.value, spec, on_step=put)
+        request = self.stepper.start(encoded.value, spec, on_step=put if progress else None)
         self.last_spec = spec  # batched requests share a shape: a busy period leases max_batch of it
         future = self.batcher.submit(request)
         future.add_done_callback(lambda _: put(_DONE))

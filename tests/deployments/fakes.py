@@ -52,7 +52,7 @@ class FakeStages:
 
         return asyncio.ensure_future(run())
 
-    async def denoise(self, encoded, spec: GenerationSpec):
+    async def denoise(self, encoded, spec: GenerationSpec, progress: bool = True):
         self.calls.append(("denoise", spec.request_id))
         enc = await encoded
         try:
@@ -61,7 +61,8 @@ class FakeStages:
                     await self.hold.wait()
                 self._maybe_fail("denoise")
                 self.steps_done[spec.request_id] = step
-                yield DenoiseProgress(spec.request_id, step, spec.steps)
+                if progress:
+                    yield DenoiseProgress(spec.request_id, step, spec.steps)
             yield StageOutput(torch.zeros(spec.n, 4, 1, spec.height // 8, spec.width // 8), _stats("denoise")).after(enc)
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled.append(spec.request_id)

@@ -76,6 +76,20 @@ def test_a_cancelled_denoise_stops_at_the_next_step_boundary_and_frees_the_repli
     assert [p.step for p in items[:-1]] == list(range(1, STEPS + 1))
 
 
+def test_without_progress_the_denoiser_sends_the_latents_alone(stages):
+    encoder, denoiser = stages
+    spec = GenerationSpec("quiet", "a still pond", None, 32, 32, 1, 2, 1.0, 5, 1)
+    encoded = encoder.encode(spec)
+
+    async def run(progress: bool):
+        return [item async for item in denoiser.denoise(encoded, spec, progress)]
+
+    with_steps, alone = asyncio.run(run(True)), asyncio.run(run(False))
+    assert [type(i).__name__ for i in with_steps] == ["DenoiseProgress", "DenoiseProgress", "StageOutput"]
+    assert [type(i).__name__ for i in alone] == ["StageOutput"]
+    assert alone[0].value.equal(with_steps[-1].value)
+
+
 def test_a_flag_stops_the_loop_only_once_set():
     flag = CancelFlag("r1")
     flag.raise_if_cancelled(1)

@@ -80,6 +80,21 @@ def test_every_stage_is_reported_though_only_the_denoiser_reads_the_encoders_out
     assert stages.encoded.reads == 1, "the ingress fetched the prompt embeddings too"
 
 
+class _ProgressRecordingStages(FakeStages):
+    def denoise(self, encoded, spec, progress: bool = True):
+        self.asked_progress = progress
+        return super().denoise(encoded, spec, progress)
+
+
+def test_only_a_caller_that_reads_the_steps_asks_the_denoiser_for_progress_events():
+    client, stages = _client(_ProgressRecordingStages())
+    assert client.post(IMAGES, json={"prompt": "a fox"}).status_code == 200
+    assert stages.asked_progress is False
+    with client.stream("POST", IMAGES, json={"prompt": "a fox", "stream": True, "num_inference_steps": 2}) as r:
+        steps = [e for e, _ in _events(r.read().decode()) if e == "progress"]
+    assert stages.asked_progress is True and len(steps) == 2
+
+
 def test_an_event_stream_sends_accepted_each_step_then_the_result():
     client, _ = _client()
     with client.stream("POST", IMAGES, json={"prompt": "a tree", "stream": True, "num_inference_steps": 3}) as r:

@@ -130,5 +130,5 @@ class CancellableStream:
 class CancellableStages(FakeStages):
     stream_cancels: list = field(default_factory=list)
 
-    def denoise(self, encoded, spec: GenerationSpec):
-        return CancellableStream(super().denoise(encoded, spec), self.stream_cancels)
+    def denoise(self, encoded, spec: GenerationSpec, progress: bool = True):
+        return CancellableStream(super().denoise(encoded, spec, progress), self.stream_cancels)
