@@ -39,11 +39,12 @@ class TextEncoder:
     def encode(self, spec: GenerationSpec) -> StageOutput:
         worker = self.worker
         try:
-            return worker.run(lambda: families.encode(worker.pipe, worker.config.facts, spec, worker.device), spec)
+            encoded = worker.run(lambda: families.encode(worker.pipe, worker.config.facts, spec, worker.device), spec)
         except (UnicodeError, TypeError) as exc:
             # The tokenizer is the only part that reads request text; it raises these on text it
             # cannot take (a lone surrogate was one, before validation refused them): the request's fault.
             raise RequestRejected("prompt", f"the tokenizer refused the prompt: {type(exc).__name__}: {exc}") from exc
+        return StageOutput(encoded.value.packed(), encoded.stats)  # the Denoiser unpacks it
 
     def residency(self) -> ReplicaResidency:
         return self.worker.report()
@@ -90,7 +91,7 @@ class Denoiser:
 
         start = time.perf_counter()
         self.worker.admit(spec)
-        request = self.stepper.start(encoded.value, spec, on_step=put if progress else None)
+        request = self.stepper.start(encoded.value.unpacked(), spec, on_step=put if progress else None)
         self.last_spec = spec  # batched requests share a shape: a busy period leases max_batch of it
         future = self.batcher.submit(request)
         future.add_done_callback(lambda _: put(_DONE))
