@@ -6,6 +6,7 @@ import base64
 import io
 import json
 import logging
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -14,6 +15,7 @@ from ray import exceptions as ray_errors
 from ray.serve.exceptions import BackPressureError
 
 from cluster.replica_memory import DeviceBusy
+from deployments import http_api, media
 from deployments.spec import RequestRejected
 from offload_core.host.budget import Refusal
 from tests.deployments.fakes import TOKEN, FakeStages, fake_api
@@ -93,6 +95,28 @@ def test_only_a_caller_that_reads_the_steps_asks_the_denoiser_for_progress_event
     with client.stream("POST", IMAGES, json={"prompt": "a fox", "stream": True, "num_inference_steps": 2}) as r:
         steps = [e for e, _ in _events(r.read().decode()) if e == "progress"]
     assert stages.asked_progress is True and len(steps) == 2
+
+
+def test_a_few_small_images_are_encoded_on_the_event_loop_and_larger_ones_in_a_thread(monkeypatch):
+    encoded_on, real = {}, media.png_bytes
+
+    def recording(image):
+        encoded_on.setdefault(tuple(image.shape[:2]), set()).add(threading.current_thread().name)
+        return real(image)
+
+    class _LoopStages(FakeStages):
+        async def decode(self, latents, spec):
+            self.loop_threads[(spec.height, spec.width)] = threading.current_thread().name
+            return await super().decode(latents, spec)
+
+    monkeypatch.setattr(media, "png_bytes", recording)
+    monkeypatch.setattr(http_api, "INLINE_RENDER_VALUES", 32 * 32 * 3)  # the fake limits stop at 64x64
+    client, stages = _client(_LoopStages())
+    stages.loop_threads = {}
+    for size in ("32x32", "64x64"):
+        assert client.post(IMAGES, json={"prompt": "a fox", "size": size}).status_code == 200
+    assert encoded_on[(32, 32)] == {stages.loop_threads[(32, 32)]}
+    assert stages.loop_threads[(64, 64)] not in encoded_on[(64, 64)]
 
 
 def test_an_event_stream_sends_accepted_each_step_then_the_result():
