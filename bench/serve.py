@@ -127,7 +127,8 @@ def hops(app: str, spec: GenerationSpec, repeats: int) -> dict[str, tuple[float,
     decoder = serve.get_deployment_handle("VaeDecoder", app)
     calls = {
         "encode": lambda: encoder.encode.remote(spec).result(),
-        "denoise": lambda: list(denoiser.options(stream=True).denoise.remote(encoded, spec))[-1],
+        # No progress events, as the service asks for a plain (not streamed) request.
+        "denoise": lambda: list(denoiser.options(stream=True).denoise.remote(encoded, spec, False))[-1],
         "decode": lambda: decoder.decode.remote(latents, spec).result(),
     }
     encoded = calls["encode"]()

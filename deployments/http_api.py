@@ -108,6 +108,7 @@ class Service:
                         await on_progress(item)
                 else:
                     latents = item
+                    break  # the last item: no wait for the call's end of stream (one more message, ~1-1.7 ms)
         except BaseException:
             _cancel(stream)
             raise

@@ -63,10 +63,11 @@ class FakeStages:
                 self.steps_done[spec.request_id] = step
                 if progress:
                     yield DenoiseProgress(spec.request_id, step, spec.steps)
-            yield StageOutput(torch.zeros(spec.n, 4, 1, spec.height // 8, spec.width // 8), _stats("denoise")).after(enc)
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled.append(spec.request_id)
             raise
+        # As the Denoiser's: the latents come after the step loop (a reader that stops there cancels nothing).
+        yield StageOutput(torch.zeros(spec.n, 4, 1, spec.height // 8, spec.width // 8), _stats("denoise")).after(enc)
 
     async def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput:
         self.calls.append(("decode", spec.request_id))

@@ -16,7 +16,7 @@ from ray.serve.exceptions import BackPressureError
 
 from cluster.replica_memory import DeviceBusy
 from deployments import http_api, media
-from deployments.spec import RequestRejected
+from deployments.spec import GenerationSpec, RequestRejected
 from offload_core.host.budget import Refusal
 from tests.deployments.fakes import TOKEN, FakeStages, fake_api
 
@@ -117,6 +117,25 @@ def test_a_few_small_images_are_encoded_on_the_event_loop_and_larger_ones_in_a_t
         assert client.post(IMAGES, json={"prompt": "a fox", "size": size}).status_code == 200
     assert encoded_on[(32, 32)] == {stages.loop_threads[(32, 32)]}
     assert stages.loop_threads[(64, 64)] not in encoded_on[(64, 64)]
+
+
+class _LingeringStages(FakeStages):
+    """A Denoiser call whose stream stays open after the latents (its end is one more message)."""
+
+    def denoise(self, encoded, spec, progress: bool = True):
+        async def stream():
+            async for item in super(_LingeringStages, self).denoise(encoded, spec, progress):
+                yield item
+            await asyncio.Event().wait()  # never ends
+
+        return stream()
+
+
+def test_the_answer_does_not_wait_for_the_denoisers_stream_to_end_after_the_latents():
+    api, _ = fake_api(_LingeringStages())
+    spec = GenerationSpec("linger", "a fox", None, 32, 32, 1, 2, 5.0, 0, 1)
+    generated = asyncio.run(asyncio.wait_for(api.state.service.generate(spec), timeout=10))
+    assert [s.stage for s in generated.stats] == ["encode", "denoise", "decode"]
 
 
 def test_an_event_stream_sends_accepted_each_step_then_the_result():
