@@ -24,8 +24,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from deployments import local_ray  # noqa: E402
+
+local_ray.use_token_auth()  # before Ray is imported: the driver reads its auth mode then
 
 import ray  # noqa: E402
 
@@ -89,7 +92,7 @@ def main() -> None:
 
     # One fake 12 GB GPU (cluster/node.py sizes it from the gpus table when NVML sees none).
     # address="local": a cluster of its own, never one another process on this machine started.
-    ray.init(address="local", num_cpus=2, num_gpus=1, resources={"accelerator_type:RTX3060": 1}, include_dashboard=False,
+    local_ray.init_local(num_cpus=2, num_gpus=1, resources={"accelerator_type:RTX3060": 1}, include_dashboard=False,
              object_store_memory=100 * 2**20, log_to_driver=False, namespace="offload-serve-bench")
     try:
         ledger = node_ledger(config=CONFIG)

@@ -28,10 +28,14 @@ import statistics
 import sys
 import time
 
-for _name, _value in (("RAY_AUTH_MODE", "disabled"), ("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"),
+for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"),
                       ("TRANSFORMERS_OFFLINE", "1")):
     os.environ.setdefault(_name, _value)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from deployments import local_ray  # noqa: E402
+
+local_ray.use_token_auth()  # before Ray is imported: the driver reads its auth mode then
 
 import torch  # noqa: E402
 
@@ -82,13 +86,12 @@ def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode):
 
 
 def start_service(model_path: str, mode: PerformanceMode):
-    import ray
     from ray import serve
 
     from deployments.app import AppArgs, StageArgs, build_app
     from deployments.schemas import Limits
 
-    ray.init(address="local", include_dashboard=False, object_store_memory=200 * 1024 * 1024, log_to_driver=False)
+    local_ray.init_local(include_dashboard=False, object_store_memory=200 * 1024 * 1024, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     stage = StageArgs(offload_mode=mode)

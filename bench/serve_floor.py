@@ -15,12 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import socket
 import statistics
+import sys
 import time
 
-for _name, _value in (("RAY_AUTH_MODE", "disabled"), ("RAY_USAGE_STATS_ENABLED", "0")):
-    os.environ.setdefault(_name, _value)
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from deployments import local_ray  # noqa: E402
+
+local_ray.use_token_auth()  # before Ray is imported: the driver reads its auth mode then
 
 import torch  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     import httpx
     import ray
 
-    ray.init(address="local", include_dashboard=False, object_store_memory=200 * 1024 * 1024, log_to_driver=False)
+    local_ray.init_local(include_dashboard=False, object_store_memory=200 * 1024 * 1024, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     actor = {"num_cpus": 0}

@@ -33,9 +33,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-for _name, _value in (("RAY_AUTH_MODE", "disabled"), ("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"),
+for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"),
                       ("OMP_NUM_THREADS", "1")):
     os.environ.setdefault(_name, _value)
+
+from deployments import local_ray  # noqa: E402
+
+local_ray.use_token_auth()  # before Ray is imported: the driver reads its auth mode then
 
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -153,7 +157,7 @@ def main() -> None:
 
     folder = str(ensure_medium_wan() / "transformer")
     warm = str(ensure_tiny_wan() / "transformer")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=200 * MiB, log_to_driver=False,
+    local_ray.init_local(num_cpus=2, include_dashboard=False, object_store_memory=200 * MiB, log_to_driver=False,
              namespace="offload-serve-bench")
     results = []
     try:

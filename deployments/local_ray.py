@@ -58,6 +58,29 @@ def ensure_token(env: dict[str, str]) -> None:
         f.write(secrets.token_hex(32))  # 256 bits, as Ray's own generator (uuid4 hex x2)
 
 
+def use_token_auth() -> None:
+    """Token auth for every Ray process this one starts, the token generated if there is none.
+
+    Call it before ``import ray``: the driver reads ``RAY_AUTH_MODE`` when Ray is imported."""
+    if "ray" in sys.modules and os.environ.get("RAY_AUTH_MODE") != "token":
+        raise RuntimeError("use_token_auth() after `import ray`: the driver would run with another auth mode")
+    os.environ.update(token_env())
+    ensure_token(dict(os.environ))
+
+
+def init_local(**init_kwargs) -> None:
+    """``ray.init`` of a cluster of this process's own (benchmarks), as ``make demo`` runs Ray: token
+    auth on (:func:`use_token_auth`, called before ``import ray``), the node address 127.0.0.1.
+
+    ``address="local"`` never joins a cluster another process on this machine started; the token
+    refuses strangers on the ports Ray still binds widely."""
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        raise RuntimeError("call local_ray.use_token_auth() before importing ray")
+    import ray
+
+    ray.init(address="local", _node_ip_address=LOOPBACK, **init_kwargs)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
