@@ -28,6 +28,7 @@ from deployments.families import FamilyFacts
 from deployments.guard import JSON_TYPES, Guard, GuardConfig, request_id
 from deployments.job_store import JobsArgs
 from deployments.limits import ModelList, model_card
+from deployments.residency_board import REPUBLISH_S
 from deployments.schemas import FieldError, ImageRequest, Limits, VideoRequest, image_spec, video_spec
 from deployments.seams import ReplicaBoard, StagePipeline
 from deployments.spec import DenoiseProgress, GenerationSpec, StageOutput
@@ -183,8 +184,19 @@ class Service:
         return await asyncio.to_thread(render, generated)
 
     async def models(self) -> ModelList:
-        """The served model with the largest request it accepts, from the replicas' reports (limits.py)."""
-        admissions = [r.admission for r in await self.board.residency() if r.admission is not None]
+        """The served model with the largest request it accepts, from the replicas' reports (limits.py).
+
+        While the board is unreachable (restarting) the configured limits are stated, marked so
+        (``source: configured``): the replicas still refuse what their share cannot hold."""
+        try:
+            reports = await self.board.residency()
+        except Exception as exc:
+            if errors.failure_kind(exc) is not errors.FailureKind.LOST_REPLICA:
+                raise
+            logger.warning("GET /v1/models: the residency board is unreachable (%s); stating the configured limits",
+                           type(exc).__name__)
+            reports = ()
+        admissions = [r.admission for r in reports if r.admission is not None]
         return ModelList(data=[model_card(self.config.model_id, self.config.facts, self.config.limits, admissions)])
 
     def video_renderer(self, spec: GenerationSpec, parsed: VideoRequest) -> Callable[[Generated], Response | dict]:
@@ -240,8 +252,16 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
         return await service.models()
 
     @api.get("/v1/residency")
-    async def residency() -> dict:
-        replicas, pending = await asyncio.gather(board.residency(), board.pending_replicas())
+    async def residency():
+        try:
+            replicas, pending = await asyncio.gather(board.residency(), board.pending_replicas())
+        except Exception as exc:
+            if errors.failure_kind(exc) is not errors.FailureKind.LOST_REPLICA:
+                raise
+            logger.warning("GET /v1/residency: the residency board is unreachable (%s); 503", type(exc).__name__)
+            return errors.error_json(503, "the residency board is restarting; replicas report again within "
+                                          f"{REPUBLISH_S:.0f} s; retry", None, "board_unavailable", "overloaded",
+                                     {"Retry-After": "1"})
         return {"replicas": [r.to_json() for r in replicas], "pending": [p.to_json() for p in pending]}
 
     @api.post(IMAGES)

@@ -18,12 +18,26 @@ class Throttled:
     """``poke()`` after a change: ``send()`` runs within ``interval_s`` in this object's thread, at
     most once per ``interval_s``; pokes while a send is pending fold into it."""
 
-    def __init__(self, send: Callable[[], None], interval_s: float, name: str, sent_now: bool = False):
+    def __init__(self, send: Callable[[], None], interval_s: float, name: str, sent_now: bool = False,
+                 keepalive_s: float | None = None):
+        """``keepalive_s``: also send when nothing changed for that long (a receiver that restarted
+        empty gets the state back without waiting for a change)."""
         self._send, self._interval_s = send, interval_s
         self._executor = concurrent.futures.ThreadPoolExecutor(1, name)
         self._pending = threading.Event()
         # sent_now: the caller has just sent the current state itself (the next send waits a whole interval).
         self._sent_at = time.monotonic() - (0.0 if sent_now else interval_s)
+        self._closed = threading.Event()
+        self._keepalive = None
+        if keepalive_s is not None:
+            self._keepalive = threading.Thread(target=self._keep_alive, args=(keepalive_s,), name=f"{name}-keepalive",
+                                               daemon=True)
+            self._keepalive.start()
+
+    def _keep_alive(self, keepalive_s: float) -> None:
+        while not self._closed.wait(keepalive_s / 4):
+            if time.monotonic() - self._sent_at >= keepalive_s:
+                self.poke()
 
     def poke(self) -> None:
         """Schedule a send (never blocks: the caller may be a request's thread)."""
@@ -42,5 +56,8 @@ class Throttled:
             self._sent_at = time.monotonic()
 
     def close(self) -> None:
-        """Wait for a pending send, then stop the thread."""
+        """Stop the keep-alive, wait for a pending send, then stop the thread."""
+        self._closed.set()
+        if self._keepalive is not None:
+            self._keepalive.join()
         self._executor.shutdown(wait=True)

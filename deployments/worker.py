@@ -34,7 +34,7 @@ from deployments.limits import StageAdmission, nearest_admitted, size_text
 from deployments.memory import LEASE_REFUSED, open_device_leases, open_replica_memory
 from deployments.metrics import StageMetrics
 from deployments.offload import StageResidency, host_lease_bytes, plan_stage, predicted_kept_bytes
-from deployments.residency_board import BatchState, ReplicaResidency, get_board
+from deployments.residency_board import REPUBLISH_S, BatchState, ReplicaResidency, get_board
 from deployments.spec import (
     GenerationSpec,
     PipelineStage,
@@ -136,7 +136,10 @@ class StageWorker:
         # Reports are built after the response is on its way: one reads /proc/self/maps and walks
         # every tensor (2.5-6.6 ms of CPU per report on the tiny zoo, more on a 14B model), taken
         # from the next stage of the same request on a 2-core node, three times per request.
-        self._publisher = Throttled(self.publish, PUBLISH_INTERVAL_S, f"publish-{config.stage.value}", sent_now=True)
+        # Sent again after REPUBLISH_S without a change too: a board that restarted (empty) learns an
+        # idle replica's report within that time.
+        self._publisher = Throttled(self.publish, PUBLISH_INTERVAL_S, f"publish-{config.stage.value}", sent_now=True,
+                                    keepalive_s=REPUBLISH_S)
         # The batch size goes on its own (no lock, no walk of the weights): a busy period holds the
         # call lock for as long as its batch runs, and a report waits for that lock.
         self._batch_sender = Throttled(self._send_batch, PUBLISH_INTERVAL_S, f"batch-{config.stage.value}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastapi.testclient import TestClient
+from ray.exceptions import ActorUnavailableError
 
 from deployments.activations import Regime
 from deployments.families import read_family_facts
@@ -137,3 +138,26 @@ def test_the_models_route_states_measured_limits_and_the_schema_explains_them():
     board.reports = board.reports[:2]  # the decoder is gone (replaced): configured until it reports again
     (model,) = client.get("/v1/models").json()["data"]
     assert model["limits"]["source"] == "configured" and model["limits"]["width"] == 512
+
+
+class _RestartingBoard(FakeBoard):
+    """The board while Ray restarts its actor: every call fails as a dead actor's does."""
+
+    async def residency(self):
+        raise ActorUnavailableError("the residency board is restarting", b"\0" * 16)
+
+    async def pending_replicas(self):
+        raise ActorUnavailableError("the residency board is restarting", b"\0" * 16)
+
+
+def test_while_the_board_restarts_models_state_the_configured_limits_and_residency_is_a_503(caplog):
+    config = dataclasses.replace(fake_config(token=None), limits=LIMITS)
+    client = TestClient(build_api(config, FakeStages(), _RestartingBoard()), raise_server_exceptions=False)
+    models = client.get("/v1/models")
+    assert models.status_code == 200
+    (model,) = models.json()["data"]
+    assert model["limits"]["source"] == "configured" and model["limits"]["width"] == 512
+    residency = client.get("/v1/residency")
+    assert residency.status_code == 503 and residency.headers["retry-after"] == "1"
+    assert residency.json()["error"]["code"] == "board_unavailable"
+    assert any("residency board is unreachable" in r.getMessage() for r in caplog.records)

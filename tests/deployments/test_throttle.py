@@ -46,3 +46,16 @@ def test_a_poke_does_not_wait_for_a_slow_send_and_close_waits_for_the_pending_on
     throttled.close()
     # The second poke folded into the first send, or (had that send begun) made one more: never lost.
     assert 1 <= len(sent) <= 2
+
+
+def test_with_a_keepalive_the_state_is_sent_again_without_a_change_until_closed():
+    """A board that restarted empty learns an idle replica's report again within the keep-alive."""
+    sent = []
+    throttled = Throttled(lambda: sent.append(time.monotonic()), 0.01, "keepalive-test", sent_now=True,
+                          keepalive_s=0.1)
+    time.sleep(0.55)
+    throttled.close()
+    count = len(sent)
+    time.sleep(0.2)
+    assert 3 <= count <= 6, f"{count} sends in 0.55 s with a 0.1 s keep-alive"
+    assert len(sent) == count, "sent after close"
