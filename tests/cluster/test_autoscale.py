@@ -11,6 +11,7 @@ from cluster.ledger import HOST_POOL, node_ledger
 from cluster.replica_memory import ReplicaMemory
 from tests.cluster.conftest import FAST
 from tests.conftest import free_port
+from tests.waiting import wait_for
 
 GB = 10**9
 APP = "cluster-autoscale-test"
@@ -51,15 +52,6 @@ def _running_replicas() -> int:
     return status.replica_states.get("RUNNING", 0)
 
 
-def _wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def test_the_denoiser_scales_out_and_back_leasing_from_one_node_ledger(fleet_nodes):
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     handle = serve.run(Denoiser.bind(), name=APP, route_prefix=None)
@@ -77,7 +69,7 @@ def test_the_denoiser_scales_out_and_back_leasing_from_one_node_ledger(fleet_nod
         for c in clients:
             c.start()
         try:
-            _wait_for(lambda: _running_replicas() == 2 and len(_denoiser_owners(l4)) == 2, 90,
+            wait_for(lambda: _running_replicas() == 2 and len(_denoiser_owners(l4)) == 2, 90,
                       "a second replica leasing from the L4 node's ledger")
         finally:
             stop.set()
@@ -85,8 +77,8 @@ def test_the_denoiser_scales_out_and_back_leasing_from_one_node_ledger(fleet_nod
                 c.join(60)
         state = ray.get(node_ledger(l4).state.remote())
         assert state.pool("gpu:0").peak_leased <= state.pool("gpu:0").capacity
-        _wait_for(lambda: _running_replicas() == 1, 90, "scale back to one replica")
-        _wait_for(lambda: len(_denoiser_owners(l4)) == 1, 30, "the removed replica's pins to be returned")
+        wait_for(lambda: _running_replicas() == 1, 90, "scale back to one replica")
+        wait_for(lambda: len(_denoiser_owners(l4)) == 1, 30, "the removed replica's pins to be returned")
     finally:
         serve.delete(APP)
-    _wait_for(lambda: not _denoiser_owners(l4), 30, "every replica's pins to be returned")
+    wait_for(lambda: not _denoiser_owners(l4), 30, "every replica's pins to be returned")

@@ -1,8 +1,6 @@
 """The node ledger on a real multi-node Ray cluster: no over-commit, reclaim, restart."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import ray
 
@@ -12,6 +10,7 @@ from offload_core.host.budget import Lease, Refusal
 from offload_core.host.ram import default_reserve
 from tests.cluster.conftest import FAST, MiB
 from tests.cluster.replicas import on_node
+from tests.waiting import wait_for
 
 
 def test_a_ledger_config_that_could_lose_accounting_is_refused():
@@ -23,15 +22,6 @@ def test_a_ledger_config_that_could_lose_accounting_is_refused():
 
 def _state(node_id):
     return ray.get(node_ledger(node_id).state.remote(), timeout=60)
-
-
-def _wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (value := predicate()):
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def test_each_node_has_one_ledger_pinned_to_it(fleet_nodes):
@@ -132,7 +122,7 @@ def test_killing_a_replica_returns_its_leases_within_the_bound(fleet_nodes):
     assert _state(node.node_id).pool(HOST_POOL).leased == before + 3 * 512 * MiB
     ray.kill(replica)  # no close(): the ledger must notice on its own
     # Bound: one liveness interval (0.5 s) + a GCS lookup; 15 s only absorbs a loaded test machine.
-    _wait_for(lambda: _state(node.node_id).pool(HOST_POOL).leased == before, 15, "reclaim of a dead replica")
+    wait_for(lambda: _state(node.node_id).pool(HOST_POOL).leased == before, 15, "reclaim of a dead replica")
     # Given back by the liveness check (not by a close() or a release): exactly the dead replica's bytes.
     assert _state(node.node_id).reclaimed_bytes - reclaimed == 3 * 512 * MiB
 
@@ -147,10 +137,10 @@ def test_a_restarted_ledger_keeps_the_accounting(fleet_nodes):
         (held,) = ray.get(holder.pin.remote(3 * 2**30))
         assert isinstance(held, Lease)
         ray.kill(handle, no_restart=False)  # the ledger dies; Ray restarts it (max_restarts=-1)
-        new = _wait_for(lambda: _fresh_state(node.node_id, old.epoch), 60, "the ledger's restart")
+        new = wait_for(lambda: _fresh_state(node.node_id, old.epoch), 60, "the ledger's restart")
         assert new.restarted
         # The holder's heartbeat (0.5 s) re-registers its lease inside the 2 s recovery window.
-        restored = _wait_for(lambda: _has_lease(node.node_id, held.lease_id), 30, "re-registration")
+        restored = wait_for(lambda: _has_lease(node.node_id, held.lease_id), 30, "re-registration")
         assert restored.pool(HOST_POOL).leased >= held.nbytes
         free = restored.pool(HOST_POOL).capacity - restored.pool(HOST_POOL).leased
         (late,) = ray.get(other.pin.remote(free + MiB), timeout=60)

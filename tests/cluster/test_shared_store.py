@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -17,16 +16,8 @@ from offload_core.host.store import store_dir
 from tests.cluster.conftest import FAST
 from tests.cluster.store_replicas import store_replica
 from tests.offload_core.residency.test_lifecycle import Toy
+from tests.waiting import wait_for
 
-
-def wait_for(predicate, timeout_s=30.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 def expected(x):
     return {"a": Toy(0)(x), "b": Toy(1)(x)}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import httpx
 import pytest
@@ -17,6 +16,7 @@ from ray import serve
 
 from deployments.schemas import Limits
 from tests.deployments.conftest import TOKEN, TOKEN_ENV, serve_base_url, tiny_args
+from tests.waiting import wait_for
 
 APP, PREFIX = "limits-test", "/limits"
 DECODER_GPUS = 0.0004  # 4.4 MB of the fake RTX 3060's 11.04 GB pool: ~4 MB of activations beside the decoder
@@ -33,16 +33,6 @@ class Captured(logging.Handler):
 
     def emit(self, record):
         self.messages.append(record.getMessage())
-
-
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +75,7 @@ def _measured_limits(client) -> dict:
             return None
         return model["limits"] if model["limits"]["source"] == "measured" else None
 
-    return _wait(measured, 300, "every stage replica's report (limits measured)")
+    return wait_for(measured, 300, "every stage replica's report (limits measured)")
 
 
 def test_build_app_warned_that_the_second_denoiser_can_never_be_placed(gpu_app):
@@ -135,7 +125,7 @@ def test_a_replica_that_cannot_be_placed_shows_as_pending_with_the_reason(gpu_ap
     def pending():
         return client.get("/v1/residency").json()["pending"]
 
-    (waiting,) = _wait(pending, 60, "a pending replica in /v1/residency")
+    (waiting,) = wait_for(pending, 60, "a pending replica in /v1/residency")
     assert waiting["deployment"] == "Denoiser" and waiting["wanted"]["GPU"] == DENOISER_GPUS, waiting
     left = round(1 - DENOISER_GPUS - DECODER_GPUS, 4)
     assert waiting["reason"].startswith(f"wants {DENOISER_GPUS:g} GPU on one GPU; no alive node has it free"), waiting
