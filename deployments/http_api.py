@@ -27,7 +27,7 @@ from deployments.body import BodyError, parse_object
 from deployments.families import FamilyFacts
 from deployments.guard import JSON_TYPES, Guard, GuardConfig, request_id
 from deployments.job_store import JobsArgs
-from deployments.limits import ModelList, model_card
+from deployments.limits import ModelList, StageAdmission, model_card
 from deployments.residency_board import REPUBLISH_S
 from deployments.schemas import FieldError, ImageRequest, Limits, VideoRequest, image_spec, video_spec
 from deployments.seams import ReplicaBoard, StagePipeline
@@ -183,20 +183,23 @@ class Service:
             return render(generated)
         return await asyncio.to_thread(render, generated)
 
-    async def models(self) -> ModelList:
-        """The served model with the largest request it accepts, from the replicas' reports (limits.py).
-
-        While the board is unreachable (restarting) the configured limits are stated, marked so
-        (``source: configured``): the replicas still refuse what their share cannot hold."""
+    async def admissions(self) -> tuple[StageAdmission, ...]:
+        """What every reporting stage replica admits; none while the board is unreachable (restarting):
+        the replicas still refuse what their share cannot hold."""
         try:
             reports = await self.board.residency()
         except Exception as exc:
             if errors.failure_kind(exc) is not errors.FailureKind.LOST_REPLICA:
                 raise
-            logger.warning("GET /v1/models: the residency board is unreachable (%s); stating the configured limits",
+            logger.warning("the residency board is unreachable (%s); no replica's admission is known",
                            type(exc).__name__)
-            reports = ()
-        admissions = [r.admission for r in reports if r.admission is not None]
+            return ()
+        return tuple(r.admission for r in reports if r.admission is not None)
+
+    async def models(self) -> ModelList:
+        """The served model with the largest request it accepts, from the replicas' reports (limits.py);
+        the configured limits (``source: configured``) until every stage has reported."""
+        admissions = await self.admissions()
         return ModelList(data=[model_card(self.config.model_id, self.config.facts, self.config.limits, admissions)])
 
     def video_renderer(self, spec: GenerationSpec, parsed: VideoRequest) -> Callable[[Generated], Response | dict]:
@@ -286,7 +289,7 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
     api.state.service = service  # the video jobs API (and tests) reach the same drive through it
     if jobs is not None:
         jobs_api.mount(api, jobs_api.VideoJobsConfig(config.model_id, config.facts, config.limits, config.jobs),
-                     jobs, service.generate, config.retry_after_s)
+                     jobs, service.generate, config.retry_after_s, service.admissions)
     guard = GuardConfig(config.api_token, config.cors_origins, ((IMAGES, JSON_TYPES), (VIDEOS, JSON_TYPES),
                                                                 (jobs_api.CREATE, jobs_api.CREATE_TYPES)))
     api.add_middleware(Guard, config=guard)

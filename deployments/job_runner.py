@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 from deployments import media
 from deployments.errors import FailureKind, failure_kind
 from deployments.job_store import JobsArgs, JobStore
-from deployments.jobs import JobError, VideoJob
+from deployments.jobs import JobError, JobParams, VideoJob
 from deployments.results import ResultStore, Variant, result_key
 from deployments.spec import DenoiseProgress, GenerationSpec
 
@@ -35,10 +35,15 @@ Generate = Callable[[GenerationSpec, OnProgress], Awaitable[object]]
 SWEEP_EVERY_POLLS = 20
 
 
-def job_spec(job: VideoJob) -> GenerationSpec:
-    p = job.params
-    return GenerationSpec(job.id, p.prompt, p.negative_prompt, p.height, p.width, p.num_frames, p.steps,
+def params_spec(params: JobParams, request_id: str) -> GenerationSpec:
+    """The generation a job with ``params`` runs (one video)."""
+    p = params
+    return GenerationSpec(request_id, p.prompt, p.negative_prompt, p.height, p.width, p.num_frames, p.steps,
                           p.guidance_scale, p.seed, 1)
+
+
+def job_spec(job: VideoJob) -> GenerationSpec:
+    return params_spec(job.params, job.id)
 
 
 def progress_percent(step: int, total: int) -> int:

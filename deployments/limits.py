@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.activations import Regime, StageActivations
 from deployments.families import FamilyFacts
-from deployments.schemas import Limits
+from deployments.schemas import FieldError, Limits
 from deployments.spec import GenerationSpec, PipelineStage
 from offload_core.planner.activations import ActivationModel
 
@@ -227,3 +227,20 @@ def model_card(model_id: str, facts: FamilyFacts, limits: Limits,
                      modalities=["image", "video"] if facts.supports_video else ["image"],
                      size_multiple=facts.size_multiple, limits=model_limits(facts, limits, admissions),
                      configured_limits=limits)
+
+
+def memory_refusal(facts: FamilyFacts, admissions: Sequence[StageAdmission], spec: GenerationSpec) -> FieldError | None:
+    """The 4xx for a request some stage replica can never hold (as that replica would refuse it), or None.
+
+    For the ingress, where a refusal would otherwise come only when the request reaches that stage
+    (a video job: after it was accepted, as a failed job)."""
+    for admission in admissions:
+        if admission.admits(facts, spec):
+            continue
+        nearest = nearest_admitted(admission, facts, spec)
+        return FieldError(nearest.param(spec), (
+            f"{spec.width}x{spec.height}x{spec.num_frames} (n={spec.n}) needs "
+            f"{size_text(admission.need_bytes(facts, spec))} of activations in the {admission.stage.value} stage; "
+            f"this deployment serves at most {size_text(admission.room_bytes)} there; {nearest.describe(spec)}; "
+            "GET /v1/models states the limits"))
+    return None

@@ -18,7 +18,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable, Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -27,9 +27,10 @@ from pydantic import ValidationError
 from deployments import errors
 from deployments.body import BodyError, parse_object
 from deployments.families import FamilyFacts
-from deployments.job_runner import Generate, JobRunner
+from deployments.job_runner import Generate, JobRunner, params_spec
 from deployments.job_store import JobsArgs, JobStore
 from deployments.jobs import JobStatus, ListOrder, VideoJob, new_job, new_job_id
+from deployments.limits import StageAdmission, memory_refusal
 from deployments.results import ResultStore, Variant
 from deployments.schemas import FieldError, Limits
 from deployments.video_requests import VideoJobRequest, job_params
@@ -46,6 +47,8 @@ JOB_ID = re.compile(r"^video_[0-9a-f]{24}$")
 MAX_CREATE_BYTES = 256 * 1024
 MAX_FORM_FIELDS = 32
 MAX_LIST_LIMIT = 100
+# What the stage replicas admit now (deployments.http_api.Service.admissions).
+Admissions = Callable[[], Awaitable[Sequence[StageAdmission]]]
 
 
 @dataclass(frozen=True)
@@ -71,9 +74,10 @@ class VideoJobs:
     """One ingress replica's side of the jobs API: the store, the results, and this replica's runner."""
 
     def __init__(self, config: VideoJobsConfig, store: JobStore, results: ResultStore, runner: JobRunner,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, admissions: Admissions | None = None):
+        """``admissions``: what the stage replicas admit now (a job none can hold is refused at once)."""
         self.config, self.store, self.results, self.runner = config, store, results, runner
-        self.clock = clock
+        self.clock, self.admissions = clock, admissions
 
     def _started(self) -> None:
         self.runner.start()  # a no-op once started; started here if the app was built without a loop
@@ -109,6 +113,10 @@ class VideoJobs:
         try:
             req = VideoJobRequest.model_validate(await self._read_body(request))
             params = job_params(req, cfg.facts, cfg.limits, cfg.model_id)
+            if self.admissions is not None:
+                refusal = memory_refusal(cfg.facts, await self.admissions(), params_spec(params, "create"))
+                if refusal is not None:  # a job's length is asked in seconds
+                    raise FieldError("seconds" if refusal.param == "num_frames" else refusal.param, refusal.message)
         except ValidationError as exc:
             return errors.validation_error(exc)
         except FieldError as exc:
@@ -198,16 +206,18 @@ def serve_backend(app_name: str, args: JobsArgs) -> JobsBackend:
     return JobsBackend(get_job_store(app_name, args), ResultStore(args.results_location(app_name)), owner)
 
 
-def mount(api: FastAPI, config: VideoJobsConfig, backend: JobsBackend, generate, retry_after_s: float) -> VideoJobs:
+def mount(api: FastAPI, config: VideoJobsConfig, backend: JobsBackend, generate, retry_after_s: float,
+          admissions: Admissions | None = None) -> VideoJobs:
     """Add the Videos API to ``api`` and start this replica's runner; ``generate`` is the
-    synchronous routes' drive (``Service.generate``), used unless the backend brings its own."""
+    synchronous routes' drive (``Service.generate``), used unless the backend brings its own;
+    ``admissions``: the stage replicas' (``Service.admissions``), checked when a job is created."""
 
     async def frames(spec, on_progress):
         return (await generate(spec, on_progress)).frames[0]
 
     runner = JobRunner(backend.store, backend.results, backend.generate or frames, backend.owner, config.args,
                        retry_after_s)
-    jobs = VideoJobs(config, backend.store, backend.results, runner)
+    jobs = VideoJobs(config, backend.store, backend.results, runner, admissions=admissions)
     api.include_router(router)
     api.state.video_jobs = jobs
     runner.start()

@@ -11,7 +11,13 @@ from PIL import Image
 from ray import exceptions as ray_errors
 from ray.serve import exceptions as serve_errors
 
+from deployments.activations import Regime
 from deployments.jobs import JobParams, new_job, new_job_id
+from deployments.limits import StageAdmission
+from deployments.residency_board import ReplicaResidency
+from deployments.spec import PipelineStage
+from offload_core.planner.activations import ActivationModel
+from tests.deployments.fakes import FakeBoard
 from tests.deployments.video_fakes import CancellableStages, FakePipeline, harness
 
 
@@ -352,5 +358,29 @@ def test_every_videos_route_needs_the_bearer_token(tmp_path):
                 response = await h.client.request(method, path, headers=anonymous, json={"prompt": "x"})
                 assert response.status_code == 401, (method, path)
             assert (await h.client.get(f"/v1/videos/{video_id}")).status_code == 200
+
+    run(scenario())
+
+
+def _tiny_decoder_board(room: int) -> FakeBoard:
+    """Every stage reported; the decoder's share leaves ``room`` bytes for activations (the tiny Wan
+    decoder's calibrated video model: 843 B per pixel + 48.5 B per pixel per frame)."""
+    decode = ActivationModel(("n x pixels", "n x pixels x frames"), (843.0, 48.5), 4)
+    admission = StageAdmission(PipelineStage.DECODE, room, ((Regime.VIDEO, decode), (Regime.IMAGE, decode)))
+    return FakeBoard((ReplicaResidency("fake-decode", "decode", "cpu", "memory", (), 0, 0, 0, {}, admission=admission),))
+
+
+def test_a_job_no_replica_can_hold_is_refused_at_creation_naming_the_limit(tmp_path):
+    async def scenario():
+        # 32x16 x 9 frames needs 655,104 B in the decoder; 16x16 x 9 needs 327,552 B.
+        async with harness(tmp_path, board=_tiny_decoder_board(600_000)) as h:
+            refused = await h.client.post("/v1/videos", json={"prompt": "a cat", "seconds": "2", "size": "32x16"})
+            assert refused.status_code == 400
+            error = refused.json()["error"]
+            assert error["param"] == "seconds" and "decode stage" in error["message"]
+            assert "5 frames at this size" in error["message"]
+            assert (await h.client.get("/v1/videos")).json()["data"] == [], "a refused job is never stored"
+            accepted = await _create(h, seconds="2", size="16x16", fps=4)
+            assert (await h.wait_for(accepted["id"]))["status"] == "completed"
 
     run(scenario())
