@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 
 # Ray's token authentication stays on (Ray's default): `make demo` and `make serve` start a loopback
-# head with RAY_AUTH_MODE=token themselves (deployments/local_ray.py). Only the tests' own cluster
+# head with RAY_AUTH_MODE=token themselves (deployments/dev/local_ray.py). Only the tests' own cluster
 # turns it off (tests/conftest.py), so nothing here exports RAY_AUTH_MODE.
 export RAY_USAGE_STATS_ENABLED := 0
 export HF_HUB_OFFLINE := 1
@@ -26,12 +26,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m deployments.demo
+	$(PY) -m deployments.dev.demo
 
 # `serve run configs/local.yaml` against a head started as `ray start --head --node-ip-address=127.0.0.1
 # --dashboard-host=127.0.0.1` with token auth; Ctrl-C stops the service and that head (only it).
 serve: $(STAMP)
-	$(PY) -m deployments.local_ray serve run configs/local.yaml
+	$(PY) -m deployments.dev.local_ray serve run configs/local.yaml
 
 # One BLAS thread per process: Ray workers and the test process share 2 cores, and oversubscribed
 # threads made the engine's tests 4x slower here (12 s vs 48 s).

@@ -1,7 +1,7 @@
 """Activation prediction on a GPU: calibrate each stage on two shapes, predict a held-out third.
 
 The service calibrates every stage replica's activation model at start-up on its own device
-(``deployments/activations.py``); on CPU the tests pin the prediction within 10 % of the measured
+(``deployments/models/activation_features.py``); on CPU the tests pin the prediction within 10 % of the measured
 peak (live tensor storage). A CPU calibration is not a CUDA one: this prints the same comparison
 with CUDA's ``max_memory_allocated`` for every zoo model and stage, stages loaded on the GPU.
 
@@ -18,17 +18,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deployments import activations, families  # noqa: E402
-from deployments.spec import GenerationSpec, PipelineStage  # noqa: E402
+from deployments.models import (
+    activation_features,  # noqa: E402
+    families,  # noqa: E402
+)
+from deployments.wire.spec import GenerationSpec, PipelineStage  # noqa: E402
 from offload_core.residency.activations import measure_activations  # noqa: E402
 from zoo import tiny  # noqa: E402
 
 ZOO = {"tiny-wan": tiny.ensure_tiny_wan, "medium-wan": tiny.ensure_medium_wan, "tiny-flux": tiny.ensure_tiny_flux}
 
 
-def held_out(facts, regime: activations.Regime) -> GenerationSpec:
-    frames = 1 if regime is activations.Regime.IMAGE else 1 + 2 * facts.temporal_factor
-    n = 1 if regime is activations.Regime.IMAGE else 2
+def held_out(facts, regime: activation_features.Regime) -> GenerationSpec:
+    frames = 1 if regime is activation_features.Regime.IMAGE else 1 + 2 * facts.temporal_factor
+    n = 1 if regime is activation_features.Regime.IMAGE else 2
     return GenerationSpec("held-out", "a held-out shape", None, 32, 48, frames, 1, facts.default_guidance, 0, n)
 
 
@@ -43,14 +46,14 @@ def compare(model: str, device: torch.device) -> list[dict]:
         weights = [t for m in modules.values() for t in (*m.parameters(), *m.buffers())]
 
         def measure(spec: GenerationSpec) -> int:
-            value = activations.stage_input(pipe, facts, stage, spec)
-            _, m = measure_activations(lambda: activations.run_stage(pipe, facts, stage, spec, device, value),
+            value = activation_features.stage_input(pipe, facts, stage, spec)
+            _, m = measure_activations(lambda: activation_features.run_stage(pipe, facts, stage, spec, device, value),
                                        device, weights)
             return m.peak_bytes
 
-        shapes = activations.calibration_shapes(facts)
-        fitted = activations.calibrate_stage(facts, stage, shapes, measure, 4)
-        for regime in sorted({activations.regime(s) for s in shapes}, key=lambda r: r.value):
+        shapes = activation_features.calibration_shapes(facts)
+        fitted = activation_features.calibrate_stage(facts, stage, shapes, measure, 4)
+        for regime in sorted({activation_features.regime(s) for s in shapes}, key=lambda r: r.value):
             spec = held_out(facts, regime)
             measured, predicted = measure(spec), fitted.predict(spec)
             rows.append({"model": model, "stage": stage.value, "regime": regime.value, "measured_bytes": measured,

@@ -204,7 +204,7 @@ def activation_comparison(timeout_s: int) -> dict:
     """bench/gpu_activations.py on CUDA (a CPU calibration is not a CUDA one), in a subprocess: its
     table printed here, its JSON returned. On CPU the tests pin the same comparison."""
     if not CUDA:
-        return {"skipped": "the CUDA calibration needs CUDA (tests/deployments/test_activations.py pins the CPU one)"}
+        return {"skipped": "the CUDA calibration needs CUDA (tests/deployments/models/test_activation_features.py pins the CPU one)"}
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     try:

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from deployments import local_ray  # noqa: E402
+from deployments.dev import local_ray  # noqa: E402
 
 local_ray.use_token_auth()  # before Ray is imported: the driver reads its auth mode then
 

@@ -33,15 +33,16 @@ for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"),
     os.environ.setdefault(_name, _value)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from deployments import local_ray  # noqa: E402
+from deployments.dev import local_ray  # noqa: E402
 
 local_ray.use_token_auth()  # before Ray is imported: the driver reads its auth mode then
 
 import torch  # noqa: E402
 
-from deployments import families, media  # noqa: E402
-from deployments.offload import StageResidency  # noqa: E402
-from deployments.spec import GenerationSpec, PipelineStage  # noqa: E402
+from deployments.models import families  # noqa: E402
+from deployments.replica.stage_residency import StageResidency  # noqa: E402
+from deployments.wire import media  # noqa: E402
+from deployments.wire.spec import GenerationSpec, PipelineStage  # noqa: E402
 from offload_core.planner.search import PerformanceMode  # noqa: E402
 
 CONCURRENCY = (1, 2, 4)
@@ -88,8 +89,8 @@ def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode):
 def start_service(model_path: str, mode: PerformanceMode):
     from ray import serve
 
+    from deployments.api.schemas import Limits
     from deployments.app import AppArgs, StageArgs, build_app
-    from deployments.schemas import Limits
 
     local_ray.init_local(include_dashboard=False, object_store_memory=200 * 1024 * 1024, log_to_driver=False)
     port = _free_port()

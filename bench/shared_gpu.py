@@ -27,7 +27,7 @@ SIZES = ((32, 32, 1, 1), (64, 64, 1, 2), (48, 32, 1, 1), (32, 32, 5, 1), (48, 32
 
 
 class _Held:
-    """What one replica holds now: its weights on the device and its running call's activations."""
+    """What one replica holds now: its weights on the device and its running call's activation_features."""
 
     def __init__(self, worker):
         self.worker, self.meter = worker, None
@@ -40,10 +40,10 @@ class _Held:
 def _workers(folder):
     from cluster.node import GpuFacts, NodeFacts, probe_host_ram
     from cluster.replica_memory import ReplicaMemory
-    from deployments import worker as stages
     from deployments.app import AppArgs, stage_configs
-    from deployments.families import read_family_facts
-    from deployments.spec import PipelineStage
+    from deployments.models.families import read_family_facts
+    from deployments.replica import worker as stages
+    from deployments.wire.spec import PipelineStage
 
     gpu = GpuFacts(0, "shared-bench-gpu", GPU_BYTES, 4, 16, "bench")
     node = NodeFacts(None, probe_host_ram(), False, (gpu,), None, 0)
@@ -60,22 +60,22 @@ def _workers(folder):
 
 
 def _serve(facts, stage, worker, held: _Held, calls: int, seed: int, over: list) -> None:
-    from deployments import activations, families
-    from deployments.spec import GenerationSpec
+    from deployments.models import activation_features, families
+    from deployments.wire.spec import GenerationSpec
     from offload_core.residency.activations import LiveTensorBytes
 
     rng = random.Random(seed)
     for i in range(calls):
         w, h, frames, n = rng.choice(SIZES if facts.supports_video else [s for s in SIZES if s[2] == 1])
         spec = GenerationSpec(f"{stage.value}-{i}", "a shared gpu", None, h, w, frames, 1, facts.default_guidance, i, n)
-        value = activations.stage_input(worker.pipe, facts, stage, spec)
+        value = activation_features.stage_input(worker.pipe, facts, stage, spec)
         modules = families.stage_modules(worker.pipe, facts, stage).values()
         with worker.in_use(worker.activation_bytes(spec)):
             leases = worker.leases.figures()
             meter = LiveTensorBytes([t for m in modules for t in (*m.parameters(), *m.buffers())])
             held.meter = meter
             with meter:
-                activations.run_stage(worker.pipe, facts, stage, spec, worker.device, value)
+                activation_features.run_stage(worker.pipe, facts, stage, spec, worker.device, value)
             held.meter = None
         # The weights' measured peak of the call (the engine's meters) plus its activations' peak.
         peak = worker.residency.device_peak_bytes() + meter.peak

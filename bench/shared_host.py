@@ -37,7 +37,7 @@ for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"),
                       ("OMP_NUM_THREADS", "1")):
     os.environ.setdefault(_name, _value)
 
-from deployments import local_ray  # noqa: E402
+from deployments.dev import local_ray  # noqa: E402
 
 local_ray.use_token_auth()  # before Ray is imported: the driver reads its auth mode then
 

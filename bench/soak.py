@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from deployments import local_ray  # noqa: E402
+from deployments.dev import local_ray  # noqa: E402
 
 APP, TOKEN_ENV, IMAGES = "soak", "OFFLOAD_SERVE_SOAK_TOKEN", "/v1/images/generations"
 OBJECT_STORE_BYTES = 200 * 1024 * 1024

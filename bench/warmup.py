@@ -2,7 +2,7 @@
 
 Each stage replica of the tiny zoo (Wan, Flux) is started as ``configs/local.yaml`` configures it
 (its default request: 64x64, 9 frames for Wan), outside Serve, on this machine's CPU. Its warm-up
-(``deployments/warmup.py``) calibrates the activation model (what replicas did before they planned
+(``deployments/replica/warmup.py``) calibrates the activation model (what replicas did before they planned
 from measurements: ``calibration_s``), times the layers on one 1-step call at the default request
 shape and plans again (``added_s``: the start-up cost of planning from measurements). Medians of
 ``--repeats`` starts per stage; ``changed``: whether the measured plan differed from the first.
@@ -23,10 +23,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deployments import families  # noqa: E402
 from deployments.app import AppArgs, resolve_model_folder, stage_configs  # noqa: E402
-from deployments.spec import PipelineStage  # noqa: E402
-from deployments.worker import StageWorker  # noqa: E402
+from deployments.models import families  # noqa: E402
+from deployments.replica.worker import StageWorker  # noqa: E402
+from deployments.wire.spec import PipelineStage  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 

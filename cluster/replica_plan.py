@@ -4,7 +4,7 @@ The same pipeline facts give a 12 GB replica a streamed plan and an 80 GB one a 
 chosen from the GPU the replica sees (its fleet profile, configs/fleet/fleet.yaml): the mode when
 the stage's configuration leaves it to the fleet, and always the profile's limits (prefetch depth,
 the most resident layers, the most host memory one replica may pin). Every stage replica of the
-service plans here (``deployments.offload.StageResidency``).
+service plans here (``deployments.replica.stage_residency.StageResidency``).
 """
 from __future__ import annotations
 

@@ -15,16 +15,16 @@ from typing import Mapping
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 
-from deployments import placement_status
-from deployments.batching import BatchingConfig
-from deployments.families import FamilyFacts, read_family_facts, uses_per_request
-from deployments.ingress import Ingress, IngressConfig
-from deployments.job_store import JobsArgs
-from deployments.schemas import Limits
-from deployments.spec import PipelineStage
-from deployments.stages import Denoiser, TextEncoder, VaeDecoder
-from deployments.warmup import WarmupShape
-from deployments.worker import DTYPES, StageConfig
+from deployments.api.schemas import Limits
+from deployments.capacity import unplaced
+from deployments.ingress.deployment import Ingress, IngressConfig
+from deployments.jobs.actor import JobsArgs
+from deployments.models.families import FamilyFacts, read_family_facts, uses_per_request
+from deployments.replica.batching import BatchingConfig
+from deployments.replica.stages import Denoiser, TextEncoder, VaeDecoder
+from deployments.replica.warmup import WarmupShape
+from deployments.replica.worker import DTYPES, StageConfig
+from deployments.wire.spec import PipelineStage
 from offload_core.host.replica_budget import HostBudgetSpec, parse_host_budget
 from offload_core.planner.search import PerformanceMode
 
@@ -58,7 +58,7 @@ class StageArgs(BaseModel):
 
 
 class BatchingArgs(BaseModel):
-    """The Denoiser's step-level batching (``deployments.batching``)."""
+    """The Denoiser's step-level batching (``deployments.replica.batching``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -193,5 +193,5 @@ def build_app_with(args: AppArgs | dict, options: Mapping[str, Mapping]) -> Appl
     decoder = VaeDecoder.options(**chosen["VaeDecoder"]).bind(configs[PipelineStage.DECODE])
     config = IngressConfig(args.app_name, model_id, facts, args.limits, token, args.retry_after_s,
                            tuple(args.cors_allow_origins), jobs=args.video_jobs)
-    placement_status.warn_if_unplaceable(args.app_name, chosen, autoscaler=args.cluster_autoscaler)
+    unplaced.warn_if_unplaceable(args.app_name, chosen, autoscaler=args.cluster_autoscaler)
     return Ingress.options(**chosen["Ingress"]).bind(encoder, denoiser, decoder, config)

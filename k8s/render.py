@@ -72,11 +72,11 @@ FLEET: tuple[GpuGroup, ...] = (
 class StagePlacement:
     """Where one stage deployment runs and how it scales."""
 
-    deployment: str  # TextEncoder | Denoiser | VaeDecoder (deployments/stages.py)
+    deployment: str  # TextEncoder | Denoiser | VaeDecoder (deployments/replica/stages.py)
     args_key: str  # encoder | denoiser | decoder (deployments.app.AppArgs)
     accelerator_type: str
     num_gpus: float  # fraction of one GPU; stages sharing a GPU lease its memory from the node ledger
-    offload_mode: str  # deployments.spec.OffloadMode value
+    offload_mode: str  # deployments.wire.spec.OffloadMode value
     min_replicas: int
     max_replicas: int
     target_ongoing_requests: float

@@ -207,7 +207,7 @@ def cuda_cached_blocks(device: torch.device, detailed: bool) -> CachedBlocks:
     if expandable_segments():  # one growing segment: its free bytes are blocks, never whole segments
         split_large, reclaimable = split_large + reclaimable, 0
     total = torch.cuda.get_device_properties(device).total_memory
-    # torch < 2.6 cannot say; the service sets the cap itself (deployments/memory.py) on newer ones.
+    # torch < 2.6 cannot say; the service sets the cap itself (deployments/replica/leases.py) on newer ones.
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     fraction = get_fraction(device) if get_fraction is not None else 1.0
     cap = None if fraction >= 1.0 else int(fraction * total)

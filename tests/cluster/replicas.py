@@ -43,7 +43,7 @@ class LeasingReplica:
         return self.leases.figures().to_json()
 
     def watch_neighbours(self) -> None:
-        """Give the replica's device its neighbours' outstanding leases (as deployments/memory.py does)."""
+        """Give the replica's device its neighbours' outstanding leases (as deployments/replica/leases.py does)."""
         from offload_core.streaming.device import get_device
 
         get_device("cpu").set_neighbours(self.memory.neighbour_leases())

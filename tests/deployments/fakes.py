@@ -1,4 +1,4 @@
-"""In-process fakes of the ingress's seams (deployments.seams), for HTTP tests without a cluster.
+"""In-process fakes of the ingress's seams (deployments.api.seams), for HTTP tests without a cluster.
 
 ``FakeStages`` answers like the real stages (progress per step, then latents; frames of the asked
 size), records every call, and can be told to fail a stage with a given exception or to hold the
@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deployments.families import read_family_facts
-from deployments.http_api import IngressConfig, build_api
-from deployments.placement import PendingReplica
-from deployments.residency_board import ReplicaResidency
-from deployments.schemas import Limits
-from deployments.spec import DenoiseProgress, EncodedPrompt, GenerationSpec, StageOutput, StageStats
+from deployments.api.routes import IngressConfig, build_api
+from deployments.api.schemas import Limits
+from deployments.capacity.gpu_shares import PendingReplica
+from deployments.models.families import read_family_facts
+from deployments.replica.board import ReplicaResidency
+from deployments.wire.spec import DenoiseProgress, EncodedPrompt, GenerationSpec, StageOutput, StageStats
 from zoo.tiny import ensure_tiny_wan
 
 TOKEN = "fake-token"
@@ -30,7 +30,7 @@ def _stats(stage: str) -> StageStats:
 
 @dataclass
 class FakeStages:
-    """deployments.seams.StagePipeline in process. ``fail``: stage name -> exception to raise."""
+    """deployments.api.seams.StagePipeline in process. ``fail``: stage name -> exception to raise."""
 
     fail: dict[str, BaseException] = field(default_factory=dict)
     # When set, the denoiser waits on it before every step after the first (a slow step).
@@ -79,7 +79,7 @@ class FakeStages:
 
 @dataclass
 class FakeBoard:
-    """deployments.seams.ReplicaBoard in process."""
+    """deployments.api.seams.ReplicaBoard in process."""
 
     reports: tuple[ReplicaResidency, ...] = ()
     pending: tuple[PendingReplica, ...] = ()  # replicas Ray has not placed

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from deployments.api.schemas import Limits
 from deployments.app import AppArgs, build_app, resolve_model_folder, stage_configs
-from deployments.families import read_family_facts
-from deployments.ingress import IngressConfig
-from deployments.schemas import Limits
-from deployments.spec import PipelineStage
+from deployments.ingress.deployment import IngressConfig
+from deployments.models.families import read_family_facts
+from deployments.wire.spec import PipelineStage
 from offload_core.planner.search import PerformanceMode
 
 ENCODE, DENOISE, DECODE = PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineStage.DECODE
@@ -62,7 +62,7 @@ def test_a_configured_but_unset_token_variable_refuses_to_start(monkeypatch):
 
 
 def test_a_folder_that_is_not_a_supported_pipeline_is_refused_at_build(tmp_path):
-    from deployments.families import UnsupportedModelFolder
+    from deployments.models.families import UnsupportedModelFolder
 
     with pytest.raises(UnsupportedModelFolder):
         build_app(AppArgs(model_path=str(tmp_path)))

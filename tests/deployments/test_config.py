@@ -8,8 +8,8 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.app import AppArgs
-from deployments.placement import GpuNode, capacity_warning, shortfalls
-from deployments.placement_status import demand_of
+from deployments.capacity.gpu_shares import GpuNode, capacity_warning, shortfalls
+from deployments.capacity.unplaced import demand_of
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 STAGES = {"TextEncoder", "Denoiser", "VaeDecoder", "Ingress"}

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
-from deployments import videos
-from deployments.http_api import build_api
-from deployments.job_runner import JobRunner
-from deployments.job_store import InProcessJobStore, JobsArgs, JobStoreService
-from deployments.schemas import Limits
-from deployments.spec import DenoiseProgress, GenerationSpec
+from deployments.api import video_jobs
+from deployments.api.routes import build_api
+from deployments.api.schemas import Limits
+from deployments.jobs.actor import InProcessJobStore, JobsArgs, JobStoreService
+from deployments.jobs.runner import JobRunner
+from deployments.wire.spec import DenoiseProgress, GenerationSpec
 from tests.deployments.fakes import FakeBoard, FakeStages, fake_config
 
 MODEL = "tiny-wan"
@@ -94,11 +94,11 @@ async def harness(tmp_path, token: str | None = None, pipeline: FakePipeline | N
     service = JobStoreService("test-app", args)
     service.jobs.clock = clock
     pipeline = None if stages is not None else pipeline or FakePipeline()
-    backend = videos.JobsBackend(InProcessJobStore(service), service.results, "test-runner", pipeline)
+    backend = video_jobs.JobsBackend(InProcessJobStore(service), service.results, "test-runner", pipeline)
     # No Retry-After wait on overload: the clock is frozen (test_jobs pins the wait itself).
     config = dataclasses.replace(fake_config(token), limits=LIMITS, jobs=args, retry_after_s=0)
     api = build_api(config, stages or FakeStages(), board or FakeBoard(), backend)
-    jobs: videos.VideoJobs = api.state.video_jobs
+    jobs: video_jobs.VideoJobs = api.state.video_jobs
     jobs.clock = clock
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=api), base_url="http://test",

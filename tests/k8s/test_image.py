@@ -98,7 +98,7 @@ def test_every_manifest_runs_that_image_with_rays_token_auth_from_a_secret(path)
 
 
 def test_nothing_users_run_turns_rays_token_off():
-    for path in ["Makefile", "Dockerfile", "deployments/demo.py", "deployments/local_ray.py",
+    for path in ["Makefile", "Dockerfile", "deployments/dev/demo.py", "deployments/dev/local_ray.py",
                  *map(str, (REPO / "configs").glob("*.yaml"))]:
         assert "RAY_AUTH_MODE=disabled" not in (REPO / path).read_text().replace(" ", ""), path
         assert "disabled" not in re.findall(r"RAY_AUTH_MODE\W+(\w+)", (REPO / path).read_text()), path

@@ -124,8 +124,8 @@ def test_serve_config_validates_strictly_against_ray_serves_schema(manifest):
 
 def test_serve_config_builds_the_service_app_with_valid_args_and_its_deployment_names(manifest):
     from deployments.app import AppArgs
-    from deployments.ingress import Ingress
-    from deployments.stages import Denoiser, TextEncoder, VaeDecoder
+    from deployments.ingress.deployment import Ingress
+    from deployments.replica.stages import Denoiser, TextEncoder, VaeDecoder
 
     (app,) = _serve(manifest)["applications"]
     assert app["import_path"] == "deployments.app:build_app"

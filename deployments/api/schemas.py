@@ -1,0 +1,165 @@
+"""The HTTP request bodies (OpenAI images API + extras) and their checks against the configured limits.
+
+Pydantic checks each field's type and static range; :func:`image_spec` and :func:`video_spec`
+check what depends on the configured model and limits. Either way a bad field becomes
+:class:`FieldError` naming it, which the ingress answers with a 4xx JSON error (never a 500).
+"""
+from __future__ import annotations
+
+import re
+import secrets
+import uuid
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from deployments.models.families import FamilyFacts
+from deployments.wire.spec import GenerationSpec
+
+# ASCII digits only, matched in full: "\d" would take full-width and Arabic-Indic digits, and "$"
+# a trailing newline.
+SIZE_PATTERN = re.compile(r"([0-9]{1,5})x([0-9]{1,5})", re.ASCII)
+# OpenAI does not bound ``user``; it is logged, so it is bounded here.
+MAX_USER_CHARS = 256
+
+
+def _valid_unicode(value: str) -> str:
+    """Refuse lone UTF-16 surrogates (JSON "\\ud800"): tokenizers raise TypeError on them, a 500."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid Unicode: {exc.reason} at character {exc.start}") from None
+    return value
+
+
+# Every string field of a request: valid Unicode, or a 400 naming the field.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+class FieldError(ValueError):
+    """One invalid request field: ``param`` names it (OpenAI's error.param), ``status`` is the 4xx."""
+
+    def __init__(self, param: str, message: str, status: int = 400, code: str = "invalid_value"):
+        super().__init__(f"{param}: {message}")
+        self.param, self.message, self.status, self.code = param, message, status, code
+
+
+class Limits(BaseModel):
+    """What one request may ask for; anything beyond is a 400 naming the field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_width: int = Field(1024, ge=1)
+    max_height: int = Field(1024, ge=1)
+    max_steps: int = Field(50, ge=1)
+    max_n: int = Field(4, ge=1)
+    max_prompt_chars: int = Field(2000, ge=1)
+    max_frames: int = Field(81, ge=1)
+    default_size: str = "256x256"
+    default_steps: int = Field(20, ge=1)
+    default_frames: int = Field(9, ge=1)
+    default_fps: int = Field(8, ge=1)
+
+
+class _Generation(BaseModel):
+    # Unknown fields are errors (a typo like "num_inference_step" must not be silently ignored).
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: Text
+    model: Text | None = None
+    size: Text | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, ge=0.0, le=100.0)
+    negative_prompt: Text | None = None
+    # Server-Sent Events: "progress" events (denoising step k of n), then one "result" event.
+    stream: bool = False
+    user: Text | None = Field(None, max_length=MAX_USER_CHARS)  # OpenAI's end-user id; accepted and ignored
+
+
+class ImageRequest(_Generation):
+    n: int = Field(1, ge=1)
+    response_format: Text = "b64_json"
+
+
+class VideoRequest(_Generation):
+    num_frames: int | None = Field(None, ge=1)
+    fps: int | None = Field(None, ge=1, le=60)
+    # "b64_json": JSON with the mp4 in base64; "mp4": the bytes themselves, as video/mp4.
+    response_format: Text = "b64_json"
+
+
+def parse_size(size: str, facts: FamilyFacts, limits: Limits) -> tuple[int, int]:
+    match = SIZE_PATTERN.fullmatch(size)
+    if not match:
+        raise FieldError("size", f"{size!r} is not of the form WIDTHxHEIGHT, e.g. '256x256'")
+    width, height = int(match.group(1)), int(match.group(2))
+    if width > limits.max_width or height > limits.max_height:
+        raise FieldError("size", f"{width}x{height} exceeds the configured maximum "
+                                 f"{limits.max_width}x{limits.max_height}")
+    m = facts.size_multiple
+    if width < m or height < m or width % m or height % m:
+        raise FieldError("size", f"width and height must be positive multiples of {m} for this model "
+                                 f"(VAE factor x patch size), got {width}x{height}")
+    return width, height
+
+
+def check_model(requested: str | None, model_id: str) -> None:
+    if requested is not None and requested != model_id:
+        raise FieldError("model", f"unknown model {requested!r}; this server serves {model_id!r} (GET /v1/models)",
+                         status=404, code="model_not_found")
+
+
+def _check_prompt(req: _Generation, facts: FamilyFacts, limits: Limits) -> None:
+    if not req.prompt.strip():
+        raise FieldError("prompt", "must not be empty")
+    if len(req.prompt) > limits.max_prompt_chars:
+        raise FieldError("prompt", f"{len(req.prompt)} characters exceeds the limit of {limits.max_prompt_chars}")
+    if req.negative_prompt is not None:
+        if not facts.supports_negative_prompt:
+            raise FieldError("negative_prompt", f"not supported by the {facts.family.value} model family")
+        if len(req.negative_prompt) > limits.max_prompt_chars:
+            raise FieldError("negative_prompt", f"{len(req.negative_prompt)} characters exceeds the limit "
+                                                f"of {limits.max_prompt_chars}")
+
+
+def _steps(req: _Generation, limits: Limits) -> int:
+    steps = req.num_inference_steps or limits.default_steps
+    if steps > limits.max_steps:
+        raise FieldError("num_inference_steps", f"{steps} exceeds the configured maximum of {limits.max_steps}")
+    return steps
+
+
+def _spec(req: _Generation, facts: FamilyFacts, limits: Limits, n: int, frames: int) -> GenerationSpec:
+    _check_prompt(req, facts, limits)
+    width, height = parse_size(limits.default_size if req.size is None else req.size, facts, limits)
+    guidance = facts.default_guidance if req.guidance_scale is None else req.guidance_scale
+    seed = secrets.randbelow(2**31) if req.seed is None else req.seed
+    return GenerationSpec(uuid.uuid4().hex, req.prompt, req.negative_prompt, height, width, frames,
+                          _steps(req, limits), guidance, seed, n)
+
+
+def image_spec(req: ImageRequest, facts: FamilyFacts, limits: Limits, model_id: str) -> GenerationSpec:
+    check_model(req.model, model_id)
+    if req.response_format != "b64_json":
+        raise FieldError("response_format", f"{req.response_format!r} is not supported; use 'b64_json' "
+                                            "(this server keeps no files to serve by url)")
+    if req.n > limits.max_n:
+        raise FieldError("n", f"{req.n} exceeds the configured maximum of {limits.max_n}")
+    return _spec(req, facts, limits, req.n, 1)
+
+
+def video_spec(req: VideoRequest, facts: FamilyFacts, limits: Limits, model_id: str) -> GenerationSpec:
+    check_model(req.model, model_id)
+    if not facts.supports_video:
+        raise FieldError("model", f"the {facts.family.value} model family makes images only; "
+                                  "use POST /v1/images/generations")
+    if req.response_format not in ("b64_json", "mp4"):
+        raise FieldError("response_format", f"{req.response_format!r} is not supported; use 'b64_json' or 'mp4'")
+    frames = req.num_frames or limits.default_frames
+    if frames > limits.max_frames:
+        raise FieldError("num_frames", f"{frames} exceeds the configured maximum of {limits.max_frames}")
+    if (frames - 1) % facts.temporal_factor:
+        raise FieldError("num_frames", f"must be 1 + a multiple of {facts.temporal_factor} for this model "
+                                       f"(its VAE's temporal factor), got {frames}")
+    return _spec(req, facts, limits, 1, frames)

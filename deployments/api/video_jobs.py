@@ -1,0 +1,270 @@
+"""The OpenAI Videos API: ``/v1/videos`` create, retrieve, list, download, delete.
+
+A video is a job: ``POST /v1/videos`` answers at once with a queued video object, a runner in
+some ingress replica generates it (:mod:`deployments.jobs.runner`), clients poll
+``GET /v1/videos/{id}`` (``progress`` follows the denoising steps) and download
+``GET /v1/videos/{id}/content`` (``?variant=thumbnail`` for the first frame as PNG).
+``DELETE /v1/videos/{id}`` cancels a queued or running job and removes its result.
+
+:func:`mount` adds the routes to the app :func:`deployments.api.routes.build_api` makes (its guard
+checks the bearer token and the content types first) and starts this replica's runner over the
+same encode -> denoise -> decode drive as the synchronous routes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from deployments.api import errors
+from deployments.api.body import BodyError, parse_object
+from deployments.api.schemas import FieldError, Limits
+from deployments.api.video_requests import VideoJobRequest, job_params
+from deployments.capacity.limits import StageAdmission, memory_refusal
+from deployments.jobs.actor import JobsArgs, JobStore
+from deployments.jobs.records import JobStatus, ListOrder, VideoJob, new_job, new_job_id
+from deployments.jobs.results import ResultStore, Variant
+from deployments.jobs.runner import Generate, JobRunner, params_spec
+from deployments.models.families import FamilyFacts
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+CREATE = "/v1/videos"
+# The official client posts multipart/form-data; curl users post JSON.
+CREATE_TYPES = ("application/json", "multipart/form-data")
+JOB_ID = re.compile(r"^video_[0-9a-f]{24}$")
+# A create body is a prompt or two (2,000 characters each by default) and a few numbers.
+MAX_CREATE_BYTES = 256 * 1024
+MAX_FORM_FIELDS = 32
+MAX_LIST_LIMIT = 100
+# What the stage replicas admit now (deployments.api.routes.Service.admissions).
+Admissions = Callable[[], Awaitable[Sequence[StageAdmission]]]
+
+
+@dataclass(frozen=True)
+class VideoJobsConfig:
+    model_id: str
+    facts: FamilyFacts
+    limits: Limits
+    args: JobsArgs
+
+
+@dataclass(frozen=True)
+class JobsBackend:
+    """What the jobs API runs on: the application's store, the results location, this runner's id."""
+
+    store: JobStore
+    results: ResultStore
+    owner: str  # the ingress replica, as the store records who holds a job's lease
+    # The pipeline for one video's frames; None: the ingress's own encode -> denoise -> decode.
+    generate: Generate | None = None
+
+
+class VideoJobs:
+    """One ingress replica's side of the jobs API: the store, the results, and this replica's runner."""
+
+    def __init__(self, config: VideoJobsConfig, store: JobStore, results: ResultStore, runner: JobRunner,
+                 clock: Callable[[], float] = time.time, admissions: Admissions | None = None):
+        """``admissions``: what the stage replicas admit now (a job none can hold is refused at once)."""
+        self.config, self.store, self.results, self.runner = config, store, results, runner
+        self.clock, self.admissions = clock, admissions
+
+    def _started(self) -> None:
+        self.runner.start()  # a no-op once started; started here if the app was built without a loop
+
+    async def _read_body(self, request: Request) -> dict:
+        """The fields as a dict: JSON, or the multipart/form-data the official client sends (values are strings)."""
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        raw = await request.body()
+        if len(raw) > MAX_CREATE_BYTES:
+            raise FieldError("body", f"{len(raw)} B exceeds the limit of {MAX_CREATE_BYTES} B", 413, "body_too_large")
+        if content_type == "application/json":
+            try:
+                return parse_object(raw)
+            except BodyError as exc:
+                raise FieldError("body", exc.message, exc.status, exc.code) from None
+        if content_type == "multipart/form-data":
+            try:
+                form = await request.form(max_files=1, max_fields=MAX_FORM_FIELDS, max_part_size=MAX_CREATE_BYTES)
+            except Exception as exc:  # starlette's MultiPartException and malformed boundaries
+                raise FieldError("body", f"body is not valid multipart/form-data: {exc}", code="invalid_form")
+            fields = {}
+            for name, value in form.multi_items():
+                if not isinstance(value, str):
+                    raise FieldError(name, "file uploads are not supported: this server generates from text only")
+                fields[name] = value
+            return fields
+        raise FieldError("content-type", f"Content-Type {content_type or '(none)'!r} is not accepted here; send "
+                                         f"{' or '.join(CREATE_TYPES)}", 415, "unsupported_media_type")
+
+    async def create(self, request: Request):
+        self._started()
+        cfg = self.config
+        try:
+            req = VideoJobRequest.model_validate(await self._read_body(request))
+            params = job_params(req, cfg.facts, cfg.limits, cfg.model_id)
+            if self.admissions is not None:
+                refusal = memory_refusal(cfg.facts, await self.admissions(), params_spec(params, "create"))
+                if refusal is not None:  # a job's length is asked in seconds
+                    raise FieldError("seconds" if refusal.param == "num_frames" else refusal.param, refusal.message)
+        except ValidationError as exc:
+            return errors.validation_error(exc)
+        except FieldError as exc:
+            return errors.field_error(exc)
+        now = self.clock()
+        job = await self.store.create(new_job(new_job_id(now), cfg.model_id, params, int(now)))
+        self.runner.wake()
+        return JSONResponse(job.to_json())
+
+    async def _job(self, video_id: str) -> VideoJob | JSONResponse:
+        job = await self.store.get(video_id) if JOB_ID.match(video_id) else None
+        if job is None:
+            return errors.error_json(404, f"no video {video_id!r} (never created, deleted, or expired)", "video_id",
+                                     "video_not_found", "invalid_request_error")
+        return job
+
+    async def retrieve(self, request: Request, video_id: str):
+        self._started()
+        job = await self._job(video_id)
+        if isinstance(job, JSONResponse):
+            return job
+        headers = {}
+        if job.status in (JobStatus.QUEUED, JobStatus.IN_PROGRESS):
+            headers["openai-poll-after-ms"] = str(self.config.args.poll_after_ms)
+        return JSONResponse(job.to_json(), headers=headers)
+
+    async def list(self, request: Request):
+        self._started()
+        query = request.query_params
+        try:
+            after = query.get("after")
+            if after is not None and not JOB_ID.match(after):
+                raise FieldError("after", f"{after!r} is not a video id")
+            limit_text = query.get("limit", "20")
+            if not limit_text.isascii() or not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_LIST_LIMIT:
+                raise FieldError("limit", f"{limit_text!r} is not a whole number from 1 to {MAX_LIST_LIMIT}")
+            order_text = query.get("order", ListOrder.DESC.value)
+            if order_text not in {o.value for o in ListOrder}:
+                raise FieldError("order", f"{order_text!r} is not 'asc' or 'desc'")
+        except FieldError as exc:
+            return errors.field_error(exc)
+        page = await self.store.list(after, int(limit_text), ListOrder(order_text))
+        data = [job.to_json() for job in page.jobs]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": page.has_more}
+
+    async def content(self, request: Request, video_id: str):
+        self._started()
+        name = request.query_params.get("variant", Variant.VIDEO.value)
+        if name not in {v.value for v in Variant}:
+            return errors.field_error(FieldError("variant", f"{name!r} is not available; this server keeps "
+                                                            "'video' (mp4) and 'thumbnail' (png)"))
+        job = await self._job(video_id)
+        if isinstance(job, JSONResponse):
+            return job
+        if job.status is not JobStatus.COMPLETED or job.result_key is None:
+            return errors.error_json(409, f"video {video_id} is {job.status.value}; its content exists once it "
+                                          "is completed", "video_id", "video_not_ready", "invalid_request_error")
+        variant = Variant(name)
+        data = await asyncio.to_thread(self.results.get, job.result_key, variant)
+        if data is None:
+            return errors.error_json(404, f"the {variant.value} of {video_id} is gone (expired or deleted)",
+                                     "video_id", "video_not_found", "invalid_request_error")
+        return Response(data, media_type=variant.media_type)
+
+    async def delete(self, request: Request, video_id: str):
+        self._started()
+        job = await self.store.delete(video_id) if JOB_ID.match(video_id) else None
+        if job is None:
+            return (await self._job(video_id))  # the 404
+        if job.status is JobStatus.IN_PROGRESS:
+            # Here at once if this replica runs it; another replica's runner sees it at its next step.
+            self.runner.cancel(job.id)
+        return {"id": job.id, "object": "video.deleted", "deleted": True}
+
+
+def serve_backend(app_name: str, args: JobsArgs) -> JobsBackend:
+    """The Serve ingress replica's backend: the application's store actor (get-or-create) and its id."""
+    from ray import serve
+
+    from deployments.jobs.actor import get_job_store
+
+    try:
+        owner = serve.get_replica_context().replica_id.to_full_id_str()
+    except Exception:  # outside a replica (a script building the app by hand)
+        owner = f"local-ingress-{os.getpid()}"
+    return JobsBackend(get_job_store(app_name, args), ResultStore(args.results_location(app_name)), owner)
+
+
+def mount(api: FastAPI, config: VideoJobsConfig, backend: JobsBackend, generate, retry_after_s: float,
+          admissions: Admissions | None = None) -> VideoJobs:
+    """Add the Videos API to ``api`` and start this replica's runner; ``generate`` is the
+    synchronous routes' drive (``Service.generate``), used unless the backend brings its own;
+    ``admissions``: the stage replicas' (``Service.admissions``), checked when a job is created."""
+
+    async def frames(spec, on_progress):
+        return (await generate(spec, on_progress)).frames[0]
+
+    runner = JobRunner(backend.store, backend.results, backend.generate or frames, backend.owner, config.args,
+                       retry_after_s)
+    jobs = VideoJobs(config, backend.store, backend.results, runner, admissions=admissions)
+    api.include_router(router)
+    api.state.video_jobs = jobs
+    runner.start()
+    return jobs
+
+
+def current_jobs(request: Request) -> VideoJobs:
+    """The serving app's :class:`VideoJobs` (set by :func:`mount`)."""
+    return request.app.state.video_jobs
+
+
+def _store_unavailable(exc: Exception) -> JSONResponse:
+    logger.warning("job store call failed (%s: %s); 503", type(exc).__name__, exc)
+    return errors.error_json(503, "the job store is restarting; retry", None, "store_unavailable", "overloaded",
+                             {"Retry-After": "1"})
+
+
+async def _answer(call):
+    """A route's answer; a store that is restarting (its actor died and Ray restarts it) is a 503."""
+    try:
+        return await call
+    except Exception as exc:
+        if errors.failure_kind(exc) is errors.FailureKind.LOST_REPLICA:
+            return _store_unavailable(exc)
+        raise
+
+
+@router.post(CREATE)
+async def create_video(request: Request, jobs: VideoJobs = Depends(current_jobs)):
+    return await _answer(jobs.create(request))
+
+
+@router.get("/v1/videos")
+async def list_videos(request: Request, jobs: VideoJobs = Depends(current_jobs)):
+    return await _answer(jobs.list(request))
+
+
+@router.get("/v1/videos/{video_id}")
+async def retrieve_video(request: Request, video_id: str, jobs: VideoJobs = Depends(current_jobs)):
+    return await _answer(jobs.retrieve(request, video_id))
+
+
+@router.get("/v1/videos/{video_id}/content")
+async def video_content(request: Request, video_id: str, jobs: VideoJobs = Depends(current_jobs)):
+    return await _answer(jobs.content(request, video_id))
+
+
+@router.delete("/v1/videos/{video_id}")
+async def delete_video(request: Request, video_id: str, jobs: VideoJobs = Depends(current_jobs)):
+    return await _answer(jobs.delete(request, video_id))

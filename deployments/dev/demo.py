@@ -1,0 +1,173 @@
+"""`make demo`: start Ray and the service from configs/local.yaml, generate one image over HTTP,
+make one short video through the Videos API's jobs (create, poll, download), save both, print
+where every replica's weights are, and shut everything down.
+
+Ray is started as ``make serve`` starts it (:mod:`deployments.dev.local_ray`: token authentication,
+node address 127.0.0.1, dashboard on loopback), then the config is deployed exactly as
+``serve run --address auto configs/local.yaml`` deploys it, except that the HTTP port is a free
+localhost port (other services on this machine may hold 8000).
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import logging
+import os
+import pathlib
+import socket
+import sys
+import time
+
+from deployments.dev import local_ray
+
+for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
+    os.environ.setdefault(_name, _value)
+
+logger = logging.getLogger("deployments.dev.demo")
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# The tiny zoo's tensors between stages are kilobytes; 200 MiB leaves room and spares the host.
+OBJECT_STORE_BYTES = 200 * 1024 * 1024
+READY_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_config(path: pathlib.Path, port: int):
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    raw = yaml.safe_load(path.read_text())
+    raw.setdefault("http_options", {})["port"] = port
+    return ServeDeploySchema.model_validate(raw)
+
+
+def deploy(config) -> None:
+    """What ``serve run <config file>`` does: start Serve with the file's options, deploy its apps."""
+    from ray.serve._private import api as serve_api
+
+    client = serve_api.serve_start(http_options=config.http_options.model_dump(),
+                                   proxy_location=config.proxy_location)
+    client.deploy_apps(config, _blocking=False)
+
+
+def wait_running(app_name: str) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        app = serve.status().applications.get(app_name)
+        status = getattr(app, "status", None)
+        if status is not None and status.value == "RUNNING":
+            return
+        if status is not None and status.value in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"application {app_name} {status.value}: {app.message}")
+        time.sleep(1)
+    raise TimeoutError(f"application {app_name} not running after {READY_TIMEOUT_S} s")
+
+
+def print_residency(replicas: list[dict]) -> None:
+    print("residency report (GET /v1/residency):")
+    for replica in sorted(replicas, key=lambda r: r["stage"]):
+        print(f"  {replica['stage']:8s} {replica['replica']} on {replica['device']}, mode {replica['mode']}, "
+              f"predicted device peak {replica['predicted_peak_bytes']} B, last call streamed "
+              f"{replica['last_bytes_streamed']} B")
+        for line in replica["plan"][1:]:
+            print(f"    plan  {line}")
+        for c in replica["weights"]["components"]:
+            tiers = ", ".join(f"{n} {tier}" for tier, n in c["layer_tiers"].items())
+            print(f"    where {c['name']}: device {c['device_bytes']} B, host pinned {c['host_pinned_bytes']} B, "
+                  f"mapped {c['host_mapped_bytes']} B, pageable {c['host_pageable_bytes']} B, parked "
+                  f"{c['parked_bytes']} B; streamed layers: {tiers or 'none'}")
+
+
+def make_video(client, out: pathlib.Path, prompt: str, size: str, steps: int, seed: int) -> bool:
+    """``POST /v1/videos``, poll ``GET /v1/videos/{id}`` until it finishes, download its mp4."""
+    started = time.monotonic()
+    created = client.post("/v1/videos", json={"prompt": prompt, "seconds": "1", "size": size,
+                                              "num_inference_steps": steps, "seed": seed})
+    if created.status_code != 200:
+        print(f"video job refused: HTTP {created.status_code} {created.text}", file=sys.stderr)
+        return False
+    video, seen = created.json(), []
+    while video["status"] in ("queued", "in_progress"):
+        if not seen or seen[-1] != (video["status"], video["progress"]):
+            seen.append((video["status"], video["progress"]))
+        time.sleep(0.2)
+        video = client.get(f"/v1/videos/{video['id']}").json()
+    if video["status"] != "completed":
+        print(f"video job {video['id']} {video['status']}: {video['error']}", file=sys.stderr)
+        return False
+    content = client.get(f"/v1/videos/{video['id']}/content")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(content.content)
+    print(f"POST /v1/videos -> {video['id']}: " + ", ".join(f"{status} {pct}%" for status, pct in seen) +
+          f", completed; GET /v1/videos/{{id}}/content -> {out} ({len(content.content)} B, {video['seconds']} s, "
+          f"{video['size']}) in {time.monotonic() - started:.2f} s")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", type=pathlib.Path, default=REPO / "configs" / "local.yaml")
+    parser.add_argument("--out", type=pathlib.Path, default=REPO / "out" / "demo.png")
+    parser.add_argument("--video-out", type=pathlib.Path, default=REPO / "out" / "demo.mp4")
+    parser.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
+    parser.add_argument("--size", default="64x64")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    os.environ.update(local_ray.token_env())  # this driver and the head it starts: Ray's token auth
+    import httpx
+    import ray
+    from ray import serve
+
+    port = _free_port()
+    config = load_config(args.config, port)
+    (app,) = config.applications
+    token_env = (app.args or {}).get("api_token_env")
+    headers = {"Authorization": f"Bearer {os.environ[token_env]}"} if token_env else {}
+    ray_port = local_ray.free_port()
+    head = local_ray.start_head(ray_port, OBJECT_STORE_BYTES, dict(os.environ))
+    print(f"Ray head at {local_ray.LOOPBACK}:{ray_port} (token auth, token in {local_ray.token_path(os.environ)})")
+    try:
+        ray.init(address=f"{local_ray.LOOPBACK}:{ray_port}", namespace="serve", log_to_driver=False)
+        started = time.monotonic()
+        deploy(config)
+        wait_running(app.name)
+        print(f"service {app.name} running at http://127.0.0.1:{port}{app.route_prefix} "
+              f"after {time.monotonic() - started:.1f} s")
+        base = f"http://127.0.0.1:{port}{app.route_prefix.rstrip('/')}"
+        with httpx.Client(base_url=base, headers=headers, timeout=300) as client:
+            started = time.monotonic()
+            response = client.post("/v1/images/generations", json={
+                "prompt": args.prompt, "size": args.size, "num_inference_steps": args.steps, "seed": args.seed})
+            if response.status_code != 200:
+                print(f"request failed: HTTP {response.status_code} {response.text}", file=sys.stderr)
+                return 1
+            body = response.json()
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_bytes(base64.b64decode(body["data"][0]["b64_json"]))
+            print(f"POST /v1/images/generations -> {args.out} ({args.size}, {args.steps} steps, seed "
+                  f"{body['seed']}) in {time.monotonic() - started:.2f} s; stages: " +
+                  ", ".join(f"{s['stage']} {s['seconds']:.3f} s / {s['bytes_streamed']} B streamed"
+                            for s in body["stages"]))
+            if not make_video(client, args.video_out, args.prompt, args.size, args.steps, args.seed):
+                return 1
+            print_residency(client.get("/v1/residency").json()["replicas"])
+        return 0
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        local_ray.stop_head(head)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

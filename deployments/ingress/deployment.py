@@ -1,0 +1,80 @@
+"""The Serve ingress: the HTTP API of :mod:`deployments.api.routes` over DeploymentHandles.
+
+The encoder's response is handed to the denoiser unresolved, so the prompt embeddings go from the
+encoder replica to the denoiser replica through Ray's object store; the denoiser streams progress
+events and then the latents, which go to the decoder; only decoded frames become PNG/MP4 here.
+Everything HTTP lives in :func:`deployments.api.routes.build_api`; this module only binds its two
+seams (:mod:`deployments.api.seams`) to Serve.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Awaitable
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deployments.api import video_jobs
+from deployments.api.routes import Generated, IngressConfig, build_api
+from deployments.capacity import unplaced
+from deployments.capacity.gpu_shares import PendingReplica
+from deployments.replica.board import ReplicaResidency, get_board, live_replicas
+from deployments.wire.spec import DenoiseProgress, GenerationSpec, StageOutput
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Generated", "HandleStages", "Ingress", "IngressConfig", "ResidencyBoardClient"]
+
+
+class HandleStages:
+    """:class:`deployments.api.seams.StagePipeline` over the three stage deployments' handles."""
+
+    def __init__(self, encoder: DeploymentHandle, denoiser: DeploymentHandle, decoder: DeploymentHandle):
+        self.encoder, self.denoiser, self.decoder = encoder, denoiser, decoder
+
+    def encode(self, spec: GenerationSpec) -> Awaitable[StageOutput]:
+        return self.encoder.encode.remote(spec)
+
+    def denoise(self, encoded: Awaitable[StageOutput], spec: GenerationSpec, progress: bool = True
+                ) -> AsyncIterator[DenoiseProgress | StageOutput]:
+        # Cancelling the iterating task cancels this call on the replica (Serve propagates it).
+        return self.denoiser.options(stream=True).denoise.remote(encoded, spec, progress)
+
+    async def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput:
+        return await self.decoder.decode.remote(latents, spec)
+
+
+class ResidencyBoardClient:
+    """:class:`deployments.api.seams.ReplicaBoard` over the application's residency board actor."""
+
+    def __init__(self, app_name: str):
+        self.app_name = app_name
+        self.board = get_board(app_name)
+
+    async def residency(self) -> tuple[ReplicaResidency, ...]:
+        alive = frozenset(await asyncio.to_thread(live_replicas))  # a GCS round trip: off the event loop
+        return tuple(await self.board.snapshot.remote(alive))
+
+    async def pending_replicas(self) -> tuple[PendingReplica, ...]:
+        return await asyncio.to_thread(unplaced.pending_replicas, self.app_name)  # controller + GCS
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress()
+class Ingress:
+    """Validates requests, drives encoder -> denoiser -> decoder, and encodes the frames."""
+
+    def __init__(self, encoder: DeploymentHandle, denoiser: DeploymentHandle, decoder: DeploymentHandle,
+                 config: IngressConfig):
+        self.stages = HandleStages(encoder, denoiser, decoder)
+        self.config = config
+        self.board = ResidencyBoardClient(config.app_name)
+        self.jobs = video_jobs.serve_backend(config.app_name, config.jobs)
+        logger.info("ingress for %s (%s, %s): auth %s, CORS origins %s, limits %s", config.model_id,
+                    config.facts.family.value, config.facts.folder, "bearer token" if config.api_token else "off",
+                    list(config.cors_origins) or "none", config.limits)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_api(self.config, self.stages, self.board, self.jobs)

@@ -1,0 +1,206 @@
+"""The job runner in every ingress replica: claims queued jobs, runs them, stores the results.
+
+Each replica claims up to ``max_running_per_ingress`` jobs from the application's one store and
+drives them through the same stage handles as the synchronous routes. While a job runs, every
+denoising step renews its lease and records its progress; the answer says whether the job is still
+this runner's, so a ``DELETE`` through any replica stops the run within one step (the task is
+cancelled, which cancels the Denoiser's call at its next step boundary).
+
+Failures: overload (a full stage queue, a busy device) puts the job back without using its retry;
+a lost stage replica puts it back once (its retry), after a delay so the retry reaches the
+replacement; anything else fails the job with the reason. A runner that dies stops renewing, and
+the store queues its jobs again when their leases lapse: no job stays in progress forever.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+from deployments.api.errors import FailureKind, failure_kind
+from deployments.jobs.actor import JobsArgs, JobStore
+from deployments.jobs.records import JobError, JobParams, VideoJob
+from deployments.jobs.results import ResultStore, Variant, result_key
+from deployments.wire import media
+from deployments.wire.spec import DenoiseProgress, GenerationSpec
+
+logger = logging.getLogger(__name__)
+
+OnProgress = Callable[[DenoiseProgress], Awaitable[None]]
+# The stage pipeline for one video: its frames (frames, H, W, 3), float32 in [0, 1].
+Generate = Callable[[GenerationSpec, OnProgress], Awaitable[object]]
+
+# The store is swept for expired jobs every this many polls (10 s at the default 0.5 s poll).
+SWEEP_EVERY_POLLS = 20
+
+
+def params_spec(params: JobParams, request_id: str) -> GenerationSpec:
+    """The generation a job with ``params`` runs (one video)."""
+    p = params
+    return GenerationSpec(request_id, p.prompt, p.negative_prompt, p.height, p.width, p.num_frames, p.steps,
+                          p.guidance_scale, p.seed, 1)
+
+
+def job_spec(job: VideoJob) -> GenerationSpec:
+    return params_spec(job.params, job.id)
+
+
+def progress_percent(step: int, total: int) -> int:
+    """Step k of n is k/(n+1) of the job: the last share is decoding and encoding; 100 means stored."""
+    return min(99, 100 * step // (total + 1))
+
+
+def encode_video(frames, fps: int) -> tuple[bytes, bytes]:
+    """(mp4, thumbnail PNG of the first frame)."""
+    return media.mp4_bytes(frames, fps), media.png_bytes(frames[0])
+
+
+class JobRunner:
+    def __init__(self, store: JobStore, results: ResultStore, generate: Generate, owner: str, args: JobsArgs,
+                 retry_after_s: float):
+        self.store, self.results, self.generate = store, results, generate
+        self.owner, self.args, self.retry_after_s = owner, args, retry_after_s
+        self._running: dict[str, asyncio.Task] = {}
+        self._leases: dict[str, str] = {}  # job id -> the lease its claim returned ("<owner>/<attempt>")
+        self._progress: dict[str, int] = {}
+        self._loop_task: asyncio.Task | None = None
+        self._stopping = False
+        self._wake: asyncio.Event | None = None
+
+    # -- control ----------------------------------------------------------------------------------
+    def start(self) -> bool:
+        """Start the claim loop on the running event loop; False if there is none yet (call again)."""
+        if self._loop_task is not None:
+            return True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        self._wake = asyncio.Event()
+        self._loop_task = loop.create_task(self._claim_loop(), name=f"video-jobs-{self.owner}")
+        logger.info("job runner %s started: up to %d jobs at once, lease %g s", self.owner,
+                    self.args.max_running_per_ingress, self.args.lease_s)
+        return True
+
+    def wake(self) -> None:
+        """A job was just queued through this replica: look now rather than at the next poll."""
+        if self._wake is not None:
+            self._wake.set()
+
+    def cancel(self, job_id: str) -> bool:
+        task = self._running.get(job_id)
+        if task is None:
+            return False
+        task.cancel()
+        return True
+
+    async def stop(self) -> None:
+        """Stop claiming and cancel what runs (the store queues those jobs again when their leases lapse)."""
+        self._stopping = True
+        tasks = [t for t in (self._loop_task, *self._running.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def running(self) -> frozenset[str]:
+        return frozenset(self._running)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    async def _claim_loop(self) -> None:
+        renew_every = self.args.lease_s / 3
+        last_renew, polls = time.monotonic(), 0
+        while not self._stopping:
+            try:
+                if time.monotonic() - last_renew >= renew_every:
+                    await self._renew_all()
+                    last_renew = time.monotonic()
+                if polls % SWEEP_EVERY_POLLS == 0:
+                    await self.store.expire()
+                free = self.args.max_running_per_ingress - len(self._running)
+                if free > 0:
+                    for job in await self.store.claim(self.owner, free):
+                        self._start(job)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the store is restarting or unreachable: keep polling
+                logger.warning("job runner %s: store call failed (%s: %s); retrying in %g s", self.owner,
+                               type(exc).__name__, exc, self.args.poll_interval_s)
+            polls += 1
+            self._wake.clear()
+            # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation that
+            # lands as its timeout fires, and stop() would then wait for this loop forever.
+            waiter = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait({waiter}, timeout=self.args.poll_interval_s)
+            finally:
+                waiter.cancel()
+
+    def _start(self, job: VideoJob) -> None:
+        stale = self._running.get(job.id)
+        if stale is not None:  # an earlier attempt here whose lease lapsed (a stalled loop): it lost the job
+            stale.cancel()
+            logger.info("job %s: attempt %d replaces this runner's stalled earlier attempt", job.id, job.attempts)
+        self._leases[job.id] = job.owner
+        self._running[job.id] = asyncio.create_task(self._run(job), name=job.id)
+
+    async def _renew_all(self) -> None:
+        leases = tuple(self._leases.items())
+        if leases:
+            held = await self.store.renew(leases, {i: self._progress.get(i, 0) for i, _ in leases})
+            self._stop_unheld(tuple(i for i, _ in leases), held)
+
+    def _stop_unheld(self, ids: tuple[str, ...], held: frozenset[str]) -> None:
+        for job_id in set(ids) - held:
+            if self.cancel(job_id):
+                logger.info("job %s is no longer %s's (deleted or reclaimed): its run is cancelled", job_id,
+                            self.owner)
+
+    # -- one job ----------------------------------------------------------------------------------
+    async def _run(self, job: VideoJob) -> None:
+        key, lease = result_key(job.id, job.attempts), job.owner
+        started = time.monotonic()
+
+        async def on_progress(step: DenoiseProgress) -> None:
+            self._progress[job.id] = progress_percent(step.step, step.total)
+            if job.id not in await self.store.renew(((job.id, lease),), {job.id: self._progress[job.id]}):
+                logger.info("job %s is no longer %s's (deleted or reclaimed): its run is cancelled", job.id, lease)
+                raise asyncio.CancelledError
+
+        try:
+            frames = await self.generate(job_spec(job), on_progress)
+            video, thumbnail = await asyncio.to_thread(encode_video, frames, job.params.fps)
+            await asyncio.to_thread(self.results.put, key, Variant.VIDEO, video)
+            await asyncio.to_thread(self.results.put, key, Variant.THUMBNAIL, thumbnail)
+            if await self.store.complete(job.id, lease, key):
+                logger.info("job %s done in %.2f s: %d B mp4 stored as %s", job.id, time.monotonic() - started,
+                            len(video), key)
+            else:  # deleted while it ran: nobody will ask for this result
+                await asyncio.to_thread(self.results.delete, key)
+        except asyncio.CancelledError:
+            await asyncio.to_thread(self.results.delete, key)
+            logger.info("job %s: run cancelled after %.2f s", job.id, time.monotonic() - started)
+        except Exception as exc:
+            await self._failed(job, lease, exc)
+        finally:
+            if self._running.get(job.id) is asyncio.current_task():  # not a later attempt's entry
+                del self._running[job.id]
+                self._leases.pop(job.id, None)
+                self._progress.pop(job.id, None)
+            self.wake()
+
+    async def _failed(self, job: VideoJob, lease: str, exc: Exception) -> None:
+        kind = failure_kind(exc)
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        try:
+            if kind is FailureKind.OVERLOAD:
+                await self.store.put_back(job.id, lease, f"overload ({reason})", False, self.retry_after_s)
+            elif kind is FailureKind.LOST_REPLICA:
+                await self.store.put_back(job.id, lease, f"a stage replica was lost ({reason})", True,
+                                          self.args.replica_retry_delay_s)
+            else:
+                logger.error("job %s failed", job.id, exc_info=exc)
+                await self.store.fail(job.id, lease, JobError("generation_failed", reason))
+        except Exception as store_exc:  # the lease lapses and the store queues the job again
+            logger.warning("job %s: could not record its failure (%s); its lease will lapse", job.id, store_exc)

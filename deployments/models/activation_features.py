@@ -1,0 +1,147 @@
+"""Activation memory per request shape, per model family: the features, the regimes, calibration.
+
+Each stage's activation peak is modelled as a sum of coefficient x feature (offload_core.planner.
+activations), with features chosen from what the family's stage computes over (measured on the
+tiny zoo with offload_core.residency.activations, every one within 1 % except where noted):
+
+- encode: ``1`` (the text encoder's fixed-length pass: 512 tokens whatever the prompt) and ``n``;
+- denoise: ``n`` and ``n x tokens`` (latent positions after patching: linear, 2304 B per token on
+  tiny Wan, 2200 B on tiny Flux; with the pipeline's text tokens in the first feature);
+- decode: an image is ``n x pixels`` plus a constant; Wan's video VAE decodes frame by frame
+  with caches, so videos are their own regime (``n x pixels`` and ``n x pixels x frames``: per
+  pixel 1086 B at 5 frames, 1280 B at 9, 1330 B at 13: linear from 5 and 9 over-predicts 13
+  frames by 11 %, the safe side).
+
+A regime is calibrated on two shapes of its own (image: frames = 1; video: frames > 1).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from typing import Callable, Sequence
+
+from deployments.models.families import FamilyFacts
+from deployments.wire.spec import GenerationSpec, PipelineStage
+from offload_core.planner.activations import ActivationModel, ActivationSample, calibrate
+
+# A call leases its predicted activations plus this margin (and a replica plans this much free of
+# weights): predictions are within 10 % of the measured peak on held-out shapes, and a decode call
+# in bench/shared_gpu.py held 12 % more than its prediction (a 48x32 image), so 15 % more than predicted.
+ACTIVATION_MARGIN = 1.15
+
+
+class Regime(str, enum.Enum):
+    IMAGE = "image"  # one frame
+    VIDEO = "video"  # several frames (Wan): the VAE decodes chunk by chunk with caches
+
+
+FEATURES = {
+    PipelineStage.ENCODE: ("1", "n"),
+    PipelineStage.DENOISE: ("n", "n x tokens"),
+}
+DECODE_FEATURES = {Regime.IMAGE: ("n x pixels", "1"), Regime.VIDEO: ("n x pixels", "n x pixels x frames")}
+
+
+def regime(spec: GenerationSpec) -> Regime:
+    return Regime.VIDEO if spec.num_frames > 1 else Regime.IMAGE
+
+
+def feature_names(stage: PipelineStage, spec: GenerationSpec) -> tuple[str, ...]:
+    return DECODE_FEATURES[regime(spec)] if stage is PipelineStage.DECODE else FEATURES[stage]
+
+
+def latent_tokens(facts: FamilyFacts, spec: GenerationSpec) -> int:
+    """Latent positions the transformer attends over: latent frames x (H / multiple) x (W / multiple)."""
+    latent_frames = 1 + (spec.num_frames - 1) // facts.temporal_factor
+    return latent_frames * math.ceil(spec.height / facts.size_multiple) * math.ceil(spec.width / facts.size_multiple)
+
+
+def features(facts: FamilyFacts, stage: PipelineStage, spec: GenerationSpec) -> tuple[float, ...]:
+    n, pixels = spec.n, spec.height * spec.width
+    if stage is PipelineStage.ENCODE:
+        return (1.0, float(n))
+    if stage is PipelineStage.DENOISE:
+        return (float(n), float(n * latent_tokens(facts, spec)))
+    if regime(spec) is Regime.IMAGE:
+        return (float(n * pixels), 1.0)
+    return (float(n * pixels), float(n * pixels * spec.num_frames))
+
+
+class StageActivations:
+    """One stage's calibrated models, one per regime, and their predictions."""
+
+    def __init__(self, facts: FamilyFacts, stage: PipelineStage, models: dict[Regime, ActivationModel]):
+        self.facts, self.stage, self.models = facts, stage, models
+
+    def predict(self, spec: GenerationSpec, dtype_bytes: int | None = None) -> int:
+        model = self.models.get(regime(spec)) or self.models[Regime.IMAGE]
+        return model.predict(features(self.facts, self.stage, spec), dtype_bytes)
+
+    def explain(self) -> str:
+        return "; ".join(f"{r.value}: {m.explain()}" for r, m in self.models.items())
+
+
+def calibrate_stage(facts: FamilyFacts, stage: PipelineStage, shapes: Sequence[GenerationSpec],
+                    measure: Callable[[GenerationSpec], int], dtype_bytes: int) -> StageActivations:
+    """Measure ``shapes`` (two per regime) with ``measure(spec) -> peak bytes`` and fit each regime."""
+    by_regime: dict[Regime, list[GenerationSpec]] = {}
+    for spec in shapes:
+        by_regime.setdefault(regime(spec), []).append(spec)
+    models = {}
+    for r, specs in by_regime.items():
+        samples = [ActivationSample(features(facts, stage, s), measure(s)) for s in specs]
+        models[r] = calibrate(feature_names(stage, specs[0]), samples, dtype_bytes)
+    return StageActivations(facts, stage, models)
+
+
+def calibration_shapes(facts: FamilyFacts, steps: int = 1) -> tuple[GenerationSpec, ...]:
+    """Two shapes per regime, small enough to run at start-up, that separate each stage's features
+    (they differ in n and in size)."""
+    m, guidance = facts.size_multiple, facts.default_guidance
+    small, large = (math.ceil(side / m) * m for side in (32, 64))
+
+    def spec(name, side, frames, n):
+        return GenerationSpec(f"calibrate-{name}", "calibration", None, side, side, frames, steps, guidance, 0, n)
+
+    shapes = [spec("image-a", small, 1, 1), spec("image-b", large, 1, 2)]
+    if facts.supports_video:
+        t = facts.temporal_factor
+        shapes += [spec("video-a", small, 1 + t, 1), spec("video-b", small, 1 + 2 * t, 2)]
+    return tuple(shapes)
+
+
+def stage_input(pipe, facts: FamilyFacts, stage: PipelineStage, spec: GenerationSpec):
+    """A stand-in for the stage's input at ``spec``'s shape (zeros: activations depend on shapes, not
+    values), so a replica calibrates without the other stages."""
+    import torch
+
+    from deployments.wire.spec import EncodedPrompt, Family
+
+    n, text_tokens = spec.n, 512  # families.encode pads every prompt to max_sequence_length=512
+    if stage is PipelineStage.ENCODE:
+        return None
+    if stage is PipelineStage.DENOISE:
+        config = pipe.transformer.config
+        if facts.family is Family.WAN:
+            embeds = torch.zeros(n, text_tokens, config.text_dim)
+            return EncodedPrompt(embeds, embeds.clone() if spec.guidance_scale > 1.0 else None)
+        return EncodedPrompt(torch.zeros(n, text_tokens, config.joint_attention_dim),
+                             pooled_prompt_embeds=torch.zeros(n, config.pooled_projection_dim))
+    vae = pipe.vae.config
+    if facts.family is Family.WAN:
+        scale = pipe.vae_scale_factor_spatial
+        frames = 1 + (spec.num_frames - 1) // facts.temporal_factor
+        return torch.zeros(n, vae.z_dim, frames, spec.height // scale, spec.width // scale)
+    side = pipe.vae_scale_factor * 2  # Flux packs 2x2 latent patches into one token
+    return torch.zeros(n, (spec.height // side) * (spec.width // side), vae.latent_channels * 4)
+
+
+def run_stage(pipe, facts: FamilyFacts, stage: PipelineStage, spec: GenerationSpec, device, value):
+    """The stage's own call (as the deployments make it) on ``value`` from :func:`stage_input`."""
+    from deployments.models import families
+
+    if stage is PipelineStage.ENCODE:
+        return families.encode(pipe, facts, spec, device)
+    if stage is PipelineStage.DENOISE:
+        return families.denoise(pipe, facts, value, spec, device)
+    return families.decode(pipe, facts, value, spec, device)

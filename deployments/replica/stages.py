@@ -1,0 +1,179 @@
+"""The three stage deployments: TextEncoder, Denoiser, VaeDecoder (names the k8s manifests use).
+
+Each wraps one :class:`deployments.replica.worker.StageWorker` (loading, planning, leases, residency) and
+returns tensors (Ray's object store carries them, never JSON).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import AsyncIterator, Callable
+
+from ray import serve
+
+from deployments.models import families
+from deployments.replica.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
+from deployments.replica.board import ReplicaResidency
+from deployments.replica.cancel import CancelFlag, RequestCancelled
+from deployments.replica.metrics import BatchMetrics
+from deployments.replica.steppers import StepRequest, stepper_for
+from deployments.replica.worker import StageConfig, StageWorker
+from deployments.wire.spec import (
+    DenoiseProgress,
+    GenerationSpec,
+    RequestRejected,
+    StageOutput,
+    StageStats,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@serve.deployment(name="TextEncoder")
+class TextEncoder:
+    def __init__(self, config: StageConfig):
+        self.worker = StageWorker(config)
+
+    def encode(self, spec: GenerationSpec) -> StageOutput:
+        worker = self.worker
+        try:
+            encoded = worker.run(lambda: families.encode(worker.pipe, worker.config.facts, spec, worker.device), spec)
+        except (UnicodeError, TypeError) as exc:
+            # The tokenizer is the only part that reads request text; it raises these on text it
+            # cannot take (a lone surrogate was one, before validation refused them): the request's fault.
+            raise RequestRejected("prompt", f"the tokenizer refused the prompt: {type(exc).__name__}: {exc}") from exc
+        return StageOutput(encoded.value.packed(), encoded.stats)  # the Denoiser unpacks it
+
+    def residency(self) -> ReplicaResidency:
+        return self.worker.report()
+
+    def __del__(self):  # Serve calls it on graceful replica shutdown
+        if hasattr(self, "worker"):
+            self.worker.close()
+
+
+# Marks the end of one request's progress events (its future is done).
+_DONE = object()
+
+
+@serve.deployment(name="Denoiser")
+class Denoiser:
+    """Step-level batching: compatible requests share each transformer forward (one stream of the
+    weights per step boundary serves them all); each keeps its own scheduler, seed and progress."""
+
+    def __init__(self, config: StageConfig):
+        self.worker = StageWorker(config)
+        self.stepper = stepper_for(self.worker.pipe, config.facts, self.worker.device)
+        self.batch_metrics = BatchMetrics()
+        batch = StepBatch(self.stepper, config.batching or BatchingConfig(), fits=self._fits,
+                          bytes_streamed=self.worker.residency.bytes_streamed_so_far, on_forward=self._on_forward)
+        self._leased_activation_bytes = 0  # what the running busy period leased for activations
+        self.batcher = StepBatcher(batch, around_busy=self._busy_period)
+        self.in_flight: dict[str, CancelFlag] = {}  # request id -> its flag, while its call runs
+        self.last_spec: GenerationSpec | None = None
+        self.last_cancelled: CancelFlag | None = None
+
+    async def denoise(self, encoded: StageOutput, spec: GenerationSpec, progress: bool = True
+                      ) -> AsyncIterator[DenoiseProgress | StageOutput]:
+        """Streams ``DenoiseProgress`` after every step (unless ``progress`` is false), then the latents
+        as the last item.
+
+        Async, so a replica holds many requests at once while one thread runs the batch. A client
+        that goes away cancels this generator; its request leaves the batch at the next boundary.
+        """
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:  # called from the batcher's thread
+            loop.call_soon_threadsafe(events.put_nowait, item)
+
+        start = time.perf_counter()
+        self.worker.admit(spec)
+        request = self.stepper.start(encoded.value.unpacked(), spec, on_step=put if progress else None)
+        self.last_spec = spec  # batched requests share a shape: a busy period leases max_batch of it
+        future = self.batcher.submit(request)
+        future.add_done_callback(lambda _: put(_DONE))
+        future.add_done_callback(lambda done: self._on_left(done, request.cancel))
+        self.in_flight[spec.request_id] = request.cancel
+        try:
+            while (item := await events.get()) is not _DONE:
+                yield item
+            latents = future.result()
+        finally:
+            del self.in_flight[spec.request_id]
+            if not future.done():  # closed early: the caller is gone; it leaves at the next boundary
+                # Counted from the steps the batch had done when the cancel arrived, not from the last
+                # progress event the caller read: those reach it through the event loop, a step late
+                # when the loop is busy, and the disconnect is what "within one step" is measured from.
+                request.cancel.cancel("the caller went away", after_step=request.step)
+                self.last_cancelled = request.cancel
+                logger.info("%s: request %s cancelled by its caller; it leaves the batch at the next step "
+                            "boundary", self.worker.replica, spec.request_id)
+        self.batch_metrics.record_wait(request.waited_s)
+        worker = self.worker
+        stats = StageStats(worker.config.stage.value, worker.replica, time.perf_counter() - start,
+                           int(request.bytes_streamed), worker.residency.device_peak_bytes())
+        worker.record(stats)
+        yield StageOutput(latents.to(families.CPU), stats).after(encoded)
+
+    def _on_left(self, future, flag: CancelFlag) -> None:
+        """A cancelled request left the batch (the batch's thread): record how soon, in steps and seconds."""
+        if future.cancelled() or not isinstance(future.exception(), RequestCancelled):
+            return
+        steps, free_s = flag.stopped_at_step - flag.cancelled_after_step, time.monotonic() - flag.cancelled_at_s
+        self.worker.metrics.record_cancel(steps, free_s)
+        logger.info("%s: request %s left the batch %.3f s after its cancel, %d step(s) after the last one its "
+                    "caller saw", self.worker.replica, flag.request_id, free_s, steps)
+
+    def _busy_period(self, run: Callable[[], None]) -> None:
+        max_batch = (self.worker.config.batching or BatchingConfig()).max_batch
+        self._leased_activation_bytes = self.worker.activation_bytes(self.last_spec, max_batch)
+        with self.worker.in_use(self._leased_activation_bytes):
+            run()
+        self.worker.set_batch(0, self.batcher.batch.mean_batch)
+
+    def _fits(self, batch: list[StepRequest]) -> bool:
+        """A request joins only if the batch's predicted activations fit what this busy period
+        leased (leased for max_batch of the shape that started it; a larger shape waits)."""
+        together = dataclasses.replace(batch[0].spec, n=sum(r.spec.n for r in batch))
+        need = self.worker.activation_bytes(together)
+        if need > self._leased_activation_bytes:
+            logger.info("%s: request %s waits: a batch of %d needs %d B of activations > %d B leased",
+                        self.worker.replica, batch[-1].spec.request_id, len(batch), need,
+                        self._leased_activation_bytes)
+            return False
+        return True
+
+    def _on_forward(self, figures: ForwardFigures) -> None:
+        self.batch_metrics.record_forward(figures)
+        self.worker.set_batch(figures.requests, self.batcher.batch.mean_batch)
+
+    def residency(self) -> ReplicaResidency:
+        return self.worker.report()
+
+    def __del__(self):  # Serve calls it on graceful replica shutdown
+        if hasattr(self, "batcher"):
+            self.batcher.close()
+        if hasattr(self, "worker"):
+            self.worker.close()
+
+
+@serve.deployment(name="VaeDecoder")
+class VaeDecoder:
+    def __init__(self, config: StageConfig):
+        self.worker = StageWorker(config)
+
+    def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput:
+        worker = self.worker
+        decoded = worker.run(
+            lambda: families.decode(worker.pipe, worker.config.facts, latents.value, spec, worker.device), spec)
+        return decoded.after(latents)
+
+    def residency(self) -> ReplicaResidency:
+        return self.worker.report()
+
+    def __del__(self):  # Serve calls it on graceful replica shutdown
+        if hasattr(self, "worker"):
+            self.worker.close()

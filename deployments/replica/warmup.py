@@ -1,0 +1,194 @@
+"""A stage replica's warm-up: measure, then plan again from the measurements.
+
+A replica first plans with what it can know before running anything (layer bytes, its share of the
+GPU, its link, 0 s of compute, no working set), leases and applies that plan so its weights can
+run. Then one warm-up phase, on the replica's own device with the plan applied:
+
+1. the activation model is calibrated (``deployments.models.activation_features``: two small shapes per regime,
+   1 step each, measured by ``offload_core.residency.activations``);
+2. one 1-step call at the deployment's default request shape (``limits.default_size``, and
+   ``default_frames`` for a family that makes videos; n = 1) runs with timing hooks on every layer
+   (``offload_core.planner.warmup``: compute only, a streamed layer's wait for its copy excluded).
+
+Cost (the replica's start-up; each call leases and runs like a request): 2 calibration calls per
+regime (4 for Wan, 2 for Flux) at 32x32 and 64x64 (a few ms each on the tiny zoo) plus one step
+at the default shape, which is what one denoising step of a default request costs (on Wan2.1-14B
+at 1280x720x81, two transformer passes: tens of seconds on one GPU; the encoder and the VAE run
+their call once). The timed call runs without the CPU's live-bytes dispatch mode, which slows
+every op, so its times are compute, not bookkeeping.
+
+The stage is then planned again with the measured compute per layer and, as its working set, the
+predicted activation peak of the default request at the stage's batch (the Denoiser's max_batch,
+1 elsewhere) with ``ACTIVATION_MARGIN``, at most what leaves the leanest plan room. A plan whose
+decisions differ is applied in place of the first (standing lease grown before anything new is
+allocated, shrunk after the old residency's bytes are gone); an equal one keeps the applied
+residency and its report shows the re-predicted figures.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping
+
+import torch
+from torch import nn
+
+from deployments.api.schemas import Limits, parse_size
+from deployments.models import activation_features, families
+from deployments.models.activation_features import ACTIVATION_MARGIN
+from deployments.models.families import FamilyFacts
+from deployments.replica.stage_residency import StageResidency, predicted_kept_bytes, replan_stage
+from deployments.wire.spec import GenerationSpec
+from offload_core.planner.search import PipelinePlan, repredict
+from offload_core.planner.warmup import MeasuredCompute, WarmupFigures, measure_warmup
+from offload_core.residency.activations import measure_activations
+
+if TYPE_CHECKING:  # the worker calls in here; a runtime import would be a circle
+    from deployments.replica.worker import StageWorker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WarmupShape:
+    """The deployment's default request: what a replica times its layers at and sizes its working set for."""
+
+    width: int
+    height: int
+    frames: int  # default_frames for a family that makes videos, 1 for image-only families
+
+    @classmethod
+    def default_for(cls, limits: Limits, facts: FamilyFacts) -> WarmupShape:
+        width, height = parse_size(limits.default_size, facts, limits)  # a default the API would refuse fails here
+        return cls(width, height, limits.default_frames if facts.supports_video else 1)
+
+    def spec(self, facts: FamilyFacts, n: int = 1) -> GenerationSpec:
+        """One step, ``n`` outputs, the family's default guidance (Wan: both guidance passes run)."""
+        return GenerationSpec(f"warmup-{self.width}x{self.height}x{self.frames}", "warm-up", None, self.height,
+                              self.width, self.frames, 1, facts.default_guidance, 0, n)
+
+    def describe(self) -> str:
+        return f"{self.width}x{self.height}x{self.frames}"
+
+
+@dataclass(frozen=True)
+class Replanning:
+    """How the worker planned and applied its stage, so the warm-up can do it again with measurements."""
+
+    apply: Callable[..., StageResidency]  # StageResidency with everything but ``plan`` bound
+    provisional: PipelinePlan  # the plan as planned (before the host re-tiered it): its facts, and compared
+
+
+@dataclass(frozen=True)
+class WarmupOutcome:
+    """What the warm-up measured and decided (logged once, kept by the worker for tests and reports)."""
+
+    shape: WarmupShape
+    batch: int  # requests the working set is sized for
+    compute: tuple[tuple[str, MeasuredCompute], ...]  # per component
+    predicted_activation_bytes: int  # the default request at ``batch``, before the margin
+    working_set_bytes: int  # what the plan keeps free of weights (margin applied, capped)
+    changes: tuple[str, ...]  # how the final plan differs from the provisional one (empty: kept)
+    seconds: float  # the whole warm-up: calibration, the timed call, the replan (and re-apply)
+    calibration_s: float  # of it, the activation calibration (what a replica paid before it planned from measurements)
+
+
+def warm_up(worker: StageWorker, modules: Mapping[str, nn.Module], replanning: Replanning) -> WarmupOutcome:
+    """Calibrate, time, replan; leaves ``worker.activations`` and ``worker.residency`` final."""
+    start = time.perf_counter()
+    config = worker.config
+    worker.activations = calibrate_activations(worker, modules)
+    calibrated_s = time.perf_counter() - start
+    shape = config.warmup_shape or WarmupShape.default_for(Limits(), config.facts)
+    compute = time_layers(worker, modules, shape.spec(config.facts))
+    batch = config.batching.max_batch if config.batching is not None else 1
+    predicted = worker.activations.predict(shape.spec(config.facts, n=batch))
+    plan = replan_stage(replanning.provisional, worker.memory, compute=compute,
+                        working_set_bytes=math.ceil(ACTIVATION_MARGIN * predicted))
+    working_set = plan.device_capacity - plan.weight_budget
+    changes = plan.changes_from(replanning.provisional)
+    note = (f"planned from a warm-up at {shape.describe()} (1 step): compute per use "
+            + ", ".join(f"{name} {m.per_use_s * 1e3:.2f} ms" for name, m in compute.items())
+            + f"; working set {working_set} B = {ACTIVATION_MARGIN} x {predicted} B of predicted activations for "
+            f"{batch} request(s)" + (" (capped: the leanest plan's weights need the rest)"
+                                     if working_set < math.ceil(ACTIVATION_MARGIN * predicted) else ""))
+    if changes:
+        _reapply(worker, replanning, dataclasses.replace(plan, notes=(*plan.notes, note)))
+    else:
+        worker.residency.adopt(repredict(worker.residency.plan, plan.facts, (note,)))
+    outcome = WarmupOutcome(shape, batch, tuple(compute.items()), predicted, working_set, changes,
+                            time.perf_counter() - start, calibrated_s)
+    logger.info("%s: warm-up in %.2f s; %s; plan %s", worker.replica, outcome.seconds, note,
+                f"changed ({'; '.join(changes)}): re-applied" if changes else "unchanged: the applied one is kept")
+    return outcome
+
+
+def calibrate_activations(worker: StageWorker, modules: Mapping[str, nn.Module]) -> activation_features.StageActivations:
+    """Measure the stage's activation peak on two small shapes per regime, on the replica's device, and
+    fit the family's model (deployments/models/activation_features.py); calls lease it from then on."""
+    facts, stage = worker.config.facts, worker.config.stage
+
+    def measure(spec: GenerationSpec) -> int:
+        value = activation_features.stage_input(worker.pipe, facts, stage, spec)
+        with worker.in_use():  # the weights as prepared for the call (resident layers bound) are not its activations
+            weights = [t for m in modules.values() for t in (*m.parameters(), *m.buffers())]
+            _, measured = measure_activations(
+                lambda: activation_features.run_stage(worker.pipe, facts, stage, spec, worker.device, value),
+                worker.device, weights)
+        return measured.peak_bytes
+
+    start = time.perf_counter()
+    fitted = activation_features.calibrate_stage(facts, stage, activation_features.calibration_shapes(facts), measure,
+                                         getattr(torch, worker.config.dtype).itemsize)
+    logger.info("%s: activations calibrated in %.2f s on %s: %s", worker.replica, time.perf_counter() - start,
+                worker.device, fitted.explain())
+    return fitted
+
+
+def time_layers(worker: StageWorker, modules: Mapping[str, nn.Module],
+                spec: GenerationSpec) -> dict[str, MeasuredCompute]:
+    """Compute per use of every component, timed on one call at ``spec`` under the applied plan."""
+    facts, stage = worker.config.facts, worker.config.stage
+    value = activation_features.stage_input(worker.pipe, facts, stage, spec)
+    with worker.in_use(worker.activation_bytes(spec)):
+        figures = measure_warmup(
+            modules, lambda: activation_features.run_stage(worker.pipe, facts, stage, spec, worker.device, value),
+            device=worker.device)
+    # The uses the service counts for this call: the Denoiser's step batching runs guidance's two
+    # branches as one use (twice the rows), Wan's VAE decodes frame by frame inside one use.
+    uses = families.uses_per_request(facts, stage, spec.steps, spec.guidance_scale,
+                                     batched=worker.config.batching is not None)
+    return {name: _per_use(figures[name], uses[name]) for name in modules}
+
+
+def _per_use(figures: WarmupFigures, uses: int) -> MeasuredCompute:
+    """Seconds per use as the planner counts uses (``uses`` in the timed call): the hooks count passes
+    over the first layer, which may be more (Wan's VAE: one per latent frame) or fewer."""
+    uses = max(uses, 1)
+    if not figures.order:
+        # No layer groups: the pipeline calls a method (vae.decode), so the hooks sit on its children.
+        return MeasuredCompute((), figures.total_s / uses)
+    scale = figures.uses / uses
+    measured = MeasuredCompute.of(figures)
+    return MeasuredCompute(tuple((key, s * scale) for key, s in measured.layer_s), measured.rest_s * scale)
+
+
+def _reapply(worker: StageWorker, replanning: Replanning, plan: PipelinePlan) -> None:
+    """Replace the applied residency with ``plan``'s, never holding more device bytes than leased.
+
+    The standing lease grows before the new plan allocates and shrinks only after the old
+    residency is gone (``hold_standing`` returns the allocator's cache to the driver first). Parked
+    weights the old residency restores on its removal are within the call reservation the warm-up
+    calls kept (it covers the old plan's peak).
+    """
+    kept, timeout_s = predicted_kept_bytes(plan), worker.config.device_timeout_s
+    if kept > worker.leases.figures().standing_bytes:
+        worker.leases.hold_standing(kept, timeout_s)
+    worker.replace_residency(lambda: replanning.apply(plan=plan))
+    worker.leases.hold_standing(worker.residency.kept_bytes(), timeout_s)
+
+
+__all__ = ["Replanning", "WarmupOutcome", "WarmupShape", "warm_up"]

@@ -1,0 +1,284 @@
+"""One stage replica's worker: loads the stage, plans and applies offload_core, leases, measures.
+
+Each replica loads only its stage's components from the configured folder, plans them against its
+share of the GPU, leases what it keeps on the device (a standing lease, before anything moves
+there), runs them under offload_core (:class:`deployments.replica.stage_residency.StageResidency`), leases what
+each call adds (a reservation kept between calls: no ledger round trip when the next call fits),
+calibrates the stage's activation model and publishes its residency. The Serve deployments
+(``deployments.replica.stages``) wrap one worker each.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+import pathlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import ray
+import torch
+from ray import serve
+from ray.serve.exceptions import RayServeException
+
+from cluster.replica_memory import DeviceBusy
+from deployments.capacity.limits import StageAdmission, nearest_admitted, size_text
+from deployments.models import activation_features, families
+from deployments.models.activation_features import ACTIVATION_MARGIN
+from deployments.models.families import FamilyFacts
+from deployments.replica import warmup
+from deployments.replica.batching import BatchingConfig
+from deployments.replica.board import REPUBLISH_S, BatchState, ReplicaResidency, get_board
+from deployments.replica.board_publisher import Throttled
+from deployments.replica.leases import LEASE_REFUSED, open_device_leases, open_replica_memory
+from deployments.replica.metrics import StageMetrics
+from deployments.replica.stage_residency import StageResidency, host_lease_bytes, plan_stage, predicted_kept_bytes
+from deployments.wire.spec import (
+    GenerationSpec,
+    PipelineStage,
+    RequestRejected,
+    StageOutput,
+    StageStats,
+)
+from offload_core.host.budget import Refusal
+from offload_core.host.replica_budget import HostBudgetSpec
+from offload_core.host.store import folder_identity
+from offload_core.planner.search import PerformanceMode
+from offload_core.residency.shared_hosting import SharedWeights
+from offload_core.streaming.headroom import HeadroomTimeout
+
+logger = logging.getLogger(__name__)
+
+# Residency reports reach the board at most this often per replica (and always within it).
+PUBLISH_INTERVAL_S = 1.0
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """What one stage replica needs; built by ``deployments.app.build_app``."""
+
+    app_name: str
+    facts: FamilyFacts
+    stage: PipelineStage
+    mode: PerformanceMode | None  # None: the fleet profile's for the GPU the replica got
+    # Forward passes per request of each of the stage's components (the planner weighs bytes by it).
+    uses_per_request: tuple[tuple[str, int], ...]
+    dtype: str
+    # How long a call waits for its device working set before answering 503 (Retry-After).
+    device_timeout_s: float
+    # The stage's per-replica host_memory_budget (bytes or a fraction of spendable RAM); None: unset.
+    host_budget: HostBudgetSpec | None = None
+    # The Denoiser's step-level batching (None for the other stages: they run once per request).
+    batching: BatchingConfig | None = None
+    # Streamed layers hosted from the node weight store (one copy per node) rather than privately.
+    share_host_weights: bool = True
+    # The default request (limits.default_size / default_frames): the warm-up times the layers and sizes
+    # the working set there (deployments/replica/warmup.py); None: the default Limits'.
+    warmup_shape: warmup.WarmupShape | None = None
+
+
+def _replica_device() -> torch.device:
+    # A replica is on the GPU only when Ray gave it one (num_gpus > 0, fractions allowed).
+    if torch.cuda.is_available() and ray.get_gpu_ids():
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def _replica_id(stage: PipelineStage) -> str:
+    try:
+        return serve.get_replica_context().replica_id.to_full_id_str()
+    except (RuntimeError, RayServeException):  # constructed outside Serve (benchmarks, unit tests of a worker)
+        return f"local-{stage.value}"
+
+
+class StageWorker:
+    """Loads one stage, runs its calls under offload_core and the device lease, publishes residency."""
+
+    def __init__(self, config: StageConfig):
+        self.config = config
+        self.device = _replica_device()
+        self.replica = _replica_id(config.stage)
+        self.pipe = families.load_stage_pipeline(config.facts, config.stage, DTYPES[config.dtype])
+        self.memory = open_replica_memory(self.replica, self.device)
+        budget = config.host_budget.resolve(self.memory.node.ram.spendable) if config.host_budget else None
+        if budget is not None:
+            logger.info("%s: host_memory_budget %s = %d B on this node (%d B spendable)", self.replica,
+                        config.host_budget.describe(), budget, self.memory.node.ram.spendable)
+        self.leases = open_device_leases(self.memory, self.device)
+        modules = families.stage_modules(self.pipe, config.facts, config.stage)
+        shared = None
+        if config.share_host_weights:
+            identities = {name: folder_identity(pathlib.Path(config.facts.folder) / name) for name in modules}
+            shared = SharedWeights(self.memory.store_registry(), identities, self.replica, budget_bytes=budget)
+        # Planned against the replica's share of its GPU, not the whole card; 0 s of compute and no
+        # working set until the warm-up measured them (deployments/replica/warmup.py plans again).
+        plan = plan_stage(config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
+                          self.memory.share_bytes, host_lease_bytes(self.memory.host_budget, budget), self.memory,
+                          expected_batch=config.batching.max_batch if config.batching is not None else 1)
+        # What the plan keeps on the device is leased before applying it moves anything there.
+        self.leases.hold_standing(predicted_kept_bytes(plan), config.device_timeout_s)
+        applier = functools.partial(
+            StageResidency, config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
+            device_capacity=self.memory.share_bytes, host_budget=self.memory.host_budget,
+            owner=self.replica, host_budget_bytes=budget, shared=shared, memory=self.memory)
+        self.residency = applier(plan=plan)
+        self.activations: activation_features.StageActivations | None = None
+        self.metrics = StageMetrics(config.stage.value)
+        # One call at a time per replica: the pipeline object (scheduler state) is not reentrant.
+        self._lock = threading.Lock()
+        self._last = StageStats(config.stage.value, self.replica, 0.0, 0, 0)
+        self._batch = None if config.batching is None else BatchState(0, 0.0, config.batching.max_batch)
+        self._board = None
+        # Reports are built after the response is on its way: one reads /proc/self/maps and walks
+        # every tensor (2.5-6.6 ms of CPU per report on the tiny zoo, more on a 14B model), taken
+        # from the next stage of the same request on a 2-core node, three times per request.
+        # Sent again after REPUBLISH_S without a change too: a board that restarted (empty) learns an
+        # idle replica's report within that time.
+        self._publisher = Throttled(self.publish, PUBLISH_INTERVAL_S, f"publish-{config.stage.value}", sent_now=True,
+                                    keepalive_s=REPUBLISH_S)
+        # The batch size goes on its own (no lock, no walk of the weights): a busy period holds the
+        # call lock for as long as its batch runs, and a report waits for that lock.
+        self._batch_sender = Throttled(self._send_batch, PUBLISH_INTERVAL_S, f"batch-{config.stage.value}")
+        self.warmup = warmup.warm_up(self, modules, warmup.Replanning(applier, plan))
+        self.publish()
+
+    @property
+    def busy(self) -> bool:
+        """A call holds this replica (its pipeline and its device working set)."""
+        return self._lock.locked()
+
+    def run(self, work: Callable[[], object], spec: GenerationSpec | None = None) -> StageOutput:
+        if spec is not None:
+            self.admit(spec)
+        start = time.perf_counter()
+        with self.in_use(self.activation_bytes(spec)):
+            value = work()
+        stats = StageStats(self.config.stage.value, self.replica, time.perf_counter() - start,
+                           self.residency.bytes_streamed(), self.residency.device_peak_bytes())
+        self.record(stats)
+        return StageOutput(value, stats)
+
+    def activation_bytes(self, spec: GenerationSpec | None, batch: int = 1) -> int:
+        """Predicted activation peak of a call at ``spec`` (``batch`` such requests together), at most
+        what the share leaves beside the weights; 0 before calibration."""
+        if spec is None or self.activations is None:
+            return 0
+        predicted = self.activations.predict(dataclasses.replace(spec, n=spec.n * batch))
+        return min(math.ceil(ACTIVATION_MARGIN * predicted), self.activation_room())
+
+    def activation_room(self) -> int:
+        """What the replica's share of its GPU leaves for a call's activations beside its weights."""
+        return max(0, self.memory.share_bytes - self.residency.predicted_peak_bytes())
+
+    def admission(self) -> StageAdmission | None:
+        """What this replica admits (published to the board: GET /v1/models states limits from it)."""
+        if self.activations is None:
+            return None
+        return StageAdmission(self.config.stage, self.activation_room(), tuple(self.activations.models.items()))
+
+    def admit(self, spec: GenerationSpec) -> None:
+        """Refuse (4xx naming the limit) a request whose activations can never fit the replica's share;
+        one that does not fit now waits for its lease and may get 503 instead."""
+        admission = self.admission()
+        if admission is None or admission.admits(self.config.facts, spec):
+            return
+        need, room = admission.need_bytes(self.config.facts, spec), admission.room_bytes
+        logger.info("%s: request %s refused: %d B of activations > %d B room", self.replica, spec.request_id,
+                    need, room)
+        nearest = nearest_admitted(admission, self.config.facts, spec)
+        raise RequestRejected(nearest.param(spec), (
+            f"{spec.width}x{spec.height}x{spec.num_frames} (n={spec.n}) needs {size_text(need)} of "
+            f"activations in the {self.config.stage.value} stage; this deployment serves at most "
+            f"{size_text(room)} there ({size_text(self.memory.share_bytes)} share of {self.memory.device_pool}, "
+            f"{size_text(self.residency.predicted_peak_bytes())} of weights); {nearest.describe(spec)}; "
+            f"GET /v1/models states the limits"))
+
+    @contextlib.contextmanager
+    def in_use(self, activation_bytes: int = 0):
+        """One use of the stage: the call lock, the call lease (weights it adds + ``activation_bytes``),
+        prepare ... finish.
+
+        No ledger round trip when the call fits the reservation kept from the last one; after
+        the call the standing lease follows what the parking gate left on the device (rare).
+        """
+        with self._lock:
+            with self._call_lease(activation_bytes):
+                self.residency.prepare_for_use()
+                try:
+                    yield
+                finally:
+                    self.residency.finish_use()
+                kept = self.residency.kept_bytes()
+            self.leases.hold_standing(kept, self.config.device_timeout_s)
+        self._publisher.poke()
+
+    def record(self, stats: StageStats) -> None:
+        self.metrics.record(stats)
+        self._last = stats
+        # Also here, not only when the use ends: the Denoiser records a request after its batch's
+        # busy period, and the report published then showed the previous request's peak.
+        self._publisher.poke()
+
+    def call_bytes(self, activation_bytes: int = 0) -> int:
+        """What a call adds on the device beyond the standing lease: streamed slots, restores, activation_features."""
+        return max(0, self.residency.predicted_peak_bytes() - self.leases.figures().standing_bytes) + activation_bytes
+
+    @contextlib.contextmanager
+    def _call_lease(self, activation_bytes: int):
+        """Hold the call lease (bounded wait, then DeviceBusy -> 503); no ledger round trip when it is kept."""
+        try:
+            with self.leases.call(self.call_bytes(activation_bytes), self.config.device_timeout_s) as lease:
+                yield lease
+        except LEASE_REFUSED as exc:
+            raise DeviceBusy(self.replica, self.memory.device_pool, exc.nbytes, exc.refusal, exc.waited_s) from None
+        except HeadroomTimeout as exc:  # a neighbour's lease kept the slots out: busy, as a refused lease
+            refusal = Refusal(self.replica, exc.nbytes, exc.headroom.usable_bytes, str(exc))
+            raise DeviceBusy(self.replica, self.memory.device_pool, exc.nbytes, refusal, exc.waited_s) from None
+
+    def replace_residency(self, make: Callable[[], StageResidency]) -> None:
+        """Remove the applied residency and apply another (the warm-up's replan), no call or report running."""
+        with self._lock:
+            self.residency.remove()
+            self.residency = make()
+
+    def report(self) -> ReplicaResidency:
+        weights = self.residency.report()
+        return ReplicaResidency(self.replica, self.config.stage.value, str(self.device), self.residency.mode.value,
+                                self.residency.plan.explain(), self.residency.predicted_peak_bytes(),
+                                self._last.device_peak_bytes, self._last.bytes_streamed, weights.to_json(),
+                                self.residency.host_status(weights).to_json(), self._batch,
+                                self.leases.figures(with_headroom=True).to_json(), self.admission())
+
+    def set_batch(self, size: int, mean: float) -> None:
+        """The Denoiser's batch size; the board gets it within PUBLISH_INTERVAL_S when it changed."""
+        changed = self._batch is not None and self._batch.size != size
+        self._batch = BatchState(size, mean, self.config.batching.max_batch)
+        if changed:
+            self._batch_sender.poke()
+
+    def _send_batch(self) -> None:
+        if ray.is_initialized():
+            self._board = self._board or get_board(self.config.app_name)
+            self._board.set_batch.remote(self.replica, self._batch)  # fire and forget
+
+    def close(self) -> None:
+        """Replica shutdown: unhook the engine and give back every lease this replica holds."""
+        self._publisher.close()
+        self._batch_sender.close()
+        self.residency.remove()
+        self.leases.close()
+        logger.info("%s: shut down, released %d B of leases", self.replica, self.memory.close())
+
+    def publish(self) -> None:
+        if not ray.is_initialized():
+            return
+        if self._board is None:
+            self._board = get_board(self.config.app_name)
+        with self._lock:  # never while a call is moving the weights the report walks
+            report = self.report()
+        self._board.publish.remote(report)  # fire and forget: a report is not worth a wait

@@ -1,0 +1,380 @@
+"""The tiny Wan service over real Ray Serve and HTTP: outputs, bad input, overload, lost replicas."""
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import json
+import time
+
+import httpx
+import numpy as np
+import pytest
+import ray
+import torch
+from PIL import Image
+
+from deployments.models import families
+from deployments.wire import media
+from deployments.wire.spec import GenerationSpec
+from tests.deployments.conftest import APP, MAX_STEPS
+from zoo.tiny import ensure_tiny_wan
+
+IMAGES, VIDEOS = "/v1/images/generations", "/v1/videos/generations"
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    base, headers = service
+    with httpx.Client(base_url=base, headers=headers, timeout=120) as c:
+        yield c
+
+
+def _pngs(response) -> list[bytes]:
+    assert response.status_code == 200, response.text
+    return [base64.b64decode(item["b64_json"]) for item in response.json()["data"]]
+
+
+def test_an_image_request_returns_decodable_pngs_of_the_asked_size(client):
+    response = client.post(IMAGES, json={"prompt": "a red fox", "size": "32x16", "n": 2, "seed": 4})
+    pngs = _pngs(response)
+    assert len(pngs) == 2
+    for png in pngs:
+        image = Image.open(io.BytesIO(png))
+        assert (image.format, image.size, image.mode) == ("PNG", (32, 16), "RGB")
+    stages = [s["stage"] for s in response.json()["stages"]]
+    assert stages == ["encode", "denoise", "decode"]
+    assert response.json()["stages"][1]["bytes_streamed"] > 0, "the denoiser's layers were not streamed"
+
+
+def test_the_same_seed_gives_the_same_bytes_and_another_seed_does_not(client):
+    body = {"prompt": "a lighthouse", "seed": 99, "num_inference_steps": 2}
+    first, second = _pngs(client.post(IMAGES, json=body)), _pngs(client.post(IMAGES, json=body))
+    other = _pngs(client.post(IMAGES, json={**body, "seed": 100}))
+    assert first == second
+    assert first != other
+
+
+def test_http_pngs_equal_the_in_process_pipeline_pngs(client):
+    response = client.post(IMAGES, json={"prompt": "a cat on a mat", "negative_prompt": "blur", "size": "16x32",
+                                         "n": 2, "seed": 5, "num_inference_steps": 3, "guidance_scale": 4.0})
+    facts = families.read_family_facts(ensure_tiny_wan())
+    spec = GenerationSpec("r", "a cat on a mat", "blur", 32, 16, 1, 3, 4.0, 5, 2)
+    reference = families.reference_frames(families.load_full_pipeline(facts, torch.float32), facts, spec)
+    assert _pngs(response) == [media.png_bytes(frames[0]) for frames in reference]
+
+
+def test_stage_handles_compose_to_the_in_process_result(service):
+    from ray import serve
+
+    spec = GenerationSpec("bitwise", "a blue whale", "dark", 16, 16, 5, 2, 5.0, 21, 1)
+    encoder = serve.get_deployment_handle("TextEncoder", app_name=APP)
+    denoiser = serve.get_deployment_handle("Denoiser", app_name=APP)
+    decoder = serve.get_deployment_handle("VaeDecoder", app_name=APP)
+    encoded = encoder.encode.remote(spec)
+    items = list(denoiser.options(stream=True).denoise.remote(encoded, spec))
+    assert [(p.step, p.total) for p in items[:-1]] == [(1, 2), (2, 2)]
+    frames = decoder.decode.remote(items[-1], spec).result(timeout_s=120).value
+    facts = families.read_family_facts(ensure_tiny_wan())
+    reference = families.reference_frames(families.load_full_pipeline(facts, torch.float32), facts, spec)
+    # The Denoiser batches guidance's two branches into one forward (tests/deployments/
+    # test_batching.py pins bitwise equality with the plain model on the same batches); the
+    # pipeline runs them as two forwards, so the frames agree to rounding, not bitwise: measured
+    # 4.8e-7 at most on the tiny zoo.
+    torch.testing.assert_close(frames, reference, rtol=0, atol=1e-5)
+
+
+def test_a_video_request_returns_a_decodable_mp4(client):
+    import imageio.v3 as iio
+
+    response = client.post(VIDEOS, json={"prompt": "waves", "size": "32x32", "num_frames": 5, "seed": 2,
+                                         "response_format": "mp4"})
+    assert response.status_code == 200 and response.headers["content-type"] == "video/mp4"
+    frames = iio.imread(response.content, extension=".mp4", plugin="FFMPEG")
+    assert frames.shape == (5, 32, 32, 3)
+    as_json = client.post(VIDEOS, json={"prompt": "waves", "size": "32x32", "num_frames": 5, "seed": 2})
+    assert base64.b64decode(as_json.json()["data"][0]["b64_json"]) == response.content
+
+
+def test_a_streaming_client_sees_denoising_step_k_of_n_then_the_result(client):
+    with client.stream("POST", IMAGES, json={"prompt": "a tree", "stream": True, "num_inference_steps": 3,
+                                             "seed": 1}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        text = "".join(response.iter_text())
+    events = [(block.split("\n")[0][len("event: "):], json.loads(block.split("\n")[1][len("data: "):]))
+              for block in text.strip().split("\n\n")]
+    names = [name for name, _ in events]
+    assert names == ["accepted", "progress", "progress", "progress", "result"]
+    assert [data["message"] for name, data in events if name == "progress"] == \
+        ["step 1 of 3", "step 2 of 3", "step 3 of 3"]
+    plain = _pngs(client.post(IMAGES, json={"prompt": "a tree", "num_inference_steps": 3, "seed": 1}))
+    assert [base64.b64decode(d["b64_json"]) for d in events[-1][1]["data"]] == plain
+
+
+@pytest.mark.parametrize("body, param, status", [
+    ({"prompt": "a cat", "size": "24x16"}, "size", 400),
+    ({"prompt": "a cat", "size": "128x128"}, "size", 400),
+    ({"prompt": "a cat", "num_inference_steps": MAX_STEPS + 1}, "num_inference_steps", 400),
+    ({"prompt": "a cat", "num_inference_steps": 0}, "num_inference_steps", 400),
+    ({"prompt": "a cat", "n": 9}, "n", 400),
+    ({"prompt": ""}, "prompt", 400),
+    ({"prompt": "p" * 500}, "prompt", 400),
+    ({"prompt": "a cat", "model": "dall-e-3"}, "model", 404),
+    ({"prompt": "a cat", "response_format": "url"}, "response_format", 400),
+    ({"prompt": "a cat", "style": "vivid"}, "style", 400),
+    ([1, 2], "body", 400),
+])
+def test_a_bad_field_gets_a_4xx_json_error_naming_it(client, body, param, status):
+    response = client.post(IMAGES, json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_a_body_that_is_not_json_gets_400_naming_the_body(client):
+    response = client.post(IMAGES, content=b"prompt=a cat", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "body"
+
+
+def test_requests_without_the_bearer_token_get_401_but_health_does_not(service):
+    base, _ = service
+    assert httpx.post(base + IMAGES, json={"prompt": "a cat"}).status_code == 401
+    wrong = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["param"] == "authorization"
+    assert httpx.get(base + "/health").json()["status"] == "ok"
+
+
+def test_models_and_residency_describe_the_served_model_and_every_replica(client):
+    assert client.post(IMAGES, json={"prompt": "a request to report on", "seed": 1}).status_code == 200
+    (model,) = client.get("/v1/models").json()["data"]
+    assert (model["id"], model["family"], model["modalities"]) == ("tiny-wan", "wan", ["image", "video"])
+    deadline = time.monotonic() + 30  # replicas publish their report after the response has left
+    while True:
+        replicas = client.get("/v1/residency").json()["replicas"]
+        denoiser = next((r for r in replicas if r["stage"] == "denoise"), None)
+        if (denoiser and denoiser["last_device_peak_bytes"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert sorted(r["stage"] for r in replicas) == ["decode", "denoise", "encode"]
+    (component,) = denoiser["weights"]["components"]
+    # Memory mode streams all 4 blocks: their weights wait on the host between calls.
+    assert component["name"] == "transformer" and sum(component["layer_tiers"].values()) == 4, component
+    host_bytes = ("host_pinned_bytes", "host_pageable_bytes", "host_mapped_bytes", "host_shared_bytes")
+    assert sum(component[k] for k in host_bytes) > 0
+    assert any(line.startswith("transformer: ") for line in denoiser["plan"]), denoiser["plan"]
+    # Every replica's plan says it was made from its warm-up: measured compute, a working set kept.
+    for replica in replicas:
+        assert "GiB kept for activations" in replica["plan"][0], replica["plan"]
+        assert any(line.startswith("planned from a warm-up at 16x16x5 (1 step): compute per use ")
+                   for line in replica["plan"]), replica["plan"]
+    assert denoiser["last_device_peak_bytes"] == denoiser["predicted_peak_bytes"]
+    host = denoiser["host_memory"]  # the config's 64MiB host_memory_budget, what it leased and holds
+    assert host["budget_bytes"] == 64 * 1024**2 and host["leased_bytes"] <= host["budget_bytes"]
+    assert host["used_bytes"] >= host["leased_bytes"], "what a lease paid for is held on the host"
+    (store,) = host["shared"]  # its streamed layers come from the node weight store
+    assert store["component"] == "transformer" and store["attached"] >= 1 and store["bytes"] > 0
+    assert store["share_bytes"] == store["bytes"] // store["attached"]
+    assert component["host_shared_bytes"] > 0 and component["host_pinned_bytes"] == 0
+    assert next(r for r in replicas if r["stage"] == "encode")["host_memory"]["budget_bytes"] is None
+    # Only the Denoiser batches; between requests its batch is empty.
+    assert denoiser["batch"]["max"] == 4 and denoiser["batch"]["size"] == 0
+    assert all("batch" not in r for r in replicas if r["stage"] != "denoise")
+
+
+def test_stage_metrics_reach_prometheus_with_a_series_per_stage(client, ray_cluster):
+    client.post(IMAGES, json={"prompt": "metrics", "seed": 1})
+    # Replicas may land on any node of the session's cluster (other modules add GPU nodes), and
+    # each node's metrics agent exports only what its own workers recorded: scrape them all.
+    urls = [f"http://127.0.0.1:{node.metrics_export_port}/metrics" for node in ray_cluster.list_all_nodes()]
+    wanted = {f'ray_offload_serve_{name}{{' for name in ("stage_latency_seconds_count",
+                                                        "bytes_streamed_per_request_count",
+                                                        "device_peak_bytes")}
+    # The Denoiser's step batching: requests per forward, queue wait, step time.
+    batching = {f'ray_offload_serve_{name}_count{{' for name in ("batch_size", "batch_queue_wait_seconds",
+                                                                "step_seconds")}
+    wanted |= batching
+    deadline, seen = time.monotonic() + 60, set()
+    while time.monotonic() < deadline and seen != wanted:
+        lines = [line for url in urls for line in httpx.get(url, timeout=10).text.splitlines()]
+        seen = {w for w in wanted for line in lines
+                if line.startswith(w) and (w in batching or 'stage="denoise"' in line)}
+        time.sleep(1)
+    assert seen == wanted, f"missing from Prometheus: {wanted - seen}"
+
+
+def test_concurrent_requests_all_succeed_with_their_own_results(client):
+    bodies = [{"prompt": f"scene {i}", "seed": i, "num_inference_steps": 2} for i in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(lambda b: _pngs(client.post(IMAGES, json=b)), bodies))
+    alone = [_pngs(client.post(IMAGES, json=b)) for b in bodies]
+    # Requests that shared a batched forward agree with their lone runs to rounding (< 1e-6 in
+    # float): at most one level of 255 in a PNG.
+    for shared, single in zip(together, alone):
+        for a, b in zip(shared, single):
+            assert np.abs(_pixels(a).astype(int) - _pixels(b).astype(int)).max() <= 1
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)))
+
+
+def test_concurrent_denoise_calls_share_forwards_and_each_gets_its_own_latents(service):
+    from ray import serve
+
+    encoder = serve.get_deployment_handle("TextEncoder", app_name=APP)
+    denoiser = serve.get_deployment_handle("Denoiser", app_name=APP)
+    specs = [GenerationSpec(f"batch-{i}", f"scene {i}", None, 16, 16, 1, 4, 5.0, i, 1) for i in range(3)]
+    encoded = [encoder.encode.remote(s).result(timeout_s=60) for s in specs]
+    alone = [list(denoiser.options(stream=True).denoise.remote(e, s))[-1] for e, s in zip(encoded, specs)]
+    streams = [denoiser.options(stream=True).denoise.remote(e, s) for e, s in zip(encoded, specs)]
+    together = [list(stream)[-1] for stream in streams]
+    for shared, single in zip(together, alone):
+        torch.testing.assert_close(shared.value, single.value, rtol=0, atol=1e-5)
+    # Sent at once, they join one batch (at worst one step apart): the weights stream once per
+    # shared forward, so together they move fewer bytes than one after another.
+    assert sum(t.stats.bytes_streamed for t in together) < sum(a.stats.bytes_streamed for a in alone)
+
+
+def test_beyond_the_queue_requests_get_503_with_retry_after_never_500(client):
+    bodies = [{"prompt": f"burst {i}", "seed": i, "num_inference_steps": 4, "size": "64x64"} for i in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(lambda b: client.post(IMAGES, json=b), bodies))
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) <= {200, 503}, codes
+    assert 503 in codes and 200 in codes, codes
+    for r in responses:
+        if r.status_code == 503:
+            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == "queue_full"
+
+
+def test_a_device_held_elsewhere_gets_503_with_retry_after_then_serves_when_freed(client):
+    """Neighbours holding the node ledger's whole device pool: the stage waits its 1 s, then 503."""
+    from cluster.replica_memory import ReplicaMemory
+
+    held = []  # the ledger caps each owner at a share of the pool, so it takes a few neighbours
+    try:
+        for i in range(8):
+            neighbour = ReplicaMemory.open(f"test-neighbour-{i}", "cpu")
+            pool = neighbour.device_budget
+            got = pool.request(pool.available(), neighbour.owner)
+            got = got or pool.request(got.available, neighbour.owner)
+            held.append((neighbour, got))
+            if pool.available() < 1024:
+                break
+        assert pool.available() < 1024, "the neighbours could not fill the device pool"
+        # The stages keep their call leases between calls as reservations: a neighbour that waits
+        # for bytes makes the ledger recall them, and the stages give them back.
+        reserved = sum(lease.nbytes for lease in pool.outstanding() if lease.recallable)
+        assert reserved > 0, "the stages served earlier requests, so they hold reservations"
+        taker = ReplicaMemory.open("test-neighbour-taker", "cpu")
+        held.append((taker, taker.device_budget.acquire(reserved, taker.owner, wait_s=30)))
+        assert held[-1][1], f"the recalled reservations were not given back: {held[-1][1]}"
+        busy = client.post(IMAGES, json={"prompt": "while busy", "seed": 1})
+        assert busy.status_code == 503, busy.text
+        assert busy.json()["error"]["code"] == "device_busy" and int(busy.headers["retry-after"]) >= 1
+    finally:
+        for neighbour, lease in held:
+            if lease:
+                neighbour.device_budget.release(lease)
+            neighbour.close()
+    assert client.post(IMAGES, json={"prompt": "when free", "seed": 1}).status_code == 200
+
+
+def _lease_figures(client, calls_at_least: dict | None = None) -> dict:
+    """Each stage's published lease figures, once every stage reports at least ``calls_at_least`` calls."""
+    deadline = time.monotonic() + 30  # reports are published after the response, at most once a second
+    while True:
+        leases = {r["stage"]: r["leases"] for r in client.get("/v1/residency").json()["replicas"]}
+        if calls_at_least is None or all(leases[s]["calls"] >= n for s, n in calls_at_least.items()):
+            return leases
+        assert time.monotonic() < deadline, f"reports never showed {calls_at_least} calls: {leases}"
+        time.sleep(0.2)
+
+
+def _settled_lease_figures(client) -> dict:
+    """Each stage's lease figures once its reports stop changing: a replica publishes at most once
+    per PUBLISH_INTERVAL_S and always publishes its last state within it (+0.5 s for the board)."""
+    from deployments.replica.worker import PUBLISH_INTERVAL_S
+
+    deadline, last = time.monotonic() + 30, _lease_figures(client)
+    while True:
+        time.sleep(PUBLISH_INTERVAL_S + 0.5)
+        now = _lease_figures(client)
+        if now == last:
+            return now
+        assert time.monotonic() < deadline, f"reports kept changing: {last} -> {now}"
+        last = now
+
+
+def test_back_to_back_requests_reuse_their_call_reservations_without_ledger_round_trips(client):
+    body = {"prompt": "again and again", "seed": 3, "num_inference_steps": 2}
+    assert client.post(IMAGES, json=body).status_code == 200  # the first of this shape may grow a reservation
+    before = _settled_lease_figures(client)  # with that first request's calls counted
+    for _ in range(3):
+        assert client.post(IMAGES, json=body).status_code == 200
+    after = _lease_figures(client, {stage: f["calls"] + 3 for stage, f in before.items()})
+    assert set(after) == {"encode", "denoise", "decode"}
+    for stage in after:
+        fast = after[stage]["calls_without_round_trip"] - before[stage]["calls_without_round_trip"]
+        assert fast == after[stage]["calls"] - before[stage]["calls"] >= 3, (stage, before[stage], after[stage])
+        assert after[stage]["given_back"] == before[stage]["given_back"], (stage, before[stage], after[stage])
+    # The denoiser streams every layer (memory mode): its calls add slots and activations, kept as a
+    # reservation; the resident encoder keeps its weights under its standing lease.
+    assert after["denoise"]["reserved_bytes"] > 0 and after["encode"]["standing_bytes"] > 0
+    # The headroom by part, measured when the report was built (a CPU device: its capacity, no cache).
+    assert {"driver_free_bytes", "largest_cached_block_bytes", "neighbours_outstanding_bytes"} <= set(
+        after["denoise"]["headroom"]), after["denoise"]
+
+
+def _replica_actor(deployment: str):
+    prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    assert len(names) == 1, names
+    return names[0]
+
+
+def _sse_events(response):
+    """(event, data) pairs of a Server-Sent Events response, as they arrive."""
+    name = None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            yield name, json.loads(line[len("data: "):])
+
+
+def test_a_denoiser_replica_killed_mid_request_fails_that_request_with_503_then_is_replaced(client):
+    """Last in the module: the replacement replica reloads its stage (~10 s on a busy 2-CPU box)."""
+    victim = _replica_actor("Denoiser")
+    body = {"prompt": "after the storm", "seed": 8, "num_inference_steps": 4, "size": "64x64"}
+    expected = _pngs(client.post(IMAGES, json=body))
+    # The kill is sent once step 1 of MAX_STEPS has been reported: the victim is then denoising
+    # this request, with ~1 s of steps still to go (5 ms each here).
+    long = {"prompt": "mid-storm", "seed": 9, "num_inference_steps": MAX_STEPS, "size": "64x64", "n": 2,
+            "stream": True}
+    with client.stream("POST", IMAGES, json=long) as response:
+        events = _sse_events(response)
+        seen = []
+        for name, data in events:
+            seen.append((name, data))
+            if name == "progress":
+                ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+                break
+        seen.extend(events)
+    names = [name for name, _ in seen]
+    assert names[:2] == ["accepted", "progress"], names
+    assert names[-1] == "error", f"the kill did not land mid-request: {names[-3:]}"
+    assert set(names[1:-1]) == {"progress"} and names.count("progress") < MAX_STEPS, "the denoiser finished"
+    error = seen[-1][1]
+    assert (error["status"], error["error"]["code"]) == (503, "replica_unavailable"), error
+    deadline, later = time.monotonic() + 90, None
+    while time.monotonic() < deadline:
+        later = client.post(IMAGES, json=body)
+        if later.status_code == 200:
+            break
+        assert later.status_code == 503 and "retry-after" in later.headers, later.text
+        time.sleep(1)
+    assert _pngs(later) == expected
+    replacement = _replica_actor("Denoiser")
+    assert replacement != victim
+    listed = {r["replica"] for r in client.get("/v1/residency").json()["replicas"]}
+    assert replacement in listed and victim not in listed, "residency must list live replicas only"

@@ -1,0 +1,232 @@
+"""The Videos API on real Ray Serve, driven by the official openai client: one app for the module.
+
+Create, poll, download (the mp4 decodes to the asked frames and size and equals the synchronous
+route's bytes), restarts of the ingress and of the job store mid-job, cancellation freeing the
+Denoiser, 20 concurrent jobs, and a Denoiser killed mid-job (last: its replacement reloads).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import os
+import pathlib
+import re
+import time
+
+import httpx
+import imageio.v3 as iio
+import openai
+import pytest
+import ray
+from PIL import Image
+
+from deployments.api.schemas import Limits
+from deployments.jobs.actor import JobsArgs, drop_job_store, store_name
+from tests.deployments.conftest import TOKEN, TOKEN_ENV, serve_base_url, tiny_args
+
+APP, PREFIX = "jobs-test", "/jobs"
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+# Up to 200 steps so a job runs long enough (seconds at 64x64, 9 frames) to be caught mid-way.
+LIMITS = Limits(max_width=64, max_height=64, max_steps=200, max_n=2, max_prompt_chars=200, max_frames=9,
+                default_size="16x16", default_steps=2, default_frames=5, default_fps=4)
+SHORT = {"seed": 1, "num_inference_steps": 2}
+LONG = {"seed": 2, "num_inference_steps": 200}
+
+
+@pytest.fixture(scope="module")
+def app_args(tmp_path_factory):
+    # A 10 s lease: a loaded 2-core machine can stall a replica's loop for seconds.
+    jobs = JobsArgs(directory=str(tmp_path_factory.mktemp("jobs")), lease_s=10.0, poll_after_ms=100,
+                    poll_interval_s=0.2, replica_retry_delay_s=3.0)
+    return tiny_args(app_name=APP, limits=LIMITS, video_jobs=jobs)
+
+
+def _deploy(app_args) -> None:
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app(app_args), name=APP, route_prefix=PREFIX)
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, app_args):
+    from ray import serve
+
+    os.environ[TOKEN_ENV] = TOKEN
+    base = serve_base_url(ray_cluster)
+    _deploy(app_args)
+    try:
+        yield base + PREFIX
+    finally:
+        serve.delete(APP)
+        drop_job_store(APP)
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    with openai.OpenAI(api_key=TOKEN, base_url=service + "/v1", timeout=120, max_retries=5) as c:
+        yield c
+
+
+def _frames(mp4: bytes):
+    assert mp4[4:8] == b"ftyp", f"not an mp4: {len(mp4)} B starting {mp4[:32]!r}"
+    return iio.imread(mp4, extension=".mp4", plugin="FFMPEG")
+
+
+def _wait(client, video_id: str, timeout_s: float = 180):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        video = client.videos.retrieve(video_id)
+        if video.status in ("completed", "failed"):
+            return video
+        assert time.monotonic() < deadline, f"{video_id} still {video.status} at {video.progress}%"
+        time.sleep(0.1)
+
+
+def _wait_progress(client, video_id: str, at_least: int = 1):
+    deadline = time.monotonic() + 120
+    while (video := client.videos.retrieve(video_id)).progress < at_least:
+        assert video.status in ("queued", "in_progress") and time.monotonic() < deadline, video
+        time.sleep(0.05)
+    return video
+
+
+def _replica_actor(deployment: str):
+    prefix = f"SERVE_REPLICA::{APP}#{deployment}#"
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    return ray.get_actor(name, namespace="serve")
+
+
+def test_the_openai_client_makes_a_video_of_the_asked_frames_and_size(client, service):
+    video = client.videos.create_and_poll(prompt="waves at dusk", seconds="2", size="32x32", poll_interval_ms=100,
+                                          extra_body={"fps": 4, "seed": 5, "num_inference_steps": 2})
+    assert (video.status, video.progress, video.seconds, video.size) == ("completed", 100, "2", "32x32")
+    mp4 = client.videos.download_content(video.id).content
+    assert _frames(mp4).shape == (9, 32, 32, 3), "2 s at 4 fps is 9 frames"
+    thumbnail = client.videos.download_content(video.id, variant="thumbnail").content
+    assert Image.open(io.BytesIO(thumbnail)).size == (32, 32)
+    sync = httpx.post(service + "/v1/videos/generations", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120,
+                      json={"prompt": "waves at dusk", "size": "32x32", "num_frames": 9, "fps": 4, "seed": 5,
+                            "num_inference_steps": 2, "response_format": "mp4"})
+    assert sync.content == mp4, "the job and the synchronous shortcut make the same video"
+    assert video.id in [v.id for v in client.videos.list(limit=100)]
+    assert client.videos.delete(video.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(video.id)
+
+
+def readme_video_example() -> str:
+    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("## Video jobs: the OpenAI Videos API", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return block
+
+
+def test_the_readme_client_calls_run_against_the_service(service, tmp_path, monkeypatch):
+    code = readme_video_example()
+    assert 'base_url="http://127.0.0.1:8000/v1"' in code and 'api_key="your-token"' in code
+    code = code.replace("http://127.0.0.1:8000", service).replace("your-token", TOKEN)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "readme_video_example"}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["video"].status == "completed"
+    assert _frames((tmp_path / "waves.mp4").read_bytes()).shape == (9, 64, 64, 3)
+    assert Image.open(tmp_path / "waves.png").size == (64, 64)
+    with pytest.raises(openai.NotFoundError):
+        namespace["client"].videos.retrieve(namespace["video"].id)
+
+
+def test_bad_input_from_the_client_gets_the_openai_error_naming_the_field(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.videos.create(prompt="a cat", seconds="12")
+    assert (refused.value.param, refused.value.code) == ("seconds", "invalid_value")
+
+
+def test_a_job_survives_restarts_of_the_ingress_and_the_job_store_mid_run(client):
+    video = client.videos.create(prompt="a lighthouse", size="64x64", seconds="2", extra_body=LONG)
+    _wait_progress(client, video.id)
+    ray.kill(_replica_actor("Ingress"), no_restart=True)  # Serve starts a new ingress replica
+    ray.kill(ray.get_actor(store_name(APP), namespace="serve"), no_restart=False)  # Ray restarts the store
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            done = _wait(client, video.id)
+            break
+        except (openai.APIConnectionError, openai.InternalServerError, openai.APIStatusError):
+            assert time.monotonic() < deadline, "the ingress did not come back"
+            time.sleep(0.5)
+    assert done.status == "completed", done.error
+    assert _frames(client.videos.download_content(video.id).content).shape == (9, 64, 64, 3)
+    store = ray.get_actor(store_name(APP), namespace="serve")
+    assert ray.get(store.get.remote(video.id)).attempts == 2, "rerun from the start once: its one retry"
+
+
+def _cancel_metrics(ray_cluster) -> dict[str, float]:
+    """The Denoiser's cancellation series for this app, scraped from every node's metrics agent."""
+    found = {}
+    for node in ray_cluster.list_all_nodes():
+        for line in httpx.get(f"http://127.0.0.1:{node.metrics_export_port}/metrics", timeout=10).text.splitlines():
+            for name in ("cancelled_requests_total", "steps_after_cancel"):
+                if line.startswith(f"ray_offload_serve_{name}{{") and f'application="{APP}"' in line \
+                        and 'stage="denoise"' in line:
+                    found[name] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def test_deleting_a_running_job_stops_the_denoiser_within_a_step(client, ray_cluster):
+    doomed = client.videos.create(prompt="a storm", size="64x64", seconds="2", extra_body=LONG)
+    _wait_progress(client, doomed.id)
+    assert client.videos.delete(doomed.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(doomed.id)
+    deadline, found = time.monotonic() + 90, {}  # Ray's metrics agent exports every ~10 s
+    while found.get("cancelled_requests_total", 0) < 1:
+        assert time.monotonic() < deadline, f"the Denoiser reported {found}: the deleted job's call ran on"
+        time.sleep(1)
+        found = _cancel_metrics(ray_cluster)
+    assert found["steps_after_cancel"] <= 1
+    assert _wait(client, client.videos.create(prompt="calm sea", extra_body=SHORT).id).status == "completed"
+
+
+def test_twenty_concurrent_jobs_all_complete_and_none_is_lost(client):
+    def create(i: int) -> str:
+        return client.videos.create(prompt=f"scene {i}", extra_body={**SHORT, "seed": i}).id
+
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        ids = list(pool.map(create, range(20)))
+    assert len(set(ids)) == 20
+    done = [_wait(client, video_id, timeout_s=300) for video_id in ids]
+    assert [v.status for v in done] == ["completed"] * 20, [v.error for v in done if v.error]
+    listed = {v.id for v in client.videos.list(limit=100)}
+    assert set(ids) <= listed
+    for video_id in ids[:3]:
+        assert _frames(client.videos.download_content(video_id).content).shape == (5, 16, 16, 3)
+
+
+def test_a_denoiser_killed_mid_job_reruns_it_once_and_no_job_stays_in_progress(client):
+    """Last in the module: the replacement replica reloads its stage."""
+    video = client.videos.create(prompt="after the storm", size="64x64", extra_body=LONG)
+    _wait_progress(client, video.id)
+    ray.kill(_replica_actor("Denoiser"), no_restart=True)
+    done = _wait(client, video.id, timeout_s=240)
+    assert done.status == "completed", done.error
+    assert _frames(client.videos.download_content(video.id).content).shape == (5, 64, 64, 3)
+
+
+def test_jobs_survive_a_restart_of_the_whole_application(client, app_args):
+    """Last: everything stops (stages, ingress, store), as when serve run is stopped, and starts again."""
+    from ray import serve
+
+    done = _wait(client, client.videos.create(prompt="before the restart", extra_body=SHORT).id)
+    running = client.videos.create(prompt="across the restart", size="64x64", extra_body=LONG)
+    _wait_progress(client, running.id)
+    serve.delete(APP)
+    assert drop_job_store(APP)
+    _deploy(app_args)
+    assert client.videos.retrieve(done.id).status == "completed"
+    assert _frames(client.videos.download_content(done.id).content).shape == (5, 16, 16, 3)
+    rerun = _wait(client, running.id, timeout_s=240)
+    assert rerun.status == "completed", rerun.error
+    store = ray.get_actor(store_name(APP), namespace="serve")
+    assert ray.get(store.get.remote(running.id)).attempts == 2, "queued again and rerun from the start: its retry"

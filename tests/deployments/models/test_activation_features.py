@@ -1,0 +1,141 @@
+"""Activation memory per request shape: calibrated on two shapes, within 10 % on a third, every zoo model."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from deployments.models import activation_features, families
+from deployments.wire.spec import GenerationSpec, PipelineStage
+from offload_core.planner.activations import ActivationModel, ActivationSample, CalibrationError, calibrate
+from offload_core.residency.activations import counting_live_bytes, measure_activations
+from zoo import tiny
+
+CPU = torch.device("cpu")
+ZOO = {"tiny-wan": tiny.ensure_tiny_wan, "medium-wan": tiny.ensure_medium_wan, "tiny-flux": tiny.ensure_tiny_flux}
+
+
+class StagePeaks:
+    """Each stage of one zoo model run on its own, its activation peak measured per request shape."""
+
+    def __init__(self, folder):
+        self.facts = families.read_family_facts(folder)
+        self.pipes = {s: families.load_stage_pipeline(self.facts, s, torch.float32) for s in PipelineStage}
+        self._cache: dict[GenerationSpec, dict[PipelineStage, int]] = {}
+
+    def _weights(self, stage):
+        modules = families.stage_modules(self.pipes[stage], self.facts, stage).values()
+        return [t for m in modules for t in (*m.parameters(), *m.buffers())]
+
+    def peaks(self, spec: GenerationSpec) -> dict[PipelineStage, int]:
+        if spec not in self._cache:
+            facts, pipes, out = self.facts, self.pipes, {}
+            enc, m = measure_activations(lambda: families.encode(pipes[PipelineStage.ENCODE], facts, spec, CPU), CPU,
+                                         self._weights(PipelineStage.ENCODE))
+            out[PipelineStage.ENCODE] = m.peak_bytes
+            lat, m = measure_activations(lambda: families.denoise(pipes[PipelineStage.DENOISE], facts, enc, spec, CPU),
+                                         CPU, self._weights(PipelineStage.DENOISE))
+            out[PipelineStage.DENOISE] = m.peak_bytes
+            _, m = measure_activations(lambda: families.decode(pipes[PipelineStage.DECODE], facts, lat, spec), CPU,
+                                       self._weights(PipelineStage.DECODE))
+            out[PipelineStage.DECODE] = m.peak_bytes
+            self._cache[spec] = out
+        return self._cache[spec]
+
+
+def _held_out(facts, regime: activation_features.Regime) -> GenerationSpec:
+    # A size and batch neither calibration shape has (48x32: another aspect, another token count).
+    frames = 1 if regime is activation_features.Regime.IMAGE else 1 + 2 * facts.temporal_factor
+    n = 1 if regime is activation_features.Regime.IMAGE else 2
+    return GenerationSpec("held-out", "a held-out shape", None, 32, 48, frames, 1, facts.default_guidance, 0, n)
+
+
+@pytest.mark.parametrize("model", sorted(ZOO))
+def test_activation_peaks_are_predicted_within_10_percent_on_a_held_out_shape(model):
+    stages = StagePeaks(ZOO[model]())
+    shapes = activation_features.calibration_shapes(stages.facts)
+    regimes = {activation_features.regime(s) for s in shapes}
+    assert regimes == ({activation_features.Regime.IMAGE, activation_features.Regime.VIDEO} if stages.facts.supports_video
+                       else {activation_features.Regime.IMAGE})
+    for stage in PipelineStage:
+        fitted = activation_features.calibrate_stage(stages.facts, stage, shapes, lambda s: stages.peaks(s)[stage], 4)
+        for regime in regimes:
+            held = _held_out(stages.facts, regime)
+            measured, predicted = stages.peaks(held)[stage], fitted.predict(held)
+            assert measured > 0
+            assert abs(predicted - measured) <= 0.10 * measured, (
+                f"{model} {stage.value} {regime.value}: predicted {predicted} B, measured {measured} B "
+                f"({fitted.explain()})")
+
+
+def test_the_live_bytes_mode_counts_what_a_call_allocates_and_frees():
+    weight = torch.ones(1000)
+    with counting_live_bytes([weight]) as meter:
+        kept = weight * 2  # 4000 B, alive at the end
+        for _ in range(3):
+            scratch = torch.empty(10_000)  # 40 000 B, freed by the next iteration's rebinding
+            del scratch
+        view = weight.view(10, 100)  # a view of the weight: not the call's bytes
+    assert meter.peak == 44_000 and meter.current == 4_000
+    assert view.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr() and kept.sum() == 2000
+
+
+def test_calibration_is_exact_for_as_many_shapes_as_features_and_scales_with_the_element_size():
+    model = calibrate(("n", "n x tokens"), [ActivationSample((1, 4), 1000 + 4 * 50),
+                                            ActivationSample((2, 32), 2000 + 32 * 50)], dtype_bytes=4)
+    assert model.predict((3, 30)) == 3000 + 30 * 50
+    assert model.predict((3, 30), dtype_bytes=2) == (3000 + 30 * 50) // 2
+    assert isinstance(model, ActivationModel) and "n x tokens" in model.explain()
+
+
+def test_shapes_that_do_not_separate_the_features_are_refused():
+    with pytest.raises(CalibrationError, match="do not separate"):
+        calibrate(("n", "2n"), [ActivationSample((1, 2), 10), ActivationSample((2, 4), 20)], 4)
+    with pytest.raises(CalibrationError, match="1 calibration shapes for 2 features"):
+        calibrate(("n", "n x tokens"), [ActivationSample((1, 2), 10)], 4)
+
+
+def test_the_denoisers_tokens_follow_the_latent_grid():
+    facts = families.read_family_facts(tiny.ensure_tiny_wan())
+    spec = GenerationSpec("t", "p", None, 32, 48, 9, 1, 5.0, 0, 1)
+    assert activation_features.latent_tokens(facts, spec) == 3 * 2 * 3  # 3 latent frames of 2 x 3 positions
+    assert activation_features.latent_tokens(facts, dataclasses.replace(spec, num_frames=1)) == 6
+
+
+@pytest.mark.parametrize("model", ["tiny-wan", "tiny-flux"])
+def test_stand_in_inputs_reach_the_peaks_of_real_ones(model):
+    """A replica calibrates on zeros of the right shapes: its peaks are those of the real chain."""
+    stages = StagePeaks(ZOO[model]())
+    spec = activation_features.calibration_shapes(stages.facts)[1]
+    for stage in PipelineStage:
+        pipe = stages.pipes[stage]
+        value = activation_features.stage_input(pipe, stages.facts, stage, spec)
+        _, m = measure_activations(lambda: activation_features.run_stage(pipe, stages.facts, stage, spec, CPU, value), CPU,
+                                   stages._weights(stage))
+        real = stages.peaks(spec)[stage]
+        assert abs(m.peak_bytes - real) <= 0.02 * real, f"{model} {stage.value}: {m.peak_bytes} vs {real}"
+
+
+def test_a_request_whose_activations_never_fit_the_share_is_refused_naming_the_limit():
+    from deployments.app import stage_configs
+    from deployments.replica.worker import StageWorker
+    from deployments.wire.spec import RequestRejected
+    from tests.deployments.conftest import tiny_args
+
+    facts = families.read_family_facts(tiny.ensure_tiny_wan())
+    worker = StageWorker(stage_configs(tiny_args(), facts)[PipelineStage.DECODE])
+    try:
+        small = GenerationSpec("small", "p", None, 32, 32, 1, 1, 5.0, 0, 1)
+        large = dataclasses.replace(small, request_id="large", height=64, width=64, n=2)
+        assert 0 < worker.activation_bytes(small) < worker.activation_bytes(large)
+        # A share that leaves room for the small request's activations, not the large one's.
+        worker.memory.share_bytes = worker.residency.predicted_peak_bytes() + worker.activation_bytes(small) + 1
+        worker.admit(small)
+        with pytest.raises(RequestRejected, match=r"64x64x1 \(n=2\) needs .* of activations in the decode "
+                                                  r"stage; this deployment serves at most") as refused:
+            worker.run(lambda: pytest.fail("a refused request must not run"), large)
+        assert refused.value.status == 400 and refused.value.param == "size"
+        assert worker.activation_bytes(large, batch=4) == worker.activation_room(), "a lease never exceeds the share"
+    finally:
+        worker.close()
