@@ -1,4 +1,4 @@
-"""`python -m zoo.build [--only NAME ...]`: build the zoo folders (all three by default) (cached; a warm cache is a no-op).
+"""`python -m zoo.build [--only NAME ...]`: build the zoo folders (all by default) (cached; a warm cache is a no-op).
 
 Prints one line per model (name and folder); the last line is one JSON object {name: folder}.
 """
@@ -11,11 +11,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from zoo.tiny import ensure_medium_wan, ensure_tiny_flux, ensure_tiny_wan
+from zoo.tiny_families import ensure_tiny_hunyuan15, ensure_tiny_qwen_image, ensure_tiny_sd3, ensure_tiny_zimage
 
 BUILDERS: dict[str, Callable[[], Path]] = {
     "tiny-wan": ensure_tiny_wan,
     "tiny-flux": ensure_tiny_flux,
     "medium-wan": ensure_medium_wan,
+    "tiny-sd3": ensure_tiny_sd3,
+    "tiny-zimage": ensure_tiny_zimage,
+    "tiny-qwen-image": ensure_tiny_qwen_image,
+    "tiny-hunyuan15": ensure_tiny_hunyuan15,
 }
 
 
