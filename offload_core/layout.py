@@ -21,6 +21,13 @@ from torch import nn
 # and cuBLAS its algorithms by pointer alignment, so equal alignment keeps outputs bitwise equal.
 # It also covers the CPU allocator's 64-byte alignment (AVX-512 loads). Cost: < 512 B per tensor.
 ALIGN_BYTES = 512
+# The 8-bit host buffer of a quantized layer (offload_core.quant's format), keyed like a dtype.
+FP8_HOST_DTYPE = torch.float8_e4m3fn
+SCALE_ITEMSIZE = 4  # float32 per-output-channel scales
+# Values and scales in the FP8 buffer start at multiples of 64 bytes, not ALIGN_BYTES: only the
+# elementwise widen reads them (16 B vector loads on CUDA, 64 B AVX-512 on CPU), and elementwise
+# results do not depend on alignment. 512 would cost the tiny zoo's 24x24 weights 2.3x their bytes.
+FP8_ALIGN_BYTES = 64
 
 # Declared layer groups of known model classes, by class name, in the order they run.
 KNOWN_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = {
@@ -126,16 +133,54 @@ class TensorMeta:
 
 
 @dataclass(frozen=True)
+class QuantizedMeta:
+    """Where one FP8-hosted tensor's bytes and scales sit in the layer's 8-bit host buffer."""
+
+    index: int  # into LayerLayout.tensors: the compute tensor it widens into
+    q_offset: int  # byte offset of its float8 values in the FP8 host buffer (ALIGN_BYTES-aligned)
+    scale_offset: int  # byte offset of its float32 per-output-channel scales there
+    rows: int  # output channels (scales)
+
+
+@dataclass(frozen=True)
 class LayerLayout:
-    """The flat layout of one layer: per-tensor metadata and the flat size per dtype."""
+    """The flat layout of one layer: per-tensor metadata and the flat size per dtype.
+
+    ``flat_bytes`` is the layer on the device (and on the host, unless quantized). A layer with
+    ``quantized`` tensors is hosted as ``host_flat_bytes``: per compute dtype the leading run of
+    its kept tensors (laid out first, at their device offsets, so one copy lands them), and one
+    FP8 buffer of the quantized tensors' 8-bit values and float32 scales, widened on the device.
+    """
 
     key: str  # "blocks.3"
     tensors: tuple[TensorMeta, ...]
     flat_bytes: tuple[tuple[torch.dtype, int], ...]  # (dtype, aligned bytes), sorted by dtype name
+    quantized: tuple[QuantizedMeta, ...] = ()
+    # Per compute dtype, the bytes of its kept (unquantized) tensors' leading run; () if none quantized.
+    kept_bytes: tuple[tuple[torch.dtype, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
         return sum(n for _, n in self.flat_bytes)
+
+    @property
+    def host_flat_bytes(self) -> tuple[tuple[torch.dtype, int], ...]:
+        """The host buffers per dtype: ``flat_bytes``, or the kept runs plus the FP8 buffer."""
+        if not self.quantized:
+            return self.flat_bytes
+        fp8 = align_up(self.quantized[-1].scale_offset + self.quantized[-1].rows * SCALE_ITEMSIZE)
+        kept = tuple((d, n) for d, n in self.kept_bytes if n)
+        return tuple(sorted((*kept, (FP8_HOST_DTYPE, fp8)), key=lambda item: str(item[0])))
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes hosted and copied host->device per copy of the layer (8-bit ones where quantized)."""
+        return sum(n for _, n in self.host_flat_bytes)
+
+    @property
+    def landing_bytes(self) -> int:
+        """Device bytes the FP8 buffer lands in before it is widened into the slot (0 if none quantized)."""
+        return dict(self.host_flat_bytes).get(FP8_HOST_DTYPE, 0) if self.quantized else 0
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
@@ -163,18 +208,40 @@ def extent_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.as_strided((storage_extent(tensor),), (1,), tensor.storage_offset())
 
 
-def plan_layer_layout(key: str, params: Sequence[tuple[str, torch.Tensor]]) -> LayerLayout:
-    """Lay ``params`` out as one flat buffer per dtype, each tensor at an aligned offset (meta works too)."""
+def plan_layer_layout(key: str, params: Sequence[tuple[str, torch.Tensor]],
+                      quantized: frozenset[str] = frozenset()) -> LayerLayout:
+    """Lay ``params`` out as one flat buffer per dtype, each tensor at an aligned offset (meta works too).
+
+    ``quantized``: names hosted as FP8 (``offload_core.quant.quantized_names``). Their device
+    offsets come after every kept tensor of their dtype, so the kept ones form a leading run the
+    host holds as is; ``tensors`` stays in the order of ``params`` either way.
+    """
     cursor: dict[torch.dtype, int] = {}
-    metas = []
-    for name, tensor in params:
-        offset = align_up(cursor.get(tensor.dtype, 0))
-        extent = storage_extent(tensor)
-        metas.append(TensorMeta(name, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
-                                tensor.storage_offset(), extent, offset))
-        cursor[tensor.dtype] = offset + extent * tensor.element_size()
+    offsets: dict[int, int] = {}
+    for passing in (False, True):  # kept tensors first, then the quantized ones
+        for index, (name, tensor) in enumerate(params):
+            if (name in quantized) is passing:
+                offsets[index] = align_up(cursor.get(tensor.dtype, 0))
+                cursor[tensor.dtype] = offsets[index] + storage_extent(tensor) * tensor.element_size()
+        if not passing:
+            kept = {d: align_up(n) for d, n in cursor.items()}
+    metas = tuple(TensorMeta(name, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
+                             storage_extent(tensor), offsets[index]) for index, (name, tensor) in enumerate(params))
     flat = tuple(sorted(((d, align_up(n)) for d, n in cursor.items()), key=lambda item: str(item[0])))
-    return LayerLayout(key, tuple(metas), flat)
+    unknown = sorted(quantized - {name for name, _ in params})
+    if unknown:
+        raise LayoutError(f"layer {key}: quantized names {unknown} are not its parameters")
+    if not quantized:
+        return LayerLayout(key, metas, flat)
+    q_metas, fp8_cursor = [], 0
+    for index, meta in enumerate(metas):
+        if meta.name in quantized:
+            q_offset = align_up(fp8_cursor, FP8_ALIGN_BYTES)
+            scale_offset = align_up(q_offset + meta.extent * FP8_HOST_DTYPE.itemsize, FP8_ALIGN_BYTES)
+            q_metas.append(QuantizedMeta(index, q_offset, scale_offset, meta.shape[0]))
+            fp8_cursor = scale_offset + meta.shape[0] * SCALE_ITEMSIZE
+    kept_runs = tuple(sorted(((d, kept.get(d, 0)) for d, _ in flat), key=lambda item: str(item[0])))
+    return LayerLayout(key, metas, flat, tuple(q_metas), kept_runs)
 
 
 def slot_count(prefetch_depth: int, n_streamed: int) -> int:
@@ -194,11 +261,12 @@ class RegionMap:
         return sum(size for _, _, size in self.regions)
 
     @staticmethod
-    def covering(layouts: Iterable[LayerLayout]) -> RegionMap:
-        """Regions big enough for any of ``layouts``: per dtype, the largest layer's flat bytes."""
+    def covering(layouts: Iterable[LayerLayout], host: bool = False) -> RegionMap:
+        """Regions big enough for any of ``layouts``: per dtype, the largest layer's flat bytes
+        (``host``: its host buffers, as a staging buffer holds them)."""
         largest: dict[torch.dtype, int] = {}
         for layout in layouts:
-            for dtype, nbytes in layout.flat_bytes:
+            for dtype, nbytes in (layout.host_flat_bytes if host else layout.flat_bytes):
                 largest[dtype] = max(largest.get(dtype, 0), nbytes)
         regions, offset = [], 0
         for dtype in sorted(largest, key=str):
@@ -226,6 +294,15 @@ def staging_bytes(flat_bytes: Iterable[Iterable[tuple[object, int]]], buffers: i
         for dtype, nbytes in flat:
             largest[str(dtype)] = max(largest.get(str(dtype), 0), int(nbytes))
     return min(buffers, count) * sum(largest.values())
+
+
+def landing_bytes(layouts: Iterable[LayerLayout]) -> int:
+    """Device bytes of a streamer's one landing buffer: the largest FP8 host buffer of its layers.
+
+    One is enough: each layer's 8-bit bytes are copied into it and widened into the layer's slot
+    on the copy stream, in stream order, before the next layer's copy into it is issued.
+    """
+    return max((layout.landing_bytes for layout in layouts), default=0)
 
 
 def tensor_view(flat: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
@@ -289,7 +366,8 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 __all__ = [
-    "ALIGN_BYTES", "KNOWN_LAYER_GROUPS", "LEGACY_LAYER_GROUPS", "LayerGroup", "LayerLayout", "LayoutError", "RegionMap",
+    "ALIGN_BYTES", "FP8_HOST_DTYPE", "KNOWN_LAYER_GROUPS", "LEGACY_LAYER_GROUPS", "LayerGroup", "LayerLayout",
+    "LayoutError", "QuantizedMeta", "RegionMap", "landing_bytes",
     "TensorMeta", "align_up", "check_disjoint", "declared_layer_groups", "extent_view", "is_placeholder",
     "layer_parameters", "placeholder", "plan_layer_layout", "resolve_layer_group", "slot_count", "storage_extent",
     "tensor_view", "unique_storage_bytes",

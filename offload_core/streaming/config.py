@@ -14,6 +14,7 @@ from typing import Mapping
 from offload_core.host.tier import HostingTier
 from offload_core.layout import DEFAULT_STAGING_BUFFERS
 from offload_core.order import Trace
+from offload_core.quant import WeightFormat
 
 
 class ResidentPlacement(enum.Enum):
@@ -47,6 +48,9 @@ class StreamingConfig:
     # have not allocated yet) keep them from fitting; then HeadroomTimeout. 30 s: the service's
     # default device_timeout_s, the bound a call already waits for its lease.
     neighbour_wait_s: float = 30.0
+    # FP8: Linear/Conv weights hosted and copied as e4m3 with per-channel scales, widened in the
+    # slot on the device (offload_core.quant); lossy, opt-in. NATIVE: as loaded.
+    weights: WeightFormat = WeightFormat.NATIVE
 
     def __post_init__(self) -> None:
         if self.layer_groups is not None:
@@ -80,6 +84,8 @@ class StreamingConfig:
         if isinstance(self.neighbour_wait_s, bool) or not isinstance(self.neighbour_wait_s, (int, float)) \
                 or self.neighbour_wait_s < 0:
             raise ValueError(f"neighbour_wait_s must be a number >= 0, got {self.neighbour_wait_s!r}")
+        if not isinstance(self.weights, WeightFormat):
+            raise TypeError(f"weights must be a WeightFormat, got {self.weights!r}")
         if self.hosting is not None:
             bad = {k: v for k, v in self.hosting.items() if not isinstance(v, HostingTier)}
             if bad:

@@ -7,7 +7,8 @@ the next ``prefetch_depth`` layers into a fixed ring of device slots; the post-h
 layer to its zero-element placeholder. Resident layers are copied once, lazily, at the first
 forward (or ``prepare_for_use``) and released only by ``finish_use``.
 
-Peak device weight bytes = non-layer + resident + slots, exactly (see ``predicted_peak_bytes``).
+Peak device weight bytes = non-layer + resident + slots (+ one landing buffer when layers are hosted
+as FP8, ``StreamingConfig.weights``), exactly (see ``predicted_peak_bytes``).
 """
 from __future__ import annotations
 
@@ -21,18 +22,21 @@ from torch import nn
 
 from offload_core.host.tier import STAGED_TIERS, HostingTier
 from offload_core.layout import (
+    FP8_HOST_DTYPE,
     STREAMER_ATTRIBUTE,
     LayerLayout,
     LayoutError,
     RegionMap,
     check_disjoint,
     declared_layer_groups,
+    landing_bytes,
     layer_parameters,
     placeholder,
     plan_layer_layout,
     unique_storage_bytes,
 )
 from offload_core.order import OrderedLayer, execution_order
+from offload_core.quant import WeightFormat, quantized_names
 from offload_core.streaming.config import (  # noqa: F401 (the engine's public names, re-exported)
     ResidentPlacement,
     StreamingConfig,
@@ -91,7 +95,7 @@ class LayerStreamer:
             self.staging = StagingRing(self.device, staged, [layer for layer in streamed if layer.tier in STAGED_TIERS],
                                        self.config.staging_buffers)
         self.ring = PrefetchRing(self.device, streamed, self.config.prefetch_depth, self.staging,
-                                 self.config.neighbour_wait_s)
+                                 self.config.neighbour_wait_s, landing_bytes(layer.layout for layer in layers))
         for layer in layers:
             self._handles.append(layer.module.register_forward_pre_hook(
                 lambda _module, _args, layer=layer: layer.pre_forward()))
@@ -111,8 +115,13 @@ class LayerStreamer:
         return self.staging.staging_bytes if self.staging is not None else 0
 
     def predicted_peak_bytes(self) -> int:
-        """Device weight bytes at peak: non-layer + resident + slots."""
-        return self.non_layer_bytes + self.resident_bytes + self.ring.slot_bytes
+        """Device weight bytes at peak: non-layer + resident + slots + landing (FP8 layers only)."""
+        return self.non_layer_bytes + self.resident_bytes + self.ring.slot_bytes + self.ring.landing_bytes
+
+    @property
+    def host_layer_bytes(self) -> int:
+        """Host bytes of every layer's copy as hosted (8-bit ones where quantized)."""
+        return sum(layer.layout.host_nbytes for layer in self.layers)
 
     @property
     def bytes_copied(self) -> int:
@@ -145,6 +154,8 @@ class LayerStreamer:
             self.device.retire(self._resident_buffers.values())
             self._resident_buffers = {}
             self._resident_events = {}
+            if self._armed:
+                self.meter.moved(-self.ring.landing_bytes)  # the landing buffer goes with the slots
             self.ring.deallocate()
             self._armed = False
         elif self.staging is not None:
@@ -214,6 +225,8 @@ class LayerStreamer:
         if self._armed:
             return
         self.ring.allocate()
+        # Not a parameter's storage, so no bind counts it: the meter is told, as for parked weights.
+        self.meter.moved(self.ring.landing_bytes)
         # Allocated on the compute stream (outside the copy-stream context), so the caching
         # allocator frees them in compute order at finish_use; the copies then wait for it.
         targets = []
@@ -222,7 +235,10 @@ class LayerStreamer:
                 regions = RegionMap.covering([layer.layout])
                 buffer = torch.empty(regions.nbytes, dtype=torch.uint8, device=self.device.device)
                 self._resident_buffers[layer.key] = buffer
-                targets.append((layer, regions.carve(buffer)))
+                carved = regions.carve(buffer)
+                if layer.layout.quantized:
+                    carved[FP8_HOST_DTYPE] = self.ring.landing
+                targets.append((layer, carved))
         if self.staging is not None:
             self.staging.begin([layer for layer, _ in targets if self.staging.stages(layer)])
         self.device.copy_waits_for_compute()
@@ -257,7 +273,8 @@ def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,
         raise AlreadyStreamedError(f"{type(model).__name__} is already under layer streaming; call remove() first")
     context = device if isinstance(device, Device) else get_device(device)
     paths = config.layer_groups or declared_layer_groups(model)
-    entries = _collect_layers(paths, execution_order(model, paths, trace=config.trace, layer_order=config.layer_order))
+    entries = _collect_layers(paths, execution_order(model, paths, trace=config.trace, layer_order=config.layer_order),
+                              config.weights)
     layer_ids = {id(p) for entry in entries for p in entry.params}
     check_disjoint({e.key: e.params for e in entries}, (p for p in model.parameters() if id(p) not in layer_ids))
     tiers = _tiers(entries, config.hosting or {})
@@ -284,11 +301,13 @@ def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,
             raise
     counts = {tier.value: sum(1 for l in layers if l.tier is tier) for tier in HostingTier}
     logger.info("streaming %s on %s: %d layers in %s (%d B), %d resident (%s), depth %d -> %d slots; "
-                "predicted peak %d B = non-layer %d + resident %d + slots %d; hosting %s; staging %d B pinned",
+                "predicted peak %d B = non-layer %d + resident %d + slots %d + landing %d; hosting %s; "
+                "staging %d B pinned; weights %s: %d B hosted for %d B on the device",
                 type(model).__name__, context.device, len(layers), list(paths), sum(l.nbytes for l in layers),
                 len(resident), config.resident_placement.value, config.prefetch_depth, streamer.ring.n_slots,
                 streamer.predicted_peak_bytes(), streamer.non_layer_bytes, streamer.resident_bytes,
-                streamer.ring.slot_bytes, counts, streamer.staging_bytes)
+                streamer.ring.slot_bytes, streamer.ring.landing_bytes, counts, streamer.staging_bytes,
+                config.weights.value, streamer.host_layer_bytes, sum(l.nbytes for l in layers))
     return streamer
 
 
@@ -303,12 +322,13 @@ class _LayerEntry:
     layout: LayerLayout
 
 
-def _collect_layers(paths: tuple[str, ...], ordered: tuple[OrderedLayer, ...]) -> tuple[_LayerEntry, ...]:
+def _collect_layers(paths: tuple[str, ...], ordered: tuple[OrderedLayer, ...],
+                    weights: WeightFormat) -> tuple[_LayerEntry, ...]:
     """Every layer with parameters, in execution order (layers without any get no slot)."""
     entries = []
     for layer in ordered:
         named = layer_parameters(layer.module)
-        layout = plan_layer_layout(layer.key, [(n, p.data) for n, p in named])
+        layout = plan_layer_layout(layer.key, [(n, p.data) for n, p in named], quantized_names(layer.module, weights))
         entries.append(_LayerEntry(paths.index(layer.group), layer.key, layer.module, tuple(p for _, p in named),
                                    layout))
     return tuple(entries)

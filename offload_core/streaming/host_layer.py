@@ -6,6 +6,13 @@ laid out as the layer's
 :class:`~offload_core.layout.LayerLayout`, so a layer reaches the device in one copy per dtype.
 MAPPED layers keep the original host tensors (views of the safetensors file mapping): nothing is
 copied on the host, and each tensor is copied to the device on its own.
+
+A layer laid out with quantized tensors (``LayerLayout.quantized``, ``offload_core.quant``) is
+quantized once here, at consolidation, and hosted at its 8-bit size: its kept tensors' leading
+run per dtype, and one FP8 buffer (values and scales). A copy lands the kept runs straight in the
+slot and the FP8 buffer in the streamer's landing buffer (``regions[FP8_HOST_DTYPE]``), then
+widens each quantized tensor into its slot view, all on the copy stream: the copy event recorded
+after it orders compute after the widen, and the next copy into the landing buffer after it too.
 """
 from __future__ import annotations
 
@@ -17,11 +24,13 @@ import torch
 from offload_core.host.pinned import HostBuffer, PinRefusal, allocate_host_buffer, free_host_buffer
 from offload_core.host.tier import HostingTier
 from offload_core.layout import (
+    FP8_HOST_DTYPE,
     LayerLayout,
     LayoutError,
     extent_view,
     tensor_view,
 )
+from offload_core.quant import FP8_DTYPE, SCALE_DTYPE, dequantize_fp8, quantize_fp8, widen_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +56,9 @@ class HostLayer:
             if tensor.device.type == "meta":
                 raise LayoutError(f"layer {layout.key}: {meta.name} is on the meta device and has no data to stream")
         if tier is HostingTier.MAPPED:
+            if layout.quantized:
+                raise LayoutError(f"layer {layout.key}: FP8 weights are quantized at load into anonymous memory; "
+                                  "MAPPED keeps the checkpoint's own tensors: host it PINNED or PAGEABLE")
             for meta, tensor in zip(layout.tensors, params):
                 if tensor.device.type != "cpu":
                     raise LayoutError(f"layer {layout.key}: MAPPED keeps host tensors as they are, "
@@ -54,7 +66,7 @@ class HostLayer:
             return cls(layout, tier, {}, tuple(t.detach() for t in params))
         buffers: dict[torch.dtype, HostBuffer] = {}
         try:
-            for dtype, nbytes in layout.flat_bytes:
+            for dtype, nbytes in layout.host_flat_bytes:
                 buffers[dtype] = allocate_host_buffer(nbytes, pin=tier is HostingTier.PINNED, device=device)
         except Exception:
             for buffer in buffers.values():  # a failure must not leave earlier dtypes locked
@@ -63,7 +75,14 @@ class HostLayer:
         refusal = next((b.refusal for b in buffers.values() if b.refusal is not None), None)
         if refusal is not None:
             tier = cls._fall_back_to_pageable(layout, buffers, refusal)
-        for meta, tensor in zip(layout.tensors, params):
+        quantized = {q.index: q for q in layout.quantized}
+        for index, (meta, tensor) in enumerate(zip(layout.tensors, params)):
+            if index in quantized:
+                q, scale = quantize_fp8(tensor.detach())
+                fp8, at = buffers[FP8_HOST_DTYPE].data, quantized[index]
+                fp8[at.q_offset:at.q_offset + q.numel()].view(FP8_DTYPE).copy_(q.reshape(-1))
+                fp8[at.scale_offset:at.scale_offset + at.rows * 4].view(SCALE_DTYPE).copy_(scale)
+                continue
             flat = buffers[meta.dtype].data
             run = flat[meta.byte_offset:meta.byte_offset + meta.extent_bytes].view(meta.dtype)
             run.copy_(extent_view(tensor.detach()))
@@ -100,17 +119,34 @@ class HostLayer:
         return self._mapped
 
     def host_views(self) -> tuple[torch.Tensor, ...]:
-        """One host tensor per parameter, shaped and strided like the original."""
+        """One host tensor per parameter, shaped and strided like the original (quantized ones widened)."""
         if self.tier is HostingTier.MAPPED:
             return self._mapped
-        return tuple(tensor_view(self._buffers[m.dtype].data, m) for m in self.layout.tensors)
+        quantized = {at.index: at for at in self.layout.quantized}
+        views = []
+        for index, meta in enumerate(self.layout.tensors):
+            if index in quantized:
+                q, scale = _fp8_views(self._buffers[FP8_HOST_DTYPE].data, meta, quantized[index])
+                views.append(dequantize_fp8(q, scale, meta.dtype))
+            elif meta.extent == 0:  # nothing hosted (its dtype may have no kept run at all)
+                views.append(torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype))
+            else:
+                views.append(tensor_view(self._buffers[meta.dtype].data, meta))
+        return tuple(views)
 
     def copy_to(self, regions: Mapping[torch.dtype, torch.Tensor]) -> int:
         """Copy the layer into device ``regions`` (uint8, one per dtype); returns bytes copied.
 
         Called inside the device's copy-stream context; ``non_blocking`` makes pinned copies
         asynchronous on CUDA, and is a plain synchronous memcpy into a separate allocation on CPU.
+        A quantized layer needs ``regions[FP8_HOST_DTYPE]``, the landing buffer, and is widened.
         """
+        copied = self.copy_host_bytes(regions)
+        self.widen(regions)
+        return copied
+
+    def copy_host_bytes(self, regions: Mapping[torch.dtype, torch.Tensor]) -> int:
+        """Copy the hosted bytes as they are (8-bit ones too) into ``regions``: a staging buffer's fill."""
         copied = 0
         if self._buffers:
             for dtype, buffer in self._buffers.items():
@@ -125,9 +161,26 @@ class HostLayer:
             copied += meta.extent_bytes
         return copied
 
+    def widen(self, regions: Mapping[torch.dtype, torch.Tensor]) -> None:
+        """Widen each quantized tensor from the landed FP8 buffer into its view of ``regions`` (none: no-op)."""
+        if not self.layout.quantized:
+            return
+        landing = regions[FP8_HOST_DTYPE]
+        for at in self.layout.quantized:
+            meta = self.layout.tensors[at.index]
+            q, scale = _fp8_views(landing, meta, at)
+            widen_fp8(q, scale, tensor_view(regions[meta.dtype], meta))
+
     def free(self) -> None:
         """Unlock page-locked buffers; the memory goes with the last view."""
         for buffer in self._buffers.values():
             free_host_buffer(buffer)
         self._buffers = {}
         self._mapped = ()
+
+
+def _fp8_views(flat: torch.Tensor, meta, at) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit values (shaped like the tensor) and the scales of quantized ``meta`` in uint8 ``flat``."""
+    q = flat[at.q_offset:at.q_offset + meta.extent].view(FP8_DTYPE).view(meta.shape)
+    scale = flat[at.scale_offset:at.scale_offset + at.rows * SCALE_DTYPE.itemsize].view(SCALE_DTYPE)
+    return q, scale

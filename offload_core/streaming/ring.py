@@ -4,7 +4,9 @@
 largest streamed layer. Entering streamed layer ``k`` waits for its copy and issues the copies of
 layers ``k+1 .. k+depth`` (wrapping, so the last layer prefetches the next step's first layer);
 leaving it releases its slot. Nothing is allocated per prefetch, so the device holds exactly
-``slots x slot bytes`` of streamed weights at any time.
+``slots x slot bytes`` of streamed weights at any time, plus, when layers are hosted as FP8, one
+landing buffer their 8-bit bytes arrive in before they are widened into a slot
+(``layout.landing_bytes``; shared by every copy, which the copy stream runs in order).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 
-from offload_core.layout import LayerLayout, RegionMap, slot_count
+from offload_core.layout import FP8_HOST_DTYPE, LayerLayout, RegionMap, slot_count
 from offload_core.streaming.device import Device
 from offload_core.streaming.host_layer import HostLayer
 from offload_core.streaming.staging import StagingRing
@@ -46,7 +48,7 @@ class PrefetchRing:
     """Slots and in-flight copies for the streamed (non-resident) layers of one model."""
 
     def __init__(self, device: Device, layers: Sequence[RingLayer], depth: int,
-                 staging: StagingRing | None = None, neighbour_wait_s: float = 30.0):
+                 staging: StagingRing | None = None, neighbour_wait_s: float = 30.0, landing_bytes: int = 0):
         self._device = device
         self._neighbour_wait_s = neighbour_wait_s
         self._staging = staging  # PAGEABLE and MAPPED layers copy through it
@@ -54,6 +56,9 @@ class PrefetchRing:
         # More slots than layers would only hold a layer twice: cap at the number of layers.
         self.n_slots = slot_count(depth, len(self._layers))
         self.regions = RegionMap.covering(layer.layout for layer in self._layers)
+        # Sized by the engine over resident and streamed layers alike: resident FP8 layers land here too.
+        self.landing_bytes = int(landing_bytes)
+        self.landing: torch.Tensor | None = None
         self._buffers: list[torch.Tensor] = []
         self._allocated = False
         self._carved: list[dict[torch.dtype, torch.Tensor]] = []
@@ -85,35 +90,42 @@ class PrefetchRing:
         Bytes a neighbour process leased but has not allocated yet are not taken: while only they
         keep the slots from fitting, the first prefetch waits for them (bounded, HeadroomTimeout).
         """
-        if self._allocated or not self.n_slots:
+        if self._allocated or not (self.n_slots or self.landing_bytes):
             return
         nbytes = self.regions.nbytes
         self._device.wait_for_neighbours(nbytes, self.n_slots, self._neighbour_wait_s, "prefetch ring")
-        if self._buffers:
+        if self._buffers or self.landing is not None:
             # The slots' storages were emptied at deallocate: their memory comes back here, and
             # the views made into them stay valid (they follow the storage), so no view is rebuilt.
             for buffer in self._buffers:
                 buffer.untyped_storage().resize_(nbytes)
+            if self.landing is not None:
+                self.landing.untyped_storage().resize_(self.landing_bytes)
         else:
             self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self._device.device)
                              for _ in range(self.n_slots)]
             self._carved = [self.regions.carve(buffer) for buffer in self._buffers]
+            if self.landing_bytes:
+                self.landing = torch.empty(self.landing_bytes, dtype=torch.uint8, device=self._device.device)
+                for carved in self._carved:
+                    carved[FP8_HOST_DTYPE] = self.landing
         self._allocated = True
         self._free = collections.deque(range(self.n_slots))
         self._last_use = [None] * self.n_slots
         self._device.copy_waits_for_compute()
-        logger.debug("ring on %s: allocated %d slots x %d B for %d streamed layers",
-                     self._device.device, self.n_slots, nbytes, len(self._layers))
+        logger.debug("ring on %s: allocated %d slots x %d B for %d streamed layers, landing %d B",
+                     self._device.device, self.n_slots, nbytes, len(self._layers), self.landing_bytes)
 
     def deallocate(self) -> None:
         """Release every layer and drop the slots (stage teardown)."""
         self.release_all()
         self._device.compute_waits_for_copies()
-        self._device.retire(self._buffers)  # before the storages go: every stream that read them
+        owned = [*self._buffers, *([self.landing] if self.landing is not None else [])]
+        self._device.retire(owned)  # before the storages go: every stream that read them
         # Emptying the storages gives the memory back to the allocator exactly as dropping the
         # tensors would, but keeps the parameter views: rebuilding them cost ~2.5 us per parameter
         # at every request (67 us per Wan block of 27 parameters), inside the hooks.
-        for buffer in self._buffers:
+        for buffer in owned:
             buffer.untyped_storage().resize_(0)
         self._allocated = False
         self._free, self._last_use = collections.deque(), []

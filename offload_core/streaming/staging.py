@@ -57,7 +57,7 @@ class StagingRing:
         self._staged = {id(layer) for layer in staged}
         self._cycle = tuple(cycle)  # the staged streamed layers, in streamed order
         self._cycle_index = {id(layer): i for i, layer in enumerate(self._cycle)}
-        self.regions = RegionMap.covering(layer.layout for layer in staged)
+        self.regions = RegionMap.covering((layer.layout for layer in staged), host=True)  # 8-bit where hosted so
         self.n_buffers = min(n_buffers, len(staged))
         self._buffers: list[HostBuffer] = []
         self._carved: list[dict[torch.dtype, torch.Tensor]] = []
@@ -131,9 +131,10 @@ class StagingRing:
         fill.job.result()  # the launch thread waits for the host copier only when it fell behind
         staged = self._carved[fill.buffer]
         copied = 0
-        for dtype, nbytes in layer.layout.flat_bytes:
+        for dtype, nbytes in layer.layout.host_flat_bytes:
             regions[dtype][:nbytes].copy_(staged[dtype][:nbytes], non_blocking=True)
             copied += nbytes
+        layer.host.widen(regions)  # a quantized layer: from the landing buffer into its slot, on the copy stream
         self._dma_done[fill.buffer] = self._device.record_copy()
         self._free.append(fill.buffer)
         self._top_up()
@@ -196,5 +197,5 @@ class StagingRing:
     def _fill(self, layer: StagedLayer, buffer: int, last_copy_out) -> None:
         """On the copier: wait until the buffer's previous copy to the device landed, then fill it."""
         self._device.host_waits(last_copy_out)
-        layer.host.copy_to(self._carved[buffer])
+        layer.host.copy_host_bytes(self._carved[buffer])
         self.fills += 1

@@ -110,7 +110,7 @@ def test_a_failed_fill_surfaces_in_the_forward_that_needed_it(monkeypatch, remov
 
     def refuse(_regions):
         raise OSError("page fault reading the mapping")
-    monkeypatch.setattr(streamer.layers[1].host, "copy_to", refuse)
+    monkeypatch.setattr(streamer.layers[1].host, "copy_host_bytes", refuse)  # the fill copies hosted bytes as they are
     with pytest.raises(OSError, match="page fault"):
         WAN.run(model, inputs)
     streamer.remove()  # the failure left nothing half-done: buffers unlocked, the copier joined

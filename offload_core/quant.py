@@ -1,0 +1,133 @@
+"""8-bit host weights: which tensors are quantized, the FP8 quantize at load and the widen on the device.
+
+Pure torch, no runtime state: the engine (``streaming.host_layer``), the planner (on ``meta``) and
+the tests' fake-quantized reference all decide and compute through these functions, so the
+streamed FP8 model equals the reference bit for bit by construction.
+
+Format (``WeightFormat.FP8``): a quantized weight is stored as ``float8_e4m3fn`` with one float32
+scale per output channel (dim 0), ``w ~= q * scale``, ``scale = amax(|row|) / 448``. The widen
+is ``out.copy_(q); out.mul_(scale)``: the fp8 -> compute-dtype copy is exact (every e4m3 value is
+a bf16/fp16/fp32 value), then one multiply rounds once to the compute dtype. torch 2.13 has no
+mixed fp8 x fp32 multiply (``Promotion for Float8 Types is not supported``), so it is two kernels.
+
+Which tensors: the ``weight`` of ``nn.Linear`` and ``nn.ConvNd`` modules (2+ dims, contiguous,
+floating point, at least ``MIN_QUANTIZED_ELEMENTS`` elements). They are 99.6 % of a Wan2.1-14B
+block's bytes and feed a matmul, where a per-row scale is a per-output-channel factor. Everything
+else stays in its dtype: norms' weights and biases (1-D, 0.03 % of the bytes) set the scale of
+activations directly; modulation tables (``scale_shift_table``) and embeddings are tables whose
+rows are read, not reduced; a bias is added after the matmul, at full precision.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from offload_core.layout import FP8_HOST_DTYPE, SCALE_ITEMSIZE, LayerLayout, layer_parameters, plan_layer_layout
+
+FP8_DTYPE = FP8_HOST_DTYPE
+SCALE_DTYPE = torch.float32
+assert SCALE_DTYPE.itemsize == SCALE_ITEMSIZE
+# Largest finite e4m3fn value: a row's absolute maximum maps onto it.
+FP8_MAX = 448.0
+# Below 256 elements a tensor's scale row (4 B per output channel) and its two widen kernels
+# (~5 us of launches each on CUDA) outweigh the bytes saved; the tiny zoo's 16x16 linears still
+# qualify, so its tests exercise the quantized path.
+MIN_QUANTIZED_ELEMENTS = 256
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_QUANTIZED_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+class WeightFormat(enum.Enum):
+    """How a stage's streamed layers are hosted and copied."""
+
+    NATIVE = "native"  # as loaded (bf16 for the real models): host bytes = device bytes
+    FP8 = "fp8"  # Linear/Conv weights as e4m3 + per-channel float32 scales, widened in the slot
+
+    @classmethod
+    def parse(cls, value: object) -> WeightFormat:
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            return cls.NATIVE
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"weights must be one of {[f.value for f in cls]}, got {value!r}") from None
+
+
+def quantizable(module: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Whether parameter ``name`` (of ``module``, its owner) is stored as FP8 (see the module docstring)."""
+    return (name == "weight" and isinstance(module, _QUANTIZED_MODULES) and tensor.dim() >= 2
+            and tensor.dtype in _FLOATS and tensor.numel() >= MIN_QUANTIZED_ELEMENTS
+            and tensor.is_contiguous())
+
+
+def quantized_names(layer: nn.Module, weights: WeightFormat) -> frozenset[str]:
+    """The names (relative to ``layer``) of the parameters stored as FP8 under ``weights`` (works on meta)."""
+    if weights is WeightFormat.NATIVE:
+        return frozenset()
+    names = set()
+    for module_name, module in layer.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if quantizable(module, name, param):
+                names.add(f"{module_name}.{name}" if module_name else name)
+    return frozenset(names)
+
+
+def layer_layout(key: str, layer: nn.Module, weights: WeightFormat = WeightFormat.NATIVE) -> LayerLayout:
+    """The layer's layout under ``weights``: the one function the engine, the planner and the host facts lay out with."""
+    named = layer_parameters(layer)
+    return plan_layer_layout(key, [(n, p.data) for n, p in named], quantized_names(layer, weights))
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: ``q`` float8_e4m3fn shaped like ``weight``, ``scale`` float32 per output channel.
+
+    Computed in float32 on the tensor's own device; deterministic (a division and a cast). A row of
+    zeros gets scale 1 (its q is all zeros), never a 0/0.
+    """
+    w = weight.detach().to(torch.float32)
+    amax = w.abs().reshape(w.shape[0], -1).amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w / scale.reshape(-1, *([1] * (w.dim() - 1)))).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale.to(SCALE_DTYPE)
+
+
+def widen_fp8(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write ``q * scale`` into ``out`` (the compute dtype, shaped like ``q``): the engine's and the reference's one widen."""
+    out.copy_(q)
+    out.mul_(scale.reshape(-1, *([1] * (q.dim() - 1))))
+    return out
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh tensor of ``dtype`` holding ``q * scale``, through :func:`widen_fp8`."""
+    return widen_fp8(q, scale, torch.empty(q.shape, dtype=dtype, device=q.device))
+
+
+def fake_quantize_(layers: Iterable[nn.Module], weights: WeightFormat = WeightFormat.FP8) -> int:
+    """The reference: replace each quantizable weight of ``layers`` by quantize -> widen, in place.
+
+    The plain model whose weights went through the same loss the streamed FP8 model has; a
+    streamed FP8 run must equal its output bit for bit. Returns the number of tensors changed.
+    """
+    changed = 0
+    with torch.no_grad():
+        for layer in layers:
+            names = quantized_names(layer, weights)
+            for name, param in layer.named_parameters():
+                if name in names:
+                    param.data = dequantize_fp8(*quantize_fp8(param.data), param.dtype)
+                    changed += 1
+    return changed
+
+
+def fp8_bytes(shape: Sequence[int]) -> tuple[int, int]:
+    """(q bytes, scale bytes) of a quantized tensor of ``shape``."""
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    return numel * FP8_DTYPE.itemsize, int(shape[0]) * SCALE_DTYPE.itemsize
