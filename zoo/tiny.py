@@ -93,12 +93,10 @@ def _seeded(offset: int) -> None:
     torch.manual_seed(SEED + offset)
 
 
-def build_wan(folder: Path, sizes: WanSizes) -> None:
-    """Write a WanPipeline folder with the given sizes into ``folder``."""
-    tokenizer = t5_tokenizer(model_max_length=512)
-    assert len(tokenizer) <= UMT5_VOCAB_ROWS, "tokenizer ids must index inside the token table"
+def wan_text_encoder(sizes: WanSizes) -> UMT5EncoderModel:
+    """The tiny umT5 encoder (seed offset 1), with umT5's full 256384-row token table."""
     _seeded(1)
-    text_encoder = UMT5EncoderModel(
+    return UMT5EncoderModel(
         UMT5Config(
             vocab_size=UMT5_VOCAB_ROWS, d_model=sizes.text_width, d_kv=sizes.text_width // 4,
             d_ff=2 * sizes.text_width, num_layers=sizes.text_layers, num_heads=4,
@@ -107,22 +105,44 @@ def build_wan(folder: Path, sizes: WanSizes) -> None:
             pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
         )
     ).eval()
-    _seeded(2)
-    transformer = WanTransformer3DModel(
+
+
+def wan_transformer(sizes: WanSizes, seed_offset: int = 2, channels: tuple[int, int] = (16, 16)) -> WanTransformer3DModel:
+    """A tiny WanTransformer3DModel; ``channels`` = (in, out): 16/16 for Wan2.1 and the A14B experts,
+    36/16 for image-to-video (noise + mask + image latents), 48/48 for TI2V-5B's 48-channel VAE."""
+    _seeded(seed_offset)
+    return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=sizes.heads, attention_head_dim=sizes.head_dim,
-        in_channels=16, out_channels=16, text_dim=sizes.text_width, freq_dim=32,
+        in_channels=channels[0], out_channels=channels[1], text_dim=sizes.text_width, freq_dim=32,
         ffn_dim=sizes.ffn_dim, num_layers=sizes.blocks, cross_attn_norm=True,
         qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32,
     ).eval()
+
+
+def wan_vae(sizes: WanSizes) -> AutoencoderKLWan:
+    """The tiny Wan2.1 VAE (16 latent channels, 8x spatial, 4x temporal)."""
     _seeded(3)
-    vae = AutoencoderKLWan(
+    return AutoencoderKLWan(
         base_dim=sizes.vae_base_dim, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
         attn_scales=[], temperal_downsample=[False, True, True], dropout=0.0,
     ).eval()
-    # The real Wan2.1 scheduler settings (configs/models/real_model_configs.json).
-    scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+
+
+def wan_scheduler(flow_shift: float = 3.0) -> UniPCMultistepScheduler:
+    # The real Wan settings (configs/models/real_model_configs.json); the shift is the family's.
+    return UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=flow_shift
     )
+
+
+def build_wan(folder: Path, sizes: WanSizes) -> None:
+    """Write a WanPipeline folder with the given sizes into ``folder``."""
+    tokenizer = t5_tokenizer(model_max_length=512)
+    assert len(tokenizer) <= UMT5_VOCAB_ROWS, "tokenizer ids must index inside the token table"
+    text_encoder = wan_text_encoder(sizes)
+    transformer = wan_transformer(sizes)
+    vae = wan_vae(sizes)
+    scheduler = wan_scheduler()
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer)
     pipe.save_pretrained(folder, safe_serialization=True)
 

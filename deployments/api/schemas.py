@@ -13,7 +13,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from deployments.models.families import FamilyFacts
+from deployments.models.families import FamilyFacts, ReferenceImage
 from deployments.wire.spec import GenerationSpec
 
 # ASCII digits only, matched in full: "\d" would take full-width and Arabic-Indic digits, and "$"
@@ -130,26 +130,45 @@ def _steps(req: _Generation, limits: Limits) -> int:
     return steps
 
 
-def _spec(req: _Generation, facts: FamilyFacts, limits: Limits, n: int, frames: int) -> GenerationSpec:
+def _check_reference(facts: FamilyFacts, reference: bytes | None) -> None:
+    if reference is not None and facts.reference_image is ReferenceImage.NONE:
+        raise FieldError("input_reference", f"the {facts.family.value} model family generates from text only; "
+                                            "it takes no reference image")
+    if reference is None and facts.reference_image is ReferenceImage.REQUIRED:
+        raise FieldError("input_reference", f"required: the {facts.family.value} model family makes a video from a "
+                                            "reference image (multipart file, or a data URL in JSON)")
+
+
+def _spec(req: _Generation, facts: FamilyFacts, limits: Limits, n: int, frames: int,
+          reference: bytes | None = None) -> GenerationSpec:
     _check_prompt(req, facts, limits)
+    _check_reference(facts, reference)
     width, height = parse_size(limits.default_size if req.size is None else req.size, facts, limits)
     guidance = facts.default_guidance if req.guidance_scale is None else req.guidance_scale
     seed = secrets.randbelow(2**31) if req.seed is None else req.seed
     return GenerationSpec(uuid.uuid4().hex, req.prompt, req.negative_prompt, height, width, frames,
-                          _steps(req, limits), guidance, seed, n)
+                          _steps(req, limits), guidance, seed, n, reference)
 
 
-def image_spec(req: ImageRequest, facts: FamilyFacts, limits: Limits, model_id: str) -> GenerationSpec:
+def image_spec(req: ImageRequest, facts: FamilyFacts, limits: Limits, model_id: str,
+               reference: bytes | None = None) -> GenerationSpec:
+    """``reference``: the checked reference image's bytes (``deployments.reference_images``), if any."""
     check_model(req.model, model_id)
+    _check_reference(facts, reference)
+    if "image" not in facts.modalities:
+        raise FieldError("model", f"the {facts.family.value} model family makes {', '.join(facts.modalities)} only; "
+                                  "use POST /v1/videos")
     if req.response_format != "b64_json":
         raise FieldError("response_format", f"{req.response_format!r} is not supported; use 'b64_json' "
                                             "(this server keeps no files to serve by url)")
     if req.n > limits.max_n:
         raise FieldError("n", f"{req.n} exceeds the configured maximum of {limits.max_n}")
-    return _spec(req, facts, limits, req.n, 1)
+    return _spec(req, facts, limits, req.n, 1, reference)
 
 
-def video_spec(req: VideoRequest, facts: FamilyFacts, limits: Limits, model_id: str) -> GenerationSpec:
+def video_spec(req: VideoRequest, facts: FamilyFacts, limits: Limits, model_id: str,
+               reference: bytes | None = None) -> GenerationSpec:
+    """``reference``: the checked reference image's bytes (``deployments.reference_images``), if any."""
     check_model(req.model, model_id)
     if not facts.supports_video:
         raise FieldError("model", f"the {facts.family.value} model family makes images only; "
@@ -162,4 +181,4 @@ def video_spec(req: VideoRequest, facts: FamilyFacts, limits: Limits, model_id: 
     if (frames - 1) % facts.temporal_factor:
         raise FieldError("num_frames", f"must be 1 + a multiple of {facts.temporal_factor} for this model "
                                        f"(its VAE's temporal factor), got {frames}")
-    return _spec(req, facts, limits, 1, frames)
+    return _spec(req, facts, limits, 1, frames, reference)

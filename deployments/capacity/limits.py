@@ -207,8 +207,8 @@ class ModelCard(BaseModel):
     object: str = "model"
     created: int = 0
     owned_by: str = "offload-serve"
-    family: str = Field(description="wan or flux")
-    modalities: list[str] = Field(description="image, and video for families that make videos")
+    family: str = Field(description="the model family (deployments/models/): wan, wan-i2v, flux, ...")
+    modalities: list[str] = Field(description="what the family makes: image, video, image-to-video")
     size_multiple: int = Field(description="Width and height must be multiples of this.")
     limits: ModelLimits
     configured_limits: Limits = Field(description="The configured limits and defaults (args.limits).")
@@ -224,7 +224,7 @@ class ModelList(BaseModel):
 def model_card(model_id: str, facts: FamilyFacts, limits: Limits,
                admissions: Sequence[StageAdmission]) -> ModelCard:
     return ModelCard(id=model_id, family=facts.family.value,
-                     modalities=["image", "video"] if facts.supports_video else ["image"],
+                     modalities=list(facts.modalities),
                      size_multiple=facts.size_multiple, limits=model_limits(facts, limits, admissions),
                      configured_limits=limits)
 

@@ -112,28 +112,10 @@ def calibration_shapes(facts: FamilyFacts, steps: int = 1) -> tuple[GenerationSp
 
 def stage_input(pipe, facts: FamilyFacts, stage: PipelineStage, spec: GenerationSpec):
     """A stand-in for the stage's input at ``spec``'s shape (zeros: activations depend on shapes, not
-    values), so a replica calibrates without the other stages."""
-    import torch
+    values), so a replica calibrates without the other stages: the family adapter's."""
+    from deployments.models.registry import adapter_for
 
-    from deployments.wire.spec import EncodedPrompt, Family
-
-    n, text_tokens = spec.n, 512  # families.encode pads every prompt to max_sequence_length=512
-    if stage is PipelineStage.ENCODE:
-        return None
-    if stage is PipelineStage.DENOISE:
-        config = pipe.transformer.config
-        if facts.family is Family.WAN:
-            embeds = torch.zeros(n, text_tokens, config.text_dim)
-            return EncodedPrompt(embeds, embeds.clone() if spec.guidance_scale > 1.0 else None)
-        return EncodedPrompt(torch.zeros(n, text_tokens, config.joint_attention_dim),
-                             pooled_prompt_embeds=torch.zeros(n, config.pooled_projection_dim))
-    vae = pipe.vae.config
-    if facts.family is Family.WAN:
-        scale = pipe.vae_scale_factor_spatial
-        frames = 1 + (spec.num_frames - 1) // facts.temporal_factor
-        return torch.zeros(n, vae.z_dim, frames, spec.height // scale, spec.width // scale)
-    side = pipe.vae_scale_factor * 2  # Flux packs 2x2 latent patches into one token
-    return torch.zeros(n, (spec.height // side) * (spec.width // side), vae.latent_channels * 4)
+    return adapter_for(facts).activation_input(pipe, facts, stage, spec)
 
 
 def run_stage(pipe, facts: FamilyFacts, stage: PipelineStage, spec: GenerationSpec, device, value):

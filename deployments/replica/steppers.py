@@ -10,15 +10,14 @@ one is the pipeline's computation, and a larger batch differs only by the batche
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 
-from deployments.models.families import FamilyFacts, generator_for
+from deployments.models.adapter import FamilyFacts
 from deployments.replica.cancel import CancelFlag
-from deployments.wire.spec import DenoiseProgress, EncodedPrompt, Family, GenerationSpec
+from deployments.wire.spec import DenoiseProgress, EncodedPrompt, GenerationSpec
 
 
 @dataclass(frozen=True)
@@ -79,11 +78,12 @@ class Stepper(Protocol):
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]: ...
 
 
-def _rows(batch: list[StepRequest], name: str, branch: str) -> torch.Tensor:
+def rows_of(batch: list[StepRequest], name: str, branch: str) -> torch.Tensor:
+    """``name`` of every request's ``branch`` ("cond"/"uncond") inputs, concatenated in batch order."""
     return torch.cat([getattr(r, branch)[name] for r in batch])
 
 
-def _guided(batch: list[StepRequest], cond: torch.Tensor, uncond: torch.Tensor) -> list[torch.Tensor]:
+def guided_noise(batch: list[StepRequest], cond: torch.Tensor, uncond: torch.Tensor) -> list[torch.Tensor]:
     """Each request's guided noise from its rows of the batched output, with its own scale."""
     out, start = [], 0
     for r in batch:
@@ -94,97 +94,12 @@ def _guided(batch: list[StepRequest], cond: torch.Tensor, uncond: torch.Tensor) 
     return out
 
 
-def _split(batch: list[StepRequest], noise: torch.Tensor) -> list[torch.Tensor]:
+def split_noise(batch: list[StepRequest], noise: torch.Tensor) -> list[torch.Tensor]:
     return list(noise.split([r.latents.shape[0] for r in batch]))
 
 
-class WanStepper:
-    """WanPipeline's loop (diffusers 0.42), one step for a batch; guidance > 1 runs both branches."""
-
-    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
-        assert facts.family is Family.WAN, facts.family
-        assert not pipe.config.expand_timesteps and pipe.config.boundary_ratio is None, \
-            "Wan2.2's expanded timesteps and two-expert switch are not batched yet"
-        self.pipe, self.device = pipe, device
-        # Read once: ModelMixin.dtype walks the parameters, a quarter of the tiny Wan's step time
-        # when read per forward (py-spy, bench/serve.py --quick).
-        self.dtype = pipe.transformer.dtype
-
-    def start(self, encoded, spec, on_step=None) -> StepRequest:
-        pipe, device, dtype = self.pipe, self.device, self.dtype
-        encoded = encoded.to(device)
-        scheduler = copy.deepcopy(pipe.scheduler)
-        scheduler.set_timesteps(spec.steps, device=device)
-        scheduler.set_begin_index(0)
-        factor = pipe.vae_scale_factor_temporal  # as WanPipeline rounds num_frames to 1 + k * factor
-        frames = max(spec.num_frames if spec.num_frames % factor == 1 else spec.num_frames // factor * factor + 1, 1)
-        latents = pipe.prepare_latents(spec.n, pipe.transformer.config.in_channels, spec.height, spec.width,
-                                       frames, torch.float32, device, generator_for(spec), None)
-        guided = spec.guidance_scale > 1.0
-        cond = {"encoder_hidden_states": encoded.prompt_embeds.to(dtype)}
-        uncond = {"encoder_hidden_states": encoded.negative_prompt_embeds.to(dtype)} if guided else None
-        key = BatchKey(tuple(latents.shape[1:]), dtype, cond["encoder_hidden_states"].shape[1], guided)
-        return StepRequest(spec, key, scheduler, scheduler.timesteps, latents, cond, uncond, on_step)
-
-    def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
-        dtype = self.dtype
-        latents = torch.cat([r.latents for r in batch]).to(dtype)
-        timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch])
-        text = _rows(batch, "encoder_hidden_states", "cond")
-        guided = batch[0].key.guided
-        if guided:  # both branches in one forward: the weights stream once for both
-            latents, timestep = torch.cat([latents, latents]), torch.cat([timestep, timestep])
-            text = torch.cat([text, _rows(batch, "encoder_hidden_states", "uncond")])
-        noise = self.pipe.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=text,
-                                      return_dict=False)[0]
-        if guided:
-            cond, uncond = noise.chunk(2)
-            return _guided(batch, cond, uncond)
-        return _split(batch, noise)
-
-
-class FluxStepper:
-    """FluxPipeline's loop (diffusers 0.42), one step for a batch; guidance is an embedding, one branch."""
-
-    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
-        assert facts.family is Family.FLUX, facts.family
-        self.pipe, self.device = pipe, device
-        self.dtype = pipe.transformer.dtype  # read once, as WanStepper's
-
-    def start(self, encoded, spec, on_step=None) -> StepRequest:
-        import numpy as np
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
-
-        pipe, device = self.pipe, self.device
-        encoded = encoded.to(device)
-        dtype = self.dtype  # encode_prompt's dtype when the text encoders are elsewhere
-        prompt_embeds = encoded.prompt_embeds.to(dtype)
-        latents, image_ids = pipe.prepare_latents(spec.n, pipe.transformer.config.in_channels // 4, spec.height,
-                                                  spec.width, prompt_embeds.dtype, device, generator_for(spec), None)
-        scheduler = copy.deepcopy(pipe.scheduler)
-        config = scheduler.config
-        mu = calculate_shift(latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
-        sigmas = None if getattr(config, "use_flow_sigmas", False) else np.linspace(1.0, 1 / spec.steps, spec.steps)
-        timesteps, _ = retrieve_timesteps(scheduler, spec.steps, device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
-        cond = {"encoder_hidden_states": prompt_embeds, "pooled_projections": encoded.pooled_prompt_embeds.to(dtype)}
-        if pipe.transformer.config.guidance_embeds:
-            cond["guidance"] = torch.full([spec.n], spec.guidance_scale, device=device, dtype=torch.float32)
-        shared = {"txt_ids": torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype), "img_ids": image_ids}
-        key = BatchKey(tuple(latents.shape[1:]), latents.dtype, prompt_embeds.shape[1], False)
-        return StepRequest(spec, key, scheduler, timesteps, latents, cond, None, on_step, shared)
-
-    def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
-        latents = torch.cat([r.latents for r in batch])
-        timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch]).to(latents.dtype)
-        guidance = _rows(batch, "guidance", "cond") if "guidance" in batch[0].cond else None
-        noise = self.pipe.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=guidance,
-                                      pooled_projections=_rows(batch, "pooled_projections", "cond"),
-                                      encoder_hidden_states=_rows(batch, "encoder_hidden_states", "cond"),
-                                      return_dict=False, **batch[0].shared)[0]
-        return _split(batch, noise)
-
-
 def stepper_for(pipe, facts: FamilyFacts, device: torch.device) -> Stepper:
-    return (WanStepper if facts.family is Family.WAN else FluxStepper)(pipe, facts, device)
+    """The family's stepper (its adapter's, ``deployments/models/<family>.py``)."""
+    from deployments.models.registry import adapter_for
+
+    return adapter_for(facts).stepper(pipe, facts, device)

@@ -17,6 +17,8 @@ class Family(enum.Enum):
     WAN = "wan"
     # diffusers FluxPipeline: CLIP + T5 encoders, FluxTransformer2DModel, AutoencoderKL. Images only.
     FLUX = "flux"
+    # diffusers WanImageToVideoPipeline (Wan2.2 I2V-A14B layout): a reference image in, a video out.
+    WAN_I2V = "wan-i2v"
 
 
 class PipelineStage(str, enum.Enum):
@@ -41,6 +43,8 @@ class GenerationSpec:
     guidance_scale: float
     seed: int
     n: int  # outputs per prompt; the batch dimension of every tensor below
+    # The reference image's file bytes (PNG/JPEG/WebP), checked by the ingress; image-to-video only.
+    reference_image: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -54,13 +58,16 @@ class EncodedPrompt:
     pooled_prompt_embeds: torch.Tensor | None = None
     # The token length before :meth:`packed` dropped the trailing zero rows; None: as computed.
     padded_tokens: int | None = None
+    # Image-to-video: the reference image's conditioning (mask + image latents), computed by the
+    # decoder stage (it holds the VAE) and joined to the embeddings by the Denoiser; None otherwise.
+    image_condition: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "EncodedPrompt":
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
 
         return EncodedPrompt(move(self.prompt_embeds), move(self.negative_prompt_embeds),
-                             move(self.pooled_prompt_embeds), self.padded_tokens)
+                             move(self.pooled_prompt_embeds), self.padded_tokens, move(self.image_condition))
 
     def packed(self) -> "EncodedPrompt":
         """Without the trailing token rows that are zero in every sequence embedding, for the trip
@@ -82,7 +89,7 @@ class EncodedPrompt:
             return None if t is None else t[:, :used].clone()
 
         return EncodedPrompt(cut(self.prompt_embeds), cut(self.negative_prompt_embeds), self.pooled_prompt_embeds,
-                             tokens)
+                             tokens, self.image_condition)
 
     def unpacked(self) -> "EncodedPrompt":
         """The embeddings as the encoder computed them (bit for bit), zero rows restored."""
@@ -95,7 +102,8 @@ class EncodedPrompt:
             zeros = t.new_zeros(t.shape[0], self.padded_tokens - t.shape[1], *t.shape[2:])
             return torch.cat([t, zeros], dim=1)
 
-        return EncodedPrompt(pad(self.prompt_embeds), pad(self.negative_prompt_embeds), self.pooled_prompt_embeds)
+        return EncodedPrompt(pad(self.prompt_embeds), pad(self.negative_prompt_embeds), self.pooled_prompt_embeds,
+                             None, self.image_condition)
 
 
 def _used_tokens(embeddings: torch.Tensor) -> int:

@@ -1,0 +1,194 @@
+"""The family adapter: everything one model family means, declared in one class.
+
+A family module (``deployments/models/<family>.py``) defines ``ADAPTERS``: instances of a
+:class:`FamilyAdapter` subclass, each declaring how its folder is recognised (``model_index.json``),
+which components each stage loads, the request features it accepts (:class:`FamilyFacts`), how the
+encoder encodes, how the Denoiser steps a batch (its stepper), how the decoder decodes, the input
+its activation model is calibrated on, the uses per request the planner weighs bytes by, and the
+in-process reference the conformance suite compares against. Nothing outside a family's module
+branches on the family: callers ask :func:`deployments.models.registry.adapter_for`.
+
+Diffusers and torch only; run by the stage replicas (loading, encode, steps, decode) and by the
+ingress (recognition and request features, from the folder's json files: no weights).
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import pathlib
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Mapping
+
+import torch
+
+from deployments.wire.spec import DenoiseProgress, EncodedPrompt, Family, GenerationSpec, PipelineStage
+
+logger = logging.getLogger(__name__)
+
+ENCODE, DENOISE, DECODE = PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineStage.DECODE
+# Stage outputs cross Ray on the CPU: a CUDA tensor would be rebuilt on the receiver's GPU (the
+# ingress has none). The copy back to the device is exact, so results stay bitwise.
+CPU = torch.device("cpu")
+
+
+class UnsupportedModelFolder(ValueError):
+    """The configured folder is not a diffusers folder of a supported family (or variant)."""
+
+
+class ReferenceImage(str, enum.Enum):
+    """Whether a request may carry a reference image (``input_reference``)."""
+
+    NONE = "none"  # text-only: a reference image is a 400 naming the field
+    REQUIRED = "required"  # image-to-video: a request without one is a 400 naming the field
+
+
+@dataclass(frozen=True)
+class FamilyFacts:
+    """What the ingress needs to validate requests, read from the folder's configs (no weights)."""
+
+    family: Family
+    folder: str
+    # Height and width must be multiples of this: VAE spatial factor x transformer patch (and 16
+    # for Wan, whose check_inputs demands it).
+    size_multiple: int
+    # Wan decodes 1 + k * temporal_factor frames; 1 for image-only families.
+    temporal_factor: int
+    supports_video: bool
+    supports_negative_prompt: bool
+    default_guidance: float
+    # The folder's diffusers pipeline class (model_index.json's _class_name).
+    pipeline_class: str = ""
+    # What it serves, as /v1/models lists it: "image", "video", "image-to-video".
+    modalities: tuple[str, ...] = ("image",)
+    # The denoiser's transformers: one runs per step (Wan2.2 A14B: high noise, then low noise).
+    experts: tuple[str, ...] = ("transformer",)
+    reference_image: ReferenceImage = ReferenceImage.NONE
+    # Python modules the family's pipeline imports when it runs (diffusers' Wan image-to-video
+    # calls ftfy on every prompt): build_app checks them, so a missing one fails the deploy.
+    requirements: tuple[str, ...] = ()
+
+
+def read_json(path: pathlib.Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UnsupportedModelFolder(f"cannot read {path}: {exc}") from exc
+
+
+def generator_for(spec: GenerationSpec) -> torch.Generator:
+    # A CPU generator on every device: the noise, and so the output, does not depend on the GPU.
+    return torch.Generator(device="cpu").manual_seed(spec.seed)
+
+
+def step_callback(spec: GenerationSpec, on_step: Callable[[DenoiseProgress], None] | None):
+    """A ``callback_on_step_end`` that reports each finished step."""
+
+    def step_end(_pipe, i, _t, _tensors):
+        if on_step is not None:
+            on_step(DenoiseProgress(spec.request_id, i + 1, spec.steps))
+        return {}
+
+    return step_end
+
+
+class FamilyAdapter:
+    """One family's declarations and stage calls. Subclasses set the class attributes and implement
+    the ``NotImplementedError`` methods; the loading code here is shared."""
+
+    family: ClassVar[Family]
+    pipeline_classes: ClassVar[tuple[str, ...]]  # model_index.json _class_name values it serves
+    # Module components (the ones offload_core manages) and helpers each stage loads.
+    stage_modules: ClassVar[Mapping[PipelineStage, tuple[str, ...]]]
+    stage_helpers: ClassVar[Mapping[PipelineStage, tuple[str, ...]]]
+    # What the family serves, for the README table and /v1/models: "image", "video", "image-to-video".
+    serves: ClassVar[tuple[str, ...]]
+
+    # ---- recognition and request features (the ingress; json only) ----
+    def recognises(self, index: Mapping) -> bool:
+        return index.get("_class_name") in self.pipeline_classes
+
+    def unsupported_variant(self, index: Mapping, folder: pathlib.Path) -> str | None:
+        """Why this adapter cannot serve a folder it recognises (a pipeline variant it does not
+        handle), or None."""
+        return None
+
+    def facts(self, folder: pathlib.Path, index: Mapping) -> FamilyFacts:
+        raise NotImplementedError
+
+    def check_request(self, facts: FamilyFacts, spec: GenerationSpec) -> tuple[str, str] | None:
+        """A family-specific fault of ``spec`` as (field, message), or None. The shared checks
+        (size multiple, frame rule, reference image presence) are the ingress's."""
+        return None
+
+    # ---- loading (the stage replicas) ----
+    def modules(self, facts: FamilyFacts, stage: PipelineStage) -> tuple[str, ...]:
+        return self.stage_modules[PipelineStage(stage)]
+
+    def helpers(self, facts: FamilyFacts, stage: PipelineStage) -> tuple[str, ...]:
+        return self.stage_helpers[PipelineStage(stage)]
+
+    def pipeline_type(self, facts: FamilyFacts):
+        import diffusers
+
+        return getattr(diffusers, facts.pipeline_class or self.pipeline_classes[0])
+
+    def load_stage_pipeline(self, facts: FamilyFacts, stage: PipelineStage, dtype: torch.dtype):
+        """The pipeline with only ``stage``'s components loaded (the rest None), safetensors only."""
+        cls = self.pipeline_type(facts)
+        keep = set(self.modules(facts, stage)) | set(self.helpers(facts, stage))
+        index = read_json(pathlib.Path(facts.folder) / "model_index.json")
+        skipped = {name: None for name, spec in index.items()
+                   if isinstance(spec, list) and spec[0] is not None and name not in keep}
+        pipe = cls.from_pretrained(facts.folder, use_safetensors=True, dtype=dtype, **skipped)
+        pipe.set_progress_bar_config(disable=True)
+        self.restore_scale_factors(pipe, facts)
+        logger.info("stage %s loaded %s from %s: components %s, skipped %s", PipelineStage(stage).value,
+                    cls.__name__, facts.folder, sorted(keep), sorted(skipped))
+        return pipe
+
+    def load_full_pipeline(self, facts: FamilyFacts, dtype: torch.dtype):
+        pipe = self.pipeline_type(facts).from_pretrained(facts.folder, use_safetensors=True, dtype=dtype)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def restore_scale_factors(self, pipe, facts: FamilyFacts) -> None:
+        """Without a VAE the pipelines fall back to default scale factors; set the folder's real ones."""
+
+    # ---- the stages' calls ----
+    def encode(self, pipe, facts: FamilyFacts, spec: GenerationSpec, device: torch.device) -> EncodedPrompt:
+        raise NotImplementedError
+
+    def condition(self, pipe, facts: FamilyFacts, spec: GenerationSpec, device: torch.device) -> torch.Tensor | None:
+        """The reference image's conditioning, computed where its weights are (the decoder stage's
+        VAE); None for a family without one."""
+        return None
+
+    def denoise(self, pipe, facts: FamilyFacts, encoded: EncodedPrompt, spec: GenerationSpec,
+                device: torch.device, on_step=None) -> torch.Tensor:
+        """Latents exactly as ``pipe(..., output_type="latent")`` returns them, on the CPU."""
+        raise NotImplementedError
+
+    def decode(self, pipe, facts: FamilyFacts, latents: torch.Tensor, spec: GenerationSpec,
+               device: torch.device) -> torch.Tensor:
+        """Frames (n, frames, H, W, 3) float32 in [0, 1]: the pipeline's ``output_type="np"`` result."""
+        raise NotImplementedError
+
+    def stepper(self, pipe, facts: FamilyFacts, device: torch.device):
+        """The Denoiser's half of step batching (``deployments.replica.steppers.Stepper``)."""
+        raise NotImplementedError
+
+    def reference_frames(self, pipe, facts: FamilyFacts, spec: GenerationSpec) -> torch.Tensor:
+        """The in-process pipeline's result for ``spec``, in the decoder's layout (the bitwise reference)."""
+        raise NotImplementedError
+
+    # ---- planning ----
+    def uses_per_request(self, facts: FamilyFacts, stage: PipelineStage, steps: int, guidance_scale: float,
+                         batched: bool = False) -> dict[str, int]:
+        """Forward passes per request of each of the stage's components (what the planner weighs bytes by).
+        ``batched``: the Denoiser's step batching runs guidance's two branches in one forward."""
+        raise NotImplementedError
+
+    def activation_input(self, pipe, facts: FamilyFacts, stage: PipelineStage, spec: GenerationSpec):
+        """A stand-in for the stage's input at ``spec``'s shape (zeros: activations depend on shapes)."""
+        raise NotImplementedError

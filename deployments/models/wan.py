@@ -1,0 +1,249 @@
+"""The Wan text-to-video family (diffusers ``WanPipeline``): Wan2.1, Wan2.2 T2V-A14B, Wan2.2 TI2V-5B.
+
+One adapter for the three, because one pipeline class runs them; what differs is read from the
+folder: Wan2.2 A14B has two experts (``transformer`` above ``boundary_ratio`` x 1000, then
+``transformer_2``), TI2V-5B expands the timestep to one per latent token and has a 48-channel
+VAE with 16x spatial compression (so sizes are multiples of 32, not 16). An image is a video of
+one frame.
+
+The staged split is exact: the encoder runs the pipeline's own ``encode_prompt``, the denoiser
+runs the same pipeline with ``prompt_embeds=...`` and ``output_type="latent"`` (same seeded
+generator, so the same noise), and the decoder decodes the latents as the pipeline's tail does.
+Run by the stage replicas; :meth:`WanAdapter.facts` by the ingress (json only).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import pathlib
+from typing import Mapping
+
+import torch
+
+from deployments.models.adapter import (
+    CPU,
+    DECODE,
+    DENOISE,
+    ENCODE,
+    FamilyAdapter,
+    FamilyFacts,
+    generator_for,
+    read_json,
+    step_callback,
+)
+from deployments.replica.steppers import BatchKey, StepRequest, guided_noise, rows_of, split_noise
+from deployments.wire.spec import EncodedPrompt, Family, GenerationSpec, PipelineStage
+
+# WanPipeline.__call__'s default guidance; Wan2.2 A14B uses the same scale for both experts
+# (guidance_scale_2 defaults to guidance_scale).
+WAN_GUIDANCE = 5.0
+TEXT_TOKENS = 512  # encode pads every prompt to max_sequence_length=512
+
+
+def experts_of(index: Mapping) -> tuple[str, ...]:
+    """The denoiser's transformers, in the order they run: ``transformer_2`` only when the folder has one."""
+    second = index.get("transformer_2")
+    return ("transformer", "transformer_2") if isinstance(second, list) and second[0] is not None else ("transformer",)
+
+
+def wan_facts(adapter: FamilyAdapter, folder: pathlib.Path, index: Mapping, **extra) -> FamilyFacts:
+    vae = read_json(folder / "vae" / "config.json")
+    patch = read_json(folder / "transformer" / "config.json").get("patch_size", [1, 2, 2])
+    spatial = int(vae.get("scale_factor_spatial", 8))
+    multiple = math.lcm(16, spatial * int(patch[1]), spatial * int(patch[2]))
+    return FamilyFacts(adapter.family, str(folder), multiple, int(vae.get("scale_factor_temporal", 4)), True, True,
+                       WAN_GUIDANCE, pipeline_class=index["_class_name"], modalities=adapter.serves,
+                       experts=experts_of(index), **extra)
+
+
+def expert_for(pipe, t: torch.Tensor) -> str:
+    """The transformer that runs timestep ``t`` (WanPipeline's switch): ``transformer`` at or above
+    ``boundary_ratio`` x num_train_timesteps, ``transformer_2`` below."""
+    ratio = pipe.config.boundary_ratio
+    if ratio is None or t >= ratio * pipe.scheduler.config.num_train_timesteps:
+        return "transformer"
+    return "transformer_2"
+
+
+def wan_decode(pipe, latents: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The tail of WanPipeline.__call__ (and of WanImageToVideoPipeline's)."""
+    vae = pipe.vae
+    latents = latents.to(device, dtype=vae.dtype)
+    mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(
+        latents.device, latents.dtype)
+    video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
+    return torch.from_numpy(pipe.video_processor.postprocess_video(video, output_type="np"))
+
+
+def wan_frames(pipe, spec: GenerationSpec) -> int:
+    """num_frames as WanPipeline rounds it: 1 + k x the VAE's temporal factor."""
+    factor = pipe.vae_scale_factor_temporal
+    frames = spec.num_frames if spec.num_frames % factor == 1 else spec.num_frames // factor * factor + 1
+    return max(frames, 1)
+
+
+class WanStepper:
+    """WanPipeline's loop (diffusers 0.42), one step for a batch. Guidance > 1 runs both branches in
+    one forward; requests whose current timestep falls on different experts (Wan2.2 A14B) run as
+    separate forwards of the same step, each on its own expert's weights."""
+
+    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
+        self.pipe, self.device, self.experts = pipe, device, facts.experts
+        # Read once: ModelMixin.dtype walks the parameters, a quarter of the tiny Wan's step time
+        # when read per forward (py-spy, bench/serve.py --quick).
+        self.dtype = getattr(pipe, facts.experts[0]).dtype
+        self.expand = bool(pipe.config.expand_timesteps)
+        self.forwards_by_expert = dict.fromkeys(facts.experts, 0)
+
+    def start(self, encoded, spec, on_step=None) -> StepRequest:
+        pipe, device, dtype = self.pipe, self.device, self.dtype
+        encoded = encoded.to(device)
+        scheduler = copy.deepcopy(pipe.scheduler)
+        scheduler.set_timesteps(spec.steps, device=device)
+        scheduler.set_begin_index(0)
+        latents = self.initial_latents(encoded, spec)
+        guided = spec.guidance_scale > 1.0
+        cond = {"encoder_hidden_states": encoded.prompt_embeds.to(dtype)}
+        uncond = {"encoder_hidden_states": encoded.negative_prompt_embeds.to(dtype)} if guided else None
+        key = BatchKey(tuple(latents.shape[1:]), dtype, cond["encoder_hidden_states"].shape[1], guided)
+        request = StepRequest(spec, key, scheduler, scheduler.timesteps, latents, cond, uncond, on_step)
+        self.attach(request, encoded)
+        return request
+
+    def initial_latents(self, encoded: EncodedPrompt, spec: GenerationSpec) -> torch.Tensor:
+        pipe = self.pipe
+        channels = getattr(pipe, self.experts[0]).config.in_channels
+        return pipe.prepare_latents(spec.n, channels, spec.height, spec.width, wan_frames(pipe, spec), torch.float32,
+                                    self.device, generator_for(spec), None)
+
+    def attach(self, request: StepRequest, encoded: EncodedPrompt) -> None:
+        """Per-request inputs beyond the text (image-to-video's condition)."""
+
+    def model_input(self, request: StepRequest) -> torch.Tensor:
+        return request.latents.to(self.dtype)
+
+    def timestep(self, request: StepRequest) -> torch.Tensor:
+        t, rows = request.timesteps[request.step], request.latents.shape[0]
+        if not self.expand:
+            return t.expand(rows)
+        # TI2V: one timestep per latent token (frames x H/2 x W/2), as WanPipeline's mask[0][0][:, ::2, ::2].
+        tokens = request.latents[0, 0][:, ::2, ::2].numel()
+        return torch.full((tokens,), 1.0, dtype=torch.float32, device=t.device).mul(t).unsqueeze(0).expand(rows, -1)
+
+    def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(batch):
+            groups.setdefault(expert_for(self.pipe, r.timesteps[r.step]), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        for expert, members in groups.items():  # one forward per expert in use at this step
+            for i, noise in zip(members, self.expert_forward(expert, [batch[i] for i in members])):
+                out[i] = noise
+        return out
+
+    def expert_forward(self, expert: str, batch: list[StepRequest]) -> list[torch.Tensor]:
+        self.forwards_by_expert[expert] += 1
+        latents = torch.cat([self.model_input(r) for r in batch])
+        timestep = torch.cat([self.timestep(r) for r in batch])
+        text = rows_of(batch, "encoder_hidden_states", "cond")
+        guided = batch[0].key.guided
+        if guided:  # both branches in one forward: the weights stream once for both
+            latents, timestep = torch.cat([latents, latents]), torch.cat([timestep, timestep])
+            text = torch.cat([text, rows_of(batch, "encoder_hidden_states", "uncond")])
+        noise = getattr(self.pipe, expert)(hidden_states=latents, timestep=timestep, encoder_hidden_states=text,
+                                           return_dict=False)[0]
+        if guided:
+            cond, uncond = noise.chunk(2)
+            return guided_noise(batch, cond, uncond)
+        return split_noise(batch, noise)
+
+
+class WanAdapter(FamilyAdapter):
+    family = Family.WAN
+    pipeline_classes = ("WanPipeline",)
+    stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}
+    stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
+    serves = ("image", "video")
+
+    def facts(self, folder, index) -> FamilyFacts:
+        return wan_facts(self, folder, index)
+
+    def modules(self, facts, stage):
+        return facts.experts if PipelineStage(stage) is DENOISE else super().modules(facts, stage)
+
+    def restore_scale_factors(self, pipe, facts) -> None:
+        vae = read_json(pathlib.Path(facts.folder) / "vae" / "config.json")
+        pipe.vae_scale_factor_spatial = int(vae.get("scale_factor_spatial", 8))
+        pipe.vae_scale_factor_temporal = int(vae.get("scale_factor_temporal", 4))
+
+    @torch.no_grad()
+    def encode(self, pipe, facts, spec, device) -> EncodedPrompt:
+        positive, negative = pipe.encode_prompt(
+            prompt=spec.prompt, negative_prompt=spec.negative_prompt,
+            do_classifier_free_guidance=spec.guidance_scale > 1.0, num_videos_per_prompt=spec.n,
+            max_sequence_length=TEXT_TOKENS, device=device)
+        return EncodedPrompt(positive, negative_prompt_embeds=negative).to(CPU)
+
+    def denoise(self, pipe, facts, encoded, spec, device, on_step=None) -> torch.Tensor:
+        encoded = encoded.to(device)  # the pipelines cast embeddings' dtype, never their device
+        # The embeddings already hold n rows, so one video per embedding row.
+        out = pipe(prompt_embeds=encoded.prompt_embeds, negative_prompt_embeds=encoded.negative_prompt_embeds,
+                   height=spec.height, width=spec.width, num_frames=spec.num_frames, num_inference_steps=spec.steps,
+                   guidance_scale=spec.guidance_scale, generator=generator_for(spec), output_type="latent",
+                   num_videos_per_prompt=1, callback_on_step_end=step_callback(spec, on_step),
+                   callback_on_step_end_tensor_inputs=[])
+        return out.frames.to(CPU)
+
+    @torch.no_grad()
+    def decode(self, pipe, facts, latents, spec, device) -> torch.Tensor:
+        return wan_decode(pipe, latents, device)
+
+    def stepper(self, pipe, facts, device) -> WanStepper:
+        return WanStepper(pipe, facts, device)
+
+    def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
+        return torch.from_numpy(pipe(
+            prompt=spec.prompt, negative_prompt=spec.negative_prompt, height=spec.height, width=spec.width,
+            num_frames=spec.num_frames, num_inference_steps=spec.steps, guidance_scale=spec.guidance_scale,
+            num_videos_per_prompt=spec.n, generator=generator_for(spec), output_type="np").frames)
+
+    def uses_per_request(self, facts, stage, steps, guidance_scale, batched=False) -> dict[str, int]:
+        # Classifier-free guidance when guidance > 1: two encoder and two transformer passes in the
+        # pipeline's own loop (one batched forward in the Denoiser's).
+        cfg = 2 if guidance_scale > 1.0 else 1
+        stage = PipelineStage(stage)
+        if stage is ENCODE:
+            return {"text_encoder": cfg}
+        if stage is DECODE:
+            return {"vae": 1}
+        per_step = 1 if batched else cfg
+        return {name: n * per_step for name, n in expert_steps(facts, steps).items()}
+
+    def activation_input(self, pipe, facts, stage, spec):
+        stage = PipelineStage(stage)
+        if stage is ENCODE:
+            return None
+        if stage is DENOISE:
+            embeds = torch.zeros(spec.n, TEXT_TOKENS, getattr(pipe, facts.experts[0]).config.text_dim)
+            return EncodedPrompt(embeds, embeds.clone() if spec.guidance_scale > 1.0 else None)
+        scale = pipe.vae_scale_factor_spatial
+        frames = 1 + (spec.num_frames - 1) // facts.temporal_factor
+        return torch.zeros(spec.n, pipe.vae.config.z_dim, frames, spec.height // scale, spec.width // scale)
+
+
+def expert_steps(facts: FamilyFacts, steps: int) -> dict[str, int]:
+    """Steps each expert runs for ``steps`` denoising steps: the folder's scheduler's timesteps split
+    at the boundary (Wan2.2 A14B at 40 steps and flow_shift 3.0: 15 high-noise, 25 low-noise)."""
+    if len(facts.experts) == 1:
+        return {facts.experts[0]: steps}
+    from diffusers import UniPCMultistepScheduler
+
+    folder = pathlib.Path(facts.folder)
+    scheduler = UniPCMultistepScheduler.from_config(read_json(folder / "scheduler" / "scheduler_config.json"))
+    scheduler.set_timesteps(steps)
+    boundary = read_json(folder / "model_index.json")["boundary_ratio"] * scheduler.config.num_train_timesteps
+    high = int((scheduler.timesteps >= boundary).sum())
+    return {facts.experts[0]: high, facts.experts[1]: steps - high}
+
+
+ADAPTERS = (WanAdapter(),)

@@ -1,0 +1,158 @@
+"""Wan image-to-video (diffusers ``WanImageToVideoPipeline``, the Wan2.2 I2V-A14B layout).
+
+A reference image conditions every step: the VAE encodes it (first frame, zeros after) into
+latents that, with a mask of the given frames, join the noise on the channel axis (16 + 4 + 16 =
+36 transformer input channels). The VAE is the decoder stage's, so the conditioning runs there
+(:meth:`WanI2VAdapter.condition`) and travels to the Denoiser with the text embeddings: no stage
+loads a component twice. Two experts switch at ``boundary_ratio`` (0.9), as in text-to-video.
+
+Served: the CLIP-less layout (Wan2.2 I2V-A14B). Refused with a message: Wan2.1 I2V's CLIP image
+encoder and TI2V-5B's expanded-timestep image conditioning (variants this adapter does not run).
+diffusers' I2V pipeline calls ``ftfy`` on every prompt, so the family requires it.
+Run by the stage replicas; :meth:`WanI2VAdapter.facts` by the ingress (json only).
+"""
+from __future__ import annotations
+
+import io
+
+import torch
+
+from deployments.models.adapter import (
+    CPU,
+    DECODE,
+    DENOISE,
+    ENCODE,
+    FamilyFacts,
+    ReferenceImage,
+    generator_for,
+)
+from deployments.models.wan import (
+    WanAdapter,
+    WanStepper,
+    expert_for,
+    wan_facts,
+    wan_frames,
+)
+from deployments.replica.steppers import StepRequest
+from deployments.wire.spec import EncodedPrompt, Family, GenerationSpec, PipelineStage
+
+
+def reference_image(spec: GenerationSpec):
+    """The request's reference image as the RGB PIL image the pipeline is given (checked by the ingress)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(spec.reference_image)) as image:
+        return image.convert("RGB")
+
+
+class WanI2VStepper(WanStepper):
+    """WanStepper with the image condition joined to each request's latents on the channel axis."""
+
+    def initial_latents(self, encoded: EncodedPrompt, spec: GenerationSpec) -> torch.Tensor:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        pipe, frames = self.pipe, wan_frames(self.pipe, spec)
+        shape = (spec.n, getattr(pipe, self.experts[0]).config.out_channels,
+                 (frames - 1) // pipe.vae_scale_factor_temporal + 1,
+                 spec.height // pipe.vae_scale_factor_spatial, spec.width // pipe.vae_scale_factor_spatial)
+        return randn_tensor(shape, generator=generator_for(spec), device=self.device, dtype=torch.float32)
+
+    def attach(self, request: StepRequest, encoded: EncodedPrompt) -> None:
+        if encoded.image_condition is None:
+            raise ValueError(f"request {request.spec.request_id}: image-to-video needs the reference image's condition")
+        # Per request rows, used by both guidance branches (they share the model input).
+        request.cond["image_condition"] = encoded.image_condition.to(self.device)
+
+    def model_input(self, request: StepRequest) -> torch.Tensor:
+        return torch.cat([request.latents, request.cond["image_condition"]], dim=1).to(self.dtype)
+
+
+class WanI2VAdapter(WanAdapter):
+    family = Family.WAN_I2V
+    pipeline_classes = ("WanImageToVideoPipeline",)
+    stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}
+    stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
+    serves = ("image-to-video",)
+
+    def unsupported_variant(self, index, folder) -> str | None:
+        encoder = index.get("image_encoder")
+        if isinstance(encoder, list) and encoder[0] is not None:
+            return ("WanImageToVideoPipeline with a CLIP image_encoder (the Wan2.1 I2V layout) is not handled: "
+                    "only the Wan2.2 I2V-A14B layout (no image encoder)")
+        if index.get("expand_timesteps"):
+            return "WanImageToVideoPipeline with expand_timesteps (TI2V-5B image conditioning) is not handled"
+        return None
+
+    def facts(self, folder, index) -> FamilyFacts:
+        return wan_facts(self, folder, index, reference_image=ReferenceImage.REQUIRED, requirements=("ftfy",))
+
+    @torch.no_grad()
+    def condition(self, pipe, facts, spec, device) -> torch.Tensor:
+        """WanImageToVideoPipeline.prepare_latents' condition (diffusers 0.42), without the noise:
+        mask of the given frame + the VAE's latents of the image followed by zero frames."""
+        from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
+
+        vae, frames = pipe.vae, wan_frames(pipe, spec)
+        image = pipe.video_processor.preprocess(reference_image(spec), height=spec.height, width=spec.width)
+        image = image.to(device, dtype=torch.float32).unsqueeze(2)
+        video = torch.cat([image, image.new_zeros(image.shape[0], image.shape[1], frames - 1, spec.height, spec.width)],
+                          dim=2).to(device=device, dtype=vae.dtype)
+        latent = retrieve_latents(vae.encode(video), sample_mode="argmax").repeat(spec.n, 1, 1, 1, 1)
+        latent = latent.to(device=device, dtype=torch.float32)
+        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(device, torch.float32)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(device, torch.float32)
+        latent = (latent - mean) * inv_std
+        factor, (h, w) = pipe.vae_scale_factor_temporal, latent.shape[-2:]
+        mask = torch.ones(spec.n, 1, frames, h, w)
+        mask[:, :, list(range(1, frames))] = 0
+        first = torch.repeat_interleave(mask[:, :, 0:1], dim=2, repeats=factor)
+        mask = torch.concat([first, mask[:, :, 1:, :]], dim=2).view(spec.n, -1, factor, h, w).transpose(1, 2)
+        return torch.concat([mask.to(latent.device), latent], dim=1).to(CPU)
+
+    @torch.no_grad()
+    def denoise(self, pipe, facts, encoded, spec, device, on_step=None) -> torch.Tensor:
+        """WanImageToVideoPipeline's loop for one request (cond and uncond as separate forwards, as it
+        runs them), its condition given: the latents ``pipe(..., output_type="latent")`` returns."""
+        stepper = WanI2VStepper(pipe, facts, device)
+        request = stepper.start(encoded, spec, on_step)
+        while not request.done:
+            t = request.timesteps[request.step]
+            model = getattr(pipe, expert_for(pipe, t))
+            x, timestep = stepper.model_input(request), stepper.timestep(request)
+            noise = model(hidden_states=x, timestep=timestep, encoder_hidden_states=request.cond["encoder_hidden_states"],
+                          return_dict=False)[0]
+            if request.uncond is not None:
+                uncond = model(hidden_states=x, timestep=timestep,
+                               encoder_hidden_states=request.uncond["encoder_hidden_states"], return_dict=False)[0]
+                noise = uncond + spec.guidance_scale * (noise - uncond)
+            request.advance(noise)
+        return request.latents.to(CPU)
+
+    def stepper(self, pipe, facts, device) -> WanI2VStepper:
+        return WanI2VStepper(pipe, facts, device)
+
+    def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
+        return torch.from_numpy(pipe(
+            image=reference_image(spec), prompt=spec.prompt, negative_prompt=spec.negative_prompt,
+            height=spec.height, width=spec.width, num_frames=spec.num_frames, num_inference_steps=spec.steps,
+            guidance_scale=spec.guidance_scale, num_videos_per_prompt=spec.n, generator=generator_for(spec),
+            output_type="np").frames)
+
+    def uses_per_request(self, facts, stage, steps, guidance_scale, batched=False) -> dict[str, int]:
+        if PipelineStage(stage) is DECODE:
+            return {"vae": 2}  # encodes the reference image, decodes the video
+        return super().uses_per_request(facts, stage, steps, guidance_scale, batched)
+
+    def activation_input(self, pipe, facts, stage, spec):
+        value = super().activation_input(pipe, facts, stage, spec)
+        if PipelineStage(stage) is not DENOISE:
+            return value
+        model = getattr(pipe, facts.experts[0]).config
+        frames = 1 + (spec.num_frames - 1) // facts.temporal_factor
+        scale = pipe.vae_scale_factor_spatial
+        condition = torch.zeros(spec.n, model.in_channels - model.out_channels, frames, spec.height // scale,
+                                spec.width // scale)
+        return EncodedPrompt(value.prompt_embeds, value.negative_prompt_embeds, image_condition=condition)
+
+
+ADAPTERS = (WanI2VAdapter(),)

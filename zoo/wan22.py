@@ -1,0 +1,104 @@
+"""The tiny Wan2.2 zoo: the two-expert A14B, the 5B with its 48-channel VAE, and image-to-video.
+
+Same classes, same widths and the same seeded components as ``zoo.tiny``'s Wan (the text encoder
+keeps umT5's full token table), arranged as each published Wan2.2 folder is:
+
+- ``tiny-wan22-a14b``: ``WanPipeline`` with ``transformer`` (high noise) and ``transformer_2``
+  (low noise), switched at ``boundary_ratio`` 0.875 (Wan-AI/Wan2.2-T2V-A14B-Diffusers);
+- ``tiny-wan22-ti2v``: ``WanPipeline`` with ``expand_timesteps`` and a 48-channel residual VAE
+  (16x spatial, so sizes are multiples of 32), as Wan-AI/Wan2.2-TI2V-5B-Diffusers;
+- ``tiny-wan22-i2v``: ``WanImageToVideoPipeline`` with two 36-channel experts (noise + mask +
+  image latents) switched at 0.9 and no CLIP image encoder, as Wan-AI/Wan2.2-I2V-A14B-Diffusers.
+
+Built on first call (a few seconds each) and cached under :func:`zoo.paths.zoo_root`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
+
+from zoo.cache import ensure_built
+from zoo.paths import zoo_root
+from zoo.tiny import (
+    WanSizes,
+    _seeded,
+    _spec,
+    wan_scheduler,
+    wan_text_encoder,
+    wan_transformer,
+    wan_vae,
+)
+from zoo.vocab import t5_tokenizer
+
+# The published boundaries: timesteps >= ratio x 1000 run the high-noise expert.
+A14B_BOUNDARY = 0.875
+I2V_BOUNDARY = 0.9
+# The diffusers conversion writes flow_shift 3.0 for T2V-A14B (Wan2.2 itself samples with 12.0),
+# 5.0 for TI2V-5B (../shared/real_model_configs_families.json).
+A14B_SHIFT, TI2V_SHIFT = 3.0, 5.0
+# The low-noise expert's seed offset: its weights differ from the high-noise one's, so a step run
+# on the wrong expert changes the output.
+SECOND_EXPERT_SEED = 4
+TINY = WanSizes()
+
+
+def build_wan22_a14b(folder: Path, sizes: WanSizes = TINY) -> None:
+    pipe = WanPipeline(
+        tokenizer=t5_tokenizer(model_max_length=512), text_encoder=wan_text_encoder(sizes), vae=wan_vae(sizes),
+        scheduler=wan_scheduler(A14B_SHIFT), transformer=wan_transformer(sizes),
+        transformer_2=wan_transformer(sizes, SECOND_EXPERT_SEED), boundary_ratio=A14B_BOUNDARY,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
+def ti2v_vae(sizes: WanSizes) -> AutoencoderKLWan:
+    """The Wan2.2 VAE's shape at toy width: residual, 2x2 patchified input (12 channels), 48 latents,
+    16x spatial and 4x temporal compression."""
+    _seeded(5)
+    return AutoencoderKLWan(
+        base_dim=sizes.vae_base_dim, decoder_base_dim=sizes.vae_base_dim, z_dim=48, dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1, attn_scales=[], temperal_downsample=[False, True, True], dropout=0.0,
+        is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
+        scale_factor_temporal=4, latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
+    ).eval()
+
+
+def build_wan22_ti2v(folder: Path, sizes: WanSizes = TINY) -> None:
+    pipe = WanPipeline(
+        tokenizer=t5_tokenizer(model_max_length=512), text_encoder=wan_text_encoder(sizes), vae=ti2v_vae(sizes),
+        scheduler=wan_scheduler(TI2V_SHIFT), transformer=wan_transformer(sizes, channels=(48, 48)),
+        expand_timesteps=True,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
+def build_wan22_i2v(folder: Path, sizes: WanSizes = TINY) -> None:
+    # 36 = 16 noise channels + 4 mask channels (one per frame of a temporal group) + 16 image latents.
+    pipe = WanImageToVideoPipeline(
+        tokenizer=t5_tokenizer(model_max_length=512), text_encoder=wan_text_encoder(sizes), vae=wan_vae(sizes),
+        scheduler=wan_scheduler(A14B_SHIFT), transformer=wan_transformer(sizes, channels=(36, 16)),
+        transformer_2=wan_transformer(sizes, SECOND_EXPERT_SEED, channels=(36, 16)), boundary_ratio=I2V_BOUNDARY,
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
+def _ensure(name: str, build) -> Path:
+    sizes = replace(TINY)
+    return ensure_built(zoo_root(), name, _spec(name, sizes), lambda d: build(d, sizes))
+
+
+def ensure_tiny_wan22_a14b() -> Path:
+    """A two-expert WanPipeline folder (boundary 0.875)."""
+    return _ensure("tiny-wan22-a14b", build_wan22_a14b)
+
+
+def ensure_tiny_wan22_ti2v() -> Path:
+    """A WanPipeline folder with expanded timesteps and the 48-channel, 16x VAE."""
+    return _ensure("tiny-wan22-ti2v", build_wan22_ti2v)
+
+
+def ensure_tiny_wan22_i2v() -> Path:
+    """A two-expert WanImageToVideoPipeline folder (boundary 0.9)."""
+    return _ensure("tiny-wan22-i2v", build_wan22_i2v)
