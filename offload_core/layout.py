@@ -15,6 +15,8 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from offload_core.sharded import is_sharded, local_tensor
+
 # Every tensor starts at a multiple of 512 bytes in its flat buffer. Why 512: torch's CUDA caching
 # allocator hands out blocks at 512-byte granularity, so a view at a 512-aligned offset is aligned
 # exactly like the freshly allocated tensor of the plain model; kernels choose vectorized paths
@@ -336,8 +338,12 @@ def is_placeholder(tensor: torch.Tensor) -> bool:
 
 
 def layer_parameters(layer: nn.Module) -> tuple[tuple[str, nn.Parameter], ...]:
-    """The layer's parameters, each once; only parameters stream, buffers stay on the device."""
-    return tuple(layer.named_parameters())
+    """The layer's streamable parameters, each once; buffers stay on the device.
+
+    Tensor-parallel (DTensor) parameters are left out: streaming rebinds ``.data``, which corrupts
+    a DTensor (see offload_core.sharded). They stay on the rank's device as kept weights.
+    """
+    return tuple((name, p) for name, p in layer.named_parameters() if not is_sharded(p))
 
 
 def check_disjoint(layers: Mapping[str, Sequence[nn.Parameter]], rest: Iterable[nn.Parameter]) -> None:
@@ -355,9 +361,10 @@ def check_disjoint(layers: Mapping[str, Sequence[nn.Parameter]], rest: Iterable[
 
 
 def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (tied weights counted once)."""
+    """Bytes of the distinct storages behind ``tensors`` (tied weights counted once; a DTensor's local shard)."""
     seen: dict[int, int] = {}
     for tensor in tensors:
+        tensor = local_tensor(tensor)
         if tensor.numel() == 0:
             continue
         storage = tensor.untyped_storage()

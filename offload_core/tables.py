@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from offload_core.sharded import is_sharded, local_nbytes, local_tensor
+
 logger = logging.getLogger(__name__)
 
 # 256 MiB: below this a table costs less device memory than one streamed layer of the models we
@@ -74,13 +76,9 @@ def declared_table_names(model: nn.Module) -> tuple[str, ...]:
 
 
 def _is_sharded(module: nn.Module, weight: torch.Tensor, model: nn.Module) -> bool:
-    from torch.distributed.tensor import (
-        DTensor,  # torch itself; imported late to keep import light
-    )
-
     # transformers models carry ``tp_size = None`` when not parallelized: None means unsharded.
     tp_size = getattr(module, "tp_size", None) or getattr(model, "tp_size", None) or 1
-    return isinstance(weight, DTensor) or int(tp_size) != 1
+    return is_sharded(weight) or int(tp_size) != 1
 
 
 def _holders(model: nn.Module, weight: nn.Parameter) -> list[tuple[str, nn.Module]]:
@@ -96,12 +94,14 @@ def _decide(model: nn.Module, path: str, config: HostTablesConfig) -> TableDecis
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return TableDecision(path, TableVerdict.NOT_EMBEDDING, 0, (), f"{path} has no 2-D weight")
-    nbytes = weight.numel() * weight.element_size()
+    nbytes = local_nbytes(weight)  # what this rank holds: half the table at tp 2
     holders = _holders(model, weight)
     paths = tuple(dict.fromkeys(name for name, _ in holders))
     if _is_sharded(module, weight, model):
         return TableDecision(path, TableVerdict.SHARDED, nbytes, paths,
-                             f"{path} is tensor-parallel sharded; its all-reduce needs device tensors")
+                             f"{path} is tensor-parallel sharded ({tuple(local_tensor(weight).shape)} of "
+                             f"{tuple(weight.shape)} on this rank, {nbytes} B); kept on the device: the all-reduce "
+                             "of its partial lookups needs device tensors")
     heads = [name for name, mod in holders if not isinstance(mod, nn.Embedding)]
     if heads:
         return TableDecision(path, TableVerdict.TIED_TO_HEAD, nbytes, paths,

@@ -22,6 +22,7 @@ from offload_core.layout import (
     plan_layer_layout,
 )
 from offload_core.order import Trace, execution_order
+from offload_core.sharded import local_nbytes, local_numel
 from offload_core.tables import HostTablesConfig, TableVerdict, select_host_tables
 
 logger = logging.getLogger(__name__)
@@ -154,7 +155,9 @@ class PipelineFacts:
 def layer_profile(key: str, layer: nn.Module) -> LayerProfile:
     """The layer laid out exactly as the engine will lay it out (works on meta)."""
     named = layer_parameters(layer)
-    return LayerProfile(key, plan_layer_layout(key, [(n, p) for n, p in named]), sum(p.numel() for _, p in named))
+    # FLOPs count every local parameter, streamed or kept (a rank's sharded ones compute there too).
+    params = sum(local_numel(p) for p in layer.parameters())
+    return LayerProfile(key, plan_layer_layout(key, [(n, p) for n, p in named]), params)
 
 
 def streamable_groups(model: nn.Module, layer_groups: Sequence[str] | None) -> tuple[str, ...]:
@@ -182,9 +185,10 @@ def profile_component(name: str, model: nn.Module, *, uses_per_request: int,
     in_layers: set[int] = set()
     for layer in execution_order(model, groups, trace=trace, layer_order=layer_order):
         layers.append(layer_profile(layer.key, layer.module))
-        in_layers.update(id(p) for p in layer.module.parameters())
+        in_layers.update(id(p) for _, p in layer_parameters(layer.module))
+    # The rest is kept on the device, with a layer's tensor-parallel parameters (never streamed), at local bytes.
     rest = {id(p): p for p in model.parameters() if id(p) not in in_layers}
-    non_layer = sum(p.numel() * p.element_size() for p in rest.values())
+    non_layer = sum(local_nbytes(p) for p in rest.values())
     table_bytes = sum(d.nbytes for d in select_host_tables(model, tables) if d.verdict is TableVerdict.HOSTED)
     compute = tuple(compute_s_per_layer) if compute_s_per_layer is not None else (0.0,) * len(layers)
     return ComponentProfile(name, type(model).__name__, groups, tuple(layers), non_layer, table_bytes,

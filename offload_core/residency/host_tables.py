@@ -12,6 +12,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from offload_core.sharded import local_nbytes, move_unsharded, refuse_sharded
 from offload_core.tables import HostTablesConfig, TableDecision, TableVerdict, select_host_tables
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,7 @@ class HostTables:
         self.decisions = decisions
         self.hosted = tuple(d for d in decisions if d.verdict is TableVerdict.HOSTED)
         self._weights = {d.path: model.get_submodule(d.path).weight for d in self.hosted}
+        refuse_sharded(self._weights.values(), "hosting a token table")
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.device: torch.device | None = None
 
@@ -90,7 +92,7 @@ def apply_host_tables(model: nn.Module, device: torch.device | str,
     tables = HostTables(model, select_host_tables(model, config))
     if move:
         with tables.detached():
-            model.to(device)
+            move_unsharded(model, torch.device(device))
     tables.install(torch.device(device))
     return tables
 
@@ -103,5 +105,5 @@ def device_weight_bytes(model: nn.Module, tables: HostTables | None = None) -> i
         if id(t) in seen or (tables is not None and tables.is_hosted(t)):
             continue
         seen.add(id(t))
-        total += t.numel() * t.element_size()
+        total += local_nbytes(t)  # a rank's shard of a tensor-parallel parameter
     return total

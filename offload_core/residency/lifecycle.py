@@ -26,6 +26,7 @@ from offload_core.residency.host_fit import host_leases as _host_leases
 from offload_core.residency.host_fit import tiers_as_hosted
 from offload_core.residency.host_tables import HostTables
 from offload_core.residency.parking import Parking
+from offload_core.sharded import move_unsharded
 from offload_core.streaming.device import normalize_device
 from offload_core.streaming.engine import ResidentPlacement, StreamingConfig, apply_layer_streaming
 from offload_core.streaming.meter import DeviceWeightMeter, WeightTotal
@@ -104,7 +105,7 @@ class _Resident(_Component):
     def __init__(self, *args):
         super().__init__(*args)
         with self.tables.detached():
-            self.module.to(self.device)
+            move_unsharded(self.module, self.device)
             self.meter = DeviceWeightMeter(self.module, self.device, track_headroom=True)
 
 
@@ -320,6 +321,7 @@ class PipelineResidency:
         return residency_report({n: c.module for n, c in self.components.items()},
                                 streamers={n: c.streamer for n, c in self.components.items() if c.streamer},
                                 parkings={n: c.parking for n, c in self.components.items() if c.parking},
+                                tables={n: c.tables.decisions for n, c in self.components.items()},
                                 device=self.device)
 
     def host_leased_bytes(self) -> int:

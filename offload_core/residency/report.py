@@ -28,7 +28,9 @@ import torch
 
 from offload_core.host.maps import Backing, MapsSnapshot
 from offload_core.host.tier import HostingTier
+from offload_core.sharded import local_tensor
 from offload_core.streaming.shared_layer import SharedHostLayer
+from offload_core.tables import TableDecision
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ class ComponentResidency:
     host_shared_bytes: int = 0
     # Of host_pinned_bytes, the staging buffers PAGEABLE and MAPPED layers are copied through.
     host_staging_bytes: int = 0
+    # Every declared token table's verdict (hosted, sharded, too small...) and why, when host tables were asked.
+    tables: tuple[TableDecision, ...] = ()
 
     @property
     def host_bytes(self) -> int:
@@ -61,15 +65,18 @@ class ComponentResidency:
     def to_json(self) -> dict:
         data = asdict(self)
         data["layer_tiers"] = dict(self.layer_tiers)
+        data["tables"] = [{"path": t.path, "verdict": t.verdict.value, "bytes": t.nbytes, "reason": t.reason}
+                          for t in self.tables]
         return data
 
     def log_line(self) -> str:
         tiers = ", ".join(f"{n} {t}" for t, n in self.layer_tiers) or "no streamed layers"
+        tables = "".join(f"; table {t.path}: {t.verdict.value}" for t in self.tables)
         return (f"residency {self.name}: device {_gib(self.device_bytes)}, host pinned "
                 f"{_gib(self.host_pinned_bytes)} (staging {_gib(self.host_staging_bytes)}), mapped "
                 f"{_gib(self.host_mapped_bytes)}, pageable "
                 f"{_gib(self.host_pageable_bytes)}, parked {_gib(self.parked_bytes)}, shared "
-                f"{_gib(self.host_shared_bytes)}; layers: {tiers}")
+                f"{_gib(self.host_shared_bytes)}; layers: {tiers}{tables}")
 
 
 @dataclass(frozen=True)
@@ -149,8 +156,8 @@ class _Tally:
 
 
 def component_residency(name: str, model: torch.nn.Module, *, streamer=None, parking=None,
-                        device: torch.device | str | None = None,
-                        maps: MapsSnapshot | None = None) -> ComponentResidency:
+                        device: torch.device | str | None = None, maps: MapsSnapshot | None = None,
+                        tables: tuple[TableDecision, ...] = ()) -> ComponentResidency:
     """Measure one component. ``device``: where the engine runs it (CPU counts as a device too)."""
     tally = _Tally(maps or MapsSnapshot.take(), None if device is None else torch.device(device))
     tiers = {t: 0 for t in HostingTier}
@@ -173,28 +180,29 @@ def component_residency(name: str, model: torch.nn.Module, *, streamer=None, par
     b = tally.bytes
     layer_tiers = tuple((t.value, n) for t, n in tiers.items()) if streamer is not None else ()
     return ComponentResidency(name, b["device"], b["pinned"], b["mapped"], b["pageable"], b["parked"], layer_tiers,
-                              b["shared"], staging_bytes)
+                              b["shared"], staging_bytes, tuple(tables))
 
 
 def residency_report(models: Mapping[str, torch.nn.Module], *, streamers: Mapping[str, object] | None = None,
                      parkings: Mapping[str, object] | None = None,
-                     device: torch.device | str | None = None) -> ResidencyReport:
+                     device: torch.device | str | None = None,
+                     tables: Mapping[str, tuple[TableDecision, ...]] | None = None) -> ResidencyReport:
     """The report for every component of a replica, from one maps snapshot; logged in one line."""
     maps = MapsSnapshot.take()
-    streamers, parkings = streamers or {}, parkings or {}
-    unknown = (set(streamers) | set(parkings)) - set(models)
+    streamers, parkings, tables = streamers or {}, parkings or {}, tables or {}
+    unknown = (set(streamers) | set(parkings) | set(tables)) - set(models)
     if unknown:
         raise ValueError(f"streamers/parkings name components that are not given: {sorted(unknown)}")
     report = ResidencyReport(tuple(
         component_residency(name, model, streamer=streamers.get(name), parking=parkings.get(name),
-                            device=device, maps=maps)
+                            device=device, maps=maps, tables=tables.get(name, ()))
         for name, model in models.items()))
     logger.info(report.log_line())
     return report
 
 
 def _model_tensors(model: torch.nn.Module) -> Iterable[torch.Tensor]:
-    yield from (p.data for p in model.parameters())
+    yield from (local_tensor(p.data) for p in model.parameters())  # a rank's shard of a DTensor
     yield from model.buffers()
 
 

@@ -37,6 +37,7 @@ from offload_core.layout import (
 )
 from offload_core.order import OrderedLayer, execution_order
 from offload_core.quant import WeightFormat, quantized_names
+from offload_core.sharded import move_unsharded
 from offload_core.streaming.config import (  # noqa: F401 (the engine's public names, re-exported)
     ResidentPlacement,
     StreamingConfig,
@@ -281,7 +282,8 @@ def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,
 
     streamer = LayerStreamer(model, context, config, non_layer_bytes=0)
     hosts = _move_layers_off(entries, tiers, context, host_layers or {})
-    model.to(context.device)  # ONE move of the non-layer rest; every layer weight is a placeholder now
+    # ONE move of the non-layer rest (DTensors stay where their mesh put them); every layer weight is a placeholder now
+    move_unsharded(model, context.device)
     streamer.non_layer_bytes = unique_storage_bytes(p for p in model.parameters() if id(p) not in layer_ids)
     if isinstance(config.resident, int) and config.resident > len(entries):
         logger.info("streaming %s: resident=%d asked, only %d layers: all layers resident",

@@ -18,6 +18,7 @@ from typing import Hashable, Iterable
 import torch
 from torch import nn
 
+from offload_core.sharded import local_tensor
 from offload_core.streaming.device import get_device, normalize_device
 
 
@@ -29,6 +30,7 @@ def walked_device_bytes(params: Iterable[torch.Tensor], device: torch.device) ->
     """
     storages: dict[int, int] = {}
     for param in params:
+        param = local_tensor(param)  # a DTensor counts the shard this rank holds
         if param.numel() == 0 or param.device != device:
             continue
         storage = param.untyped_storage()

@@ -1,0 +1,195 @@
+"""Tensor-parallel plans for the model classes we serve, and loading one rank's slice of a model.
+
+Runs in each rank worker of a tensor-parallel stage replica (``load_rank``) and in the planner
+CLI (``shard_meta``, on ``meta`` with a fake process group). transformers is imported inside the
+functions only: offload_core stays importable with torch alone.
+
+UMT5/T5 ship no ``base_model_tp_plan`` (transformers 5.24), so the plan is ours:
+
+- the token table ``embedding_rowwise`` (vocab-parallel: each rank holds vocab/N rows, the
+  partial lookups are summed) on **both** ``shared`` and ``encoder.embed_tokens``: they are one
+  tied Parameter, and listing one path fails with "mixed torch.Tensor and DTensor";
+- the FFN's input projections ``colwise`` and its output ``rowwise`` (one all-reduce per FFN);
+- attention ``q``/``k``/``v`` ``colwise`` and ``o`` ``rowwise``: each rank runs n_heads/N heads,
+  so each attention module's ``n_heads`` and ``inner_dim`` are divided by N after loading, and
+  the relative-position bias (num_buckets x n_heads, 32 x 64 on umT5-XXL: 8 KiB, replicated)
+  gives each rank its own heads' columns.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+TP_HEADS_ATTRIBUTE = "_offload_tp_heads"  # (rank, tp_size) once an attention module's heads were divided
+
+
+class NoTensorParallelPlan(ValueError):
+    """``tp_size > 1`` asked for a model class without a tensor-parallel plan."""
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """One model's plan: module path patterns (``*`` for a layer number) to transformers' TP styles."""
+
+    class_name: str
+    rules: tuple[tuple[str, str], ...]
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(self.rules)
+
+
+def _t5_encoder_rules(config: Any) -> tuple[tuple[str, str], ...]:
+    attention = "encoder.block.*.layer.*.SelfAttention"
+    ffn = "encoder.block.*.layer.*.DenseReluDense"
+    inputs = ("wi_0", "wi_1") if getattr(config, "is_gated_act", False) else ("wi",)
+    return (("shared", "embedding_rowwise"), ("encoder.embed_tokens", "embedding_rowwise"),
+            *((f"{attention}.{p}", "colwise") for p in ("q", "k", "v")), (f"{attention}.o", "rowwise"),
+            *((f"{ffn}.{p}", "colwise") for p in inputs), (f"{ffn}.wo", "rowwise"))
+
+
+# By class name: a function of the model's config (T5's FFN is gated or not).
+KNOWN_TP_PLANS: Mapping[str, Callable[[Any], tuple[tuple[str, str], ...]]] = {
+    "UMT5EncoderModel": _t5_encoder_rules,
+    "T5EncoderModel": _t5_encoder_rules,
+}
+
+
+def classes_with_plans() -> tuple[str, ...]:
+    return tuple(sorted(KNOWN_TP_PLANS))
+
+
+def has_plan(class_name: str) -> bool:
+    return class_name in KNOWN_TP_PLANS
+
+
+def tp_plan_for(class_name: str, config: Any) -> TensorParallelPlan:
+    """The plan of ``class_name``; a class without one raises, naming the classes that have one."""
+    rules = KNOWN_TP_PLANS.get(class_name)
+    if rules is None:
+        raise NoTensorParallelPlan(
+            f"{class_name} has no tensor-parallel plan; tp_size > 1 is supported for {list(classes_with_plans())}")
+    return TensorParallelPlan(class_name, rules(config))
+
+
+def divide_attention_heads(model: nn.Module, tp_size: int, rank: int) -> int:
+    """Give every T5-style attention module its rank's n_heads/N heads; returns how many were divided.
+
+    The colwise q/k/v already hold this rank's heads' columns (head-major, d_kv each), so the
+    reshape to heads must use n_heads/N; the relative-position bias table keeps every head
+    (replicated, 8 KiB on umT5-XXL) and its lookup is cut to this rank's heads.
+    """
+    divided = 0
+    for name, module in model.named_modules():
+        if not (hasattr(module, "n_heads") and hasattr(module, "inner_dim") and hasattr(module, "key_value_proj_dim")):
+            continue
+        if getattr(module, TP_HEADS_ATTRIBUTE, None) is not None:
+            raise ValueError(f"{name}: heads were already divided for tp {getattr(module, TP_HEADS_ATTRIBUTE)}")
+        if module.n_heads % tp_size:
+            raise ValueError(f"{name}: {module.n_heads} heads do not divide over tp_size {tp_size}")
+        heads = module.n_heads // tp_size
+        module.n_heads, module.inner_dim = heads, heads * module.key_value_proj_dim
+        bias = getattr(module, "relative_attention_bias", None)
+        if bias is not None:
+            start = rank * heads
+            bias.register_forward_hook(lambda _m, _a, out, s=start, h=heads: out[..., s:s + h])
+        setattr(module, TP_HEADS_ATTRIBUTE, (rank, tp_size))
+        divided += 1
+    return divided
+
+
+def load_rank(model_class: type, folder: str, tp_size: int, rank: int, *, subfolder: str | None = None,
+              torch_dtype: torch.dtype | None = None, **kwargs) -> nn.Module:
+    """This rank's slice of ``model_class`` from ``folder``, through transformers' ``DistributedConfig``.
+
+    The process group must already be initialized (the rank worker forms it on its own
+    rendezvous); transformers then puts the shards on this rank's device (LOCAL_RANK).
+    """
+    from transformers.distributed import DistributedConfig
+
+    config = model_class.config_class.from_pretrained(folder, subfolder=subfolder or "")
+    plan = tp_plan_for(model_class.__name__, config)
+    sub = {"subfolder": subfolder} if subfolder else {}
+    model = model_class.from_pretrained(
+        folder, distributed_config=DistributedConfig(tp_size=tp_size, tp_plan=plan.as_dict()),
+        torch_dtype=torch_dtype, **sub, **kwargs)
+    heads = divide_attention_heads(model, tp_size, rank)
+    logger.info("tensor parallel %s rank %d/%d: %d rules, %d attention modules at %d heads", model_class.__name__,
+                rank, tp_size, len(plan.rules), heads, _first_heads(model))
+    return model.eval()
+
+
+def _first_heads(model: nn.Module) -> int:
+    return next((m.n_heads for m in model.modules() if getattr(m, TP_HEADS_ATTRIBUTE, None)), 0)
+
+
+def _expanded(model: nn.Module, plan: TensorParallelPlan) -> dict[str, str]:
+    """Concrete parameter and module names for the plan's patterns (as transformers expands them)."""
+    rules = plan.as_dict()
+    out: dict[str, str] = {}
+    for name, module in model.named_modules():
+        style = rules.get(re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name))
+        if style is None:
+            continue
+        for pname, _ in module.named_parameters(recurse=False):
+            out[f"{name}.{pname}"] = style
+        out[name] = style
+    return out
+
+
+def shard_in_place(model: nn.Module, mesh, plan: TensorParallelPlan) -> int:
+    """Turn ``model``'s planned parameters into DTensors over ``mesh`` (works on ``meta``); returns how many.
+
+    For planning a rank's bytes without loading: ``meta`` parameters become DTensors whose local
+    shard has this rank's shape, which is what every byte count of the engine reads.
+    """
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    made: dict[int, nn.Parameter] = {}  # original Parameter id -> its DTensor: a tied one is sharded once, re-tied
+    for name, style in _expanded(model, plan).items():
+        if name not in params:
+            continue
+        module_name, _, pname = name.rpartition(".")
+        module = modules[module_name]
+        original = id(params[name])
+        if original in made:
+            module._parameters[pname] = made[original]
+            continue
+        ALL_PARALLEL_STYLES[style].shard_param(module, pname, mesh)
+        made[original] = module._parameters[pname]
+    return len(made)
+
+
+@contextlib.contextmanager
+def planning_world(tp_size: int) -> Iterator[object]:
+    """A fake process group of ``tp_size`` ranks in this process, as rank 0; yields its CPU mesh.
+
+    For planning on ``meta`` only: torch's fake backend runs no collective, but DTensors made
+    over its mesh hold rank 0's local shapes (the largest when a dimension does not divide).
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's own fake backend
+
+    if dist.is_initialized():
+        raise RuntimeError("planning_world needs a process without a process group (this one has one)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp_size)
+    try:
+        yield init_device_mesh("cpu", (tp_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = [
+    "KNOWN_TP_PLANS", "NoTensorParallelPlan", "TensorParallelPlan", "classes_with_plans", "divide_attention_heads",
+    "has_plan", "load_rank", "planning_world", "shard_in_place", "tp_plan_for",
+]
