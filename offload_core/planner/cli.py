@@ -1,5 +1,8 @@
 """Plan a pipeline for a GPU without one: ``python -m offload_core.plan --model wan2.1-t2v-14b --gpu L4 --host-ram 64GiB``.
 
+``--tp N`` plans the stages that have a tensor-parallel plan (the umT5 encoder) as one of N ranks holds
+them: each rank its own GPU, its slice kept on it.
+
 Plans a real-size model from configs/models/real_model_configs.json (``--model``) or a local
 diffusers folder (``--model-dir``), built on torch's meta device, and prints a readable table, or
 one JSON object with ``--json``. Bad arguments exit with status 2 and a message naming them.
@@ -39,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--working-set", default="3GiB", type=parse_bytes,
                    help="device memory kept for activations (default 3GiB)")
     p.add_argument("--steps", type=int, help="denoising steps (default: the model's published default)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per stage replica: plans the stages with a TP plan as one rank holds them")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p
 
@@ -70,11 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.steps is not None and args.steps < 1:
         _parser().error(f"--steps must be >= 1, got {args.steps}")
+    if args.tp < 1:
+        _parser().error(f"--tp must be >= 1, got {args.tp}")
+    if args.tp > 1 and args.model_dir:
+        _parser().error("--tp plans a real model (--model); a folder's stages are planned at tp 1")
     try:
         gpu = gpu_spec(args.gpu)
         if args.model:
             facts, notes = real_model_facts(args.model, gpu, args.host_ram, working_set=args.working_set,
-                                            steps=args.steps)
+                                            steps=args.steps, tp_size=args.tp)
         else:
             if not (args.model_dir / "model_index.json").is_file():
                 raise ValueError(f"--model-dir {args.model_dir} has no model_index.json: not a diffusers folder")

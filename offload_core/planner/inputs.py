@@ -34,7 +34,9 @@ from offload_core.planner.facts import (
     profile_component,
     with_compute,
 )
+from offload_core.sharded import local_nbytes, sharded_parameters
 from offload_core.tables import HostTablesConfig
+from offload_core.tensor_parallel import classes_with_plans, has_plan, planning_world, shard_in_place, tp_plan_for
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +100,11 @@ def _uses_and_tokens(pipeline: str, defaults: Mapping[str, Any]) -> dict[str, tu
 
 def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_set: int = 3 * GiB,
                      pageable_Bps: float | None = None, steps: int | None = None,
-                     tables: HostTablesConfig = HostTablesConfig()) -> tuple[PipelineFacts, list[str]]:
-    """Facts for a real-size model from the published configs, planned for ``gpu`` and ``host_ram``."""
+                     tables: HostTablesConfig = HostTablesConfig(), tp_size: int = 1) -> tuple[PipelineFacts, list[str]]:
+    """Facts for a real-size model from the published configs, planned for ``gpu`` and ``host_ram``.
+
+    ``tp_size > 1``: only the stages with a tensor-parallel plan, as one rank (rank 0) holds them.
+    """
     try:
         specs = [real_models.component_spec(model_name, c) for c in real_models.component_names(model_name)]
         pipeline, defaults = real_models.pipeline_class(model_name), real_models.pipeline_defaults(model_name)
@@ -110,7 +115,7 @@ def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_se
         defaults["num_inference_steps"] = steps
     # An empty layer_groups (none declared) lets _groups fall back to the model's own declaration.
     load = {s.component: (s.class_name, s.config, s.dtype, s.layer_groups) for s in specs}
-    return _facts(pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables)
+    return _facts(pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables, tp_size)
 
 
 def folder_facts(folder: Path, gpu: GpuSpec, host_ram: int, *, working_set: int = 3 * GiB,
@@ -149,21 +154,49 @@ def _folder_dtype(component_dir: Path) -> torch.dtype:
     raise ValueError(f"{component_dir}: no floating-point safetensors weights found")
 
 
+def _tp_stages(pipeline: str, load: Mapping[str, tuple], tp_size: int) -> tuple[Stage, ...]:
+    """The pipeline's stages, or with ``tp_size > 1`` those whose components all have a tensor-parallel plan."""
+    if tp_size == 1:
+        return STAGES[pipeline]
+    stages = tuple(s for s in STAGES[pipeline] if all(has_plan(load[c][0]) for c in s.components))
+    if not stages:
+        raise ValueError(f"no stage of {pipeline} has a tensor-parallel plan for --tp {tp_size}; "
+                         f"classes with plans: {list(classes_with_plans())}")
+    return stages
+
+
+def _profile(name: str, module: nn.Module, tp_size: int, notes: list[str], **kwargs) -> ComponentProfile:
+    if tp_size == 1:
+        return profile_component(name, module, **kwargs)
+    whole = sum(p.numel() * p.element_size() for p in module.parameters())
+    with planning_world(tp_size) as mesh:
+        shard_in_place(module, mesh, tp_plan_for(type(module).__name__, module.config))
+        profile = profile_component(name, module, **kwargs)
+        local = sum(local_nbytes(p) for p in module.parameters())
+        kept = sum(local_nbytes(p) for _, p in sharded_parameters(module))
+    notes.append(f"{name}: tensor-parallel over {tp_size} ranks; rank 0 holds {local / GiB:.2f} of "
+                 f"{whole / GiB:.2f} GiB ({local / whole:.3f}), {kept / GiB:.2f} GiB of it sharded and kept on "
+                 f"its device, {sum(l.nbytes for l in profile.layers) / GiB:.3f} GiB in streamable layers")
+    return profile
+
+
 def _facts(pipeline, load, defaults, gpu: GpuSpec, host_ram: int, working_set: int, pageable_Bps: float,
-           tables: HostTablesConfig) -> tuple[PipelineFacts, list[str]]:
+           tables: HostTablesConfig, tp_size: int = 1) -> tuple[PipelineFacts, list[str]]:
     notes: list[str] = []
     work = _uses_and_tokens(pipeline, defaults)
+    stages = _tp_stages(pipeline, load, tp_size)
     profiles: list[ComponentProfile] = []
-    for name, (class_name, config, dtype, groups) in load.items():
+    for name in (c for s in stages for c in s.components):
+        class_name, config, dtype, groups = load[name]
         module = real_models.build_meta(class_name, config, dtype)
         uses, tokens = work[name]
-        profile = profile_component(name, module, uses_per_request=uses, tables=tables,
-                                    layer_groups=_groups(module, groups, notes, name))
+        profile = _profile(name, module, tp_size, notes, uses_per_request=uses, tables=tables,
+                           layer_groups=_groups(module, groups, notes, name))
         profiles.append(with_compute(profile, tokens, gpu.flops))
     lease = max(0, host_ram - default_reserve(host_ram))
     notes.append(f"host: {host_ram / GiB:.0f} GiB, {lease / GiB:.1f} GiB may be pinned after the reserve; "
                  f"compute estimated at {gpu.flops / 1e12:.0f} TFLOP/s sustained")
     pageable_Bps = gpus.link_Bps()[1] if pageable_Bps is None else pageable_Bps  # the table's measured figure
-    facts = PipelineFacts(tuple(profiles), STAGES[pipeline], gpu.memory_bytes, LinkFacts(gpu.pinned_Bps, pageable_Bps),
+    facts = PipelineFacts(tuple(profiles), stages, gpu.memory_bytes, LinkFacts(gpu.pinned_Bps, pageable_Bps),
                           lease, working_set_bytes=working_set, device_name=gpu.name)
     return facts, notes

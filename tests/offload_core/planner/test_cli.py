@@ -61,7 +61,28 @@ def _checkpoint_bytes(folder: Path) -> int:
     return total
 
 
+def test_tp_2_plans_the_umt5_xxl_encoder_as_one_rank_holds_it(capsys):
+    args = ("--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "64GiB", "--json")
+    whole = json.loads(run(capsys, *args)[1])
+    code, out = run(capsys, *args, "--tp", "2")
+    plan = json.loads(out)
+    assert code == 0 and plan["feasible"] is True
+    # Only the stage with a tensor-parallel plan; its vocab-parallel table is kept, never hosted.
+    [encoder] = plan["components"]
+    assert encoder["name"] == "text_encoder" and encoder["host_tables"] is False
+    table = 256384 * 4096 * 4
+    rank = encoder["prediction"]["in_use_bytes"]
+    [unsharded] = [c for c in whole["components"] if c["name"] == "text_encoder"]
+    assert 0.49 < rank / (5_680_000_000 * 4) < 0.51, rank  # umT5-XXL encoder: ~5.68 B fp32 parameters
+    assert rank < unsharded["prediction"]["in_use_bytes"] + table // 2
+    assert any("tensor-parallel over 2 ranks; rank 0 holds 10.58 of 21.16 GiB" in n for n in plan["notes"])
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--model", "flux.1-dev", "--gpu", "L4", "--host-ram", "64GiB", "--tp", "2"],
+     "no stage of FluxPipeline has a tensor-parallel plan for --tp 2; classes with plans: ['T5EncoderModel', "
+     "'UMT5EncoderModel']"),
+    (["--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "64GiB", "--tp", "0"], "--tp must be >= 1"),
     (["--model", "wan2.1-t2v-14b", "--gpu", "TPU", "--host-ram", "64GiB"], "unknown GPU 'TPU'"),
     (["--model", "sd-9", "--gpu", "L4", "--host-ram", "64GiB"], "unknown model 'sd-9'"),
     (["--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "lots"], "not a byte size: 'lots'"),
