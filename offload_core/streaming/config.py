@@ -51,6 +51,9 @@ class StreamingConfig:
     # FP8: Linear/Conv weights hosted and copied as e4m3 with per-channel scales, widened in the
     # slot on the device (offload_core.quant); lossy, opt-in. NATIVE: as loaded.
     weights: WeightFormat = WeightFormat.NATIVE
+    # How long the launch thread waits for one staging fill before the call fails (FillTimeout,
+    # a 503 in the service) and the copier is replaced; see staging.DEFAULT_FILL_TIMEOUT_S.
+    fill_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.layer_groups is not None:
@@ -86,6 +89,9 @@ class StreamingConfig:
             raise ValueError(f"neighbour_wait_s must be a number >= 0, got {self.neighbour_wait_s!r}")
         if not isinstance(self.weights, WeightFormat):
             raise TypeError(f"weights must be a WeightFormat, got {self.weights!r}")
+        if isinstance(self.fill_timeout_s, bool) or not isinstance(self.fill_timeout_s, (int, float)) \
+                or not self.fill_timeout_s > 0:
+            raise ValueError(f"fill_timeout_s must be a number > 0, got {self.fill_timeout_s!r}")
         if self.hosting is not None:
             bad = {k: v for k, v in self.hosting.items() if not isinstance(v, HostingTier)}
             if bad:

@@ -9,6 +9,11 @@ forward (or ``prepare_for_use``) and released only by ``finish_use``.
 
 Peak device weight bytes = non-layer + resident + slots (+ one landing buffer when layers are hosted
 as FP8, ``StreamingConfig.weights``), exactly (see ``predicted_peak_bytes``).
+
+Faults: a failed copy gives back its slot and staging buffer and reaches the caller as
+``CopyFailed`` (``FillTimeout`` past ``fill_timeout_s``); ``finish_use`` completes every release
+whatever was raised before it (a ``BaseException`` mid-layer included, which torch's always-call
+post-hook does not see), so the next use has the whole ring.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ from offload_core.streaming.config import (  # noqa: F401 (the engine's public n
     StreamingConfig,
     choose_resident,
 )
+from offload_core.streaming.copier import CopyFailed
 from offload_core.streaming.device import Device, get_device
 from offload_core.streaming.host_layer import HostLayer
 from offload_core.streaming.meter import DeviceWeightMeter
@@ -94,7 +100,7 @@ class LayerStreamer:
         staged = [layer for layer in layers if layer.tier in STAGED_TIERS]
         if staged and self.config.staged_copies:
             self.staging = StagingRing(self.device, staged, [layer for layer in streamed if layer.tier in STAGED_TIERS],
-                                       self.config.staging_buffers)
+                                       self.config.staging_buffers, self.config.fill_timeout_s)
         self.ring = PrefetchRing(self.device, streamed, self.config.prefetch_depth, self.staging,
                                  self.config.neighbour_wait_s, landing_bytes(layer.layout for layer in layers))
         for layer in layers:
@@ -142,27 +148,37 @@ class LayerStreamer:
                 self.ring.prefetch(0)
 
     def finish_use(self, keep_resident: bool | None = None) -> None:
-        """Force-release streamed layers; resident layers and slots too unless kept."""
+        """Force-release streamed layers; resident layers and slots too unless kept.
+
+        Runs to the end whatever a forward left behind (a layer that raised, a ``BaseException``
+        that skipped the post-hook): the use is over, so no layer of it is running any more.
+        """
         keep = self.config.keep_resident if keep_resident is None else keep_resident
-        self.ring.release_all()
-        if self.staging is not None:
-            self.staging.stop()
-        if not keep:
-            for layer in self.layers:
-                if layer.resident:
-                    layer.release()
-            self.device.compute_waits_for_copies()
-            self.device.retire(self._resident_buffers.values())
-            self._resident_buffers = {}
-            self._resident_events = {}
-            if self._armed:
-                self.meter.moved(-self.ring.landing_bytes)  # the landing buffer goes with the slots
-            self.ring.deallocate()
-            self._armed = False
-        elif self.staging is not None:
-            self.staging.begin()  # fill the next use's first staged layers while the replica idles
+        with self._running_lock:
+            self._running = None
+        try:
+            self.ring.release_all()
+            if self.staging is not None:
+                self.staging.stop()
+        finally:
+            if not keep:
+                self._disarm()
+            elif self.staging is not None:
+                self.staging.begin()  # fill the next use's first staged layers while the replica idles
         logger.info("streamer %s: finished use, %s resident layers (%d B) and slots",
                     type(self.model).__name__, "kept" if keep else "released", self.resident_bytes)
+
+    def _disarm(self) -> None:
+        """Release resident layers and drop their buffers and the slots (also after a failed arm)."""
+        for layer in self.layers:
+            if layer.resident:
+                layer.release()
+        self.device.compute_waits_for_copies()
+        self.device.retire(self._resident_buffers.values())
+        self._resident_buffers = {}
+        self._resident_events = {}
+        self.ring.deallocate()
+        self._armed = False
 
     def remove(self) -> None:
         """Undo streaming: hooks removed, layers back as plain host tensors (views of their buffers).
@@ -214,7 +230,7 @@ class LayerStreamer:
     def _claim(self, layer: StreamedLayer) -> None:
         me = threading.get_ident()
         with self._running_lock:
-            if self._running is not None and self._running[0] != me:
+            if self._running is not None and self._running[0] != me and _thread_alive(self._running[0]):
                 raise ConcurrentForwardError(
                     f"{type(self.model).__name__}: layer {layer.key} entered by thread {me} while "
                     f"{self._running[1].key} runs in thread {self._running[0]}; serialize forwards "
@@ -242,20 +258,34 @@ class LayerStreamer:
                 targets.append((layer, carved))
         if self.staging is not None:
             self.staging.begin([layer for layer, _ in targets if self.staging.stages(layer)])
-        self.device.copy_waits_for_compute()
-        with self.device.on_copy_stream():
-            for layer, carved in targets:
-                if self.staging is not None and self.staging.stages(layer):
-                    self._resident_copied += self.staging.copy_to(layer, carved)
-                else:
-                    self._resident_copied += layer.host.copy_to(carved)
-                self._resident_events[layer.key] = self.device.record_copy()
+        try:
+            self.device.copy_waits_for_compute()
+            with self.device.on_copy_stream():
+                for layer, carved in targets:
+                    if self.staging is not None and self.staging.stages(layer):
+                        self._resident_copied += self.staging.copy_to(layer, carved)
+                    else:
+                        self._resident_copied += layer.host.copy_to(carved)
+                    self._resident_events[layer.key] = self.device.record_copy()
+        except BaseException as error:
+            if self.staging is not None:
+                self.staging.stop()
+            self._disarm()  # nothing was bound yet: drop the buffers, the next entry arms again
+            if isinstance(error, (CopyFailed, AssertionError)) or not isinstance(error, Exception):
+                raise
+            raise CopyFailed(f"arming resident layers of {type(self.model).__name__} failed: "
+                             f"{type(error).__name__}: {error}") from error
         for layer, carved in targets:
             layer.bind(layer.views(carved))
         self._armed = True
         logger.info("streamer %s: armed %d resident layers (%d B) and %d slots (%d B)",
                     type(self.model).__name__, len(self._resident_buffers), self.resident_bytes,
                     self.ring.n_slots, self.ring.slot_bytes)
+
+
+def _thread_alive(ident: int) -> bool:
+    """Whether a thread with ``ident`` still runs (a claim left by a thread that died is stale)."""
+    return any(thread.ident == ident for thread in threading.enumerate())
 
 
 def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,

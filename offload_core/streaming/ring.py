@@ -7,6 +7,10 @@ leaving it releases its slot. Nothing is allocated per prefetch, so the device h
 ``slots x slot bytes`` of streamed weights at any time, plus, when layers are hosted as FP8, one
 landing buffer their 8-bit bytes arrive in before they are widened into a slot
 (``layout.landing_bytes``; shared by every copy, which the copy stream runs in order).
+
+Faults: a copy that raises gives its slot back at once and reaches the caller as
+:class:`~offload_core.streaming.copier.CopyFailed`; a prefetch that fails is logged and left to
+the layer's own entry, which copies it again (and raises if it fails again).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Mapping, NamedTuple, Protocol, Sequence
 import torch
 
 from offload_core.layout import FP8_HOST_DTYPE, LayerLayout, RegionMap, slot_count
+from offload_core.streaming.copier import CopyFailed, FillTimeout
 from offload_core.streaming.device import Device
 from offload_core.streaming.host_layer import HostLayer
 from offload_core.streaming.staging import StagingRing
@@ -70,6 +75,7 @@ class PrefetchRing:
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.bytes_copied = 0
         self.out_of_order_entries = 0  # entries that found their layer not prefetched (after a cold start)
+        self.failed_prefetches = 0
 
     @property
     def slot_bytes(self) -> int:
@@ -131,14 +137,26 @@ class PrefetchRing:
         self._free, self._last_use = collections.deque(), []
 
     def prefetch(self, position: int) -> None:
-        """Issue copies for ``position`` and the layers after it, as far as free slots allow."""
+        """Issue copies for ``position`` and the layers after it, as far as free slots allow.
+
+        A copy that fails here is not this layer's: logged, and the layer copied again when it
+        is entered. A fill timeout is raised (the copier was stuck: waiting more would not help).
+        """
         self.allocate()
         for step in range(self.n_slots):
             ahead = (position + step) % len(self._layers)
             if ahead not in self._in_flight:
                 if not self._free:
                     return
-                self._issue(ahead)
+                try:
+                    self._issue(ahead)
+                except FillTimeout:
+                    raise
+                except CopyFailed as error:
+                    self.failed_prefetches += 1
+                    logger.warning("ring: prefetch of streamed layer %d failed (%s); copied again when entered",
+                                   ahead, error)
+                    return
 
     def enter(self, position: int) -> None:
         """Before streamed layer ``position`` runs: have it on the device, waited, and prefetch."""
@@ -172,17 +190,31 @@ class PrefetchRing:
         for position in list(self._in_flight):
             self._release(position)
 
+    @property
+    def free_slots(self) -> int:
+        """Slots holding no layer (all of them between uses: a slot lost to a fault would show here)."""
+        return len(self._free)
+
     def _issue(self, position: int) -> None:
         slot = self._free.popleft()
         layer = self._layers[position]
-        # The slot's previous layer may still be read by queued kernels: copy only after them.
-        self._device.copy_waits(self._last_use[slot])
-        with self._device.on_copy_stream():
-            if self._staging is not None and self._staging.stages(layer):
-                self.bytes_copied += self._staging.copy_to(layer, self._carved[slot])
-            else:
-                self.bytes_copied += layer.host.copy_to(self._carved[slot])
-            event = self._device.record_copy()
+        try:
+            # The slot's previous layer may still be read by queued kernels: copy only after them.
+            self._device.copy_waits(self._last_use[slot])
+            with self._device.on_copy_stream():
+                if self._staging is not None and self._staging.stages(layer):
+                    self.bytes_copied += self._staging.copy_to(layer, self._carved[slot])
+                else:
+                    self.bytes_copied += layer.host.copy_to(self._carved[slot])
+                event = self._device.record_copy()
+        except BaseException as error:
+            # A copy issued in part is ordered before the slot's next copy (same stream); the
+            # slot's last reader is unchanged, so it is free again as it was.
+            self._free.appendleft(slot)
+            if isinstance(error, (CopyFailed, AssertionError)) or not isinstance(error, Exception):
+                raise
+            raise CopyFailed(f"copying streamed layer {getattr(layer, 'key', position)} to {self._device.device} "
+                             f"failed: {type(error).__name__}: {error}") from error
         views = self._views.get((position, slot))
         if views is None:
             views = self._views[(position, slot)] = layer.views(self._carved[slot])

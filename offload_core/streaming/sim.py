@@ -68,8 +68,12 @@ class SimLink:
                 HostingTier.MAPPED: self.mapped_Bps}[source]
 
 
-class StreamHazardError(RuntimeError):
-    """An operation would touch a buffer before (or while) another one on the clock still does."""
+class StreamHazardError(AssertionError):
+    """An operation would touch a buffer before (or while) another one on the clock still does.
+
+    An AssertionError: a broken ordering invariant of the engine, never a copy fault, so the
+    engine's fault handling (which wraps copy errors in CopyFailed) lets it through unchanged.
+    """
 
 
 @dataclass(frozen=True)
@@ -115,11 +119,17 @@ class _SimJob:
     def __init__(self, sim: SimDevice, done_at: float, error: BaseException | None):
         self._sim, self.done_at, self._error = sim, done_at, error
 
-    def result(self) -> None:
+    def result(self, timeout: float | None = None) -> None:
         thread = self._sim._thread
         self._sim._clocks[thread] = max(self._sim._clocks[thread], self.done_at)
         if self._error is not None:
             raise self._error
+
+    def done(self) -> bool:
+        return True  # ran at once, in program order
+
+    def cancel(self) -> bool:
+        return False
 
 
 class SimCopier:
@@ -131,6 +141,7 @@ class SimCopier:
 
     def __init__(self, sim: SimDevice, name: str):
         self._sim, self.name = sim, name
+        self.cpu_s = 0.0  # the copier's virtual busy time is its clock; no host CPU is simulated
         sim._clocks.setdefault(name, 0.0)
 
     def submit(self, job: Callable[[], None]) -> CopyJob:
@@ -147,7 +158,7 @@ class SimCopier:
             sim._thread = caller
         return _SimJob(sim, sim._clocks[self.name], error)
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Nothing runs in the background."""
 
 

@@ -14,7 +14,15 @@ largest staged layer:
    copier, never the launch thread, waits for the copy to land.
 
 Host bytes: exactly ``n x`` the region bytes (``staging_bytes``), page-locked, allocated once
-and freed by ``close()`` after every copy out of them landed.
+and freed by ``close()`` after every copy out of them landed. A refused pin frees them all: a
+pageable staging buffer would add a host memcpy to a copy that blocks anyway, so the ring then
+stages nothing (``refusal`` says why) and the engine copies those layers unstaged.
+
+Faults: every buffer goes back on every path. A fill that raised frees its buffer and its error
+reaches the launch thread only when it needs that layer (a fill made ahead and dropped is logged).
+A fill waited for longer than ``timeout_s`` raises :class:`FillTimeout`; its buffer stays out until
+the stuck job ends, the fills queued behind it are cancelled, and a new copier thread takes over,
+so the next request stages through the other buffers (none left: copied unstaged).
 """
 from __future__ import annotations
 
@@ -25,14 +33,19 @@ from typing import Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 
-from offload_core.host.pinned import HostBuffer
+from offload_core.host.pinned import HostBuffer, PinRefusal
 from offload_core.layout import DEFAULT_STAGING_BUFFERS, LayerLayout, RegionMap
-from offload_core.streaming.copier import CopyJob, HostCopier
+from offload_core.streaming.copier import CopyJob, FillTimeout, HostCopier
 from offload_core.streaming.device import Device
 from offload_core.streaming.host_layer import HostLayer
 
 logger = logging.getLogger(__name__)
 
+COPIER_NAME = "offload-staging"
+# How long the launch thread waits for one fill before the call fails (FillTimeout). 30 s: a fill
+# is one layer's memcpy (a 1.2 GiB FLUX double block at ~5 GB/s from a cold page cache is ~0.25 s),
+# so only a hung file mapping gets near it; the service's device_timeout_s is also 30 s.
+DEFAULT_FILL_TIMEOUT_S = 30.0
 
 
 class StagedLayer(Protocol):
@@ -52,8 +65,9 @@ class StagingRing:
     """Pinned staging buffers and the copier that fills them ahead of the launch thread."""
 
     def __init__(self, device: Device, staged: Sequence[StagedLayer], cycle: Sequence[StagedLayer],
-                 n_buffers: int = DEFAULT_STAGING_BUFFERS):
+                 n_buffers: int = DEFAULT_STAGING_BUFFERS, timeout_s: float = DEFAULT_FILL_TIMEOUT_S):
         self._device = device
+        self._timeout_s = timeout_s
         self._staged = {id(layer) for layer in staged}
         self._cycle = tuple(cycle)  # the staged streamed layers, in streamed order
         self._cycle_index = {id(layer): i for i, layer in enumerate(self._cycle)}
@@ -64,11 +78,15 @@ class StagingRing:
         self._dma_done: list[object | None] = []
         self._free: collections.deque[int] = collections.deque()
         self._pending: collections.deque[_Fill] = collections.deque()
+        self._late: list[_Fill] = []  # fills given up on (timed out, cancelled): buffers back once done
         self._prologue: collections.deque[StagedLayer] = collections.deque()
         self._next = 0  # index in the cycle of the next layer to fill
         self._copier: HostCopier | None = None
         self.fills = 0
         self.restarts = 0  # requests out of the fill order (cold starts, layers run out of order)
+        self.refusal: PinRefusal | None = None  # the driver refused to lock a buffer: nothing staged
+        self.unstaged_copies = 0  # staged layers copied directly: every buffer was out (a hung fill)
+        self._retired_cpu_s = 0.0  # CPU seconds of copiers replaced after a timeout
 
     @property
     def staging_bytes(self) -> int:
@@ -79,8 +97,18 @@ class StagingRing:
         """The staging buffers, once allocated (for the residency report)."""
         return tuple(buffer.data for buffer in self._buffers)
 
+    @property
+    def copier_cpu_s(self) -> float:
+        """CPU seconds the copier thread(s) used for fills so far."""
+        return self._retired_cpu_s + (self._copier.cpu_s if self._copier is not None else 0.0)
+
+    @property
+    def buffers_out(self) -> int:
+        """Buffers neither free nor filled ahead: held by fills given up on (0 when whole)."""
+        return len(self._late)
+
     def stages(self, layer: StagedLayer) -> bool:
-        return id(layer) in self._staged
+        return id(layer) in self._staged and self.refusal is None
 
     def allocate(self) -> None:
         """Allocate the buffers and start the copier, once (they live until ``close``)."""
@@ -96,13 +124,18 @@ class StagingRing:
             raise
         refused = [buffer.refusal for buffer in buffers if buffer.refusal is not None]
         if refused:
-            logger.info("staging on %s: %s; copies from these buffers will block like pageable ones",
-                        self._device.device, refused[0].explain())
+            for buffer in buffers:
+                self._device.free_staging(buffer)
+            self.refusal, self.n_buffers = refused[0], 0
+            logger.info("staging on %s: %s; %d pageable/mapped layers are copied unstaged (a pageable "
+                        "staging buffer would add a host memcpy to a copy that blocks anyway)",
+                        self._device.device, refused[0].explain(), len(self._staged))
+            return
         self._buffers = buffers
         self._carved = [self.regions.carve(buffer.data) for buffer in buffers]
         self._dma_done = [None] * self.n_buffers
         self._free = collections.deque(range(self.n_buffers))
-        self._copier = self._device.host_copier("offload-staging")
+        self._copier = self._device.host_copier(COPIER_NAME)
         logger.info("staging on %s: %d pinned buffers x %d B = %d B for %d pageable/mapped layers",
                     self._device.device, self.n_buffers, self.regions.nbytes, self.staging_bytes,
                     len(self._staged))
@@ -124,32 +157,55 @@ class StagingRing:
         self._next = 0
 
     def copy_to(self, layer: StagedLayer, regions: Mapping[torch.dtype, torch.Tensor]) -> int:
-        """Inside the copy-stream context: copy ``layer`` to device ``regions`` from its staging buffer."""
+        """Inside the copy-stream context: copy ``layer`` to device ``regions`` from its staging buffer.
+
+        Its fill's error is raised here; past ``timeout_s`` a :class:`FillTimeout`. Every buffer
+        that was waited for goes back (or, still being filled, out until its job ends).
+        """
         if not self._pending or self._pending[0].layer is not layer:
             self._restart(layer)
+        if not self._pending:
+            # Every buffer is held by a fill given up on: this layer goes the driver's blocking way.
+            self.unstaged_copies += 1
+            logger.info("staging: no buffer free (%d held by fills given up on); %s copied unstaged",
+                        len(self._late), getattr(layer, "key", "?"))
+            return layer.host.copy_to(regions)
         fill = self._pending.popleft()
-        fill.job.result()  # the launch thread waits for the host copier only when it fell behind
+        self._wait(fill)  # the launch thread waits for the host copier only when it fell behind
         staged = self._carved[fill.buffer]
         copied = 0
-        for dtype, nbytes in layer.layout.host_flat_bytes:
-            regions[dtype][:nbytes].copy_(staged[dtype][:nbytes], non_blocking=True)
-            copied += nbytes
-        layer.host.widen(regions)  # a quantized layer: from the landing buffer into its slot, on the copy stream
-        self._dma_done[fill.buffer] = self._device.record_copy()
-        self._free.append(fill.buffer)
+        try:
+            for dtype, nbytes in layer.layout.host_flat_bytes:
+                regions[dtype][:nbytes].copy_(staged[dtype][:nbytes], non_blocking=True)
+                copied += nbytes
+            layer.host.widen(regions)  # a quantized layer: from the landing buffer into its slot, on the copy stream
+        finally:  # a copy issued (even in part) is waited for before the buffer is filled again
+            self._dma_done[fill.buffer] = self._device.record_copy()
+            self._free.append(fill.buffer)
         self._top_up()
         return copied
 
     def close(self) -> None:
-        """Wait for every fill and every copy out of the buffers, then unlock and drop them."""
+        """Wait for every fill and every copy out of the buffers, then unlock and drop them.
+
+        A fill still hung after ``timeout_s`` keeps its buffer locked (freed with the process):
+        unlocking pages a thread still writes would be worse; the copier is left to end with it.
+        """
         self._drain()
+        stuck = self._settle_late(self._timeout_s)
         for event in self._dma_done:
             self._device.host_waits(event)
-        for buffer in self._buffers:
-            self._device.free_staging(buffer)
+        for index, buffer in enumerate(self._buffers):
+            if index not in stuck:
+                self._device.free_staging(buffer)
+        if stuck:
+            logger.warning("staging: %d buffers still held by hung fills after %.1f s; left locked",
+                           len(stuck), self._timeout_s)
         if self._copier is not None:
-            self._copier.close()
+            self._retired_cpu_s += self._copier.cpu_s
+            self._copier.close(wait=not stuck)
         self._buffers, self._carved, self._dma_done, self._free = [], [], [], collections.deque()
+        self._late = []
         self._copier = None
 
     def _restart(self, layer: StagedLayer) -> None:
@@ -170,11 +226,69 @@ class StagingRing:
         self._top_up()
 
     def _drain(self) -> None:
-        """Wait for every fill in flight; their buffers go back unread."""
+        """Wait (bounded) for every fill in flight; their buffers go back unread, errors logged."""
         while self._pending:
             fill = self._pending.popleft()
-            fill.job.result()
+            try:
+                self._wait(fill)
+            except Exception as error:  # a fill made ahead that no layer asked for (yet): not this call's
+                logger.warning("staging: fill of %s made ahead failed (%s: %s); dropped, filled again "
+                               "when asked", getattr(fill.layer, "key", "?"), type(error).__name__, error)
+            else:
+                self._free.append(fill.buffer)
+
+    def _wait(self, fill: _Fill) -> None:
+        """Wait for ``fill``; on its error its buffer is freed, past the bound the copier replaced."""
+        try:
+            fill.job.result(timeout=self._timeout_s)
+        except BaseException as error:
+            if not fill.job.done():  # timed out, or this thread interrupted: the job still writes
+                self._late.append(fill)
+                if isinstance(error, TimeoutError):
+                    self._abandon_copier(fill)
+                    raise FillTimeout(f"staging fill of layer {getattr(fill.layer, 'key', '?')} not done "
+                                      f"after {self._timeout_s:.1f} s (fill_timeout_s); a hung host "
+                                      "mapping? the copier was replaced and the buffer set aside") from None
+            else:
+                self._free.append(fill.buffer)
+            raise
+
+    def _abandon_copier(self, stuck: _Fill) -> None:
+        """The copier is stuck in ``stuck``: cancel the fills queued behind it, start a new thread."""
+        for fill in self._pending:
+            if fill.job.cancel():  # queued behind the stuck one, never started: its buffer is free
+                self._free.append(fill.buffer)
+            else:
+                self._late.append(fill)
+        self._pending.clear()
+        old, self._copier = self._copier, self._device.host_copier(COPIER_NAME)
+        self._retired_cpu_s += old.cpu_s
+        old.close(wait=False)
+        logger.warning("staging: fill of %s timed out after %.1f s; %d buffers set aside until their fills "
+                       "end, a new copier thread fills the others", getattr(stuck.layer, "key", "?"),
+                       self._timeout_s, len(self._late))
+
+    def _reclaim(self) -> None:
+        """Buffers of fills given up on come back once their jobs ended (or were cancelled)."""
+        if not self._late:
+            return
+        done = [fill for fill in self._late if fill.job.done()]
+        for fill in done:
+            self._late.remove(fill)
             self._free.append(fill.buffer)
+        if done:
+            logger.info("staging: %d buffers back from fills given up on; %d still out", len(done), len(self._late))
+
+    def _settle_late(self, timeout_s: float) -> set[int]:
+        """Wait up to ``timeout_s`` for fills given up on; the buffers still held after it."""
+        for fill in self._late:
+            if not fill.job.cancel():
+                try:
+                    fill.job.result(timeout=timeout_s)
+                except Exception as error:  # its caller was told already; only the buffer matters
+                    logger.debug("staging: fill given up on ended with %s", type(error).__name__)
+        self._reclaim()
+        return {fill.buffer for fill in self._late}
 
     def _upcoming(self) -> StagedLayer | None:
         if self._prologue:
@@ -186,6 +300,7 @@ class StagingRing:
         return layer
 
     def _top_up(self) -> None:
+        self._reclaim()
         while self._free:
             layer = self._upcoming()
             if layer is None:

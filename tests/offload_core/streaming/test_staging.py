@@ -6,7 +6,7 @@ import torch
 
 from offload_core.host.tier import HostingTier
 from offload_core.layout import RegionMap, declared_layer_groups, resolve_layer_group
-from offload_core.streaming.copier import ThreadCopier
+from offload_core.streaming.copier import CopyFailed, ThreadCopier
 from offload_core.streaming.device import Device, DeviceFacts
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
 from offload_core.streaming.sim import SimDevice, SimLink
@@ -111,7 +111,8 @@ def test_a_failed_fill_surfaces_in_the_forward_that_needed_it(monkeypatch, remov
     def refuse(_regions):
         raise OSError("page fault reading the mapping")
     monkeypatch.setattr(streamer.layers[1].host, "copy_host_bytes", refuse)  # the fill copies hosted bytes as they are
-    with pytest.raises(OSError, match="page fault"):
+    with pytest.raises(CopyFailed, match="page fault") as raised:
         WAN.run(model, inputs)
+    assert isinstance(raised.value.__cause__, OSError), "typed, with the copier's error as its cause"
     streamer.remove()  # the failure left nothing half-done: buffers unlocked, the copier joined
     assert streamer.staging._copier is None and all(p.numel() > 0 for p in model.parameters())
