@@ -116,7 +116,9 @@ class Device:
         """An event marking the copies issued so far on the copy stream; None on CPU."""
         if not self.is_cuda:
             return None
-        event = torch.cuda.Event()
+        # blocking=True: the copier waits for these in host_waits; a default event spins a core in
+        # cudaEventSynchronize for the whole copy (a 58 MB Wan block at 25 GB/s: 2.3 ms per layer).
+        event = torch.cuda.Event(blocking=True)
         event.record(self.copy_stream)
         return event
 
@@ -175,7 +177,9 @@ class Device:
             self._compute_stream().wait_stream(self.copy_stream)
 
     def host_waits(self, event) -> None:
-        """Block the calling host thread until ``event`` completed (a staging buffer's last copy out)."""
+        """Block the calling host thread until ``event`` completed (a staging buffer's last copy out).
+
+        The thread sleeps (``record_copy`` makes blocking events), it does not spin."""
         if event is not None:
             event.synchronize()
 

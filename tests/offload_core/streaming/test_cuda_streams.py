@@ -104,3 +104,18 @@ def test_cuda_staged_layers_copy_through_page_locked_buffers_filled_by_a_copier_
         assert staging.fills >= 3 * len(streamer.layers) and staging.restarts == 0
     finally:
         streamer.remove()
+
+
+def test_cuda_a_host_wait_on_a_copy_event_sleeps_instead_of_spinning():
+    from offload_core.streaming.device import get_device
+
+    device = get_device("cuda")
+    with device.on_copy_stream():
+        torch.cuda._sleep(SLEEP_CYCLES)  # ~50 ms queued on the copy stream
+    event = device.record_copy()
+    import time
+    wall, cpu = time.perf_counter(), time.thread_time()
+    device.host_waits(event)
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    # A spinning cudaEventSynchronize burns the whole wait on this thread's CPU clock.
+    assert wall > 0.01 and cpu < 0.5 * wall, f"waited {wall:.3f} s using {cpu:.3f} s of CPU"
