@@ -5,6 +5,8 @@ its end). Imports torch, diffusers and the engine only: a GPU machine needs no R
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -113,7 +115,6 @@ def test_cuda_a_host_wait_on_a_copy_event_sleeps_instead_of_spinning():
     with device.on_copy_stream():
         torch.cuda._sleep(SLEEP_CYCLES)  # ~50 ms queued on the copy stream
     event = device.record_copy()
-    import time
     wall, cpu = time.perf_counter(), time.thread_time()
     device.host_waits(event)
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
