@@ -88,6 +88,7 @@ class LayerStreamer:
         self._resident_events: dict[str, object] = {}
         self._resident_copied = 0
         self._armed = False
+        self._landing_metered = False  # the landing buffer's bytes are in the meter (armed, or arming)
         self._handles: list = []
         self._running: tuple[int, StreamedLayer] | None = None  # (thread id, layer) inside a forward
         self._running_lock = threading.Lock()
@@ -177,6 +178,9 @@ class LayerStreamer:
         self.device.retire(self._resident_buffers.values())
         self._resident_buffers = {}
         self._resident_events = {}
+        if self._landing_metered:
+            self.meter.moved(-self.ring.landing_bytes)  # the landing buffer goes with the slots
+            self._landing_metered = False
         self.ring.deallocate()
         self._armed = False
 
@@ -244,6 +248,7 @@ class LayerStreamer:
         self.ring.allocate()
         # Not a parameter's storage, so no bind counts it: the meter is told, as for parked weights.
         self.meter.moved(self.ring.landing_bytes)
+        self._landing_metered = True
         # Allocated on the compute stream (outside the copy-stream context), so the caching
         # allocator frees them in compute order at finish_use; the copies then wait for it.
         targets = []
