@@ -2,24 +2,25 @@
 
 torch's pinned caching allocator rounds each block up to a power of two (a 1.2 GiB layer costs
 2 GiB), so pinned buffers here are anonymous mappings page-locked in place with
-``cudaHostRegister``. Each buffer is its own mapping: page-aligned, rounded up to whole pages, so
+``cuMemHostRegister``. Each buffer is its own mapping: page-aligned, rounded up to whole pages, so
 registering it never locks a page that malloc'd data shares (a 2 KiB per-dtype buffer from the
 heap would lock, and later unlock under, its neighbours). The rounding costs < 1 page per buffer.
 
 A refused registration (a memlock limit, a driver out of pinnable memory) is not fatal: the buffer
-stays pageable, the refusal says why, and the CUDA runtime's last error is cleared so the next
-kernel launch check does not raise it. Unlocking waits for the device first: a copy still reading
-the buffer must finish before its pages are unlocked.
+stays pageable and the refusal says why. Registration goes through the CUDA driver API, which
+leaves no last-error state behind (see :class:`CudaPageLocker`), so the next kernel launch check
+never sees the refusal. Unlocking waits for the device first: a copy still reading the buffer must
+finish before its pages are unlocked.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
 import mmap
-import os
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 
@@ -33,16 +34,15 @@ class PinError(RuntimeError):
 
 
 class PageLocker(Protocol):
-    """How host pages are locked for one device (CUDA's runtime; tests pass a fake)."""
+    """How host pages are locked for one device (CUDA's driver; tests pass a fake).
+
+    A failed call must leave no error state behind (the driver API keeps none)."""
 
     def register(self, ptr: int, nbytes: int, flags: int = 0) -> int:
-        """Lock ``nbytes`` at ``ptr`` (``cudaHostRegister`` flags); 0 on success, else the driver's error code."""
+        """Lock ``nbytes`` at ``ptr`` (``CU_MEMHOSTREGISTER_*`` flags); 0 on success, else the driver's error code."""
 
     def unregister(self, ptr: int) -> int:
         """Unlock the range registered at ``ptr``; 0 on success."""
-
-    def clear_error(self) -> None:
-        """Reset the runtime's last-error state after a failed call."""
 
     def quiesce(self) -> None:
         """Wait until no copy can still read locked memory (before it is unlocked)."""
@@ -56,7 +56,7 @@ class PinRefusal:
     """Why a buffer planned pinned stayed pageable."""
 
     nbytes: int  # the page-rounded bytes the driver was asked to lock
-    code: int  # the CUDA error code
+    code: int  # the CUDA driver's error code (CUresult)
     message: str
 
     def explain(self) -> str:
@@ -110,7 +110,7 @@ def lock_host_tensor(data: torch.Tensor, device: torch.device, *, flags: int = 0
     """Page-lock memory that already exists (a node weight store's page-aligned extent) for ``device``.
 
     Same contract as :func:`allocate_host_buffer`: a refusal leaves it pageable with ``refusal``
-    set and the runtime's error cleared; :func:`free_host_buffer` unlocks it.
+    set (and no CUDA error state); :func:`free_host_buffer` unlocks it.
     """
     nbytes = data.numel() * data.element_size()
     return _lock(data, nbytes, nbytes, device, flags=flags)
@@ -122,7 +122,6 @@ def _lock(data: torch.Tensor, nbytes: int, size: int, device: torch.device, *, f
         return HostBuffer(data, nbytes, page_locked=False, mapped_bytes=size)
     code = int(locker.register(data.data_ptr(), size, flags))
     if code != 0:
-        locker.clear_error()
         return HostBuffer(data, nbytes, page_locked=False, mapped_bytes=size,
                           refusal=PinRefusal(size, code, locker.describe(code)))
     return HostBuffer(data, nbytes, page_locked=True, mapped_bytes=size, locker=locker)
@@ -132,18 +131,17 @@ def free_host_buffer(buffer: HostBuffer) -> None:
     """Unlock a page-locked buffer once the device is done with it. The pages go with the last view."""
     if not buffer.page_locked:
         return
-    # A buffer made page-locked elsewhere without its locker was locked through CUDA's runtime.
+    # A buffer made page-locked elsewhere without its locker was locked through CUDA's driver.
     locker = buffer.locker or page_locker(torch.device("cuda"))
     locker.quiesce()
     code = int(locker.unregister(buffer.data.data_ptr()))
     if code != 0:
-        locker.clear_error()
         raise PinError(f"unlocking {buffer.mapped_bytes or buffer.nbytes} B failed with CUDA error {code} "
                        f"({locker.describe(code)})")
 
 
 def page_locker(device: torch.device) -> PageLocker | None:
-    """The page locker for ``device``: CUDA's runtime on a CUDA device, none elsewhere."""
+    """The page locker for ``device``: CUDA's driver on a CUDA device, none elsewhere."""
     if device.type != "cuda":
         return None
     return _cuda_locker(torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device()))
@@ -155,25 +153,35 @@ def _cuda_locker(device: torch.device) -> PageLocker:
 
 
 class CudaPageLocker:
-    """``cudaHostRegister`` through the runtime torch loaded; its last error reached with ctypes."""
+    """``cuMemHostRegister`` through the CUDA driver API (libcuda, ctypes), in the device's primary context.
+
+    Why the driver and not the runtime: a refused ``cudaHostRegister`` leaves the calling thread's
+    runtime last-error set, and the next kernel launch check raises it ("out of memory" from an
+    unrelated kernel). Clearing it needs the very libcudart torch calls, and a process often maps
+    two (a conda and a pip one) or links it statically. The driver API returns its error and
+    keeps no last-error state; there is one libcuda per process (the installed driver's). The
+    range registered there is page-locked for the primary context, which is the one the runtime
+    (and so torch) uses, so its copies from it run asynchronously.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._cudart = torch.cuda.cudart()
+        torch.cuda.init()  # the primary context exists (torch made it) before it is retained
+        self._driver = _cuda_driver()
+        handle = ctypes.c_int()
+        _check(self._driver, self._driver.cuDeviceGet(ctypes.byref(handle), int(device.index)), "cuDeviceGet")
+        self._context = ctypes.c_void_p()
+        _check(self._driver, self._driver.cuDevicePrimaryCtxRetain(ctypes.byref(self._context), handle),
+               "cuDevicePrimaryCtxRetain")
 
     def register(self, ptr: int, nbytes: int, flags: int = 0) -> int:
-        return int(self._cudart.cudaHostRegister(ptr, nbytes, flags))
+        with self._current():
+            return int(self._driver.cuMemHostRegister_v2(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes),
+                                                         ctypes.c_uint(flags)))
 
     def unregister(self, ptr: int) -> int:
-        return int(self._cudart.cudaHostUnregister(ptr))
-
-    def clear_error(self) -> None:
-        runtime = loaded_cuda_runtime()
-        if runtime is None:
-            logger.warning("pinning: CUDA runtime library not found in this process; its last error "
-                           "(from the refused cudaHostRegister) stays set")
-            return
-        runtime.cudaGetLastError()  # returns and resets the (non-sticky) error of the failed call
+        with self._current():
+            return int(self._driver.cuMemHostUnregister(ctypes.c_void_p(ptr)))
 
     def quiesce(self) -> None:
         # Every stream of the device, the copy stream and any staging copies included: a DMA still
@@ -181,31 +189,34 @@ class CudaPageLocker:
         torch.cuda.synchronize(self.device)
 
     def describe(self, code: int) -> str:
-        runtime = loaded_cuda_runtime()
-        if runtime is None:
-            return f"CUDA error {code}"
-        name = runtime.cudaGetErrorName
-        name.restype = ctypes.c_char_p
-        return name(int(code)).decode()
+        return _error_name(self._driver, code)
 
-
-def loaded_cuda_runtime() -> ctypes.CDLL | None:
-    """The libcudart this process already loaded (torch's), found in /proc/self/maps; None if none.
-
-    torch exposes no ``cudaGetLastError``; the same library object torch calls has it, and its
-    error state is per thread, so this must be the very library torch uses, not another copy.
-    """
-    global _runtime
-    if _runtime is None:
+    @contextlib.contextmanager
+    def _current(self) -> Iterator[None]:
+        """The device's primary context current on this thread for one driver call (any thread may pin)."""
+        _check(self._driver, self._driver.cuCtxPushCurrent_v2(self._context), "cuCtxPushCurrent")
         try:
-            with open("/proc/self/maps") as maps:
-                paths = {line.split()[-1] for line in maps if "libcudart" in line}
-        except OSError:
-            return None
-        found = [p for p in sorted(paths) if os.path.basename(p).startswith("libcudart") and os.path.exists(p)]
-        # Only a library found is kept: looked for before torch loaded it, it is found on a later call.
-        _runtime = ctypes.CDLL(found[0]) if found else None
-    return _runtime
+            yield
+        finally:
+            popped = ctypes.c_void_p()
+            self._driver.cuCtxPopCurrent_v2(ctypes.byref(popped))
 
 
-_runtime: ctypes.CDLL | None = None
+@functools.lru_cache(maxsize=1)
+def _cuda_driver() -> ctypes.CDLL:
+    """The CUDA driver library (already loaded by torch's runtime; one per process)."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    driver.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return driver
+
+
+def _error_name(driver: ctypes.CDLL, code: int) -> str:
+    name = ctypes.c_char_p()
+    if driver.cuGetErrorName(int(code), ctypes.byref(name)) != 0 or not name.value:
+        return f"CUDA driver error {code}"
+    return name.value.decode()
+
+
+def _check(driver: ctypes.CDLL, code: int, call: str) -> None:
+    if code != 0:
+        raise PinError(f"{call} failed with CUDA driver error {code} ({_error_name(driver, code)})")

@@ -126,7 +126,8 @@ def tiers_as_hosted(plan: PipelinePlan, streamers: Mapping[str, object]) -> Pipe
 
     A layer planned PINNED whose pages the driver refused to lock (a memlock limit) is PAGEABLE:
     the plan says so, with a note, and is re-predicted (``search.retier``), so the report, the
-    board and the plan agree with the engine.
+    board and the plan agree with the engine. Refused staging buffers (the layers then copy
+    unstaged) are a note too.
     """
     notes, components = [], []
     for c in plan.components:
@@ -137,6 +138,10 @@ def tiers_as_hosted(plan: PipelinePlan, streamers: Mapping[str, object]) -> Pipe
                 notes.append(f"{c.name}: {len(moved)} layers PAGEABLE instead of PINNED, the driver refused to "
                              f"lock them ({', '.join(moved[:4])}{'...' if len(moved) > 4 else ''})")
                 c = dataclasses.replace(c, hosting=tuple((key, hosted[key]) for key, _ in c.hosting))
+            staging = getattr(streamers[c.name], "staging", None)
+            if staging is not None and staging.refusal is not None:
+                notes.append(f"{c.name}: staging buffers not pinned ({staging.refusal.explain()}); its "
+                             f"PAGEABLE/MAPPED layers are copied unstaged, each copy blocking the launch thread")
         components.append(c)
     for line in notes:
         logger.info("residency: %s", line)

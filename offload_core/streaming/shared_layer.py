@@ -34,8 +34,8 @@ class SharedHostLayer(HostLayer):
 def register_read_only(data: torch.Tensor, device: torch.device) -> HostBuffer:
     """Page-lock a read-only shared buffer for this process; pageable (with the refusal) if the device refuses.
 
-    Through ``host.pinned``: a refusal's CUDA error is cleared (torch's cudart binding has no
-    ``cudaGetLastError``), and unlocking waits for the device.
+    Through ``host.pinned``: the driver API, so a refusal leaves no CUDA error state; unlocking
+    waits for the device.
     """
     return lock_host_tensor(data, device, flags=_REGISTER_READ_ONLY)
 

@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 from torch.overrides import TorchFunctionMode
 
-from offload_core.host.pinned import HostBuffer
+from offload_core.host.pinned import HostBuffer, PinRefusal
 from offload_core.host.tier import HostingTier
 from offload_core.streaming.copier import CopyJob
 from offload_core.streaming.device import Device, DeviceFacts
@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 # differ in the last bits, so a hazard needs an overlap of more than a femtosecond.
 _EPSILON_S = 1e-15
 LAUNCH_THREAD = "launch"  # the host thread that runs the forward and launches kernels
+SIM_PIN_REFUSED = 2  # CUDA_ERROR_OUT_OF_MEMORY, what cuMemHostRegister returns past a memlock limit
 
 
 @dataclass(frozen=True)
@@ -165,9 +166,10 @@ class SimCopier:
 class SimDevice(Device):
     """A CPU-backed device with CUDA's copy, kernel and event timing on a virtual clock."""
 
-    def __init__(self, link: SimLink | None = None, facts: DeviceFacts | None = None):
+    def __init__(self, link: SimLink | None = None, facts: DeviceFacts | None = None, refuse_pins: bool = False):
         super().__init__(torch.device("cpu"), facts or DeviceFacts())
         self.link = link or SimLink()
+        self.refuse_pins = refuse_pins  # a memlock limit: every staging pin refused
         self._ready = {SimStream.COMPUTE: 0.0, SimStream.COPY: 0.0}
         self._stream = SimStream.COMPUTE
         self._h2d_free = 0.0  # the one host->device copy engine
@@ -315,10 +317,15 @@ class SimDevice(Device):
         return SimCopier(self, name)
 
     def allocate_staging(self, nbytes: int) -> HostBuffer:
-        """A staging buffer: page-locked on the simulated machine, so copies from it are asynchronous."""
-        buffer = HostBuffer(torch.empty(int(nbytes), dtype=torch.uint8), int(nbytes), page_locked=False)
-        self.register_host_memory([buffer.data], HostingTier.PINNED)
-        return buffer
+        """A staging buffer: page-locked on the simulated machine (copies from it are asynchronous),
+        unless the device refuses pins (``refuse_pins``): then pageable, with the refusal, as CUDA's."""
+        data = torch.empty(int(nbytes), dtype=torch.uint8)
+        if self.refuse_pins:
+            self.register_host_memory([data], HostingTier.PAGEABLE)
+            return HostBuffer(data, int(nbytes), page_locked=False, refusal=PinRefusal(
+                int(nbytes), SIM_PIN_REFUSED, "CUDA_ERROR_OUT_OF_MEMORY (simulated memlock limit)"))
+        self.register_host_memory([data], HostingTier.PINNED)
+        return HostBuffer(data, int(nbytes), page_locked=False)
 
     def free_staging(self, buffer: HostBuffer) -> None:
         self._host_memory.pop(_storage(buffer.data), None)

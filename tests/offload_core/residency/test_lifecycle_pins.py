@@ -30,3 +30,17 @@ def test_a_refused_pin_is_in_the_plan_and_the_report_and_the_output_stays_exact(
         assert torch.equal(models["b"](x), plain["b"](x))
     res.remove()
     assert fake.locked == {}
+
+
+def test_refused_staging_buffers_are_a_note_in_the_plan(cpu_capacity, monkeypatch, remove_after):
+    cpu_capacity(10**9)
+    plan = toy_plan(10**9)
+    fake = FakeLocker(refuse=range(1, 1000))
+    monkeypatch.setattr(pinned, "page_locker", lambda device: fake)
+    res = remove_after(PipelineResidency.apply(toys(), plan, "cpu"))
+    staged = [name for name, c in res.components.items() if c.streamer is not None and c.streamer.staging is not None]
+    assert staged, "the toy plan must stage some layers for this test to mean anything"
+    for name in staged:
+        assert any(note.startswith(f"{name}: staging buffers not pinned") and "copied unstaged" in note
+                   for note in res.plan.notes), res.plan.notes
+    assert any("copied unstaged" in line for line in res.plan.explain())

@@ -116,3 +116,23 @@ def test_a_failed_fill_surfaces_in_the_forward_that_needed_it(monkeypatch, remov
     assert isinstance(raised.value.__cause__, OSError), "typed, with the copier's error as its cause"
     streamer.remove()  # the failure left nothing half-done: buffers unlocked, the copier joined
     assert streamer.staging._copier is None and all(p.numel() > 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["pinned", "refused"])
+def test_a_refused_staging_pin_copies_unstaged_and_a_granted_one_never_blocks(refuse, remove_after):
+    sim = SimDevice(SimLink(), refuse_pins=refuse)
+    model, inputs = WAN.build(), WAN.inputs()
+    expected = WAN.run(model, inputs)
+    streamer = remove_after(apply_layer_streaming(model, sim, StreamingConfig(hosting=_mixed(model))))
+    sim.register_streamer(streamer)
+    sim.charge_layer_compute(streamer, {layer.key: 1e-5 for layer in streamer.layers})
+    streamer.prepare_for_use()
+    assert torch.equal(WAN.run(model, inputs), expected)
+    streamer.finish_use()
+    staging = streamer.staging
+    if refuse:
+        # No pageable staging buffer: it would add a host memcpy to a copy that blocks anyway.
+        assert staging.refusal is not None and staging.host_tensors() == () and streamer.staging_bytes == 0
+        assert staging.fills == 0 and sim.blocked_s > 0, "the staged layers went the driver's blocking way"
+    else:
+        assert staging.refusal is None and staging.fills > 0 and sim.blocked_s == 0.0
