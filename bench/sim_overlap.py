@@ -3,20 +3,28 @@
     .venv/bin/python bench/sim_overlap.py --quick
 
 For each hosting tier (pinned, pageable, mapped) x prefetch depth (1, 2) x model (copy-bound,
-balanced, compute-bound), streams a small model on :class:`SimDevice` (PCIe Gen4: 25 GB/s pinned,
-10 GB/s pageable and mapped, 12 GB/s host memcpy) and prints the simulated steady-state step time
-(the last of 3 steps, 4 without --quick: the pipeline is full, the last layer already prefetched
-the next step's first) over the bound ``max(sum copy, sum compute) + one layer's copy``.
+balanced, compute-bound), streams a stack of even layers on :class:`SimDevice` (PCIe Gen4: 25 GB/s
+pinned, 10 GB/s pageable and mapped, 12 GB/s host memcpy), then the named cases: ``uneven``
+(FLUX-like: the first third of the layers twice the bytes of the rest, balanced, every tier and
+depth) and ``slow-copier`` (pageable, balanced: the copier at half speed for a quarter of the
+measured step). Every case also pays what a GPU charges besides bandwidth, scaled to the mean
+layer's pinned DMA time ``t`` (a Wan2.1-1.3B block: 58 MB, t = 2.3 ms): ``copy_latency`` 0.5 % t
+per copy (~10 us), ``launch`` 2 % t per layer (~46 us: ~10 kernels), and the copier's memcpy
+jitters by +-20 % (seeded, zero-mean).
 
-``sum copy`` is what the tier could achieve at best: for PINNED the DMA at the pinned rate; for
-PAGEABLE and MAPPED the copy is a two-stage pipeline (host memcpy into a pinned staging buffer,
-then the DMA from it), so each layer counts its slowest stage (``copy_bound_by`` in the JSON says
-which). Compute per layer is ``factor x`` that layer's copy stage: 0.5 copy-bound, 1 balanced, 2
-compute-bound. Target: every ratio <= 1.05. The negative control streams the balanced pageable
-case with staging switched off (the driver's blocking pageable copy); it must show the
-serialisation, >= 1.5, or the simulator could not fail. Every run is also checked bitwise against
-the plain model and its measured weight peak against the engine's prediction.
-Last line: one JSON object with ``max_ratio`` and ``negative_control_ratio``.
+Prints the steady-state step time (the last of 3 steps, 4 without --quick) over the bound
+``max(sum copy, sum compute) + the largest layer's copy``; --quick runs 40 layers, so one layer is
+2.5 % of the step (under 3 %: the +1 layer term cannot hide a regression). ``sum copy`` is what
+the tier could achieve at best: PINNED the DMA; PAGEABLE and MAPPED a two-stage pipeline (host
+memcpy into a pinned staging buffer, then the DMA), each layer counting its slowest stage
+(``copy_bound_by``); the slow-copier case adds what the stretch takes from the copier (a quarter
+step at half speed: an eighth of a step). Compute per layer is ``factor x`` that layer's copy
+stage: 0.5 copy-bound, 1 balanced, 2 compute-bound. Target: every ratio <= 1.05. The negative
+control streams the balanced pageable case with staging off (the driver's blocking copy); it must
+show the serialisation, >= 1.5. Every run is checked bitwise against the plain model and its
+weight peak against the engine's prediction. ``blocked_s``: the launch thread's time blocked in
+host-blocking copies and waiting for the copier during the step.
+Last line: one JSON object with ``max_ratio``, ``negative_control_ratio`` and ``cases``.
 """
 from __future__ import annotations
 
@@ -35,33 +43,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offload_core.host.tier import HostingTier  # noqa: E402
 from offload_core.layout import LayerLayout  # noqa: E402
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming  # noqa: E402
-from offload_core.streaming.sim import SimDevice, SimLink  # noqa: E402
+from offload_core.streaming.sim import SimDevice, SimLink, SlowStretch  # noqa: E402
 
 MODELS = {"copy-bound": 0.5, "balanced": 1.0, "compute-bound": 2.0}  # compute / copy stage per layer
 TIERS = (HostingTier.PINNED, HostingTier.PAGEABLE, HostingTier.MAPPED)
 DEPTHS = (1, 2)
-STAGING_FIELD = "staged_copies"  # StreamingConfig's switch, once the engine stages copies
+# Overheads as fractions of the mean layer's pinned DMA time t (a Wan2.1-1.3B block: t = 2.3 ms).
+COPY_LATENCY_T = 0.005  # ~10 us per cudaMemcpyAsync
+LAUNCH_T = 0.02  # ~46 us of host time per layer: ~10 kernel launches at ~5 us
+JITTER = 0.2  # the copier's memcpy: page faults, the GIL, a shared memory bus
+SLOW = (0.25, 0.25, 0.5)  # slow-copier case: from a quarter of the step, for a quarter, at half speed
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, linears: int = 1):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, dim)
+        self.fcs = nn.ModuleList(nn.Linear(dim, dim) for _ in range(linears))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc(self.norm(x))
+        h = self.norm(x)
+        for fc in self.fcs:
+            h = fc(h)
+        return x + h
 
 
 class Stack(nn.Module):
-    """A denoiser-shaped stack: a non-layer input projection, then ``layers`` streamed blocks."""
+    """A denoiser-shaped stack: a non-layer input projection, then ``layers`` streamed blocks.
+
+    ``uneven``: the first third are "double" blocks of twice the bytes (FLUX's double then single)."""
 
     offload_layer_groups = ("blocks",)
 
-    def __init__(self, layers: int, dim: int):
+    def __init__(self, layers: int, dim: int, uneven: bool = False):
         super().__init__()
         self.proj_in = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, 2 if uneven and i < layers // 3 else 1) for i in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.proj_in(x)
@@ -76,6 +93,12 @@ class Case:
     depth: int
     model: str
     staging: bool = True
+    shape: str = "even"  # "even", "uneven" (FLUX-like) or "slow-copier"
+
+    @property
+    def name(self) -> str:
+        prefix = "" if self.shape == "even" else f"{self.shape} "
+        return f"{prefix}{self.tier.value} depth {self.depth} {self.model}"
 
 
 @dataclass(frozen=True)
@@ -86,7 +109,8 @@ class Outcome:
     copy_bound_by: str  # "dma" or "host_memcpy": the slowest stage of the copy pipeline
     bitwise_equal: bool
     peak_predicted: bool
-    blocked_s: float  # launch-thread time blocked in driver-staged copies during the step
+    blocked_s: float  # launch-thread time blocked (host-blocking copies, waits for the copier) in the step
+    copier_wait_s: float
 
     @property
     def ratio(self) -> float:
@@ -108,76 +132,89 @@ def copy_stage(layout: LayerLayout, tier: HostingTier, link: SimLink) -> tuple[f
 
 
 def config_for(case: Case, keys: list[str]) -> StreamingConfig:
-    extra = {}
-    if STAGING_FIELD in {f.name for f in dataclasses.fields(StreamingConfig)}:
-        extra[STAGING_FIELD] = case.staging
-    # else: this engine has no staging: every pageable/mapped copy is the driver's blocking one
-    return StreamingConfig(prefetch_depth=case.depth, hosting={k: case.tier for k in keys}, **extra)
+    return StreamingConfig(prefetch_depth=case.depth, hosting={k: case.tier for k in keys},
+                           staged_copies=case.staging)
 
 
-def run_case(case: Case, layers: int, dim: int, steps: int, link: SimLink) -> Outcome:
+def with_overheads(link: SimLink, model: nn.Module, streamer) -> SimLink:
+    mean_dma = sum(layer.layout.nbytes for layer in streamer.layers) / len(streamer.layers) / link.pinned_Bps
+    return dataclasses.replace(link, copy_latency_s=COPY_LATENCY_T * mean_dma, launch_s=LAUNCH_T * mean_dma,
+                               copier_jitter=JITTER, seed=0)
+
+
+def run_case(case: Case, layers: int, dim: int, steps: int, base: SimLink) -> Outcome:
     torch.manual_seed(0)
-    model = Stack(layers, dim).eval()
+    model = Stack(layers, dim, uneven=case.shape == "uneven").eval()
     x = torch.randn(4, dim, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(x)
-    device = SimDevice(link)
+    device = SimDevice(base)
     keys = [f"blocks.{i}" for i in range(layers)]
     streamer = apply_layer_streaming(model, device, config_for(case, keys))
+    link = device.link = with_overheads(base, model, streamer)
     device.register_streamer(streamer)
     stages = {layer.key: copy_stage(layer.layout, case.tier, link) for layer in streamer.layers}
     compute = {key: MODELS[case.model] * seconds for key, (seconds, _) in stages.items()}
     device.charge_layer_compute(streamer, compute)
+    sum_copy = sum(seconds for seconds, _ in stages.values())
+    ideal = max(sum_copy, sum(compute.values()))
     streamer.prepare_for_use()
-    ends, equal = [], True
-    blocked_before = 0.0
+    ends, equal, blocked, waited = [0.0], True, 0.0, 0.0
     with torch.no_grad():
-        for _ in range(steps):
-            blocked_before = device.blocked_s
+        for step in range(steps):
+            if case.shape == "slow-copier" and step == steps - 1:
+                start, length, factor = SLOW
+                device.link = dataclasses.replace(link, copier_slow=SlowStretch(
+                    ends[-1] + start * ideal, ends[-1] + (start + length) * ideal, factor))
+                sum_copy += length * ideal * (1 - factor)  # the copier's work the stretch takes
+            blocked, waited = device.blocked_s, device.copier_wait_s
             out = model(x)
             device.synchronize()
             ends.append(device.now)
             equal = equal and torch.equal(out, expected)
     peak_ok = streamer.meter.peak_bytes == streamer.predicted_peak_bytes()
     streamer.remove()
-    sum_copy = sum(seconds for seconds, _ in stages.values())
     bound = max(sum_copy, sum(compute.values())) + max(seconds for seconds, _ in stages.values())
     by = sorted({stage for _, stage in stages.values()})
     return Outcome(case, ends[-1] - ends[-2], bound, "+".join(by), equal, peak_ok,
-                   device.blocked_s - blocked_before)
+                   device.blocked_s - blocked, device.copier_wait_s - waited)
+
+
+def cases() -> list[Case]:
+    grid = [Case(tier, depth, model) for tier in TIERS for depth in DEPTHS for model in MODELS]
+    uneven = [Case(tier, depth, "balanced", shape="uneven") for tier in TIERS for depth in DEPTHS]
+    return [*grid, *uneven, Case(HostingTier.PAGEABLE, 2, "balanced", shape="slow-copier")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="8 layers of 128 (default 24 of 256)")
+    parser.add_argument("--quick", action="store_true", help="40 layers of 128, 3 steps (default 60 of 256, 4)")
     parser.add_argument("--pinned-GBps", type=float, default=25.0)
     parser.add_argument("--pageable-GBps", type=float, default=10.0)
     parser.add_argument("--host-memcpy-GBps", type=float, default=12.0)
     args = parser.parse_args()
-    layers, dim, steps = (8, 128, 3) if args.quick else (24, 256, 4)
+    layers, dim, steps = (40, 128, 3) if args.quick else (60, 256, 4)
     link = SimLink(pinned_Bps=args.pinned_GBps * 1e9, pageable_Bps=args.pageable_GBps * 1e9,
                    mapped_Bps=args.pageable_GBps * 1e9, host_memcpy_Bps=args.host_memcpy_GBps * 1e9)
-    staging = STAGING_FIELD in {f.name for f in dataclasses.fields(StreamingConfig)}
-    print(f"simulated link: {link}; {layers} layers of {dim}x{dim}; engine stages copies: {staging}")
-    print(f"{'tier':9} {'depth':>5} {'model':14} {'step us':>9} {'bound us':>9} {'ratio':>6} "
-          f"{'copy bound by':14} {'blocked us':>10} bitwise peak=pred")
+    print(f"simulated link: {link}; {layers} layers of {dim}x{dim}; overheads per mean layer DMA t: copy latency "
+          f"{COPY_LATENCY_T} t, launch {LAUNCH_T} t, copier jitter +-{JITTER:.0%}")
+    print(f"{'case':42} {'step us':>9} {'bound us':>9} {'ratio':>6} {'copy bound by':14} {'blocked us':>10} "
+          f"{'copier wait us':>14} bitwise peak=pred")
     outcomes = []
-    for tier in TIERS:
-        for depth in DEPTHS:
-            for model in MODELS:
-                o = run_case(Case(tier, depth, model), layers, dim, steps, link)
-                outcomes.append(o)
-                print(f"{tier.value:9} {depth:>5} {model:14} {o.step_s * 1e6:>9.3f} {o.bound_s * 1e6:>9.3f} "
-                      f"{o.ratio:>6.3f} {o.copy_bound_by:14} {o.blocked_s * 1e6:>10.3f} "
-                      f"{o.bitwise_equal!s:7} {o.peak_predicted}", flush=True)
+    for case in cases():
+        o = run_case(case, layers, dim, steps, link)
+        outcomes.append(o)
+        print(f"{case.name:42} {o.step_s * 1e6:>9.3f} {o.bound_s * 1e6:>9.3f} {o.ratio:>6.3f} {o.copy_bound_by:14} "
+              f"{o.blocked_s * 1e6:>10.3f} {o.copier_wait_s * 1e6:>14.3f} {o.bitwise_equal!s:7} {o.peak_predicted}",
+              flush=True)
     control = run_case(Case(HostingTier.PAGEABLE, 1, "balanced", staging=False), layers, dim, steps, link)
     print(f"negative control (balanced, pageable, depth 1, staging off): ratio {control.ratio:.3f}")
     print(json.dumps({
-        "bench": "sim_overlap", "quick": args.quick, "engine_stages_copies": staging,
-        "link": dataclasses.asdict(link), "layers": layers,
-        "cases": [{"tier": o.case.tier.value, "depth": o.case.depth, "model": o.case.model,
-                   "step_s": o.step_s, "bound_s": o.bound_s, "ratio": round(o.ratio, 4),
-                   "copy_bound_by": o.copy_bound_by, "blocked_s": o.blocked_s,
+        "bench": "sim_overlap", "quick": args.quick, "layers": layers, "link": dataclasses.asdict(link),
+        "overheads_per_layer_dma": {"copy_latency": COPY_LATENCY_T, "launch": LAUNCH_T, "copier_jitter": JITTER},
+        "cases": [{"name": o.case.name, "shape": o.case.shape, "tier": o.case.tier.value, "depth": o.case.depth,
+                   "model": o.case.model, "ratio": round(o.ratio, 4), "step_s": o.step_s, "bound_s": o.bound_s,
+                   "copy_bound_by": o.copy_bound_by, "blocked_s": o.blocked_s, "copier_wait_s": o.copier_wait_s,
                    "bitwise_equal": o.bitwise_equal, "peak_equals_prediction": o.peak_predicted}
                   for o in outcomes],
         "max_ratio": round(max(o.ratio for o in outcomes), 4),

@@ -8,13 +8,21 @@ every kernel advances a virtual clock under the rules a real GPU imposes:
 - two streams, the compute stream (the current one) and the copy stream; an operation starts when
   its stream reached it, its host thread issued it and the engine it needs is free;
 - one host->device copy engine: copies serialise on it whatever stream issued them;
-- a copy from PINNED memory is asynchronous: the host thread issues it and goes on;
+- a copy from PINNED memory with ``non_blocking=True`` is asynchronous: the host thread issues it
+  and goes on; with ``non_blocking=False`` the host thread waits until it landed;
 - a copy from PAGEABLE or MAPPED memory is staged by the driver and blocks the host thread until
   it lands (that host thread cannot launch kernels meanwhile);
+- every copy pays ``copy_latency_s`` on the copy engine, every kernel launch and copy issue
+  ``launch_s`` of its host thread's time;
 - kernels launch asynchronously on the current stream; events mark a stream's position, a wait
   makes a stream start nothing before the event;
 - host threads other than the one that launches kernels (a staging copier) have their own clocks;
-  a host memcpy costs ``bytes / host_memcpy_Bps`` on its thread's clock.
+  a host memcpy costs ``bytes / host_memcpy_Bps`` on its thread's clock, times a seeded jitter
+  (``copier_jitter``, zero-mean) and a slow stretch (``copier_slow``: the copier at a fraction of
+  its speed between two instants), as page faults, the GIL and a busy memory bus do;
+- the launch thread's waits for the copier count as blocked (``blocked_s``, ``copier_wait_s``).
+
+Used only by tests and benches (``bench/sim_overlap.py``); nothing in the service imports it.
 
 Bandwidths are :class:`SimLink` inputs; per-layer compute times are attached with
 :meth:`SimDevice.charge_layer_compute`. Every operation is also checked against the clock: a kernel
@@ -27,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import random
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Mapping
 
@@ -48,25 +57,59 @@ SIM_PIN_REFUSED = 2  # CUDA_ERROR_OUT_OF_MEMORY, what cuMemHostRegister returns 
 
 
 @dataclass(frozen=True)
+class SlowStretch:
+    """The copier at ``factor`` x its speed while its clock is in [start_s, end_s) (a busy memory bus)."""
+
+    start_s: float
+    end_s: float
+    factor: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not (0 < self.factor <= 1 and 0 <= self.start_s <= self.end_s):
+            raise ValueError(f"SlowStretch needs 0 <= start <= end and 0 < factor <= 1, got {self}")
+
+
+@dataclass(frozen=True)
 class SimLink:
-    """The simulated machine's rates. Defaults: PCIe Gen4 x16 (the brief's 25 / 10 GB/s)."""
+    """The simulated machine's rates. Defaults: PCIe Gen4 x16 (the brief's 25 / 10 GB/s), no overheads."""
 
     pinned_Bps: float = 25e9  # DMA from page-locked memory
     pageable_Bps: float = 10e9  # through the driver's own staging buffer, host thread blocked
     mapped_Bps: float = 10e9  # a page-cached file mapping goes through the same driver staging
     host_memcpy_Bps: float = 12e9  # one host thread's memcpy (pageable -> pinned staging buffer)
     launch_s: float = 0.0  # host time to launch a kernel or issue a copy
+    copy_latency_s: float = 0.0  # copy-engine time every host->device copy pays besides its bytes
+    copier_jitter: float = 0.0  # each host memcpy takes x U(1 - j, 1 + j), seeded by ``seed``
+    copier_slow: SlowStretch | None = None
+    seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("pinned_Bps", "pageable_Bps", "mapped_Bps", "host_memcpy_Bps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SimLink.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.launch_s < 0:
-            raise ValueError(f"SimLink.launch_s must be >= 0, got {self.launch_s!r}")
+        for name in ("launch_s", "copy_latency_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SimLink.{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.copier_jitter < 1:
+            raise ValueError(f"SimLink.copier_jitter must be in [0, 1), got {self.copier_jitter!r}")
 
     def h2d_Bps(self, source: HostingTier) -> float:
         return {HostingTier.PINNED: self.pinned_Bps, HostingTier.PAGEABLE: self.pageable_Bps,
                 HostingTier.MAPPED: self.mapped_Bps}[source]
+
+    def memcpy_s(self, nbytes: int, start: float, rng: random.Random) -> float:
+        """Seconds of a host memcpy of ``nbytes`` starting at ``start`` on the copier's clock."""
+        seconds = nbytes / self.host_memcpy_Bps
+        if self.copier_jitter:
+            seconds *= rng.uniform(1 - self.copier_jitter, 1 + self.copier_jitter)
+        slow = self.copier_slow
+        if slow is not None and start < slow.end_s and start + seconds > slow.start_s:
+            # The part inside the stretch runs at factor x speed: integrate the work over time.
+            before = max(0.0, slow.start_s - start)
+            inside = min(seconds - before, (slow.end_s - max(start, slow.start_s)) * slow.factor)
+            after = seconds - before - inside
+            seconds = before + inside / slow.factor + after
+        return seconds
 
 
 class StreamHazardError(AssertionError):
@@ -103,10 +146,11 @@ class _InterceptCopies(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") == "copy_" and self._sim._thread == self._thread:
             dst, src = args[0], args[1]
+            non_blocking = (kwargs or {}).get("non_blocking", args[2] if len(args) > 2 else False)
             if self._host_memcpy:
                 self._sim._host_memcpy(dst, src)
             else:
-                self._sim._h2d_copy(dst, src)
+                self._sim._h2d_copy(dst, src, bool(non_blocking))
         return func(*args, **(kwargs or {}))
 
 
@@ -121,8 +165,12 @@ class _SimJob:
         self._sim, self.done_at, self._error = sim, done_at, error
 
     def result(self, timeout: float | None = None) -> None:
-        thread = self._sim._thread
-        self._sim._clocks[thread] = max(self._sim._clocks[thread], self.done_at)
+        sim, thread = self._sim, self._sim._thread
+        waited = max(0.0, self.done_at - sim._clocks[thread])
+        if thread == LAUNCH_THREAD:  # the thread that launches kernels stood still meanwhile
+            sim.blocked_s += waited
+            sim.copier_wait_s += waited
+        sim._clocks[thread] += waited
         if self._error is not None:
             raise self._error
 
@@ -180,7 +228,10 @@ class SimDevice(Device):
         self._last_read: dict[int, float] = {}
         self.copies = 0
         self.kernels = 0
-        self.blocked_s = 0.0  # launch-thread time spent blocked in copies from pageable/mapped memory
+        self.blocked_s = 0.0  # launch-thread time blocked: in host-blocking copies and waiting for the copier
+        self.copier_wait_s = 0.0  # of blocked_s, the launch thread's waits for staging fills
+        self.copy_blocked_s = 0.0  # of blocked_s, time inside host-blocking copies (pageable, mapped, synchronous)
+        self._rng = random.Random(self.link.seed)
 
     # -- the clock --------------------------------------------------------------------------------
     @property
@@ -231,19 +282,21 @@ class SimDevice(Device):
         self._clocks[self._thread] += self.link.launch_s
         self.kernels += 1
 
-    def _h2d_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _h2d_copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> None:
         nbytes = dst.numel() * dst.element_size()
         source = self._host_memory.get(_storage(src), HostingTier.PAGEABLE)
         clock = self._clocks[self._thread]
         start = max(clock, self._ready[self._stream], self._h2d_free)
         self._check(start, reads=(_storage(src),), writes=(_storage(dst),), what=f"a {source.value} copy")
-        end = start + nbytes / self.link.h2d_Bps(source)
+        end = start + self.link.copy_latency_s + nbytes / self.link.h2d_Bps(source)
         self._ready[self._stream] = end
         self._h2d_free = end
         self._touch(end, reads=(_storage(src),), writes=(_storage(dst),))
-        if source is not HostingTier.PINNED:
-            # The driver stages pageable memory itself and returns only once the copy landed.
+        if source is not HostingTier.PINNED or not non_blocking:
+            # The driver stages pageable memory itself and returns only once the copy landed; a
+            # pinned copy without non_blocking is synchronous too (cudaMemcpy, not ...Async).
             self.blocked_s += end - clock
+            self.copy_blocked_s += end - clock
             clock = end
         self._clocks[self._thread] = clock + self.link.launch_s
         self.copies += 1
@@ -252,7 +305,7 @@ class SimDevice(Device):
         nbytes = dst.numel() * dst.element_size()
         start = self._clocks[self._thread]
         self._check(start, reads=(_storage(src),), writes=(_storage(dst),), what="a host memcpy")
-        end = start + nbytes / self.link.host_memcpy_Bps
+        end = start + self.link.memcpy_s(nbytes, start, self._rng)
         self._touch(end, reads=(_storage(src),), writes=(_storage(dst),))
         self._clocks[self._thread] = end
 

@@ -90,7 +90,7 @@ def test_staged_layers_never_block_the_launch_thread_and_copy_only_from_pinned_m
         assert torch.equal(WAN.run(model, inputs), expected)
         assert torch.equal(WAN.run(model, inputs), expected)
         streamer.finish_use()
-    assert sim.blocked_s == 0.0, "a pageable or mapped copy blocked the thread that launches kernels"
+    assert sim.copy_blocked_s == 0.0, "a pageable or mapped copy blocked the thread that launches kernels"
     assert streamer.staging.restarts == 0, "the copier filled exactly the layers asked for, in order"
 
 
@@ -101,7 +101,7 @@ def test_without_staging_pageable_copies_block_the_launch_thread(remove_after):
     sim.register_streamer(streamer)
     sim.charge_layer_compute(streamer, {layer.key: 1e-5 for layer in streamer.layers})
     WAN.run(model, inputs)
-    assert sim.blocked_s > 0
+    assert sim.copy_blocked_s > 0 and sim.copier_wait_s == 0.0
 
 
 def test_a_failed_fill_surfaces_in_the_forward_that_needed_it(monkeypatch, remove_after):
@@ -133,6 +133,6 @@ def test_a_refused_staging_pin_copies_unstaged_and_a_granted_one_never_blocks(re
     if refuse:
         # No pageable staging buffer: it would add a host memcpy to a copy that blocks anyway.
         assert staging.refusal is not None and staging.host_tensors() == () and streamer.staging_bytes == 0
-        assert staging.fills == 0 and sim.blocked_s > 0, "the staged layers went the driver's blocking way"
+        assert staging.fills == 0 and sim.copy_blocked_s > 0, "the staged layers went the driver's blocking way"
     else:
-        assert staging.refusal is None and staging.fills > 0 and sim.blocked_s == 0.0
+        assert staging.refusal is None and staging.fills > 0 and sim.copy_blocked_s == 0.0
