@@ -10,6 +10,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Tests plan from models built on meta every time, never from a profile a previous run cached
+# (offload_core/planner/facts_cache.py); its own tests turn it on in a temporary folder.
+os.environ.setdefault("OFFLOAD_SERVE_PLAN_CACHE", "0")
 
 # 200 MiB per node: tensors between stages are small for the tiny zoo, and several nodes share 24 GiB.
 OBJECT_STORE_BYTES = 200 * 1024 * 1024

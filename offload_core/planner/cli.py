@@ -45,7 +45,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per stage replica: plans the stages with a TP plan as one rank holds them")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--picture", type=_picture_path, metavar="PATH.svg|PATH.png",
+                   help="also draw the plan: per component its weights by where they live, and one pass "
+                        "over its layers on the copy and compute streams as the cost model predicts it")
     return p
+
+
+def _picture_path(text: str) -> Path:
+    path = Path(text)
+    if path.suffix.lower() not in (".svg", ".png"):
+        raise argparse.ArgumentTypeError(f"--picture {text!r}: the file must end in .svg or .png")
+    return path
 
 
 def table(plan: PipelinePlan) -> str:
@@ -97,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(plan.to_dict()))
     else:
         print(table(plan))
+    if args.picture is not None:
+        from offload_core.planner.picture import plan_picture, render
+
+        args.picture.write_bytes(render(plan_picture(plan), args.picture.suffix.lower().lstrip(".")))
+        print(f"picture of the plan written to {args.picture}", file=sys.stderr)
     return 0
 
 

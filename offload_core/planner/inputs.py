@@ -25,7 +25,7 @@ from offload_core.layout import (
     declared_layer_groups,
     resolve_layer_group,
 )
-from offload_core.planner import gpus, real_models
+from offload_core.planner import facts_cache, gpus, real_models
 from offload_core.planner.facts import (
     ComponentProfile,
     LinkFacts,
@@ -188,10 +188,20 @@ def _facts(pipeline, load, defaults, gpu: GpuSpec, host_ram: int, working_set: i
     profiles: list[ComponentProfile] = []
     for name in (c for s in stages for c in s.components):
         class_name, config, dtype, groups = load[name]
-        module = real_models.build_meta(class_name, config, dtype)
         uses, tokens = work[name]
-        profile = _profile(name, module, tp_size, notes, uses_per_request=uses, tables=tables,
-                           layer_groups=_groups(module, groups, notes, name))
+
+        def build(name=name, class_name=class_name, config=config, dtype=dtype, groups=groups, uses=uses):
+            built_notes: list[str] = []
+            module = real_models.build_meta(class_name, config, dtype)
+            return _profile(name, module, tp_size, built_notes, uses_per_request=uses, tables=tables,
+                            layer_groups=_groups(module, groups, built_notes, name)), built_notes
+
+        if tp_size == 1:  # a sharded profile is built each time: its layouts come from a fake process group
+            key = facts_cache.profile_key(name, class_name, config, dtype, groups, uses, tables)
+            profile, built_notes = facts_cache.cached_profile(key, build)
+        else:
+            profile, built_notes = build()
+        notes += built_notes
         profiles.append(with_compute(profile, tokens, gpu.flops))
     lease = max(0, host_ram - default_reserve(host_ram))
     notes.append(f"host: {host_ram / GiB:.0f} GiB, {lease / GiB:.1f} GiB may be pinned after the reserve; "

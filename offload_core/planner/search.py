@@ -15,13 +15,14 @@ Ties go to fewer bytes moved, then to the smaller peak. Overrides pin any field 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 from typing import Mapping, Sequence
 
 from offload_core.host.pin_order import PinClaim, pin_order
 from offload_core.host.tier import STAGED_TIERS, HostingTier
-from offload_core.layout import staging_bytes
+from offload_core.layout import DEFAULT_STAGING_BUFFERS, staging_bytes
 from offload_core.planner.cost_model import non_layer_device_bytes, predict
 from offload_core.planner.facts import ComponentProfile, PipelineFacts
 from offload_core.planner.pipeline_plan import (  # noqa: F401 (re-exported)
@@ -65,12 +66,25 @@ def _override(plan: ComponentPlan, o: ComponentOverride) -> ComponentPlan:
 
 
 def _assign_hosting(facts: PipelineFacts, plans: dict[str, ComponentPlan],
-                    overrides: Mapping[str, ComponentOverride]) -> dict[str, ComponentPlan]:
+                    overrides: Mapping[str, ComponentOverride], cache: dict | None = None) -> dict[str, ComponentPlan]:
     """Tiers per layer: pins along the pin order (``host.pin_order``, as the host plan leases them) up to the lease.
 
     A layer is pinned only if the lease also holds the staging buffers the layers after it would
     need if none of them were pinned; what a component stages is taken from the lease at its end.
+    The tiers depend only on which components stream and how many layers each keeps resident, so
+    within one search (``cache``) they are worked out once per such combination.
     """
+    key = ("hosting", tuple((n, p.strategy is Strategy.LAYERWISE, p.resident_layers) for n, p in plans.items()))
+    if cache is not None and key in cache:
+        return {n: dataclasses.replace(p, hosting=cache[key][n]) if n in cache[key] else p for n, p in plans.items()}
+    out = _tiers_along_pin_order(facts, plans, overrides)
+    if cache is not None:
+        cache[key] = {n: p.hosting for n, p in out.items() if p.hosting}
+    return out
+
+
+def _tiers_along_pin_order(facts: PipelineFacts, plans: dict[str, ComponentPlan],
+                           overrides: Mapping[str, ComponentOverride]) -> dict[str, ComponentPlan]:
     claims = []
     for profile in facts.components:
         if plans[profile.name].strategy is Strategy.LAYERWISE:
@@ -85,7 +99,7 @@ def _assign_hosting(facts: PipelineFacts, plans: dict[str, ComponentPlan],
         tiers = {}
         layouts = {l.key: l.layout.flat_bytes for l in profile.layers}
         keys = [key for key, _ in claim.layers]
-        after = _suffix_staging([layouts[key] for key in keys])
+        after = _suffix_staging(tuple(layouts[key] for key in keys))
         for index, (key, nbytes) in enumerate(claim.layers):
             if forced is not None:
                 tiers[key] = forced
@@ -99,14 +113,17 @@ def _assign_hosting(facts: PipelineFacts, plans: dict[str, ComponentPlan],
     return out
 
 
-def _suffix_staging(layouts: list) -> list[int]:
+@functools.lru_cache(maxsize=256)  # one entry per (component, resident count): the search asks again and again
+def _suffix_staging(layouts: tuple) -> list[int]:
     """``[i]``: the staging bytes of layers ``i..`` (``layout.staging_bytes``), for every i; ``[n]`` is 0."""
     out, largest = [0] * (len(layouts) + 1), {}
     for i in range(len(layouts) - 1, -1, -1):
         for dtype, nbytes in layouts[i]:
             largest[dtype] = max(largest.get(dtype, 0), nbytes)
-        # the suffix's per-dtype largest stands for each of its layers: same buffers, same bytes
-        out[i] = staging_bytes([tuple(largest.items())] * (len(layouts) - i))
+        # the suffix's per-dtype largest stands for each of its layers: same buffers, same bytes; more
+        # copies than buffers change nothing, so at most that many are passed (O(n), not O(n^2): 40
+        # layers x 128 strategy combinations made this a third of planning Wan2.1-14B)
+        out[i] = staging_bytes([tuple(largest.items())] * min(len(layouts) - i, DEFAULT_STAGING_BUFFERS))
     return out
 
 
@@ -159,7 +176,7 @@ def _evaluate(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str, Comp
               overrides: Mapping[str, ComponentOverride], budget: int, cache: dict | None = None,
               assign_hosting: bool = True) -> PipelinePlan:
     if assign_hosting:
-        plans = _assign_hosting(facts, plans, overrides)
+        plans = _assign_hosting(facts, plans, overrides, cache)
     preds = _predict_all(facts, plans, cache)
     done = {n: dataclasses.replace(plans[n], prediction=preds[n]) for n in plans}
     peak, peak_stage = -1, ""
@@ -169,8 +186,10 @@ def _evaluate(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str, Comp
         if bytes_ > peak:
             peak, peak_stage = bytes_, stage.name
     profiles = {p.name: p for p in facts.components}
-    pinned = sum(l.nbytes for n, c in done.items() for l in profiles[n].layers
-                 if dict(c.hosting).get(l.key) is HostingTier.PINNED)
+    pinned = 0
+    for n, c in done.items():
+        tiers = dict(c.hosting)
+        pinned += sum(l.nbytes for l in profiles[n].layers if tiers.get(l.key) is HostingTier.PINNED)
     preds = [c.prediction for c in done.values()]
     staging = sum(p.staging_bytes for p in preds)
     return PipelinePlan(

@@ -47,6 +47,9 @@ class WarmupFigures:
     # Seconds per request spent in the layers with every hook on them (their compute, the streamer's
     # hooks and waits); total_s minus this is the component's non-layer compute.
     layer_span_s: float = 0.0
+    # Per layer, in ``order``, seconds per use in its hooks outside its compute: a streamed layer's
+    # wait for its copy (and the streamer's hook work). What the picture's measured pass shows.
+    layer_wait_s: tuple[float, ...] = ()
 
     @property
     def rest_s(self) -> float:
@@ -60,6 +63,7 @@ class MeasuredCompute:
 
     layer_s: tuple[tuple[str, float], ...]  # (layer key, seconds per use)
     rest_s: float  # non-layer seconds per use
+    layer_wait_s: tuple[tuple[str, float], ...] = ()  # (layer key, seconds per use outside compute)
 
     @property
     def per_use_s(self) -> float:
@@ -67,7 +71,13 @@ class MeasuredCompute:
 
     @classmethod
     def of(cls, figures: WarmupFigures) -> MeasuredCompute:
-        return cls(tuple(zip(figures.order, figures.layer_s)), figures.rest_s)
+        return cls(tuple(zip(figures.order, figures.layer_s)), figures.rest_s,
+                   tuple(zip(figures.order, figures.layer_wait_s)))
+
+    def scaled(self, factor: float) -> MeasuredCompute:
+        """Every figure times ``factor`` (per use as another count of uses sees it)."""
+        return MeasuredCompute(tuple((k, s * factor) for k, s in self.layer_s), self.rest_s * factor,
+                               tuple((k, s * factor) for k, s in self.layer_wait_s))
 
 
 _ENTRIES = itertools.count(1)  # a global clock of first entries: orders layers across groups
@@ -139,8 +149,9 @@ def measure_warmup(components: Mapping[str, nn.Module], run: Callable[[], object
         ran = sorted(pairs, key=lambda item: item[1].first)
         uses = ran[0][1].calls if ran else root.calls
         per_layer = tuple(t.elapsed / max(uses, 1) for _, t, _ in ran)
+        waits = tuple(max(o.elapsed - t.elapsed, 0.0) / max(uses, 1) for _, t, o in ran)
         out[name] = WarmupFigures(uses, tuple(key for key, _, _ in ran), per_layer, root.elapsed,
-                                  sum(o.elapsed for _, _, o in ran))
+                                  sum(o.elapsed for _, _, o in ran), waits)
     return out
 
 

@@ -87,11 +87,24 @@ def test_tp_2_plans_the_umt5_xxl_encoder_as_one_rank_holds_it(capsys):
     (["--model", "sd-9", "--gpu", "L4", "--host-ram", "64GiB"], "unknown model 'sd-9'"),
     (["--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "lots"], "not a byte size: 'lots'"),
     (["--model-dir", "/nonexistent", "--gpu", "L4", "--host-ram", "64GiB"], "has no model_index.json"),
+    (["--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "64GiB", "--picture", "plan.jpg"],
+     "must end in .svg or .png"),
 ])
 def test_bad_arguments_exit_2_naming_what_was_wrong(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_picture_of_the_plan_is_written_beside_the_table(capsys, tmp_path):
+    from zoo.tiny import ensure_tiny_wan
+
+    code, out = run(capsys, "--model-dir", str(ensure_tiny_wan()), "--gpu", "RTX3060", "--host-ram", "16GiB",
+                    "--mode", "memory", "--picture", str(tmp_path / "plan.svg"))
+    svg = (tmp_path / "plan.svg").read_bytes()
+    assert code == 0 and out.startswith("memory plan on RTX3060")
+    assert svg.startswith(b"<?xml") and all(f"{name}, predicted".encode() in svg
+                                            for name in ("text_encoder", "transformer", "vae"))
 
 
 def test_byte_sizes_take_binary_and_decimal_units():

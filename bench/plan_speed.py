@@ -1,0 +1,69 @@
+"""How long planning Wan2.1-T2V-14B + UMT5-XXL at real size takes, and how much of it is torch's import.
+
+Each figure is a fresh process, timed from outside (wall, and CPU = user + sys of the child):
+- ``torch_import``: ``python -c "import torch"``, the floor every plan pays;
+- ``plan_cold``: ``python -m offload_core.plan --model wan2.1-t2v-14b --gpu L4 --host-ram 64GiB`` with
+  an empty facts cache (builds the three components on ``meta``: imports diffusers and transformers);
+- ``plan_warm``: the same command again (profiles from the cache: neither library imported).
+``*_beyond_torch`` subtract the median torch import. Runs alternate (torch, cold, warm) so load on
+a shared machine falls on all three alike. Medians of ``--repeats``; the load average is printed.
+The last line is one JSON object.
+
+    .venv/bin/python bench/plan_speed.py --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PLAN = [sys.executable, "-m", "offload_core.plan", "--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "64GiB"]
+
+
+def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall s, CPU s) of one child process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    subprocess.run(argv, env=env, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    runs: dict[str, list[tuple[float, float]]] = {"torch_import": [], "plan_cold": [], "plan_warm": []}
+    load = os.getloadavg()[0]
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "OFFLOAD_SERVE_CACHE": cache, "OFFLOAD_SERVE_PLAN_CACHE": "1",
+                   "OMP_NUM_THREADS": "1"}
+            runs["torch_import"].append(timed([sys.executable, "-c", "import torch"], env))
+            runs["plan_cold"].append(timed(PLAN, env))
+            runs["plan_warm"].append(timed(PLAN, env))
+    out: dict[str, float] = {}
+    for name, pairs in runs.items():
+        out[f"{name}_wall_s"] = round(statistics.median(w for w, _ in pairs), 3)
+        out[f"{name}_cpu_s"] = round(statistics.median(c for _, c in pairs), 3)
+    for name in ("plan_cold", "plan_warm"):
+        for unit in ("wall", "cpu"):
+            out[f"{name}_beyond_torch_{unit}_s"] = round(out[f"{name}_{unit}_s"] - out[f"torch_import_{unit}_s"], 3)
+    out["load_average"] = round((load + os.getloadavg()[0]) / 2, 2)
+    out["repeats"] = args.repeats
+    for name, pairs in runs.items():
+        print(f"{name:13s} wall {', '.join(f'{w:.2f}' for w, _ in pairs)} s; cpu {', '.join(f'{c:.2f}' for _, c in pairs)} s")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

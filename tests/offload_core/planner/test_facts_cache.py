@@ -1,0 +1,52 @@
+"""Real-size profiles kept on disk: planning again imports no model library and plans the same."""
+from __future__ import annotations
+
+import pytest
+
+from offload_core.planner import facts_cache, real_models
+from offload_core.planner.inputs import GiB, gpu_spec, real_model_facts
+from offload_core.planner.search import plan_pipeline
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_SERVE_PLAN_CACHE", "1")
+    monkeypatch.setenv("OFFLOAD_SERVE_CACHE", str(tmp_path))
+    return tmp_path / "plan-facts"
+
+
+def test_a_second_plan_reads_the_profiles_back_and_builds_nothing(cache, monkeypatch):
+    gpu = gpu_spec("L4")
+    first, notes = real_model_facts("wan2.1-t2v-1.3b", gpu, 64 * GiB)
+    assert len(list(cache.glob("*.pickle"))) == 3  # text encoder, transformer, VAE
+
+    def never(*_):
+        raise AssertionError("a cached profile was built again")
+
+    monkeypatch.setattr(real_models, "build_meta", never)
+    again, notes_again = real_model_facts("wan2.1-t2v-1.3b", gpu, 64 * GiB)
+    assert again.components == first.components and notes_again == notes
+    assert plan_pipeline(again).explain() == plan_pipeline(first).explain()
+
+
+def test_cached_profiles_equal_fresh_ones_and_an_unreadable_file_is_built_again(cache, monkeypatch):
+    gpu = gpu_spec("L4")
+    cached, _ = real_model_facts("wan2.1-t2v-1.3b", gpu, 64 * GiB)
+    for path in cache.glob("*.pickle"):
+        path.write_bytes(b"not a pickle")
+    rebuilt, _ = real_model_facts("wan2.1-t2v-1.3b", gpu, 64 * GiB)
+    monkeypatch.setenv("OFFLOAD_SERVE_PLAN_CACHE", "0")
+    fresh, _ = real_model_facts("wan2.1-t2v-1.3b", gpu, 64 * GiB)
+    assert cached.components == rebuilt.components == fresh.components
+
+
+def test_the_key_changes_with_anything_the_profile_is_computed_from():
+    import torch
+
+    base = dict(name="transformer", class_name="WanTransformer3DModel", config={"num_layers": 30},
+                dtype=torch.bfloat16, groups=("blocks",), uses=100, tables="t")
+    key = facts_cache.profile_key(**base)
+    assert key == facts_cache.profile_key(**base)
+    for change in ({"config": {"num_layers": 40}}, {"dtype": torch.float32}, {"groups": None}, {"uses": 50},
+                   {"tables": "u"}, {"class_name": "FluxTransformer2DModel"}):
+        assert facts_cache.profile_key(**{**base, **change}) != key, change
