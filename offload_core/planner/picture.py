@@ -6,8 +6,8 @@ frozen value that travels between processes (a stage replica makes it, the ingre
 :func:`render` draws it with matplotlib (imported there only: planning never pays for it) as SVG or
 PNG. The CLI (``offload-serve plan --picture plan.svg``) and ``GET /v1/residency/picture`` run both.
 
-Colours are keyed on :class:`Placement` and hatches on :class:`WeightFormat`: a new tier or an
-8-bit host format (FP8) gets its entry in the two tables below, nothing else changes.
+Colours are keyed on :class:`Placement` and hatches on the engine's ``WeightFormat`` (FP8 layers
+are hatched over their tier's colour): a new placement or format is one entry in the tables below.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from offload_core.planner.pipeline_plan import ComponentPlan, PipelinePlan
 from offload_core.planner.strategy import Strategy
 from offload_core.planner.timeline import Lane, SpanKind, Timeline, measured_timeline, predicted_timeline
 from offload_core.planner.warmup import MeasuredCompute
+from offload_core.quant import WeightFormat  # the engine's: NATIVE or FP8 (hosted and copied 8-bit)
 
 
 class Placement(enum.Enum):
@@ -33,13 +34,6 @@ class Placement(enum.Enum):
     PARKED = "parked between uses"  # non-layer weights the gate moves off the device between uses
     HOST_TABLE = "token table on the host"  # gathered on the host, never copied whole
     OFFLOADED = "model offload"  # the whole component copied in for its stage
-
-
-class WeightFormat(enum.Enum):
-    """How the weights are stored where they live. FP8 (issue 23) sets it per layer."""
-
-    NATIVE = "native"
-    FP8 = "fp8"
 
 
 _BY_TIER = {HostingTier.PINNED: Placement.PINNED, HostingTier.PAGEABLE: Placement.PAGEABLE,
