@@ -31,6 +31,9 @@ IMAGE = "ghcr.io/offload-serve/offload-serve:0.1.0-ray2.60.0-py311-gpu"
 RAY_TOKEN_SECRET = "offload-serve-ray-token"
 GI = 2**30
 APP_NAME = "offload-serve"
+# Requests sharing one Denoiser forward (the app's batching.max_batch): also the Denoiser's
+# max_ongoing_requests, as build_app sets it, so Serve hands a replica exactly what one batch holds.
+DENOISER_MAX_BATCH = 4
 ACCELERATOR_PREFIX = "accelerator_type:"  # Ray's resource name for accelerator_type placement
 
 
@@ -250,6 +253,7 @@ def serve_config(variant: ServiceVariant) -> dict:
         "model_id": variant.real_model,
         "dtype": variant.dtype,
         **{s.args_key: {"offload_mode": s.offload_mode} for s in variant.stages},
+        "batching": {"max_batch": DENOISER_MAX_BATCH},
         "device_timeout_s": 30.0,
         "retry_after_s": 2,
         # enableInTreeAutoscaling adds GPU nodes for waiting replicas: build_app need not warn that the
@@ -265,8 +269,11 @@ def serve_config(variant: ServiceVariant) -> dict:
     for s in variant.stages:
         deployments.append({
             "name": s.deployment,
-            # One call at a time runs in a replica (the pipeline is not reentrant); a few queue.
-            "max_ongoing_requests": max(2, int(2 * s.target_ongoing_requests)),
+            # The Denoiser batches at step boundaries: it takes as many requests as one batch holds
+            # (a smaller figure here would cap every batch below max_batch). The other stages run one
+            # call at a time (the pipeline is not reentrant); a few queue.
+            "max_ongoing_requests": (DENOISER_MAX_BATCH if s.deployment == "Denoiser"
+                                     else max(2, int(2 * s.target_ongoing_requests))),
             "autoscaling_config": {
                 "min_replicas": s.min_replicas,
                 "max_replicas": s.max_replicas,

@@ -135,6 +135,16 @@ def test_serve_config_builds_the_service_app_with_valid_args_and_its_deployment_
     assert names == {Ingress.name, TextEncoder.name, Denoiser.name, VaeDecoder.name}
 
 
+def test_the_denoisers_concurrency_is_its_batch_as_build_app_sets_it(manifest):
+    from deployments.app import AppArgs
+
+    (app,) = _serve(manifest)["applications"]
+    args = AppArgs.model_validate(app["args"])
+    options = {d["name"]: d for d in app["deployments"]}
+    assert options["Denoiser"]["max_ongoing_requests"] == args.batching.max_batch >= 2
+    assert all(options[name]["max_ongoing_requests"] >= 1 for name in ("TextEncoder", "VaeDecoder"))
+
+
 def _worker_groups(manifest: dict) -> dict[str, dict]:
     return {g["groupName"]: g for g in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
 
