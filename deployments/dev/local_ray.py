@@ -8,14 +8,18 @@ object manager, agents) to every interface, and the token is what refuses strang
 """
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+
+logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 180  # a cold `ray start` takes ~15 s on an idle 2-core machine, minutes on a busy one
@@ -100,15 +104,24 @@ def head_command(port: int, dashboard_port: int, object_store_bytes: int, num_cp
     return command
 
 
+class HeadProcess(subprocess.Popen):
+    """``ray start --head --block`` for one head, in a process group of its own; it knows its GCS port
+    and Ray's temp folder, so :func:`stop_head` can also take back the address file it wrote."""
+
+    def __init__(self, command: list[str], port: int, temp_dir: str | None, **kwargs):
+        super().__init__(command, **kwargs)
+        self.port, self.temp_dir = port, temp_dir
+
+
 def start_head(port: int, object_store_bytes: int, env: dict[str, str], num_cpus: int | None = None,
-               temp_dir: str | None = None) -> subprocess.Popen:
+               temp_dir: str | None = None) -> HeadProcess:
     """Start the head and wait until its GCS accepts connections on loopback.
 
     Stop it with :func:`stop_head` (SIGTERM: ``ray start --block`` then stops its own processes,
     and no other Ray on this machine, unlike ``ray stop``)."""
     ensure_token(env)
-    head = subprocess.Popen(head_command(port, free_port(), object_store_bytes, num_cpus, temp_dir), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    head = HeadProcess(head_command(port, free_port(), object_store_bytes, num_cpus, temp_dir), port, temp_dir,
+                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if head.poll() is not None:
@@ -122,7 +135,12 @@ def start_head(port: int, object_store_bytes: int, env: dict[str, str], num_cpus
     raise TimeoutError(f"Ray's GCS not listening on {LOOPBACK}:{port} after {START_TIMEOUT_S} s")
 
 
-def stop_head(head: subprocess.Popen, timeout_s: float = 60) -> None:
+def stop_head(head: HeadProcess, timeout_s: float = 60) -> None:
+    """Stop the head, then what it left: any process of its group, and Ray's address file naming it.
+
+    ``ray start`` writes the head's address to ``ray_current_cluster`` in Ray's temp folder and only
+    ``ray stop`` removes it; a head stopped by SIGTERM left it naming a dead head (with the node's
+    address, not 127.0.0.1), and a plain ``serve run`` afterwards retried that head for minutes."""
     if head.poll() is None:
         head.terminate()
         try:
@@ -130,6 +148,50 @@ def stop_head(head: subprocess.Popen, timeout_s: float = 60) -> None:
         except subprocess.TimeoutExpired:
             head.kill()
             head.wait()
+    _kill_group(head.pid)
+    forget_address(head.port, head.temp_dir)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL what is left of the head's process group (start_new_session: the group is only ours)."""
+    import psutil
+
+    left = [p for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == pgid]
+    if left:
+        logger.info("Ray head stopped; %d of its processes were left (%s): killed", len(left),
+                    ", ".join(str(p.pid) for p in left))
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:  # they ended between the look and the kill
+            return
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def address_file(temp_dir: str | None = None) -> pathlib.Path:
+    """Ray's ``ray_current_cluster`` (where ``ray.init()`` and ``serve run`` look for a running head)."""
+    from ray._common.utils import get_ray_address_file
+
+    return pathlib.Path(get_ray_address_file(temp_dir))
+
+
+def forget_address(port: int, temp_dir: str | None = None) -> bool:
+    """Remove Ray's address file if it names a head on ``port`` (ours, stopped); True if removed."""
+    path = address_file(temp_dir)
+    try:
+        named = path.read_text().strip()
+    except FileNotFoundError:
+        return False
+    if not named.endswith(f":{port}"):
+        return False  # another head's (started after ours): not ours to remove
+    path.unlink(missing_ok=True)
+    logger.info("removed %s: it named the stopped head %s", path, named)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
