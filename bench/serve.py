@@ -89,8 +89,8 @@ def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode):
 def start_service(model_path: str, mode: PerformanceMode):
     from ray import serve
 
-    from deployments.api.schemas import Limits
     from deployments.app import AppArgs, StageArgs, build_app
+    from deployments.capacity.request_limits import Limits
 
     local_ray.init_local(include_dashboard=False, object_store_memory=200 * 1024 * 1024, log_to_driver=False)
     port = _free_port()

@@ -15,10 +15,10 @@ from typing import Mapping
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 
-from deployments.api.schemas import Limits
 from deployments.capacity import unplaced
+from deployments.capacity.request_limits import Limits
 from deployments.ingress.deployment import Ingress, IngressConfig
-from deployments.jobs.actor import JobsArgs
+from deployments.jobs.queue import JobsArgs
 from deployments.models.families import FamilyFacts, read_family_facts, uses_per_request
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.stages import Denoiser, TextEncoder, VaeDecoder

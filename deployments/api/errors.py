@@ -1,4 +1,5 @@
-"""Every failure the ingress can see, as an OpenAI-style JSON error with the right status.
+"""Every failure the ingress can see, as an OpenAI-style JSON error with the right status (no Ray here:
+failures arrive sorted, :class:`deployments.wire.failures.Failure`).
 
 Bad input is a 4xx naming the field; overload (Serve's queue full, the device lease not granted in
 time, a stage replica gone mid-call) is a 503 with Retry-After, so clients back off and retry
@@ -6,25 +7,15 @@ instead of treating it as a server fault.
 """
 from __future__ import annotations
 
-import enum
 import logging
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from ray import exceptions as ray_errors
-from ray.serve import exceptions as serve_errors
 
-from cluster.replica_memory import DeviceBusy
-from deployments.api.schemas import FieldError
-from deployments.wire.spec import RequestRejected
+from deployments.capacity.request_limits import FieldError
+from deployments.wire.failures import Failure, FailureKind
 
 logger = logging.getLogger(__name__)
-
-# Gone or going replicas: Serve replaces them; the client should retry.
-_UNAVAILABLE = (ray_errors.RayActorError, ray_errors.ActorDiedError, ray_errors.ActorUnavailableError,
-                serve_errors.ReplicaUnavailableError, serve_errors.DeploymentUnavailableError,
-                serve_errors.RequestCancelledError, ray_errors.ObjectLostError)
-
 
 # A message or param echoes what the client sent (an unknown key, a path); 500 characters are
 # enough to recognise it, and the bound keeps a 1 MiB key out of the answer and the log.
@@ -57,14 +48,6 @@ def validation_error(error: ValidationError) -> JSONResponse:
     return error_json(400, f"{param}: {first['msg']}", param, code, "invalid_request_error")
 
 
-def _causes(exc: BaseException):
-    seen = 0
-    while exc is not None and seen < 5:
-        yield exc
-        exc = getattr(exc, "cause", None) or exc.__cause__
-        seen += 1
-
-
 def internal_error(request_id: str, exc: BaseException) -> JSONResponse:
     """A 500 whose body carries the request id that the logged traceback also carries."""
     logger.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
@@ -72,44 +55,27 @@ def internal_error(request_id: str, exc: BaseException) -> JSONResponse:
                       "internal_error", "server_error", {"X-Request-Id": request_id})
 
 
-def overload_or_failure(exc: BaseException, retry_after_s: int, request_id: str) -> JSONResponse:
+def overload_or_failure(failure: Failure, retry_after_s: int, request_id: str) -> JSONResponse:
     """4xx for request-caused stage errors, 503 + Retry-After for overload and lost replicas; 500
     (logged with the request id) for anything else."""
     retry = {"Retry-After": str(retry_after_s)}
-    for cause in _causes(exc):
-        if isinstance(cause, RequestRejected):
-            logger.info("request %s refused by a stage: %s; %d", request_id, cause, cause.status)
-            return error_json(cause.status, cause.message, cause.param, "invalid_value", "invalid_request_error")
-        if isinstance(cause, serve_errors.BackPressureError):
-            logger.info("request %s refused: stage queue full (%s); 503, retry after %d s",
-                        request_id, cause, retry_after_s)
-            return error_json(503, "server busy: the queue is full, retry later", None, "queue_full",
-                              "overloaded", retry)
-        if isinstance(cause, DeviceBusy):
-            wait = max(retry_after_s, cause.retry_after_s)
-            logger.info("request %s refused: %s; 503, retry after %d s", request_id, cause, wait)
-            return error_json(503, f"device busy: {cause}", None, "device_busy", "overloaded",
-                              {"Retry-After": str(wait)})
-        if isinstance(cause, _UNAVAILABLE):
-            logger.info("request %s lost its stage replica (%s); 503, retry after %d s",
-                        request_id, type(cause).__name__, retry_after_s)
-            return error_json(503, "a stage replica was lost mid-request and is being replaced; retry",
-                              None, "replica_unavailable", "overloaded", retry)
-    return internal_error(request_id, exc)
-
-
-class FailureKind(enum.Enum):
-    """Why a stage call failed, for callers that retry (the video job runner) rather than answer."""
-
-    OVERLOAD = "overload"  # a stage queue was full or the device lease was not granted: try later
-    LOST_REPLICA = "lost_replica"  # a stage replica died or went away mid-call: rerun elsewhere
-    OTHER = "other"  # anything else: a fault, not worth a rerun
-
-
-def failure_kind(exc: BaseException) -> FailureKind:
-    for cause in _causes(exc):
-        if isinstance(cause, (serve_errors.BackPressureError, DeviceBusy)):
-            return FailureKind.OVERLOAD
-        if isinstance(cause, _UNAVAILABLE):
-            return FailureKind.LOST_REPLICA
-    return FailureKind.OTHER
+    cause, kind = failure.cause, failure.kind
+    if kind is FailureKind.REJECTED:
+        logger.info("request %s refused by a stage: %s; %d", request_id, cause, cause.status)
+        return error_json(cause.status, cause.message, cause.param, "invalid_value", "invalid_request_error")
+    if kind is FailureKind.QUEUE_FULL:
+        logger.info("request %s refused: stage queue full (%s); 503, retry after %d s",
+                    request_id, cause, retry_after_s)
+        return error_json(503, "server busy: the queue is full, retry later", None, "queue_full",
+                          "overloaded", retry)
+    if kind is FailureKind.DEVICE_BUSY:
+        wait = max(retry_after_s, failure.retry_after_s)
+        logger.info("request %s refused: %s; 503, retry after %d s", request_id, cause, wait)
+        return error_json(503, f"device busy: {cause}", None, "device_busy", "overloaded",
+                          {"Retry-After": str(wait)})
+    if kind is FailureKind.LOST_REPLICA:
+        logger.info("request %s lost its stage replica (%s); 503, retry after %d s",
+                    request_id, type(cause).__name__, retry_after_s)
+        return error_json(503, "a stage replica was lost mid-request and is being replaced; retry",
+                          None, "replica_unavailable", "overloaded", retry)
+    return internal_error(request_id, cause)

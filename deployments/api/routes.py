@@ -24,13 +24,16 @@ from starlette.exceptions import HTTPException
 from deployments.api import errors, video_jobs
 from deployments.api.body import BodyError, parse_object
 from deployments.api.guard import JSON_TYPES, Guard, GuardConfig, request_id
-from deployments.api.schemas import FieldError, ImageRequest, Limits, VideoRequest, image_spec, video_spec
+from deployments.api.model_list import ModelList, model_card
+from deployments.api.schemas import ImageRequest, VideoRequest, image_spec, video_spec
 from deployments.api.seams import ReplicaBoard, StagePipeline
-from deployments.capacity.limits import ModelList, StageAdmission, model_card
-from deployments.jobs.actor import JobsArgs
+from deployments.capacity.admission import StageAdmission
+from deployments.capacity.replica_report import REPUBLISH_S
+from deployments.capacity.request_limits import FieldError, Limits
+from deployments.jobs.queue import JobsArgs
 from deployments.models.families import FamilyFacts
-from deployments.replica.board import REPUBLISH_S
 from deployments.wire import media
+from deployments.wire.failures import FailureKind
 from deployments.wire.spec import DenoiseProgress, GenerationSpec, StageOutput
 
 logger = logging.getLogger(__name__)
@@ -145,7 +148,7 @@ class Service:
             logger.info("request %s cancelled: the client went away", spec.request_id)
             raise
         except Exception as exc:  # 4xx (request-caused), 503 (overload, lost replica) or a logged 500
-            return errors.overload_or_failure(exc, self.config.retry_after_s, spec.request_id)
+            return errors.overload_or_failure(self.stages.failure(exc), self.config.retry_after_s, spec.request_id)
         result = await self.render(render, generated)
         return result if isinstance(result, Response) else JSONResponse(result)
 
@@ -167,7 +170,7 @@ class Service:
             try:
                 generated = task.result()
             except Exception as exc:  # same mapping as the plain response, as an "error" event
-                response = errors.overload_or_failure(exc, self.config.retry_after_s, spec.request_id)
+                response = errors.overload_or_failure(self.stages.failure(exc), self.config.retry_after_s, spec.request_id)
                 yield _sse("error", {"status": response.status_code, **json.loads(response.body)})
                 return
             yield _sse("result", await self.render(render, generated))
@@ -189,7 +192,7 @@ class Service:
         try:
             reports = await self.board.residency()
         except Exception as exc:
-            if errors.failure_kind(exc) is not errors.FailureKind.LOST_REPLICA:
+            if self.stages.failure(exc).kind is not FailureKind.LOST_REPLICA:
                 raise
             logger.warning("the residency board is unreachable (%s); no replica's admission is known",
                            type(exc).__name__)
@@ -197,7 +200,7 @@ class Service:
         return tuple(r.admission for r in reports if r.admission is not None)
 
     async def models(self) -> ModelList:
-        """The served model with the largest request it accepts, from the replicas' reports (limits.py);
+        """The served model with the largest request it accepts, from the replicas' reports (capacity.admission);
         the configured limits (``source: configured``) until every stage has reported."""
         admissions = await self.admissions()
         return ModelList(data=[model_card(self.config.model_id, self.config.facts, self.config.limits, admissions)])
@@ -259,7 +262,7 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
         try:
             replicas, pending = await asyncio.gather(board.residency(), board.pending_replicas())
         except Exception as exc:
-            if errors.failure_kind(exc) is not errors.FailureKind.LOST_REPLICA:
+            if stages.failure(exc).kind is not FailureKind.LOST_REPLICA:
                 raise
             logger.warning("GET /v1/residency: the residency board is unreachable (%s); 503", type(exc).__name__)
             return errors.error_json(503, "the residency board is restarting; replicas report again within "
@@ -289,7 +292,7 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
     api.state.service = service  # the video jobs API (and tests) reach the same drive through it
     if jobs is not None:
         video_jobs.mount(api, video_jobs.VideoJobsConfig(config.model_id, config.facts, config.limits, config.jobs),
-                     jobs, service.generate, config.retry_after_s, service.admissions)
+                     jobs, service.generate, config.retry_after_s, stages.failure, service.admissions)
     guard = GuardConfig(config.api_token, config.cors_origins, ((IMAGES, JSON_TYPES), (VIDEOS, JSON_TYPES),
                                                                 (video_jobs.CREATE, video_jobs.CREATE_TYPES)))
     api.add_middleware(Guard, config=guard)

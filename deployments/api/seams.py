@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import AsyncIterator, Awaitable, Protocol
 
 from deployments.capacity.gpu_shares import PendingReplica
-from deployments.replica.board import ReplicaResidency
+from deployments.capacity.replica_report import ReplicaResidency
+from deployments.wire.failures import Failure
 from deployments.wire.spec import DenoiseProgress, GenerationSpec, StageOutput
 
 
@@ -31,6 +32,10 @@ class StagePipeline(Protocol):
                 ) -> AsyncIterator[DenoiseProgress | StageOutput]: ...
 
     async def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput: ...
+
+    def failure(self, exc: BaseException) -> Failure:
+        """What a failed call through this binding means (a stage's, the board's or the job queue's: the
+        binding knows its transport's exceptions; the API answers and retries by the kind)."""
 
 
 class ReplicaBoard(Protocol):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -26,14 +25,15 @@ from pydantic import ValidationError
 
 from deployments.api import errors
 from deployments.api.body import BodyError, parse_object
-from deployments.api.schemas import FieldError, Limits
 from deployments.api.video_requests import VideoJobRequest, job_params
-from deployments.capacity.limits import StageAdmission, memory_refusal
-from deployments.jobs.actor import JobsArgs, JobStore
+from deployments.capacity.admission import StageAdmission, memory_refusal
+from deployments.capacity.request_limits import FieldError, Limits
+from deployments.jobs.queue import JobQueue, JobsArgs
 from deployments.jobs.records import JobStatus, ListOrder, VideoJob, new_job, new_job_id
 from deployments.jobs.results import ResultStore, Variant
 from deployments.jobs.runner import Generate, JobRunner, params_spec
 from deployments.models.families import FamilyFacts
+from deployments.wire.failures import FailureKind, FailureSorter
 
 logger = logging.getLogger(__name__)
 
@@ -61,23 +61,23 @@ class VideoJobsConfig:
 
 @dataclass(frozen=True)
 class JobsBackend:
-    """What the jobs API runs on: the application's store, the results location, this runner's id."""
+    """What the jobs API runs on: the application's queue, the results location, this runner's id."""
 
-    store: JobStore
+    queue: JobQueue
     results: ResultStore
-    owner: str  # the ingress replica, as the store records who holds a job's lease
+    owner: str  # the ingress replica, as the queue records who holds a job's lease
     # The pipeline for one video's frames; None: the ingress's own encode -> denoise -> decode.
     generate: Generate | None = None
 
 
 class VideoJobs:
-    """One ingress replica's side of the jobs API: the store, the results, and this replica's runner."""
+    """One ingress replica's side of the jobs API: the queue, the results, and this replica's runner."""
 
-    def __init__(self, config: VideoJobsConfig, store: JobStore, results: ResultStore, runner: JobRunner,
-                 clock: Callable[[], float] = time.time, admissions: Admissions | None = None):
+    def __init__(self, config: VideoJobsConfig, queue: JobQueue, results: ResultStore, runner: JobRunner,
+                 failures: FailureSorter, clock: Callable[[], float] = time.time, admissions: Admissions | None = None):
         """``admissions``: what the stage replicas admit now (a job none can hold is refused at once)."""
-        self.config, self.store, self.results, self.runner = config, store, results, runner
-        self.clock, self.admissions = clock, admissions
+        self.config, self.queue, self.results, self.runner = config, queue, results, runner
+        self.failures, self.clock, self.admissions = failures, clock, admissions
 
     def _started(self) -> None:
         self.runner.start()  # a no-op once started; started here if the app was built without a loop
@@ -122,12 +122,12 @@ class VideoJobs:
         except FieldError as exc:
             return errors.field_error(exc)
         now = self.clock()
-        job = await self.store.create(new_job(new_job_id(now), cfg.model_id, params, int(now)))
+        job = await self.queue.create(new_job(new_job_id(now), cfg.model_id, params, int(now)))
         self.runner.wake()
         return JSONResponse(job.to_json())
 
     async def _job(self, video_id: str) -> VideoJob | JSONResponse:
-        job = await self.store.get(video_id) if JOB_ID.match(video_id) else None
+        job = await self.queue.get(video_id) if JOB_ID.match(video_id) else None
         if job is None:
             return errors.error_json(404, f"no video {video_id!r} (never created, deleted, or expired)", "video_id",
                                      "video_not_found", "invalid_request_error")
@@ -158,7 +158,7 @@ class VideoJobs:
                 raise FieldError("order", f"{order_text!r} is not 'asc' or 'desc'")
         except FieldError as exc:
             return errors.field_error(exc)
-        page = await self.store.list(after, int(limit_text), ListOrder(order_text))
+        page = await self.queue.list(after, int(limit_text), ListOrder(order_text))
         data = [job.to_json() for job in page.jobs]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": page.has_more}
@@ -184,7 +184,7 @@ class VideoJobs:
 
     async def delete(self, request: Request, video_id: str):
         self._started()
-        job = await self.store.delete(video_id) if JOB_ID.match(video_id) else None
+        job = await self.queue.delete(video_id) if JOB_ID.match(video_id) else None
         if job is None:
             return (await self._job(video_id))  # the 404
         if job.status is JobStatus.IN_PROGRESS:
@@ -193,31 +193,19 @@ class VideoJobs:
         return {"id": job.id, "object": "video.deleted", "deleted": True}
 
 
-def serve_backend(app_name: str, args: JobsArgs) -> JobsBackend:
-    """The Serve ingress replica's backend: the application's store actor (get-or-create) and its id."""
-    from ray import serve
-
-    from deployments.jobs.actor import get_job_store
-
-    try:
-        owner = serve.get_replica_context().replica_id.to_full_id_str()
-    except Exception:  # outside a replica (a script building the app by hand)
-        owner = f"local-ingress-{os.getpid()}"
-    return JobsBackend(get_job_store(app_name, args), ResultStore(args.results_location(app_name)), owner)
-
-
 def mount(api: FastAPI, config: VideoJobsConfig, backend: JobsBackend, generate, retry_after_s: float,
-          admissions: Admissions | None = None) -> VideoJobs:
+          failures: FailureSorter, admissions: Admissions | None = None) -> VideoJobs:
     """Add the Videos API to ``api`` and start this replica's runner; ``generate`` is the
     synchronous routes' drive (``Service.generate``), used unless the backend brings its own;
+    ``failures``: the ingress's sorting of failed calls (the stage pipeline's);
     ``admissions``: the stage replicas' (``Service.admissions``), checked when a job is created."""
 
     async def frames(spec, on_progress):
         return (await generate(spec, on_progress)).frames[0]
 
-    runner = JobRunner(backend.store, backend.results, backend.generate or frames, backend.owner, config.args,
-                       retry_after_s)
-    jobs = VideoJobs(config, backend.store, backend.results, runner, admissions=admissions)
+    runner = JobRunner(backend.queue, backend.results, backend.generate or frames, backend.owner, config.args,
+                       retry_after_s, failures)
+    jobs = VideoJobs(config, backend.queue, backend.results, runner, failures, admissions=admissions)
     api.include_router(router)
     api.state.video_jobs = jobs
     runner.start()
@@ -230,41 +218,41 @@ def current_jobs(request: Request) -> VideoJobs:
 
 
 def _store_unavailable(exc: Exception) -> JSONResponse:
-    logger.warning("job store call failed (%s: %s); 503", type(exc).__name__, exc)
-    return errors.error_json(503, "the job store is restarting; retry", None, "store_unavailable", "overloaded",
+    logger.warning("job queue call failed (%s: %s); 503", type(exc).__name__, exc)
+    return errors.error_json(503, "the job queue is restarting; retry", None, "store_unavailable", "overloaded",
                              {"Retry-After": "1"})
 
 
-async def _answer(call):
-    """A route's answer; a store that is restarting (its actor died and Ray restarts it) is a 503."""
+async def _answer(jobs: VideoJobs, call):
+    """A route's answer; a queue that is restarting (its actor died and Ray restarts it) is a 503."""
     try:
         return await call
     except Exception as exc:
-        if errors.failure_kind(exc) is errors.FailureKind.LOST_REPLICA:
+        if jobs.failures(exc).kind is FailureKind.LOST_REPLICA:
             return _store_unavailable(exc)
         raise
 
 
 @router.post(CREATE)
 async def create_video(request: Request, jobs: VideoJobs = Depends(current_jobs)):
-    return await _answer(jobs.create(request))
+    return await _answer(jobs, jobs.create(request))
 
 
 @router.get("/v1/videos")
 async def list_videos(request: Request, jobs: VideoJobs = Depends(current_jobs)):
-    return await _answer(jobs.list(request))
+    return await _answer(jobs, jobs.list(request))
 
 
 @router.get("/v1/videos/{video_id}")
 async def retrieve_video(request: Request, video_id: str, jobs: VideoJobs = Depends(current_jobs)):
-    return await _answer(jobs.retrieve(request, video_id))
+    return await _answer(jobs, jobs.retrieve(request, video_id))
 
 
 @router.get("/v1/videos/{video_id}/content")
 async def video_content(request: Request, video_id: str, jobs: VideoJobs = Depends(current_jobs)):
-    return await _answer(jobs.content(request, video_id))
+    return await _answer(jobs, jobs.content(request, video_id))
 
 
 @router.delete("/v1/videos/{video_id}")
 async def delete_video(request: Request, video_id: str, jobs: VideoJobs = Depends(current_jobs)):
-    return await _answer(jobs.delete(request, video_id))
+    return await _answer(jobs, jobs.delete(request, video_id))

@@ -13,7 +13,8 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from deployments.api.schemas import MAX_USER_CHARS, FieldError, Limits, Text, VideoRequest, video_spec
+from deployments.api.schemas import MAX_USER_CHARS, Text, VideoRequest, video_spec
+from deployments.capacity.request_limits import FieldError, Limits
 from deployments.jobs.records import JobParams
 from deployments.models.families import FamilyFacts
 

@@ -10,17 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import AsyncIterator, Awaitable
 
 from fastapi import FastAPI
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from deployments.api import video_jobs
 from deployments.api.routes import Generated, IngressConfig, build_api
+from deployments.api.video_jobs import JobsBackend
 from deployments.capacity import unplaced
 from deployments.capacity.gpu_shares import PendingReplica
-from deployments.replica.board import ReplicaResidency, get_board, live_replicas
+from deployments.capacity.replica_report import ReplicaResidency
+from deployments.ingress.failures import sort_failure
+from deployments.jobs.actor import get_job_queue
+from deployments.jobs.queue import JobsArgs
+from deployments.jobs.results import ResultStore
+from deployments.replica.board import get_board, live_replicas
+from deployments.wire.failures import Failure
 from deployments.wire.spec import DenoiseProgress, GenerationSpec, StageOutput
 
 logger = logging.getLogger(__name__)
@@ -36,6 +43,9 @@ class HandleStages:
 
     def encode(self, spec: GenerationSpec) -> Awaitable[StageOutput]:
         return self.encoder.encode.remote(spec)
+
+    def failure(self, exc: BaseException) -> Failure:
+        return sort_failure(exc)
 
     def denoise(self, encoded: Awaitable[StageOutput], spec: GenerationSpec, progress: bool = True
                 ) -> AsyncIterator[DenoiseProgress | StageOutput]:
@@ -61,6 +71,15 @@ class ResidencyBoardClient:
         return await asyncio.to_thread(unplaced.pending_replicas, self.app_name)  # controller + GCS
 
 
+def serve_backend(app_name: str, args: JobsArgs) -> JobsBackend:
+    """The Serve ingress replica's jobs backend: the application's queue actor (get-or-create) and its id."""
+    try:
+        owner = serve.get_replica_context().replica_id.to_full_id_str()
+    except Exception:  # outside a replica (a script building the app by hand)
+        owner = f"local-ingress-{os.getpid()}"
+    return JobsBackend(get_job_queue(app_name, args), ResultStore(args.results_location(app_name)), owner)
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress()
 class Ingress:
@@ -71,7 +90,7 @@ class Ingress:
         self.stages = HandleStages(encoder, denoiser, decoder)
         self.config = config
         self.board = ResidencyBoardClient(config.app_name)
-        self.jobs = video_jobs.serve_backend(config.app_name, config.jobs)
+        self.jobs = serve_backend(config.app_name, config.jobs)
         logger.info("ingress for %s (%s, %s): auth %s, CORS origins %s, limits %s", config.model_id,
                     config.facts.family.value, config.facts.folder, "bearer token" if config.api_token else "off",
                     list(config.cors_origins) or "none", config.limits)

@@ -1,168 +1,24 @@
-"""One job store per application: the SQLite file and the results, behind a named actor on the head node.
+"""The application's one job queue behind a named actor on the head node (its own process).
 
-Every ingress replica reaches the same :class:`JobStoreActor` by name (get-or-create), so a job
+Every ingress replica reaches the same :class:`JobQueueActor` by name (get-or-create), so a job
 created through one replica is seen, run and served by any; the actor is detached, so it outlives
 the replicas, and it is restarted by Ray if it dies, reopening the same file (jobs that were running
-go back in the queue). The ingress sees it through the :class:`JobStore` Protocol; tests bind that
-to :class:`InProcessJobStore` (the same SQLite code in the test's process).
+go back in the queue). The ingress sees it through :class:`deployments.jobs.queue.JobQueue`.
 """
 from __future__ import annotations
 
-import asyncio
-import logging
-import pathlib
-from typing import Protocol
-
 import ray
-from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.jobs.records import JobError, JobPage, ListOrder, SqliteJobStore, VideoJob
-from deployments.jobs.results import ResultStore
-
-logger = logging.getLogger(__name__)
+from deployments.jobs.queue import AsyncJobQueue, JobQueueService, JobsArgs
 
 
-class JobsArgs(BaseModel):
-    """``args.video_jobs`` in the Serve config: where jobs and results live and how they are run."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # The SQLite file is <directory>/<app_name>.sqlite3 on the head node (where the store runs).
-    directory: str = "~/.cache/offload-serve/jobs"
-    # A directory or fsspec URL every ingress replica reaches; None: <directory>/<app_name>-results.
-    results_url: str | None = None
-    # Finished jobs (and their mp4s) are deleted this long after they finish: a day, like OpenAI's.
-    expire_after_s: float = Field(86400.0, gt=0)
-    # A runner renews its jobs' leases every lease_s / 3; a job whose lease lapses (its ingress
-    # replica died) is queued again. 30 s: three missed renewals of a replica's event loop.
-    lease_s: float = Field(30.0, gt=0)
-    # Jobs one ingress replica runs at once. A Wan job keeps the Denoiser busy for minutes; 4 lets
-    # the encoder and decoder of the next jobs overlap it without filling the stage queues (16).
-    max_running_per_ingress: int = Field(4, ge=1)
-    # A job whose stage replica was lost waits this long before its retry, so Serve has noticed the
-    # loss (about 1-2 s here) and routes the retry to the replacement rather than the dead replica.
-    replica_retry_delay_s: float = Field(5.0, ge=0)
-    # How often an idle runner looks for queued jobs, and sweeps expired ones (every 20th look).
-    poll_interval_s: float = Field(0.5, gt=0)
-    # The poll interval suggested to clients (the openai client reads openai-poll-after-ms).
-    poll_after_ms: int = Field(1000, ge=10)
-
-    def db_path(self, app_name: str) -> pathlib.Path:
-        return pathlib.Path(self.directory).expanduser().resolve() / f"{app_name}.sqlite3"
-
-    def results_location(self, app_name: str) -> str:
-        if self.results_url is not None:
-            return self.results_url
-        return str(pathlib.Path(self.directory).expanduser().resolve() / f"{app_name}-results")
-
-
-class JobStoreService:
-    """The table and the results together: deleting or expiring a job deletes its files too."""
-
-    def __init__(self, app_name: str, args: JobsArgs):
-        self.jobs = SqliteJobStore(args.db_path(app_name), args.expire_after_s, args.lease_s)
-        self.results = ResultStore(args.results_location(app_name))
-        logger.info("job store for %s: %s, results in %s, expiry %g s, lease %g s", app_name, self.jobs.path,
-                    self.results.url, args.expire_after_s, args.lease_s)
-
-    def create(self, job: VideoJob) -> VideoJob:
-        return self.jobs.create(job)
-
-    def get(self, job_id: str) -> VideoJob | None:
-        return self.jobs.get(job_id)
-
-    def list(self, after: str | None, limit: int, order: ListOrder) -> JobPage:
-        return self.jobs.list(after, limit, order)
-
-    def claim(self, owner: str, limit: int) -> tuple[VideoJob, ...]:
-        return self.jobs.claim(owner, limit)
-
-    def renew(self, leases: tuple[tuple[str, str], ...], progress: dict[str, int]) -> frozenset[str]:
-        return self.jobs.renew(leases, progress)
-
-    def complete(self, job_id: str, owner: str, result_key: str) -> bool:
-        return self.jobs.complete(job_id, owner, result_key)
-
-    def fail(self, job_id: str, owner: str, error: JobError) -> bool:
-        return self.jobs.fail(job_id, owner, error)
-
-    def put_back(self, job_id: str, owner: str, reason: str, counted: bool, delay_s: float) -> VideoJob | None:
-        return self.jobs.put_back(job_id, owner, reason, counted, delay_s)
-
-    def delete(self, job_id: str) -> VideoJob | None:
-        job = self.jobs.delete(job_id)
-        if job is not None and job.result_key is not None:
-            self.results.delete(job.result_key)
-        return job
-
-    def expire(self) -> int:
-        expired = self.jobs.expire()
-        files = sum(self.results.delete(job.result_key) for job in expired if job.result_key is not None)
-        if expired:
-            logger.info("expired %d job(s), deleted %d result file(s)", len(expired), files)
-        return len(expired)
-
-
-# The store is light (a few SQLite rows per call): no CPU of its own, so it never blocks scheduling.
+# The queue is light (a few SQLite rows per call): no CPU of its own, so it never blocks scheduling.
 @ray.remote(num_cpus=0, max_restarts=-1)
-class JobStoreActor(JobStoreService):
+class JobQueueActor(JobQueueService):
     pass
 
 
-class JobStore(Protocol):
-    """What the ingress needs from the store; every method is one SQLite transaction."""
-
-    async def create(self, job: VideoJob) -> VideoJob: ...
-    async def get(self, job_id: str) -> VideoJob | None: ...
-    async def list(self, after: str | None, limit: int, order: ListOrder) -> JobPage: ...
-    async def claim(self, owner: str, limit: int) -> tuple[VideoJob, ...]: ...
-    async def renew(self, leases: tuple[tuple[str, str], ...], progress: dict[str, int]) -> frozenset[str]: ...
-    async def complete(self, job_id: str, owner: str, result_key: str) -> bool: ...
-    async def fail(self, job_id: str, owner: str, error: JobError) -> bool: ...
-    async def put_back(self, job_id: str, owner: str, reason: str, counted: bool, delay_s: float
-                       ) -> VideoJob | None: ...
-    async def delete(self, job_id: str) -> VideoJob | None: ...
-    async def expire(self) -> int: ...
-
-
-class _AsyncStore:
-    """The :class:`JobStore` methods, each forwarded to ``_call``."""
-
-    async def _call(self, method: str, *args):
-        raise NotImplementedError
-
-    async def create(self, job):
-        return await self._call("create", job)
-
-    async def get(self, job_id):
-        return await self._call("get", job_id)
-
-    async def list(self, after, limit, order):
-        return await self._call("list", after, limit, order)
-
-    async def claim(self, owner, limit):
-        return await self._call("claim", owner, limit)
-
-    async def renew(self, leases, progress):
-        return await self._call("renew", leases, progress)
-
-    async def complete(self, job_id, owner, result_key):
-        return await self._call("complete", job_id, owner, result_key)
-
-    async def fail(self, job_id, owner, error):
-        return await self._call("fail", job_id, owner, error)
-
-    async def put_back(self, job_id, owner, reason, counted, delay_s):
-        return await self._call("put_back", job_id, owner, reason, counted, delay_s)
-
-    async def delete(self, job_id):
-        return await self._call("delete", job_id)
-
-    async def expire(self):
-        return await self._call("expire")
-
-
-class ActorJobStore(_AsyncStore):
+class ActorJobQueue(AsyncJobQueue):
     def __init__(self, actor):
         self._actor = actor
 
@@ -170,32 +26,22 @@ class ActorJobStore(_AsyncStore):
         return await getattr(self._actor, method).remote(*args)
 
 
-class InProcessJobStore(_AsyncStore):
-    """The same store in this process (tests; a single-process run). SQLite calls go off the loop."""
-
-    def __init__(self, service: JobStoreService):
-        self.service = service
-
-    async def _call(self, method: str, *args):
-        return await asyncio.to_thread(getattr(self.service, method), *args)
-
-
-def store_name(app_name: str) -> str:
+def queue_name(app_name: str) -> str:
     return f"offload-serve-jobs:{app_name}"
 
 
-def get_job_store(app_name: str, args: JobsArgs) -> ActorJobStore:
-    """The application's store actor, created on first use, on the head node (whose disk holds the file)."""
-    actor = JobStoreActor.options(name=store_name(app_name), namespace="serve", lifetime="detached",
+def get_job_queue(app_name: str, args: JobsArgs) -> ActorJobQueue:
+    """The application's queue actor, created on first use, on the head node (whose disk holds the file)."""
+    actor = JobQueueActor.options(name=queue_name(app_name), namespace="serve", lifetime="detached",
                                   get_if_exists=True, resources={"node:__internal_head__": 0.001}
                                   ).remote(app_name, args)
-    return ActorJobStore(actor)
+    return ActorJobQueue(actor)
 
 
-def drop_job_store(app_name: str) -> bool:
-    """Kill the application's store actor (its file stays); True if there was one."""
+def drop_job_queue(app_name: str) -> bool:
+    """Kill the application's queue actor (its file stays); True if there was one."""
     try:
-        actor = ray.get_actor(store_name(app_name), namespace="serve")
+        actor = ray.get_actor(queue_name(app_name), namespace="serve")
     except ValueError:
         return False
     ray.kill(actor, no_restart=True)

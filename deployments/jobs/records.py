@@ -1,7 +1,7 @@
 """Video jobs: their records and the SQLite table that holds them (one file per application).
 
 Pure Python and ``sqlite3``: no Ray here. :mod:`deployments.jobs.actor` puts one
-:class:`SqliteJobStore` behind one named actor per application, so every ingress replica sees the
+:class:`SqliteJobQueue` behind one named actor per application, so every ingress replica sees the
 same jobs, and the file outlives the actor, the replicas and ``serve run`` itself.
 
 A job is claimed by one runner (an ingress replica) under a lease that the runner renews while it
@@ -132,7 +132,7 @@ def _row_to_job(row: sqlite3.Row) -> VideoJob:
                     row["attempts"], row["owner"], error, row["result_key"])
 
 
-class SqliteJobStore:
+class SqliteJobQueue:
     """Every job of one application in one SQLite file; each method is one transaction."""
 
     def __init__(self, path: str | os.PathLike, expire_after_s: float, lease_s: float,

@@ -1,7 +1,7 @@
 """Where finished videos live: a local directory, or any fsspec URL (``s3://bucket/videos``, ...).
 
 The runner (an ingress replica) writes a job's mp4 and thumbnail here; any ingress replica serves
-them back; the job store deletes them when the job is deleted or expires. So the location must be
+them back; the job queue deletes them when the job is deleted or expires. So the location must be
 one every ingress replica and the store reach: on one machine a directory, on a cluster shared
 storage or object storage (with its fsspec driver installed, e.g. s3fs).
 """

@@ -1,6 +1,6 @@
 """The job runner in every ingress replica: claims queued jobs, runs them, stores the results.
 
-Each replica claims up to ``max_running_per_ingress`` jobs from the application's one store and
+Each replica claims up to ``max_running_per_ingress`` jobs from the application's one queue and
 drives them through the same stage handles as the synchronous routes. While a job runs, every
 denoising step renews its lease and records its progress; the answer says whether the job is still
 this runner's, so a ``DELETE`` through any replica stops the run within one step (the task is
@@ -9,7 +9,7 @@ cancelled, which cancels the Denoiser's call at its next step boundary).
 Failures: overload (a full stage queue, a busy device) puts the job back without using its retry;
 a lost stage replica puts it back once (its retry), after a delay so the retry reaches the
 replacement; anything else fails the job with the reason. A runner that dies stops renewing, and
-the store queues its jobs again when their leases lapse: no job stays in progress forever.
+the queue queues its jobs again when their leases lapse: no job stays in progress forever.
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from deployments.api.errors import FailureKind, failure_kind
-from deployments.jobs.actor import JobsArgs, JobStore
+from deployments.jobs.queue import JobQueue, JobsArgs
 from deployments.jobs.records import JobError, JobParams, VideoJob
 from deployments.jobs.results import ResultStore, Variant, result_key
 from deployments.wire import media
+from deployments.wire.failures import FailureKind, FailureSorter
 from deployments.wire.spec import DenoiseProgress, GenerationSpec
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ OnProgress = Callable[[DenoiseProgress], Awaitable[None]]
 # The stage pipeline for one video: its frames (frames, H, W, 3), float32 in [0, 1].
 Generate = Callable[[GenerationSpec, OnProgress], Awaitable[object]]
 
-# The store is swept for expired jobs every this many polls (10 s at the default 0.5 s poll).
+# The queue is swept for expired jobs every this many polls (10 s at the default 0.5 s poll).
 SWEEP_EVERY_POLLS = 20
 
 
@@ -57,9 +57,11 @@ def encode_video(frames, fps: int) -> tuple[bytes, bytes]:
 
 
 class JobRunner:
-    def __init__(self, store: JobStore, results: ResultStore, generate: Generate, owner: str, args: JobsArgs,
-                 retry_after_s: float):
-        self.store, self.results, self.generate = store, results, generate
+    def __init__(self, queue: JobQueue, results: ResultStore, generate: Generate, owner: str, args: JobsArgs,
+                 retry_after_s: float, failures: FailureSorter):
+        """``failures`` sorts a failed generation (overload: put back; lost replica: one retry; else fail)."""
+        self.queue, self.results, self.generate = queue, results, generate
+        self.failures = failures
         self.owner, self.args, self.retry_after_s = owner, args, retry_after_s
         self._running: dict[str, asyncio.Task] = {}
         self._leases: dict[str, str] = {}  # job id -> the lease its claim returned ("<owner>/<attempt>")
@@ -96,7 +98,7 @@ class JobRunner:
         return True
 
     async def stop(self) -> None:
-        """Stop claiming and cancel what runs (the store queues those jobs again when their leases lapse)."""
+        """Stop claiming and cancel what runs (the queue queues those jobs again when their leases lapse)."""
         self._stopping = True
         tasks = [t for t in (self._loop_task, *self._running.values()) if t is not None]
         for task in tasks:
@@ -117,15 +119,15 @@ class JobRunner:
                     await self._renew_all()
                     last_renew = time.monotonic()
                 if polls % SWEEP_EVERY_POLLS == 0:
-                    await self.store.expire()
+                    await self.queue.expire()
                 free = self.args.max_running_per_ingress - len(self._running)
                 if free > 0:
-                    for job in await self.store.claim(self.owner, free):
+                    for job in await self.queue.claim(self.owner, free):
                         self._start(job)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the store is restarting or unreachable: keep polling
-                logger.warning("job runner %s: store call failed (%s: %s); retrying in %g s", self.owner,
+            except Exception as exc:  # the queue is restarting or unreachable: keep polling
+                logger.warning("job runner %s: queue call failed (%s: %s); retrying in %g s", self.owner,
                                type(exc).__name__, exc, self.args.poll_interval_s)
             polls += 1
             self._wake.clear()
@@ -148,7 +150,7 @@ class JobRunner:
     async def _renew_all(self) -> None:
         leases = tuple(self._leases.items())
         if leases:
-            held = await self.store.renew(leases, {i: self._progress.get(i, 0) for i, _ in leases})
+            held = await self.queue.renew(leases, {i: self._progress.get(i, 0) for i, _ in leases})
             self._stop_unheld(tuple(i for i, _ in leases), held)
 
     def _stop_unheld(self, ids: tuple[str, ...], held: frozenset[str]) -> None:
@@ -164,7 +166,7 @@ class JobRunner:
 
         async def on_progress(step: DenoiseProgress) -> None:
             self._progress[job.id] = progress_percent(step.step, step.total)
-            if job.id not in await self.store.renew(((job.id, lease),), {job.id: self._progress[job.id]}):
+            if job.id not in await self.queue.renew(((job.id, lease),), {job.id: self._progress[job.id]}):
                 logger.info("job %s is no longer %s's (deleted or reclaimed): its run is cancelled", job.id, lease)
                 raise asyncio.CancelledError
 
@@ -173,7 +175,7 @@ class JobRunner:
             video, thumbnail = await asyncio.to_thread(encode_video, frames, job.params.fps)
             await asyncio.to_thread(self.results.put, key, Variant.VIDEO, video)
             await asyncio.to_thread(self.results.put, key, Variant.THUMBNAIL, thumbnail)
-            if await self.store.complete(job.id, lease, key):
+            if await self.queue.complete(job.id, lease, key):
                 logger.info("job %s done in %.2f s: %d B mp4 stored as %s", job.id, time.monotonic() - started,
                             len(video), key)
             else:  # deleted while it ran: nobody will ask for this result
@@ -191,16 +193,16 @@ class JobRunner:
             self.wake()
 
     async def _failed(self, job: VideoJob, lease: str, exc: Exception) -> None:
-        kind = failure_kind(exc)
+        kind = self.failures(exc).kind
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         try:
-            if kind is FailureKind.OVERLOAD:
-                await self.store.put_back(job.id, lease, f"overload ({reason})", False, self.retry_after_s)
+            if kind.overload:
+                await self.queue.put_back(job.id, lease, f"overload ({reason})", False, self.retry_after_s)
             elif kind is FailureKind.LOST_REPLICA:
-                await self.store.put_back(job.id, lease, f"a stage replica was lost ({reason})", True,
+                await self.queue.put_back(job.id, lease, f"a stage replica was lost ({reason})", True,
                                           self.args.replica_retry_delay_s)
             else:
                 logger.error("job %s failed", job.id, exc_info=exc)
-                await self.store.fail(job.id, lease, JobError("generation_failed", reason))
-        except Exception as store_exc:  # the lease lapses and the store queues the job again
-            logger.warning("job %s: could not record its failure (%s); its lease will lapse", job.id, store_exc)
+                await self.queue.fail(job.id, lease, JobError("generation_failed", reason))
+        except Exception as queue_exc:  # the lease lapses and the queue puts the job back
+            logger.warning("job %s: could not record its failure (%s); its lease will lapse", job.id, queue_exc)

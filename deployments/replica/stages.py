@@ -13,9 +13,9 @@ from typing import AsyncIterator, Callable
 
 from ray import serve
 
+from deployments.capacity.replica_report import ReplicaResidency
 from deployments.models import families
 from deployments.replica.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
-from deployments.replica.board import ReplicaResidency
 from deployments.replica.cancel import CancelFlag, RequestCancelled
 from deployments.replica.metrics import BatchMetrics
 from deployments.replica.steppers import StepRequest, stepper_for

@@ -31,23 +31,22 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import ContextManager, Mapping, Protocol
 
 import torch
 from torch import nn
 
-from deployments.api.schemas import Limits, parse_size
+from cluster.replica_memory import ReplicaMemory
+from deployments.capacity.request_limits import Limits, parse_size
 from deployments.models import activation_features, families
 from deployments.models.activation_features import ACTIVATION_MARGIN
 from deployments.models.families import FamilyFacts
-from deployments.replica.stage_residency import StageResidency, predicted_kept_bytes, replan_stage
-from deployments.wire.spec import GenerationSpec
+from deployments.replica.batching import BatchingConfig
+from deployments.replica.stage_residency import StageResidency, replan_stage
+from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core.planner.search import PipelinePlan, repredict
 from offload_core.planner.warmup import MeasuredCompute, WarmupFigures, measure_warmup
 from offload_core.residency.activations import measure_activations
-
-if TYPE_CHECKING:  # the worker calls in here; a runtime import would be a circle
-    from deployments.replica.worker import StageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +73,30 @@ class WarmupShape:
         return f"{self.width}x{self.height}x{self.frames}"
 
 
-@dataclass(frozen=True)
-class Replanning:
-    """How the worker planned and applied its stage, so the warm-up can do it again with measurements."""
+class WarmupSettings(Protocol):
+    """The stage's configuration, as far as the warm-up reads it."""
 
-    apply: Callable[..., StageResidency]  # StageResidency with everything but ``plan`` bound
-    provisional: PipelinePlan  # the plan as planned (before the host re-tiered it): its facts, and compared
+    facts: FamilyFacts
+    stage: PipelineStage
+    dtype: str
+    batching: BatchingConfig | None
+    warmup_shape: WarmupShape | None
+
+
+class WarmupHost(Protocol):
+    """What the warm-up reads from the stage's worker and runs its calls through; it changes nothing
+    there: the worker applies the :class:`WarmupOutcome` (its activations, its final plan)."""
+
+    replica: str
+    config: WarmupSettings
+    pipe: object
+    device: torch.device
+    memory: ReplicaMemory
+    residency: StageResidency
+
+    def in_use(self, activation_bytes: int = 0) -> ContextManager[None]: ...
+
+    def activation_room(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -92,41 +109,40 @@ class WarmupOutcome:
     predicted_activation_bytes: int  # the default request at ``batch``, before the margin
     working_set_bytes: int  # what the plan keeps free of weights (margin applied, capped)
     changes: tuple[str, ...]  # how the final plan differs from the provisional one (empty: kept)
-    seconds: float  # the whole warm-up: calibration, the timed call, the replan (and re-apply)
+    seconds: float  # the whole warm-up: calibration, the timed call, the replan (the worker adds its re-apply)
     calibration_s: float  # of it, the activation calibration (what a replica paid before it planned from measurements)
+    activations: activation_features.StageActivations  # the calibrated model: what calls lease from then on
+    plan: PipelinePlan  # changes: the plan to apply in place of the first; else the applied one, re-predicted
+    note: str  # why the plan is what it is (the measured compute, the working set), for the log
 
 
-def warm_up(worker: StageWorker, modules: Mapping[str, nn.Module], replanning: Replanning) -> WarmupOutcome:
-    """Calibrate, time, replan; leaves ``worker.activations`` and ``worker.residency`` final."""
+def warm_up(host: WarmupHost, modules: Mapping[str, nn.Module], provisional: PipelinePlan) -> WarmupOutcome:
+    """Calibrate, time, replan against ``provisional`` (the plan as first planned, before the host
+    re-tiered it); returns what it measured and decided for the worker to apply."""
     start = time.perf_counter()
-    config = worker.config
-    worker.activations = calibrate_activations(worker, modules)
+    config = host.config
+    activations = calibrate_activations(host, modules)
     calibrated_s = time.perf_counter() - start
     shape = config.warmup_shape or WarmupShape.default_for(Limits(), config.facts)
-    compute = time_layers(worker, modules, shape.spec(config.facts))
+    compute = time_layers(host, modules, shape.spec(config.facts), activations)
     batch = config.batching.max_batch if config.batching is not None else 1
-    predicted = worker.activations.predict(shape.spec(config.facts, n=batch))
-    plan = replan_stage(replanning.provisional, worker.memory, compute=compute,
+    predicted = activations.predict(shape.spec(config.facts, n=batch))
+    plan = replan_stage(provisional, host.memory, compute=compute,
                         working_set_bytes=math.ceil(ACTIVATION_MARGIN * predicted))
     working_set = plan.device_capacity - plan.weight_budget
-    changes = plan.changes_from(replanning.provisional)
+    changes = plan.changes_from(provisional)
     note = (f"planned from a warm-up at {shape.describe()} (1 step): compute per use "
             + ", ".join(f"{name} {m.per_use_s * 1e3:.2f} ms" for name, m in compute.items())
             + f"; working set {working_set} B = {ACTIVATION_MARGIN} x {predicted} B of predicted activations for "
             f"{batch} request(s)" + (" (capped: the leanest plan's weights need the rest)"
                                      if working_set < math.ceil(ACTIVATION_MARGIN * predicted) else ""))
-    if changes:
-        _reapply(worker, replanning, dataclasses.replace(plan, notes=(*plan.notes, note)))
-    else:
-        worker.residency.adopt(repredict(worker.residency.plan, plan.facts, (note,)))
-    outcome = WarmupOutcome(shape, batch, tuple(compute.items()), predicted, working_set, changes,
-                            time.perf_counter() - start, calibrated_s)
-    logger.info("%s: warm-up in %.2f s; %s; plan %s", worker.replica, outcome.seconds, note,
-                f"changed ({'; '.join(changes)}): re-applied" if changes else "unchanged: the applied one is kept")
-    return outcome
+    final = (dataclasses.replace(plan, notes=(*plan.notes, note)) if changes
+             else repredict(host.residency.plan, plan.facts, (note,)))
+    return WarmupOutcome(shape, batch, tuple(compute.items()), predicted, working_set, changes,
+                         time.perf_counter() - start, calibrated_s, activations, final, note)
 
 
-def calibrate_activations(worker: StageWorker, modules: Mapping[str, nn.Module]) -> activation_features.StageActivations:
+def calibrate_activations(worker: WarmupHost, modules: Mapping[str, nn.Module]) -> activation_features.StageActivations:
     """Measure the stage's activation peak on two small shapes per regime, on the replica's device, and
     fit the family's model (deployments/models/activation_features.py); calls lease it from then on."""
     facts, stage = worker.config.facts, worker.config.stage
@@ -148,12 +164,14 @@ def calibrate_activations(worker: StageWorker, modules: Mapping[str, nn.Module])
     return fitted
 
 
-def time_layers(worker: StageWorker, modules: Mapping[str, nn.Module],
-                spec: GenerationSpec) -> dict[str, MeasuredCompute]:
-    """Compute per use of every component, timed on one call at ``spec`` under the applied plan."""
+def time_layers(worker: WarmupHost, modules: Mapping[str, nn.Module], spec: GenerationSpec,
+                activations: activation_features.StageActivations) -> dict[str, MeasuredCompute]:
+    """Compute per use of every component, timed on one call at ``spec`` under the applied plan (its
+    call lease: the calibrated activations' prediction, margin applied, at most the room left)."""
     facts, stage = worker.config.facts, worker.config.stage
     value = activation_features.stage_input(worker.pipe, facts, stage, spec)
-    with worker.in_use(worker.activation_bytes(spec)):
+    lease = min(math.ceil(ACTIVATION_MARGIN * activations.predict(spec)), worker.activation_room())
+    with worker.in_use(lease):
         figures = measure_warmup(
             modules, lambda: activation_features.run_stage(worker.pipe, facts, stage, spec, worker.device, value),
             device=worker.device)
@@ -176,19 +194,4 @@ def _per_use(figures: WarmupFigures, uses: int) -> MeasuredCompute:
     return MeasuredCompute(tuple((key, s * scale) for key, s in measured.layer_s), measured.rest_s * scale)
 
 
-def _reapply(worker: StageWorker, replanning: Replanning, plan: PipelinePlan) -> None:
-    """Replace the applied residency with ``plan``'s, never holding more device bytes than leased.
-
-    The standing lease grows before the new plan allocates and shrinks only after the old
-    residency is gone (``hold_standing`` returns the allocator's cache to the driver first). Parked
-    weights the old residency restores on its removal are within the call reservation the warm-up
-    calls kept (it covers the old plan's peak).
-    """
-    kept, timeout_s = predicted_kept_bytes(plan), worker.config.device_timeout_s
-    if kept > worker.leases.figures().standing_bytes:
-        worker.leases.hold_standing(kept, timeout_s)
-    worker.replace_residency(lambda: replanning.apply(plan=plan))
-    worker.leases.hold_standing(worker.residency.kept_bytes(), timeout_s)
-
-
-__all__ = ["Replanning", "WarmupOutcome", "WarmupShape", "warm_up"]
+__all__ = ["WarmupHost", "WarmupOutcome", "WarmupShape", "warm_up"]

@@ -26,13 +26,14 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from cluster.replica_memory import DeviceBusy
-from deployments.capacity.limits import StageAdmission, nearest_admitted, size_text
+from deployments.capacity.admission import StageAdmission, nearest_admitted, size_text
+from deployments.capacity.replica_report import REPUBLISH_S, BatchState, ReplicaResidency
 from deployments.models import activation_features, families
 from deployments.models.activation_features import ACTIVATION_MARGIN
 from deployments.models.families import FamilyFacts
 from deployments.replica import warmup
 from deployments.replica.batching import BatchingConfig
-from deployments.replica.board import REPUBLISH_S, BatchState, ReplicaResidency, get_board
+from deployments.replica.board import get_board
 from deployments.replica.board_publisher import Throttled
 from deployments.replica.leases import LEASE_REFUSED, open_device_leases, open_replica_memory
 from deployments.replica.metrics import StageMetrics
@@ -144,7 +145,7 @@ class StageWorker:
         # The batch size goes on its own (no lock, no walk of the weights): a busy period holds the
         # call lock for as long as its batch runs, and a report waits for that lock.
         self._batch_sender = Throttled(self._send_batch, PUBLISH_INTERVAL_S, f"batch-{config.stage.value}")
-        self.warmup = warmup.warm_up(self, modules, warmup.Replanning(applier, plan))
+        self.warmup = self._apply_warmup(warmup.warm_up(self, modules, plan), applier)
         self.publish()
 
     @property
@@ -240,11 +241,37 @@ class StageWorker:
             refusal = Refusal(self.replica, exc.nbytes, exc.headroom.usable_bytes, str(exc))
             raise DeviceBusy(self.replica, self.memory.device_pool, exc.nbytes, refusal, exc.waited_s) from None
 
-    def replace_residency(self, make: Callable[[], StageResidency]) -> None:
-        """Remove the applied residency and apply another (the warm-up's replan), no call or report running."""
-        with self._lock:
+    def _apply_warmup(self, outcome: warmup.WarmupOutcome, applier: Callable[..., StageResidency]
+                      ) -> warmup.WarmupOutcome:
+        """Keep the warm-up's calibrated activations and its plan: re-applied if it changed, else adopted
+        (the applied residency keeps its weights and reports the re-predicted figures)."""
+        start = time.perf_counter()
+        self.activations = outcome.activations
+        if outcome.changes:
+            self._reapply(lambda: applier(plan=outcome.plan), predicted_kept_bytes(outcome.plan))
+        else:
+            self.residency.adopt(outcome.plan)
+        outcome = dataclasses.replace(outcome, seconds=outcome.seconds + time.perf_counter() - start)
+        logger.info("%s: warm-up in %.2f s; %s; plan %s", self.replica, outcome.seconds, outcome.note,
+                    f"changed ({'; '.join(outcome.changes)}): re-applied" if outcome.changes
+                    else "unchanged: the applied one is kept")
+        return outcome
+
+    def _reapply(self, make: Callable[[], StageResidency], kept: int) -> None:
+        """Replace the applied residency with another, never holding more device bytes than leased.
+
+        The standing lease grows before the new plan allocates and shrinks only after the old
+        residency is gone (``hold_standing`` returns the allocator's cache to the driver first). Parked
+        weights the old residency restores on its removal are within the call reservation the warm-up
+        calls kept (it covers the old plan's peak).
+        """
+        timeout_s = self.config.device_timeout_s
+        if kept > self.leases.figures().standing_bytes:
+            self.leases.hold_standing(kept, timeout_s)
+        with self._lock:  # no call or report running
             self.residency.remove()
             self.residency = make()
+        self.leases.hold_standing(self.residency.kept_bytes(), timeout_s)
 
     def report(self) -> ReplicaResidency:
         weights = self.residency.report()

@@ -40,9 +40,9 @@ _JOBS_DIR: str | None = None
 
 
 def tiny_args(**overrides):
-    from deployments.api.schemas import Limits
     from deployments.app import AppArgs, StageArgs
-    from deployments.jobs.actor import JobsArgs
+    from deployments.capacity.request_limits import Limits
+    from deployments.jobs.queue import JobsArgs
     from offload_core.planner.search import PerformanceMode
 
     # max_steps 200: room for one request long enough (~1 s of denoising here) that a replica
@@ -74,7 +74,7 @@ def service(ray_cluster):
     try:
         yield base + PREFIX, {"Authorization": f"Bearer {TOKEN}"}
     finally:
-        from deployments.jobs.actor import drop_job_store
+        from deployments.jobs.actor import drop_job_queue
 
         serve.delete(APP)
-        drop_job_store(APP)  # detached (it outlives replicas by design): the module's app is done
+        drop_job_queue(APP)  # detached (it outlives replicas by design): the module's app is done

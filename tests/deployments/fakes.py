@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 from deployments.api.routes import IngressConfig, build_api
-from deployments.api.schemas import Limits
 from deployments.capacity.gpu_shares import PendingReplica
+from deployments.capacity.replica_report import ReplicaResidency
+from deployments.capacity.request_limits import Limits
+from deployments.ingress.failures import sort_failure
 from deployments.models.families import read_family_facts
-from deployments.replica.board import ReplicaResidency
+from deployments.wire.failures import Failure
 from deployments.wire.spec import DenoiseProgress, EncodedPrompt, GenerationSpec, StageOutput, StageStats
 from zoo.tiny import ensure_tiny_wan
 
@@ -68,6 +70,9 @@ class FakeStages:
             raise
         # As the Denoiser's: the latents come after the step loop (a reader that stops there cancels nothing).
         yield StageOutput(torch.zeros(spec.n, 4, 1, spec.height // 8, spec.width // 8), _stats("denoise")).after(enc)
+
+    def failure(self, exc: BaseException) -> Failure:
+        return sort_failure(exc)  # the ingress's own sorting: the fakes raise Ray's exceptions
 
     async def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput:
         self.calls.append(("decode", spec.request_id))

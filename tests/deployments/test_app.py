@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from deployments.api.schemas import Limits
 from deployments.app import AppArgs, build_app, resolve_model_folder, stage_configs
+from deployments.capacity.request_limits import Limits
 from deployments.ingress.deployment import IngressConfig
 from deployments.models.families import read_family_facts
 from deployments.wire.spec import PipelineStage

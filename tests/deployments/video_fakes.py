@@ -15,8 +15,8 @@ import torch
 
 from deployments.api import video_jobs
 from deployments.api.routes import build_api
-from deployments.api.schemas import Limits
-from deployments.jobs.actor import InProcessJobStore, JobsArgs, JobStoreService
+from deployments.capacity.request_limits import Limits
+from deployments.jobs.queue import InProcessJobQueue, JobQueueService, JobsArgs
 from deployments.jobs.runner import JobRunner
 from deployments.wire.spec import DenoiseProgress, GenerationSpec
 from tests.deployments.fakes import FakeBoard, FakeStages, fake_config
@@ -61,7 +61,7 @@ class FakePipeline:
 @dataclass
 class Harness:
     client: httpx.AsyncClient
-    service: JobStoreService
+    service: JobQueueService
     runner: JobRunner
     pipeline: FakePipeline | None
     clock: Clock
@@ -91,10 +91,10 @@ async def harness(tmp_path, token: str | None = None, pipeline: FakePipeline | N
     encode -> denoise -> decode over them."""
     args = jobs_args(tmp_path, **arg_overrides)
     clock = Clock()
-    service = JobStoreService("test-app", args)
+    service = JobQueueService("test-app", args)
     service.jobs.clock = clock
     pipeline = None if stages is not None else pipeline or FakePipeline()
-    backend = video_jobs.JobsBackend(InProcessJobStore(service), service.results, "test-runner", pipeline)
+    backend = video_jobs.JobsBackend(InProcessJobQueue(service), service.results, "test-runner", pipeline)
     # No Retry-After wait on overload: the clock is frozen (test_jobs pins the wait itself).
     config = dataclasses.replace(fake_config(token), limits=LIMITS, jobs=args, retry_after_s=0)
     api = build_api(config, stages or FakeStages(), board or FakeBoard(), backend)

@@ -9,6 +9,7 @@ from ray.serve.exceptions import BackPressureError
 
 from cluster.replica_memory import DeviceBusy
 from deployments.api import errors
+from deployments.ingress.failures import sort_failure
 from offload_core.host.budget import Refusal
 
 
@@ -30,20 +31,20 @@ def test_device_busy_survives_pickling_with_its_figures():
 
 def test_device_busy_inside_a_ray_task_error_is_a_503_with_the_longer_retry_after():
     wrapped = ray_errors.RayTaskError("decode", "traceback", _busy("decode#1", 5, 0, 3.5))
-    response = errors.overload_or_failure(wrapped, retry_after_s=2, request_id="r1")
+    response = errors.overload_or_failure(sort_failure(wrapped), retry_after_s=2, request_id="r1")
     assert response.status_code == 503 and response.headers["retry-after"] == "4"
     assert _body(response)["error"]["code"] == "device_busy"
 
 
 def test_a_full_queue_is_a_503_with_retry_after():
-    response = errors.overload_or_failure(BackPressureError(num_queued_requests=3, max_queued_requests=2),
+    response = errors.overload_or_failure(sort_failure(BackPressureError(num_queued_requests=3, max_queued_requests=2)),
                                           retry_after_s=2, request_id="r2")
     assert response.status_code == 503 and response.headers["retry-after"] == "2"
     assert _body(response)["error"]["code"] == "queue_full"
 
 
 def test_a_dead_replica_is_a_503_and_anything_else_a_logged_500():
-    died = errors.overload_or_failure(ray_errors.ActorDiedError(), retry_after_s=1, request_id="r3")
+    died = errors.overload_or_failure(sort_failure(ray_errors.ActorDiedError()), retry_after_s=1, request_id="r3")
     assert died.status_code == 503 and _body(died)["error"]["code"] == "replica_unavailable"
-    other = errors.overload_or_failure(RuntimeError("bug"), retry_after_s=1, request_id="r4")
+    other = errors.overload_or_failure(sort_failure(RuntimeError("bug")), retry_after_s=1, request_id="r4")
     assert other.status_code == 500 and "r4" in _body(other)["error"]["message"]

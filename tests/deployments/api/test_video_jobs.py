@@ -11,10 +11,10 @@ from PIL import Image
 from ray import exceptions as ray_errors
 from ray.serve import exceptions as serve_errors
 
-from deployments.capacity.limits import StageAdmission
+from deployments.capacity.admission import StageAdmission
+from deployments.capacity.replica_report import ReplicaResidency
 from deployments.jobs.records import JobParams, new_job, new_job_id
 from deployments.models.activation_features import Regime
-from deployments.replica.board import ReplicaResidency
 from deployments.wire.spec import PipelineStage
 from offload_core.planner.activations import ActivationModel
 from tests.deployments.fakes import FakeBoard

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from deployments.api import video_jobs
 from deployments.api.routes import build_api
-from deployments.jobs.actor import InProcessJobStore, JobStoreService
+from deployments.jobs.queue import InProcessJobQueue, JobQueueService
 from tests.deployments.api.test_http_properties import _json, _text
 from tests.deployments.fakes import FakeBoard, FakeStages, fake_config
 from tests.deployments.properties import status_codes_never_5xx
@@ -54,8 +54,8 @@ def requests(draw) -> dict:
 
 def test_no_generated_videos_request_gets_a_5xx_and_every_error_is_the_openai_object(tmp_path):
     args = jobs_args(tmp_path)
-    service = JobStoreService("test-app", args)
-    backend = video_jobs.JobsBackend(InProcessJobStore(service), service.results, "prop-runner", FakePipeline())
+    service = JobQueueService("test-app", args)
+    backend = video_jobs.JobsBackend(InProcessJobQueue(service), service.results, "prop-runner", FakePipeline())
     config = dataclasses.replace(fake_config(None), limits=LIMITS, jobs=args)
     api = build_api(config, FakeStages(), FakeBoard(), backend)
     with TestClient(api, raise_server_exceptions=False) as client:  # one loop: the runner lives in it

@@ -14,7 +14,7 @@ import pytest
 import ray
 from ray import serve
 
-from deployments.api.schemas import Limits
+from deployments.capacity.request_limits import Limits
 from tests.deployments.conftest import TOKEN, TOKEN_ENV, serve_base_url, tiny_args
 from tests.waiting import wait_for
 
@@ -39,7 +39,7 @@ class Captured(logging.Handler):
 def gpu_app(ray_cluster):
     """(http client, the build-time warnings) of the app on a one-GPU fake node; removed afterwards."""
     from deployments.app import build_app_with
-    from deployments.jobs.actor import drop_job_store
+    from deployments.jobs.actor import drop_job_queue
 
     node = ray_cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=100 * MiB,
                                 resources={"accelerator_type:RTX3060": 1, "offload_fake_ram_gb": 8})
@@ -60,7 +60,7 @@ def gpu_app(ray_cluster):
             yield client, captured.messages
     finally:
         serve.delete(APP)
-        drop_job_store(APP)
+        drop_job_queue(APP)
         ledger = f"offload-ledger-{node.node_id}"
         if ledger in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}:
             ray.kill(ray.get_actor(ledger, namespace="offload-serve"), no_restart=True)

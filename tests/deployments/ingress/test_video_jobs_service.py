@@ -1,7 +1,7 @@
 """The Videos API on real Ray Serve, driven by the official openai client: one app for the module.
 
 Create, poll, download (the mp4 decodes to the asked frames and size and equals the synchronous
-route's bytes), restarts of the ingress and of the job store mid-job, cancellation freeing the
+route's bytes), restarts of the ingress and of the job queue mid-job, cancellation freeing the
 Denoiser, 20 concurrent jobs, and a Denoiser killed mid-job (last: its replacement reloads).
 """
 from __future__ import annotations
@@ -20,8 +20,9 @@ import pytest
 import ray
 from PIL import Image
 
-from deployments.api.schemas import Limits
-from deployments.jobs.actor import JobsArgs, drop_job_store, store_name
+from deployments.capacity.request_limits import Limits
+from deployments.jobs.actor import drop_job_queue, queue_name
+from deployments.jobs.queue import JobsArgs
 from tests.deployments.conftest import TOKEN, TOKEN_ENV, serve_base_url, tiny_args
 
 APP, PREFIX = "jobs-test", "/jobs"
@@ -60,7 +61,7 @@ def service(ray_cluster, app_args):
         yield base + PREFIX
     finally:
         serve.delete(APP)
-        drop_job_store(APP)
+        drop_job_queue(APP)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ def test_the_openai_client_makes_a_video_of_the_asked_frames_and_size(client, se
 
 
 def readme_video_example() -> str:
-    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parents[3] / "README.md").read_text()
     section = text.split("## Video jobs: the OpenAI Videos API", 1)[1].split("\n## ", 1)[0]
     (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     return block
@@ -143,11 +144,11 @@ def test_bad_input_from_the_client_gets_the_openai_error_naming_the_field(client
     assert (refused.value.param, refused.value.code) == ("seconds", "invalid_value")
 
 
-def test_a_job_survives_restarts_of_the_ingress_and_the_job_store_mid_run(client):
+def test_a_job_survives_restarts_of_the_ingress_and_the_job_queue_mid_run(client):
     video = client.videos.create(prompt="a lighthouse", size="64x64", seconds="2", extra_body=LONG)
     _wait_progress(client, video.id)
     ray.kill(_replica_actor("Ingress"), no_restart=True)  # Serve starts a new ingress replica
-    ray.kill(ray.get_actor(store_name(APP), namespace="serve"), no_restart=False)  # Ray restarts the store
+    ray.kill(ray.get_actor(queue_name(APP), namespace="serve"), no_restart=False)  # Ray restarts the store
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -158,7 +159,7 @@ def test_a_job_survives_restarts_of_the_ingress_and_the_job_store_mid_run(client
             time.sleep(0.5)
     assert done.status == "completed", done.error
     assert _frames(client.videos.download_content(video.id).content).shape == (9, 64, 64, 3)
-    store = ray.get_actor(store_name(APP), namespace="serve")
+    store = ray.get_actor(queue_name(APP), namespace="serve")
     assert ray.get(store.get.remote(video.id)).attempts == 2, "rerun from the start once: its one retry"
 
 
@@ -222,11 +223,11 @@ def test_jobs_survive_a_restart_of_the_whole_application(client, app_args):
     running = client.videos.create(prompt="across the restart", size="64x64", extra_body=LONG)
     _wait_progress(client, running.id)
     serve.delete(APP)
-    assert drop_job_store(APP)
+    assert drop_job_queue(APP)
     _deploy(app_args)
     assert client.videos.retrieve(done.id).status == "completed"
     assert _frames(client.videos.download_content(done.id).content).shape == (5, 16, 16, 3)
     rerun = _wait(client, running.id, timeout_s=240)
     assert rerun.status == "completed", rerun.error
-    store = ray.get_actor(store_name(APP), namespace="serve")
+    store = ray.get_actor(queue_name(APP), namespace="serve")
     assert ray.get(store.get.remote(running.id)).attempts == 2, "queued again and rerun from the start: its retry"

@@ -6,7 +6,7 @@ from deployments.jobs.records import (
     JobParams,
     JobStatus,
     ListOrder,
-    SqliteJobStore,
+    SqliteJobQueue,
     new_job,
     new_job_id,
 )
@@ -15,11 +15,11 @@ from tests.deployments.video_fakes import Clock
 PARAMS = JobParams("a fox", None, 16, 16, 5, 4, 2, 5.0, 1, "1")
 
 
-def _store(tmp_path, clock) -> SqliteJobStore:
-    return SqliteJobStore(tmp_path / "jobs.sqlite3", expire_after_s=100, lease_s=10, clock=clock)
+def _store(tmp_path, clock) -> SqliteJobQueue:
+    return SqliteJobQueue(tmp_path / "jobs.sqlite3", expire_after_s=100, lease_s=10, clock=clock)
 
 
-def _add(store: SqliteJobStore, clock: Clock):
+def _add(store: SqliteJobQueue, clock: Clock):
     clock.now += 0.001  # ids carry the creation time in microseconds
     return store.create(new_job(new_job_id(clock()), "m", PARAMS, int(clock())))
 

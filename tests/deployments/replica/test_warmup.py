@@ -130,7 +130,7 @@ def test_a_replan_that_keeps_the_plan_keeps_the_applied_residency_and_shows_the_
 
 
 def test_a_default_size_the_api_would_refuse_fails_the_build(facts):
-    from deployments.api.schemas import FieldError, Limits
+    from deployments.capacity.request_limits import FieldError, Limits
 
     with pytest.raises(FieldError, match="multiples of 16"):
         WarmupShape.default_for(Limits(default_size="20x20"), facts)

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.api.schemas import FieldError, Limits
+from deployments.capacity.request_limits import FieldError, Limits
 from deployments.models.activation_features import Regime, StageActivations
 from deployments.models.families import FamilyFacts
 from deployments.wire.spec import GenerationSpec, PipelineStage
@@ -196,37 +196,6 @@ def nearest_admitted(admission: StageAdmission, facts: FamilyFacts, spec: Genera
     n = _last_admitted(admission, facts, [dataclasses.replace(spec, n=k) for k in range(1, spec.n + 1)])
     return Nearest(None if size is None else (size.width, size.height),
                    None if frames is None else frames.num_frames, None if n is None else n.n)
-
-
-class ModelCard(BaseModel):
-    """One model in ``GET /v1/models``: OpenAI's model object plus what this service serves of it."""
-
-    model_config = ConfigDict(frozen=True)
-
-    id: str
-    object: str = "model"
-    created: int = 0
-    owned_by: str = "offload-serve"
-    family: str = Field(description="the model family (deployments/models/): wan, wan-i2v, flux, ...")
-    modalities: list[str] = Field(description="what the family makes: image, video, image-to-video")
-    size_multiple: int = Field(description="Width and height must be multiples of this.")
-    limits: ModelLimits
-    configured_limits: Limits = Field(description="The configured limits and defaults (args.limits).")
-
-
-class ModelList(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    object: str = "list"
-    data: list[ModelCard]
-
-
-def model_card(model_id: str, facts: FamilyFacts, limits: Limits,
-               admissions: Sequence[StageAdmission]) -> ModelCard:
-    return ModelCard(id=model_id, family=facts.family.value,
-                     modalities=list(facts.modalities),
-                     size_multiple=facts.size_multiple, limits=model_limits(facts, limits, admissions),
-                     configured_limits=limits)
 
 
 def memory_refusal(facts: FamilyFacts, admissions: Sequence[StageAdmission], spec: GenerationSpec) -> FieldError | None:

@@ -7,11 +7,11 @@ from fastapi.testclient import TestClient
 from ray.exceptions import ActorUnavailableError
 
 from deployments.api.routes import build_api
-from deployments.api.schemas import Limits
-from deployments.capacity.limits import LimitSource, StageAdmission, model_limits, nearest_admitted
+from deployments.capacity.admission import LimitSource, StageAdmission, model_limits, nearest_admitted
+from deployments.capacity.replica_report import ReplicaResidency
+from deployments.capacity.request_limits import Limits
 from deployments.models.activation_features import Regime
 from deployments.models.families import read_family_facts
-from deployments.replica.board import ReplicaResidency
 from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core.planner.activations import ActivationModel
 from tests.deployments.fakes import FakeBoard, FakeStages, fake_config

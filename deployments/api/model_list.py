@@ -1,0 +1,45 @@
+"""``GET /v1/models``: OpenAI's model object plus the largest request this service accepts of it.
+
+The numbers are :func:`deployments.capacity.admission.model_limits`: the configured limits
+intersected with what every reporting stage replica admits. Runs in the ingress replica.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deployments.capacity.admission import ModelLimits, StageAdmission, model_limits
+from deployments.capacity.request_limits import Limits
+from deployments.models.families import FamilyFacts
+
+
+class ModelCard(BaseModel):
+    """One model in ``GET /v1/models``: OpenAI's model object plus what this service serves of it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "offload-serve"
+    family: str = Field(description="the model family (deployments/models/): wan, wan-i2v, flux, ...")
+    modalities: list[str] = Field(description="what the family makes: image, video, image-to-video")
+    size_multiple: int = Field(description="Width and height must be multiples of this.")
+    limits: ModelLimits
+    configured_limits: Limits = Field(description="The configured limits and defaults (args.limits).")
+
+
+class ModelList(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    object: str = "list"
+    data: list[ModelCard]
+
+
+def model_card(model_id: str, facts: FamilyFacts, limits: Limits,
+               admissions: Sequence[StageAdmission]) -> ModelCard:
+    return ModelCard(id=model_id, family=facts.family.value,
+                     modalities=list(facts.modalities),
+                     size_multiple=facts.size_multiple, limits=model_limits(facts, limits, admissions),
+                     configured_limits=limits)

@@ -1,0 +1,56 @@
+"""What one request may ask for (``args.limits``), the size a request names, and the error for a field beyond them.
+
+Read by the ingress (the request bodies' checks) and by every stage replica (its warm-up shape is the
+deployment's ``default_size``); :class:`FieldError` is how a bad field is named, answered by the
+ingress as a 4xx JSON error.
+"""
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deployments.models.families import FamilyFacts
+
+# ASCII digits only, matched in full: "\d" would take full-width and Arabic-Indic digits, and "$"
+# a trailing newline.
+SIZE_PATTERN = re.compile(r"([0-9]{1,5})x([0-9]{1,5})", re.ASCII)
+
+class FieldError(ValueError):
+    """One invalid request field: ``param`` names it (OpenAI's error.param), ``status`` is the 4xx."""
+
+    def __init__(self, param: str, message: str, status: int = 400, code: str = "invalid_value"):
+        super().__init__(f"{param}: {message}")
+        self.param, self.message, self.status, self.code = param, message, status, code
+
+
+class Limits(BaseModel):
+    """What one request may ask for; anything beyond is a 400 naming the field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_width: int = Field(1024, ge=1)
+    max_height: int = Field(1024, ge=1)
+    max_steps: int = Field(50, ge=1)
+    max_n: int = Field(4, ge=1)
+    max_prompt_chars: int = Field(2000, ge=1)
+    max_frames: int = Field(81, ge=1)
+    default_size: str = "256x256"
+    default_steps: int = Field(20, ge=1)
+    default_frames: int = Field(9, ge=1)
+    default_fps: int = Field(8, ge=1)
+
+
+def parse_size(size: str, facts: FamilyFacts, limits: Limits) -> tuple[int, int]:
+    match = SIZE_PATTERN.fullmatch(size)
+    if not match:
+        raise FieldError("size", f"{size!r} is not of the form WIDTHxHEIGHT, e.g. '256x256'")
+    width, height = int(match.group(1)), int(match.group(2))
+    if width > limits.max_width or height > limits.max_height:
+        raise FieldError("size", f"{width}x{height} exceeds the configured maximum "
+                                 f"{limits.max_width}x{limits.max_height}")
+    m = facts.size_multiple
+    if width < m or height < m or width % m or height % m:
+        raise FieldError("size", f"width and height must be positive multiples of {m} for this model "
+                                 f"(VAE factor x patch size), got {width}x{height}")
+    return width, height
