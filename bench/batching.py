@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batching_projection import print_projection, project  # noqa: E402
 
 from deployments.models import families  # noqa: E402
+from deployments.models.steppers import stepper_for  # noqa: E402
 from deployments.replica.batching import BatchingConfig, StepBatch, StepBatcher  # noqa: E402
-from deployments.replica.steppers import stepper_for  # noqa: E402
 from deployments.wire.spec import GenerationSpec, PipelineStage  # noqa: E402
 from offload_core import StreamingConfig, apply_layer_streaming  # noqa: E402
 from zoo.tiny import ensure_medium_wan  # noqa: E402

@@ -21,7 +21,7 @@ class StagePipeline(Protocol):
     ``encode`` returns an awaitable that ``denoise`` takes unresolved, so with Serve the prompt
     embeddings go replica to replica through the object store and never through the ingress.
     Cancelling the task that iterates ``denoise`` cancels the denoiser's call (its step loop
-    stops at the next step boundary: :class:`deployments.replica.cancel.CancelFlag`). With ``progress``
+    stops at the next step boundary: :class:`deployments.models.cancel.CancelFlag`). With ``progress``
     false it yields the latents only (no caller reads the steps: each event is one more message
     from the replica to the ingress).
     """

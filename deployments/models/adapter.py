@@ -175,7 +175,7 @@ class FamilyAdapter:
         raise NotImplementedError
 
     def stepper(self, pipe, facts: FamilyFacts, device: torch.device):
-        """The Denoiser's half of step batching (``deployments.replica.steppers.Stepper``)."""
+        """The Denoiser's half of step batching (``deployments.models.steppers.Stepper``)."""
         raise NotImplementedError
 
     def reference_frames(self, pipe, facts: FamilyFacts, spec: GenerationSpec) -> torch.Tensor:

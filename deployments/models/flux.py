@@ -22,7 +22,7 @@ from deployments.models.adapter import (
     read_json,
     step_callback,
 )
-from deployments.replica.steppers import BatchKey, StepRequest, rows_of, split_noise
+from deployments.models.steppers import BatchKey, StepRequest, rows_of, split_noise
 from deployments.wire.spec import EncodedPrompt, Family, PipelineStage
 
 FLUX_GUIDANCE = 3.5  # FluxPipeline.__call__'s default

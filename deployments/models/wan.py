@@ -31,7 +31,7 @@ from deployments.models.adapter import (
     read_json,
     step_callback,
 )
-from deployments.replica.steppers import BatchKey, StepRequest, guided_noise, rows_of, split_noise
+from deployments.models.steppers import BatchKey, StepRequest, guided_noise, rows_of, split_noise
 from deployments.wire.spec import EncodedPrompt, Family, GenerationSpec, PipelineStage
 
 # WanPipeline.__call__'s default guidance; Wan2.2 A14B uses the same scale for both experts

@@ -26,6 +26,7 @@ from deployments.models.adapter import (
     ReferenceImage,
     generator_for,
 )
+from deployments.models.steppers import StepRequest
 from deployments.models.wan import (
     WanAdapter,
     WanStepper,
@@ -33,7 +34,6 @@ from deployments.models.wan import (
     wan_facts,
     wan_frames,
 )
-from deployments.replica.steppers import StepRequest
 from deployments.wire.spec import EncodedPrompt, Family, GenerationSpec, PipelineStage
 
 

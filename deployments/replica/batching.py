@@ -6,7 +6,7 @@ share each forward pay for the weights once: one stream of the weights serves th
 
 :class:`StepBatch` is the synchronous core (``submit`` then ``step`` until idle), so tests can
 pin an exact batch composition; :class:`StepBatcher` runs it in one thread for the service.
-A request joins at the next boundary when its :class:`~deployments.replica.steppers.BatchKey` matches the
+A request joins at the next boundary when its :class:`~deployments.models.steppers.BatchKey` matches the
 running batch's and the batch has room (the configured maximum and ``fits``, the replica's
 activation lease); otherwise it waits in FIFO order, for at most ``max_wait_s``.
 """
@@ -22,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from deployments.replica.cancel import RequestCancelled
-from deployments.replica.steppers import Stepper, StepRequest
+from deployments.models.cancel import RequestCancelled
+from deployments.models.steppers import Stepper, StepRequest
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from ray import serve
 
 from deployments.capacity.replica_report import ReplicaResidency
 from deployments.models import families
+from deployments.models.cancel import CancelFlag, RequestCancelled
+from deployments.models.steppers import StepRequest, stepper_for
 from deployments.replica.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
-from deployments.replica.cancel import CancelFlag, RequestCancelled
 from deployments.replica.metrics import BatchMetrics
-from deployments.replica.steppers import StepRequest, stepper_for
 from deployments.replica.worker import StageConfig, StageWorker
 from deployments.wire.spec import (
     DenoiseProgress,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from deployments.models import families
+from deployments.models.cancel import RequestCancelled
+from deployments.models.steppers import BatchKey, StepRequest, stepper_for
 from deployments.replica.batching import BatchingConfig, QueueTimeout, StepBatch, StepBatcher
-from deployments.replica.cancel import RequestCancelled
-from deployments.replica.steppers import BatchKey, StepRequest, stepper_for
 from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core import StreamingConfig, apply_layer_streaming
 from zoo.tiny import ensure_tiny_flux, ensure_tiny_wan

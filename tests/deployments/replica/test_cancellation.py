@@ -9,8 +9,8 @@ import time
 import pytest
 
 from deployments.app import stage_configs
+from deployments.models.cancel import CancelFlag, RequestCancelled
 from deployments.models.families import read_family_facts
-from deployments.replica.cancel import CancelFlag, RequestCancelled
 from deployments.replica.stages import Denoiser, TextEncoder
 from deployments.wire.spec import DenoiseProgress, GenerationSpec, PipelineStage
 from tests.deployments.conftest import tiny_args

@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 import torch
 
 from deployments.models.adapter import FamilyFacts
-from deployments.replica.cancel import CancelFlag
+from deployments.models.cancel import CancelFlag
 from deployments.wire.spec import DenoiseProgress, EncodedPrompt, GenerationSpec
 
 
