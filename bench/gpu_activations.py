@@ -23,7 +23,7 @@ from deployments.models import (
     families,  # noqa: E402
 )
 from deployments.wire.spec import GenerationSpec, PipelineStage  # noqa: E402
-from offload_core.residency.activations import measure_activations  # noqa: E402
+from offload_core.residency.activation_meter import measure_activations  # noqa: E402
 from zoo import tiny  # noqa: E402
 
 ZOO = {"tiny-wan": tiny.ensure_tiny_wan, "medium-wan": tiny.ensure_medium_wan, "tiny-flux": tiny.ensure_tiny_flux}

@@ -32,8 +32,8 @@ local_ray.use_token_auth()  # before Ray is imported: the driver reads its auth 
 
 import ray  # noqa: E402
 
-from cluster.ledger import HOST_POOL, LedgerConfig, node_ledger  # noqa: E402
-from cluster.ledger_client import LedgerClient  # noqa: E402
+from cluster.ledger.actor import HOST_POOL, LedgerConfig, node_ledger  # noqa: E402
+from cluster.replica.ledger_client import LedgerClient  # noqa: E402
 from offload_core.host.budget import Lease  # noqa: E402
 
 # Every replica may take the whole pool: the pool's limit, not the per-replica cap, is under test.

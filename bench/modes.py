@@ -25,8 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload_core.planner.facts import LinkFacts, PipelineFacts, Stage  # noqa: E402
+from offload_core.planner.measured_compute import profiles_from_warmup  # noqa: E402
 from offload_core.planner.search import PerformanceMode, plan_pipeline  # noqa: E402
-from offload_core.planner.warmup import measure_warmup, profiles_from_warmup  # noqa: E402
+from offload_core.residency.compute_meter import measure_warmup  # noqa: E402
 from offload_core.residency.lifecycle import PipelineResidency  # noqa: E402
 from offload_core.streaming.device import DeviceFacts, get_device  # noqa: E402
 from offload_core.tables import HostTablesConfig  # noqa: E402

@@ -56,7 +56,7 @@ def _free_port() -> int:
 
 def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode):
     """One request through the three stages under offload_core in this process (a callable)."""
-    from cluster.replica_memory import ReplicaMemory
+    from cluster.replica.ledger_view import ReplicaMemory
 
     cpu = torch.device("cpu")
     memory = ReplicaMemory.open_local("bench", cpu)

@@ -39,7 +39,7 @@ class _Held:
 
 def _workers(folder):
     from cluster.node import GpuFacts, NodeFacts, probe_host_ram
-    from cluster.replica_memory import ReplicaMemory
+    from cluster.replica.ledger_view import ReplicaMemory
     from deployments.app import AppArgs, stage_configs
     from deployments.models.families import read_family_facts
     from deployments.replica import worker as stages
@@ -62,7 +62,7 @@ def _workers(folder):
 def _serve(facts, stage, worker, held: _Held, calls: int, seed: int, over: list) -> None:
     from deployments.models import activation_features, families
     from deployments.wire.spec import GenerationSpec
-    from offload_core.residency.activations import LiveTensorBytes
+    from offload_core.residency.activation_meter import LiveTensorBytes
 
     rng = random.Random(seed)
     for i in range(calls):
@@ -84,7 +84,7 @@ def _serve(facts, stage, worker, held: _Held, calls: int, seed: int, over: list)
 
 
 def run(calls: int = 12) -> dict:
-    from cluster.replica_memory import _LOCAL
+    from cluster.replica.ledger_view import _LOCAL
     from zoo import tiny
 
     torch.manual_seed(0)

@@ -71,7 +71,7 @@ class HostingReplica:
     def host(self) -> dict:
         from diffusers import WanTransformer3DModel
 
-        from cluster.replica_memory import ReplicaMemory
+        from cluster.replica.ledger_view import ReplicaMemory
         from offload_core.host.store import folder_identity
         from offload_core.planner.facts import LinkFacts, PipelineFacts, Stage, profile_component
         from offload_core.planner.search import PerformanceMode, plan_pipeline
@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="private copies only at N=2 (the rest always run)")
     args = parser.parse_args()
     from bench.streaming import denoiser_inputs
-    from cluster.ledger import LedgerConfig, node_ledger
+    from cluster.ledger.actor import LedgerConfig, node_ledger
     from zoo.tiny import ensure_medium_wan, ensure_tiny_wan
 
     folder = str(ensure_medium_wan() / "transformer")

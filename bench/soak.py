@@ -106,7 +106,7 @@ def _denoiser_replica() -> str:
 
 
 def _app_leases() -> int:
-    from cluster.replica_memory import ReplicaMemory
+    from cluster.replica.ledger_view import ReplicaMemory
 
     probe = ReplicaMemory.open("soak-lease-probe", "cpu")
     try:

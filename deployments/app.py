@@ -25,7 +25,7 @@ from deployments.replica.stages import Denoiser, TextEncoder, VaeDecoder
 from deployments.replica.warmup import WarmupShape
 from deployments.replica.worker import DTYPES, StageConfig
 from deployments.wire.spec import PipelineStage
-from offload_core.host.replica_budget import HostBudgetSpec, parse_host_budget
+from offload_core.host.budget_cap import HostBudgetSpec, parse_host_budget
 from offload_core.planner.search import PerformanceMode
 
 logger = logging.getLogger(__name__)

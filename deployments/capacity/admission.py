@@ -32,7 +32,7 @@ from deployments.capacity.request_limits import FieldError, Limits
 from deployments.models.activation_features import Regime, StageActivations
 from deployments.models.families import FamilyFacts
 from deployments.wire.spec import GenerationSpec, PipelineStage
-from offload_core.planner.activations import ActivationModel
+from offload_core.planner.activation_model import ActivationModel
 
 CONFIGURED = "configured"  # limited_by: the configured limit binds, not memory
 FAMILY = "family"  # limited_by: the model family makes images only (frames = 1)

@@ -37,10 +37,10 @@ class ReplicaResidency:
     last_bytes_streamed: int
     # offload_core.residency.report's ResidencyReport.to_json(): bytes per place per component, each byte once.
     weights: dict
-    # offload_core.host.replica_budget.HostMemoryStatus.to_json(): budget, leased, used, shared stores.
+    # offload_core.host.budget_cap.HostMemoryStatus.to_json(): budget, leased, used, shared stores.
     host_memory: dict | None = None
     batch: BatchState | None = None  # the Denoiser's step batching; None for the stages that do not batch
-    # cluster.device_leases.LeaseFigures as JSON: standing and reserved bytes, calls without a round trip.
+    # cluster.replica.device_leases.LeaseFigures as JSON: standing and reserved bytes, calls without a round trip.
     leases: dict = field(default_factory=dict)
     # What the replica admits (activation models, room beside its weights); None before calibration.
     admission: StageAdmission | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ray import exceptions as ray_errors
 from ray.serve import exceptions as serve_errors
 
-from cluster.replica_memory import DeviceBusy
+from cluster.replica.ledger_view import DeviceBusy
 from deployments.wire.failures import Failure, FailureKind, causes
 from deployments.wire.spec import RequestRejected
 

@@ -2,7 +2,7 @@
 
 Each stage's activation peak is modelled as a sum of coefficient x feature (offload_core.planner.
 activations), with features chosen from what the family's stage computes over (measured on the
-tiny zoo with offload_core.residency.activations, every one within 1 % except where noted):
+tiny zoo with offload_core.residency.activation_meter, every one within 1 % except where noted):
 
 - encode: ``1`` (the text encoder's fixed-length pass: 512 tokens whatever the prompt) and ``n``;
 - denoise: ``n`` and ``n x tokens`` (latent positions after patching: linear, 2304 B per token on
@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 from deployments.models.families import FamilyFacts
 from deployments.wire.spec import GenerationSpec, PipelineStage
-from offload_core.planner.activations import ActivationModel, ActivationSample, calibrate
+from offload_core.planner.activation_model import ActivationModel, ActivationSample, calibrate
 
 # A call leases its predicted activations plus this margin (and a replica plans this much free of
 # weights): predictions are within 10 % of the measured peak on held-out shapes, and a decode call

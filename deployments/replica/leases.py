@@ -1,6 +1,6 @@
 """The replica's memory: the node's host budget and its device leases, from one seam.
 
-``cluster.replica_memory.ReplicaMemory`` leases from the node's one ledger actor (and falls back
+``cluster.replica.ledger_view.ReplicaMemory`` leases from the node's one ledger actor (and falls back
 to an in-process ledger itself when Ray is not running). :func:`open_replica_memory` is the only
 place the service opens it; :func:`open_device_leases` caps the process at its share of the GPU
 and gives the device leases torch's ``empty_cache`` to return bytes to the driver; it also gives
@@ -12,20 +12,20 @@ import logging
 
 import torch
 
-from cluster import device_leases, replica_memory
+from cluster.replica import device_leases, ledger_view
 from offload_core.streaming.device import get_device
 from offload_core.streaming.headroom import SMALL_REQUEST
 
 logger = logging.getLogger(__name__)
 
 
-def open_replica_memory(owner: str, device: torch.device) -> replica_memory.ReplicaMemory:
+def open_replica_memory(owner: str, device: torch.device) -> ledger_view.ReplicaMemory:
     """The node's shared host budget (``.host_budget``) and the device pool for one replica."""
-    return replica_memory.ReplicaMemory.open(owner, device)
+    return ledger_view.ReplicaMemory.open(owner, device)
 
 
 
-def open_device_leases(memory: replica_memory.ReplicaMemory, device: torch.device) -> device_leases.DeviceLeases:
+def open_device_leases(memory: ledger_view.ReplicaMemory, device: torch.device) -> device_leases.DeviceLeases:
     """The replica's device leases; on CUDA the process is first capped at its share of the GPU.
 
     The cap makes an allocation beyond the share fail in this process (an OOM error it can report)

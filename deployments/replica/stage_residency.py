@@ -1,6 +1,6 @@
 """One stage replica's components under offload_core: planned, applied, measured, reported.
 
-The planner (``offload_core.planner.search.plan_pipeline``, through ``cluster.replica_plan``) turns
+The planner (``offload_core.planner.search.plan_pipeline``, through ``cluster.replica.plan``) turns
 the components' facts, the replica's device capacity (its pool of the node ledger) and the stage's
 offload mode (left open: the fleet profile's for the GPU the replica got, always within that
 profile's limits) into one explainable plan; ``offload_core.residency.lifecycle.PipelineResidency``
@@ -15,10 +15,10 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from cluster.replica_memory import ReplicaMemory
-from cluster.replica_plan import plan_for_replica, replica_facts
+from cluster.replica.ledger_view import ReplicaMemory
+from cluster.replica.plan import plan_for_replica, replica_facts
 from offload_core.host.budget import MemoryBudget
-from offload_core.host.replica_budget import HostMemoryStatus
+from offload_core.host.budget_cap import HostMemoryStatus
 from offload_core.planner.facts import (
     LinkFacts,
     PipelineFacts,
@@ -26,6 +26,7 @@ from offload_core.planner.facts import (
     profile_component,
 )
 from offload_core.planner.gpus import link_Bps
+from offload_core.planner.measured_compute import MeasuredCompute, with_measured_compute
 from offload_core.planner.search import (
     ComponentOverride,
     PerformanceMode,
@@ -33,7 +34,6 @@ from offload_core.planner.search import (
     memory_floor_bytes,
     plan_pipeline,
 )
-from offload_core.planner.warmup import MeasuredCompute, with_measured_compute
 from offload_core.residency.lifecycle import PipelineResidency, RequestFigures
 from offload_core.residency.shared_hosting import SharedWeights
 from offload_core.streaming.link import measure_link
@@ -51,7 +51,7 @@ def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request
     """The plan for one stage's components: this replica's whole "pipeline" is its stage.
 
     With the replica's ``memory`` (the service always has it) the plan is the fleet profile's for
-    the GPU the replica got (``cluster.replica_plan``): its mode when ``mode`` is None, its limits
+    the GPU the replica got (``cluster.replica.plan``): its mode when ``mode`` is None, its limits
     always. Without it, ``plan_pipeline`` in ``mode`` and nothing else. ``expected_batch``: requests
     expected to share each use (the Denoiser's configured batch maximum): bytes moved per request
     are the stream's bytes divided by it. Compute is 0 s and no working set is kept until the

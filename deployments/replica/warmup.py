@@ -5,10 +5,10 @@ GPU, its link, 0 s of compute, no working set), leases and applies that plan so 
 run. Then one warm-up phase, on the replica's own device with the plan applied:
 
 1. the activation model is calibrated (``deployments.models.activation_features``: two small shapes per regime,
-   1 step each, measured by ``offload_core.residency.activations``);
+   1 step each, measured by ``offload_core.residency.activation_meter``);
 2. one 1-step call at the deployment's default request shape (``limits.default_size``, and
    ``default_frames`` for a family that makes videos; n = 1) runs with timing hooks on every layer
-   (``offload_core.planner.warmup``: compute only, a streamed layer's wait for its copy excluded).
+   (``offload_core.planner.measured_compute``: compute only, a streamed layer's wait for its copy excluded).
 
 Cost (the replica's start-up; each call leases and runs like a request): 2 calibration calls per
 regime (4 for Wan, 2 for Flux) at 32x32 and 64x64 (a few ms each on the tiny zoo) plus one step
@@ -36,7 +36,7 @@ from typing import ContextManager, Mapping, Protocol
 import torch
 from torch import nn
 
-from cluster.replica_memory import ReplicaMemory
+from cluster.replica.ledger_view import ReplicaMemory
 from deployments.capacity.request_limits import Limits, parse_size
 from deployments.models import activation_features, families
 from deployments.models.activation_features import ACTIVATION_MARGIN
@@ -44,9 +44,10 @@ from deployments.models.families import FamilyFacts
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.stage_residency import StageResidency, replan_stage
 from deployments.wire.spec import GenerationSpec, PipelineStage
+from offload_core.planner.measured_compute import MeasuredCompute, WarmupFigures
 from offload_core.planner.search import PipelinePlan, repredict
-from offload_core.planner.warmup import MeasuredCompute, WarmupFigures, measure_warmup
-from offload_core.residency.activations import measure_activations
+from offload_core.residency.activation_meter import measure_activations
+from offload_core.residency.compute_meter import measure_warmup
 
 logger = logging.getLogger(__name__)
 

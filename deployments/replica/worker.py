@@ -25,7 +25,7 @@ import torch
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from cluster.replica_memory import DeviceBusy
+from cluster.replica.ledger_view import DeviceBusy
 from deployments.capacity.admission import StageAdmission, nearest_admitted, size_text
 from deployments.capacity.replica_report import REPUBLISH_S, BatchState, ReplicaResidency
 from deployments.models import activation_features, families
@@ -46,7 +46,7 @@ from deployments.wire.spec import (
     StageStats,
 )
 from offload_core.host.budget import Refusal
-from offload_core.host.replica_budget import HostBudgetSpec
+from offload_core.host.budget_cap import HostBudgetSpec
 from offload_core.host.store import folder_identity
 from offload_core.planner.search import PerformanceMode
 from offload_core.residency.shared_hosting import SharedWeights

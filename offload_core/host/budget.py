@@ -4,7 +4,7 @@ Host memory (and, in the cluster, a shared GPU's memory) is spent through explic
 ``request`` returns a :class:`Lease` or a :class:`Refusal` saying why, and ``release`` gives it
 back. Nothing is returned by garbage collection: a lease that is not released stays charged.
 
-The engine only ever sees :class:`MemoryBudget`; the per-node Ray actor in ``cluster/ledger.py``
+The engine only ever sees :class:`MemoryBudget`; the per-node Ray actor in ``cluster/ledger/actor.py``
 implements the same interface, so an engine never knows whether its budget is local or shared.
 """
 from __future__ import annotations

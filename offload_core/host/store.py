@@ -18,7 +18,7 @@ replica can change another's weights (a write is a SIGSEGV, not a silent corrupt
   is how :func:`sweep_orphans` cleans what a crashed node process left behind.
 
 Node-wide bookkeeping (who creates, who is attached, the one lease) is a :class:`StoreRegistry`'s
-job; ``cluster/shared_store.py`` implements it over the node ledger.
+job; ``cluster/ledger/shared_stores.py`` implements it over the node ledger.
 """
 from __future__ import annotations
 

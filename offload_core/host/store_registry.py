@@ -5,7 +5,7 @@ and the lease is taken for the whole copy; later replicas get ATTACH and lease n
 lease goes back when the last replica detaches. A replica is admitted only if its own budget
 could hold the whole copy should the others leave (else the copy would outlive what its last
 replica may hold). :class:`InProcessStoreRegistry` does this for one process;
-``cluster/shared_store.py`` does it node-wide through the node ledger, with dead replicas
+``cluster/ledger/shared_stores.py`` does it node-wide through the node ledger, with dead replicas
 detached by the ledger's liveness checks.
 """
 from __future__ import annotations

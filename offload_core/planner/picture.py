@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from offload_core.host.tier import HostingTier
+from offload_core.planner.measured_compute import MeasuredCompute
 from offload_core.planner.pipeline_plan import ComponentPlan, PipelinePlan
 from offload_core.planner.strategy import Strategy
 from offload_core.planner.timeline import Lane, SpanKind, Timeline, measured_timeline, predicted_timeline
-from offload_core.planner.warmup import MeasuredCompute
 from offload_core.quant import WeightFormat  # the engine's: NATIVE or FP8 (hosted and copied 8-bit)
 
 

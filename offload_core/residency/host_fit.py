@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from offload_core.host.budget import MemoryBudget
-from offload_core.host.replica_budget import BudgetTooSmall, CappedBudget
+from offload_core.host.budget_cap import BudgetTooSmall, CappedBudget
 from offload_core.host.tier import HostingTier
 from offload_core.layout import staging_bytes
 from offload_core.planner.pipeline_plan import PipelinePlan

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import ray
 
-from cluster.ledger import LedgerConfig, node_ledger
+from cluster.ledger.actor import LedgerConfig, node_ledger
 
 # Fast enough for tests: a dead replica's leases come back within ~0.5 s + one GCS lookup.
 FAST = LedgerConfig(liveness_interval_s=0.5, heartbeat_s=0.5, recovery_s=2.0)

@@ -7,8 +7,8 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.ledger import LedgerConfig
-from cluster.replica_memory import DeviceBusy, ReplicaMemory
+from cluster.ledger.actor import LedgerConfig
+from cluster.replica.ledger_view import DeviceBusy, ReplicaMemory
 
 
 @ray.remote(num_cpus=0)
@@ -26,7 +26,7 @@ class LeasingReplica:
 
     def reserved_call(self, standing: int, nbytes: int, hold_s: float, timeout_s: float) -> tuple[str, float]:
         """A stage call under DeviceLeases: standing lease, then a call reservation kept afterwards."""
-        from cluster.device_leases import LeaseRefused
+        from cluster.replica.device_leases import LeaseRefused
 
         if self.leases is None:
             self.leases = self.memory.device_leases()
@@ -70,7 +70,7 @@ class LeasingReplica:
 
     def plan(self, components, stages, working_set_bytes: int) -> dict:
         """Plan from what this replica sees (its GPU pool, link, host lease and profile)."""
-        from cluster.replica_plan import plan_for_replica, replica_facts
+        from cluster.replica.plan import plan_for_replica, replica_facts
 
         facts = replica_facts(self.memory, components, stages, working_set_bytes)
         plan = plan_for_replica(self.memory.profile, facts, owner=self.memory.owner)

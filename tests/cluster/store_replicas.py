@@ -7,8 +7,8 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.ledger import LedgerConfig
-from cluster.replica_memory import ReplicaMemory
+from cluster.ledger.actor import LedgerConfig
+from cluster.replica.ledger_view import ReplicaMemory
 
 
 @ray.remote(num_cpus=0, max_restarts=0)

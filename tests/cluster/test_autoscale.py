@@ -7,8 +7,8 @@ import time
 import ray
 from ray import serve
 
-from cluster.ledger import HOST_POOL, node_ledger
-from cluster.replica_memory import ReplicaMemory
+from cluster.ledger.actor import HOST_POOL, node_ledger
+from cluster.replica.ledger_view import ReplicaMemory
 from tests.cluster.conftest import FAST
 from tests.conftest import free_port
 from tests.waiting import wait_for

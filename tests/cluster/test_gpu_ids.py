@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from cluster.ledger import LedgerConfig
+from cluster.ledger.actor import LedgerConfig
 from cluster.node import GB, GpuFacts, NodeFacts, cuda_visible_ids, probe_host_ram, probe_nvml_gpus, visible_gpu_indices
-from cluster.replica_memory import ReplicaMemory
+from cluster.replica.ledger_view import ReplicaMemory
 
 
 @dataclass

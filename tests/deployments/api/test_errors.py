@@ -7,7 +7,7 @@ import pickle
 from ray import exceptions as ray_errors
 from ray.serve.exceptions import BackPressureError
 
-from cluster.replica_memory import DeviceBusy
+from cluster.replica.ledger_view import DeviceBusy
 from deployments.api import errors
 from deployments.ingress.failures import sort_failure
 from offload_core.host.budget import Refusal

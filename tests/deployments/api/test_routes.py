@@ -14,7 +14,7 @@ from PIL import Image
 from ray import exceptions as ray_errors
 from ray.serve.exceptions import BackPressureError
 
-from cluster.replica_memory import DeviceBusy
+from cluster.replica.ledger_view import DeviceBusy
 from deployments.api import routes
 from deployments.wire import media
 from deployments.wire.spec import GenerationSpec, RequestRejected

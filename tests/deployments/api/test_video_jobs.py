@@ -16,7 +16,7 @@ from deployments.capacity.replica_report import ReplicaResidency
 from deployments.jobs.records import JobParams, new_job, new_job_id
 from deployments.models.activation_features import Regime
 from deployments.wire.spec import PipelineStage
-from offload_core.planner.activations import ActivationModel
+from offload_core.planner.activation_model import ActivationModel
 from tests.deployments.fakes import FakeBoard
 from tests.deployments.video_fakes import CancellableStages, FakePipeline, harness
 

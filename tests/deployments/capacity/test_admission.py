@@ -13,7 +13,7 @@ from deployments.capacity.request_limits import Limits
 from deployments.models.activation_features import Regime
 from deployments.models.families import read_family_facts
 from deployments.wire.spec import GenerationSpec, PipelineStage
-from offload_core.planner.activations import ActivationModel
+from offload_core.planner.activation_model import ActivationModel
 from tests.deployments.fakes import FakeBoard, FakeStages, fake_config
 from zoo.tiny import ensure_tiny_flux, ensure_tiny_wan
 

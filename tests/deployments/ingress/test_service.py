@@ -248,7 +248,7 @@ def test_beyond_the_queue_requests_get_503_with_retry_after_never_500(client):
 
 def test_a_device_held_elsewhere_gets_503_with_retry_after_then_serves_when_freed(client):
     """Neighbours holding the node ledger's whole device pool: the stage waits its 1 s, then 503."""
-    from cluster.replica_memory import ReplicaMemory
+    from cluster.replica.ledger_view import ReplicaMemory
 
     held = []  # the ledger caps each owner at a share of the pool, so it takes a few neighbours
     try:

@@ -39,7 +39,7 @@ def _replicas(deployment: str) -> set[str]:
 
 def _leases_of(replicas: set[str]) -> int:
     """Bytes the node ledger still counts for ``replicas`` (host pool and every device pool)."""
-    from cluster.replica_memory import ReplicaMemory
+    from cluster.replica.ledger_view import ReplicaMemory
 
     probe = ReplicaMemory.open("test-lease-probe", "cpu")
     try:

@@ -8,8 +8,8 @@ import torch
 
 from deployments.models import activation_features, families
 from deployments.wire.spec import GenerationSpec, PipelineStage
-from offload_core.planner.activations import ActivationModel, ActivationSample, CalibrationError, calibrate
-from offload_core.residency.activations import counting_live_bytes, measure_activations
+from offload_core.planner.activation_model import ActivationModel, ActivationSample, CalibrationError, calibrate
+from offload_core.residency.activation_meter import counting_live_bytes, measure_activations
 from zoo import tiny
 
 CPU = torch.device("cpu")

@@ -32,7 +32,7 @@ from deployments.models.registry import adapter_for
 from deployments.replica.batching import BatchingConfig, StepBatch
 from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core import StreamingConfig, apply_layer_streaming
-from offload_core.residency.activations import measure_activations
+from offload_core.residency.activation_meter import measure_activations
 from zoo import tiny, wan22
 
 CPU, F32 = torch.device("cpu"), torch.float32

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.replica_memory import ReplicaMemory
+from cluster.replica.ledger_view import ReplicaMemory
 from deployments.models import families
 from deployments.replica.stage_residency import StageResidency
 from deployments.wire.spec import GenerationSpec, PipelineStage
@@ -75,7 +75,7 @@ def test_a_device_too_small_for_speed_gets_a_streamed_auto_plan(facts, remove_af
 
 
 def test_a_host_budget_below_the_converted_weights_fails_at_start_naming_the_smallest(facts):
-    from offload_core.host.replica_budget import BudgetTooSmall
+    from offload_core.host.budget_cap import BudgetTooSmall
 
     # float32 folder loaded as bfloat16: every layer weight is an anonymous copy whatever the plan.
     pipe = families.load_stage_pipeline(facts, DENOISE, torch.bfloat16)

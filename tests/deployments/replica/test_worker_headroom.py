@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.replica_memory import DeviceBusy
+from cluster.replica.ledger_view import DeviceBusy
 from deployments.models import families
 from deployments.wire.spec import PipelineStage
 from offload_core.streaming.headroom import Headroom, HeadroomTimeout

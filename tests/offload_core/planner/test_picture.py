@@ -7,9 +7,9 @@ import pytest
 
 from offload_core.host.tier import HostingTier
 from offload_core.planner.facts import LinkFacts, PipelineFacts, Stage
+from offload_core.planner.measured_compute import MeasuredCompute
 from offload_core.planner.picture import Placement, WeightFormat, plan_picture, render
 from offload_core.planner.search import ComponentOverride, PerformanceMode, plan_pipeline
-from offload_core.planner.warmup import MeasuredCompute
 from tests.offload_core.planner.test_timeline import profile
 
 LINK = LinkFacts(pinned_Bps=512.0, pageable_Bps=102.4)

@@ -13,13 +13,14 @@ from offload_core.planner.facts import (
     Stage,
     profile_component,
 )
+from offload_core.planner.measured_compute import profiles_from_warmup
 from offload_core.planner.search import (
     ComponentOverride,
     PerformanceMode,
     plan_pipeline,
 )
 from offload_core.planner.strategy import Strategy
-from offload_core.planner.warmup import measure_warmup, profiles_from_warmup
+from offload_core.residency.compute_meter import measure_warmup
 from offload_core.residency.lifecycle import LifecycleError, PipelineResidency, UseState
 from offload_core.streaming.device import get_device
 from offload_core.tables import HostTablesConfig
@@ -368,7 +369,7 @@ def test_a_host_budget_caps_the_tiers_and_the_plan_stays_bitwise(cpu_capacity, r
 
 
 def test_a_host_budget_below_every_plan_fails_at_start_naming_the_smallest_that_works(cpu_capacity):
-    from offload_core.host.replica_budget import BudgetTooSmall
+    from offload_core.host.budget_cap import BudgetTooSmall
 
     cpu_capacity(1 << 30)
     models = toys()

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from offload_core.planner.facts import PipelineFacts
+from offload_core.planner.measured_compute import profiles_from_warmup
 from offload_core.planner.search import PerformanceMode, plan_pipeline
-from offload_core.planner.warmup import measure_warmup, profiles_from_warmup
+from offload_core.residency.compute_meter import measure_warmup
 from offload_core.residency.lifecycle import PipelineResidency
 from offload_core.streaming import meter as meter_module
 from tests.offload_core.residency.test_lifecycle import GROUPS, LINK, TABLES, _flux, _wan, toy_plan, toys

@@ -1,4 +1,4 @@
-"""Facts measured on a warm-up request: uses per request and compute time per layer.
+"""Compute per layer, measured on a warm-up request by hooks on the running model (the planner takes the figures).
 
 A pipeline's components are called a model-dependent number of times per request (Wan runs the
 text encoder for the prompt and the negative prompt, the denoiser twice per step for guidance,
@@ -18,67 +18,16 @@ already under streaming (a service replica times its layers as applied):
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from offload_core.order import declared_layers
-from offload_core.planner.facts import (
-    ComponentProfile,
-    profile_component,
-    streamable_groups,
-)
-from offload_core.tables import HostTablesConfig
-
-
-@dataclass(frozen=True)
-class WarmupFigures:
-    """One component's measured figures for one request."""
-
-    uses: int  # passes over its first layer (or calls of the module, without layer groups)
-    order: tuple[str, ...]  # layer keys in the order they first ran
-    layer_s: tuple[float, ...]  # mean seconds of compute per use, per layer, in that order
-    total_s: float  # seconds inside the component's own forwards, per request (copy waits included)
-    # Seconds per request spent in the layers with every hook on them (their compute, the streamer's
-    # hooks and waits); total_s minus this is the component's non-layer compute.
-    layer_span_s: float = 0.0
-    # Per layer, in ``order``, seconds per use in its hooks outside its compute: a streamed layer's
-    # wait for its copy (and the streamer's hook work). What the picture's measured pass shows.
-    layer_wait_s: tuple[float, ...] = ()
-
-    @property
-    def rest_s(self) -> float:
-        """Non-layer compute per use (embeddings, norms, heads): no layer, no copy wait in it."""
-        return max(self.total_s - self.layer_span_s, 0.0) / max(self.uses, 1)
-
-
-@dataclass(frozen=True)
-class MeasuredCompute:
-    """One component's compute per use, as measured: seconds per layer by key, and the rest."""
-
-    layer_s: tuple[tuple[str, float], ...]  # (layer key, seconds per use)
-    rest_s: float  # non-layer seconds per use
-    layer_wait_s: tuple[tuple[str, float], ...] = ()  # (layer key, seconds per use outside compute)
-
-    @property
-    def per_use_s(self) -> float:
-        return sum(s for _, s in self.layer_s) + self.rest_s
-
-    @classmethod
-    def of(cls, figures: WarmupFigures) -> MeasuredCompute:
-        return cls(tuple(zip(figures.order, figures.layer_s)), figures.rest_s,
-                   tuple(zip(figures.order, figures.layer_wait_s)))
-
-    def scaled(self, factor: float) -> MeasuredCompute:
-        """Every figure times ``factor`` (per use as another count of uses sees it)."""
-        return MeasuredCompute(tuple((k, s * factor) for k, s in self.layer_s), self.rest_s * factor,
-                               tuple((k, s * factor) for k, s in self.layer_wait_s))
-
+from offload_core.planner.facts import streamable_groups
+from offload_core.planner.measured_compute import WarmupFigures
 
 _ENTRIES = itertools.count(1)  # a global clock of first entries: orders layers across groups
 
@@ -153,26 +102,3 @@ def measure_warmup(components: Mapping[str, nn.Module], run: Callable[[], object
         out[name] = WarmupFigures(uses, tuple(key for key, _, _ in ran), per_layer, root.elapsed,
                                   sum(o.elapsed for _, _, o in ran), waits)
     return out
-
-
-def with_measured_compute(profile: ComponentProfile, measured: MeasuredCompute) -> ComponentProfile:
-    """``profile`` (layers in its own order) with the measured seconds per use of each of its layers."""
-    by_key = dict(measured.layer_s)
-    missing = [layer.key for layer in profile.layers if layer.key not in by_key]
-    if missing:
-        raise ValueError(f"{profile.name}: no measured compute for layers {missing[:4]}")
-    return dataclasses.replace(profile, compute_s_per_layer=tuple(by_key[layer.key] for layer in profile.layers),
-                               compute_s_rest=measured.rest_s)
-
-
-def profiles_from_warmup(components: Mapping[str, nn.Module], figures: Mapping[str, WarmupFigures],
-                         tables: HostTablesConfig = HostTablesConfig(),
-                         layer_groups: Mapping[str, Sequence[str]] | None = None) -> tuple[ComponentProfile, ...]:
-    """Component profiles with the measured uses and per-layer compute times."""
-    profiles = []
-    for name, model in components.items():
-        f = figures[name]
-        profiles.append(profile_component(name, model, uses_per_request=f.uses, compute_s_per_layer=f.layer_s,
-                                          compute_s_rest=f.rest_s, tables=tables, layer_order=f.order,
-                                          layer_groups=(layer_groups or {}).get(name)))
-    return tuple(profiles)

@@ -1,6 +1,6 @@
 """The node ledger's accounting: pools of bytes, leases per owner process, bounded waits.
 
-Pure asyncio, no Ray: the ledger actor (cluster/ledger.py) runs one :class:`LeasePools` on its
+Pure asyncio, no Ray: the ledger actor (cluster/ledger/actor.py) runs one :class:`LeasePools` on its
 one event loop. No ``await`` sits between "does it fit" and "record it", so concurrent requests
 cannot over-commit a pool; the only awaits are a waiter's bounded sleep.
 
@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from cluster.liveness import OwnerRef
+from cluster.ledger.liveness import OwnerRef
 from offload_core.host.budget import Lease, Refusal
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class LeasePools:
 
     def leased_by_process(self, pool: str) -> tuple[tuple[int, int], ...]:
         """(pid, bytes leased) per owner process in ``pool``: what a neighbour's device headroom leaves
-        alone until the process holds it (cluster/neighbours.py). One node per ledger: pids are unique."""
+        alone until the process holds it (cluster/replica/neighbours.py). One node per ledger: pids are unique."""
         by_pid: dict[int, int] = {}
         for lease, ref in self._pool(pool).leases.values():
             by_pid[ref.pid] = by_pid.get(ref.pid, 0) + lease.nbytes

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import ray
 
-from cluster.ledger import HOST_POOL, NAMESPACE, LedgerConfig, ledger_name, node_ledger
-from cluster.liveness import OwnerRef, actor_info
+from cluster.ledger.actor import HOST_POOL, NAMESPACE, LedgerConfig, ledger_name, node_ledger
+from cluster.ledger.liveness import OwnerRef, actor_info
 from offload_core.host.budget import Lease, Refusal
 from offload_core.host.ram import default_reserve
 from tests.cluster.conftest import FAST, MiB

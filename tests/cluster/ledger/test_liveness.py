@@ -5,7 +5,7 @@ import dataclasses
 import subprocess
 import sys
 
-from cluster.liveness import OwnerRef, find_dead, process_is_gone
+from cluster.ledger.liveness import OwnerRef, find_dead, process_is_gone
 
 
 def test_a_live_process_is_alive_and_an_exited_one_is_dead():

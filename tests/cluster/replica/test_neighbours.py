@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import psutil
 import ray
 
-from cluster.ledger import node_ledger
-from cluster.ledger_client import LedgerClient
-from cluster.liveness import OwnerRef
-from cluster.neighbours import NeighbourLeases, neighbour_leases, nvml_used_by_process
+from cluster.ledger.actor import node_ledger
+from cluster.ledger.liveness import OwnerRef
+from cluster.ledger.pools import LeasePools
 from cluster.node import GpuFacts
-from cluster.pools import LeasePools
+from cluster.replica.ledger_client import LedgerClient
+from cluster.replica.neighbours import NeighbourLeases, neighbour_leases, nvml_used_by_process
 from tests.cluster.conftest import FAST, MiB
 
 ME = 100

@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from offload_core.planner.warmup import measure_warmup, profiles_from_warmup
+from offload_core.planner.measured_compute import profiles_from_warmup
+from offload_core.residency.compute_meter import measure_warmup
 from tests.offload_core.tiny_models import hunyuan_inputs, tiny_hunyuan
 
 DECLARED_LAST = ("transformer_blocks", "single_transformer_blocks", "context_embedder.refiner_blocks")
@@ -86,7 +87,7 @@ def test_a_slow_copy_of_a_streamed_layer_is_not_counted_as_its_compute(monkeypat
 def test_on_cuda_the_warmup_sync_does_not_wait_for_work_on_another_stream():
     """A layer's timer syncs the current (compute) stream only: a copy still running on the copy
     stream for a later layer must not be charged to this layer's compute."""
-    from offload_core.planner.warmup import compute_sync
+    from offload_core.residency.compute_meter import compute_sync
 
     a = torch.randn(4096, 4096, device="cuda")
     torch.cuda.synchronize()

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from cluster.fleet import FleetProfile
 from cluster.node import GB, GpuFacts
-from cluster.replica_memory import ReplicaMemory
+from cluster.replica.ledger_view import ReplicaMemory
 from offload_core.planner.facts import ComponentProfile, LinkFacts, PipelineFacts, Stage
 from offload_core.planner.gpus import link_Bps
 from offload_core.planner.search import (

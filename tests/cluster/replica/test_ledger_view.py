@@ -8,14 +8,9 @@ import time
 import pytest
 import ray
 
-from cluster.ledger import HOST_POOL, LedgerConfig, node_ledger
+from cluster.ledger.actor import HOST_POOL, LedgerConfig, node_ledger
 from cluster.node import fake_gpus, probe_node
-from cluster.replica_memory import (
-    DeviceBusy,
-    ReplicaMemory,
-    WorkingSetTooLarge,
-    as_device,
-)
+from cluster.replica.ledger_view import DeviceBusy, ReplicaMemory, WorkingSetTooLarge, as_device
 from tests.cluster.conftest import FAST
 from tests.cluster.replicas import on_node
 

@@ -4,13 +4,7 @@ from __future__ import annotations
 import pytest
 
 from offload_core.host.budget import InProcessLedger, Lease, Refusal
-from offload_core.host.replica_budget import (
-    CappedBudget,
-    GiB,
-    HostBudgetSpec,
-    MiB,
-    parse_host_budget,
-)
+from offload_core.host.budget_cap import CappedBudget, GiB, HostBudgetSpec, MiB, parse_host_budget
 
 
 @pytest.mark.parametrize("value, spec", [

@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from cluster.ledger import HOST_POOL, NAMESPACE, ledger_name, node_ledger
+from cluster.ledger.actor import HOST_POOL, NAMESPACE, ledger_name, node_ledger
 from offload_core.host.store import store_dir
 from tests.cluster.conftest import FAST
 from tests.cluster.store_replicas import store_replica

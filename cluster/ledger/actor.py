@@ -9,11 +9,11 @@ Pools: ``host`` (spendable = node available - reserve - Ray's object store) and 
 GPU (its memory less the fleet profile's reserve). A request either fits now, waits (bounded,
 served by priority = bytes x uses per request), or is refused with the numbers.
 
-Dead owners are found by observation (cluster/liveness.py) every ``liveness_interval_s`` and
+Dead owners are found by observation (cluster/ledger/liveness.py) every ``liveness_interval_s`` and
 their leases reclaimed. The actor restarts forever (max_restarts=-1); a restarted ledger has a
 new epoch, holds new grants for ``recovery_s`` while replicas re-register what they hold (their
 clients heartbeat the epoch), so no accounting is lost. The accounting itself is
-cluster/pools.py (pure asyncio); the replica side is cluster/ledger_client.py.
+cluster/ledger/pools.py (pure asyncio); the replica side is cluster/replica/ledger_client.py.
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.fleet import profile_for_gpu
-from cluster.liveness import OwnerRef, actor_info, find_dead
+from cluster.ledger.liveness import OwnerRef, actor_info, find_dead
+from cluster.ledger.pools import LeasePools, PoolState
+from cluster.ledger.shared_stores import SharedStores, StoreState
 from cluster.node import GB, probe_node
-from cluster.pools import LeasePools, PoolState
-from cluster.shared_store import SharedStores, StoreState
 from offload_core.host.budget import Lease, Refusal
 from offload_core.host.store import sweep_orphans
 
@@ -179,7 +179,7 @@ class NodeLedger:
         Fits now -> Lease. Else waits up to ``wait_s`` (higher ``priority`` served first) -> Lease
         or Refusal. A client that saw an older epoch gets StaleEpoch and must re-register first.
         A repeated ``request_id`` (a client's retry) gets the first call's answer. A ``recallable``
-        lease is a reservation the ledger may ask back (cluster/pools.py).
+        lease is a reservation the ledger may ask back (cluster/ledger/pools.py).
         """
         self._ensure_reclaimer()
         if client_epoch is not None and client_epoch != self._epoch:
@@ -232,7 +232,7 @@ class NodeLedger:
         self._pools.readopt(held, ref)
         return self._epoch
 
-    # ---- shared weight stores (cluster/shared_store.py) --------------------------------------
+    # ---- shared weight stores (cluster/ledger/shared_stores.py) --------------------------------------
     async def store_attach(self, digest: str, component: str, path: str, nbytes: int, budget_bytes: int | None,
                            ref: OwnerRef, client_epoch: str | None = None):
         self._ensure_reclaimer()

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from cluster.device_leases import DeviceLeases, LeaseRefused
-from cluster.replica_memory import LocalBudget
+from cluster.replica.device_leases import DeviceLeases, LeaseRefused
+from cluster.replica.ledger_view import LocalBudget
 
 MB = 10**6
 
@@ -172,7 +172,7 @@ def test_the_standing_lease_grows_and_shrinks_and_is_never_resized_inside_a_call
 def test_replicas_on_a_shared_gpu_recall_each_others_idle_reservations_through_the_node_ledger(fleet_nodes):
     import ray
 
-    from cluster.ledger import node_ledger
+    from cluster.ledger.actor import node_ledger
     from tests.cluster.conftest import FAST
     from tests.cluster.replicas import on_node
 

@@ -3,7 +3,7 @@
 The peak bytes a stage call allocates beyond its weights grow with what the request asks for:
 tokens per image, frames, batch. A model family names its features per stage (for Wan's
 denoiser: the batch and batch x latent tokens), and :func:`calibrate` fits one coefficient per
-feature to measured peaks (``offload_core.residency.activations.measure_activations``): as many
+feature to measured peaks (``offload_core.residency.activation_meter.measure_activations``): as many
 calibration shapes as features determine it exactly, more are fitted by least squares. The
 prediction scales with the element size: a model calibrated in float32 predicts half for bfloat16
 (ops that compute in float32 make that an underestimate; calibrate in the dtype served).

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from cluster.liveness import OwnerRef
-from cluster.pools import LeasePools
+from cluster.ledger.liveness import OwnerRef
+from cluster.ledger.pools import LeasePools
 from offload_core.host.budget import Lease, Refusal
 
 

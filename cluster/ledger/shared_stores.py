@@ -1,6 +1,6 @@
 """Node weight stores in the node ledger: one lease per shared copy, with its attached replicas.
 
-The ledger (cluster/ledger.py) keeps a :class:`SharedStores` beside its pools. A store's bytes
+The ledger (cluster/ledger/actor.py) keeps a :class:`SharedStores` beside its pools. A store's bytes
 are ONE lease of the host pool, held under the ledger's own process (so no replica's death takes
 it); the replicas attached to it are listed with it. The first replica to ask writes the copy
 (CREATE); later ones wait while it is written, then ATTACH. The lease goes back and the
@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.liveness import OwnerRef
-from cluster.pools import LeasePools
+from cluster.ledger.liveness import OwnerRef
+from cluster.ledger.pools import LeasePools
 from offload_core.host.budget import Lease, Refusal
 from offload_core.host.store import StoreKey, StoreRole, is_store_file, remove_store
 from offload_core.host.store_registry import (
@@ -170,7 +170,7 @@ class LedgerStoreRegistry(StoreRegistry):
     """offload_core's StoreRegistry over the node ledger, for one replica process."""
 
     def __init__(self, client):
-        self._client = client  # cluster.ledger_client.LedgerClient
+        self._client = client  # cluster.replica.ledger_client.LedgerClient
         # digest -> one (component, path, nbytes, budget) per attachment this process holds
         self._held: dict[str, list[tuple]] = {}
         self._lock = threading.Lock()

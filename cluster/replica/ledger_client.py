@@ -15,8 +15,8 @@ import uuid
 import ray
 from ray.exceptions import RayActorError
 
-from cluster.ledger import LedgerConfig, StaleEpoch
-from cluster.liveness import OwnerRef
+from cluster.ledger.actor import LedgerConfig, StaleEpoch
+from cluster.ledger.liveness import OwnerRef
 from offload_core.host.budget import Lease, MemoryBudget, Refusal
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class LedgerClient:
 
     def watch_pool(self, pool: str, on_figures) -> None:
         """Call ``on_figures(((pid, bytes), ...))`` with ``pool``'s leases per process now and on every
-        heartbeat after (cluster/neighbours.py): the heartbeat's one round trip carries them."""
+        heartbeat after (cluster/replica/neighbours.py): the heartbeat's one round trip carries them."""
         pulse = self._call(lambda retry: self._handle.pulse.remote((pool,)))
         on_figures(dict(pulse.leased_by_process)[pool])
         with self._lock:

@@ -11,7 +11,7 @@ requests put two of them at work at once. Each stage call therefore leases its p
 set on its GPU first; a replica that cannot get it waits (bounded) and then raises
 :class:`DeviceBusy`, which the service answers with 503 and Retry-After, never an OOM.
 
-With Ray initialised the budgets are pools of the node ledger actor (cluster/ledger.py). Without
+With Ray initialised the budgets are pools of the node ledger actor (cluster/ledger/actor.py). Without
 Ray they are process-local ledgers, said in a log line: one process is then the whole "node".
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from cluster.fleet import FleetProfile, profile_for_gpu
-from cluster.ledger import HOST_POOL, LedgerConfig, gpu_pool
+from cluster.ledger.actor import HOST_POOL, LedgerConfig, gpu_pool
 from cluster.node import GB, GpuFacts, NodeFacts, cuda_visible_ids, probe_node, visible_gpu_indices
 from offload_core.host.budget import InProcessLedger, Lease, MemoryBudget, Refusal
 from offload_core.host.store import sweep_orphans
@@ -227,7 +227,7 @@ class ReplicaMemory:
         self.gpu = gpu
         self._client = client
         self._stores: StoreRegistry | None = None
-        self._neighbours = None  # cluster.neighbours.NeighbourLeases, once asked for
+        self._neighbours = None  # cluster.replica.neighbours.NeighbourLeases, once asked for
         pool = device_budget.capacity()
         # Ray's num_gpus is logical; the share makes it the planner's capacity and the process's cap.
         self.share_bytes = pool if gpu is None or gpu_fraction is None else min(pool, int(gpu_fraction * pool))
@@ -240,7 +240,7 @@ class ReplicaMemory:
         """Node weight stores' bookkeeping: the node ledger's with Ray, else this process's own."""
         if self._stores is None:
             if self._client is not None:
-                from cluster.shared_store import LedgerStoreRegistry
+                from cluster.ledger.shared_stores import LedgerStoreRegistry
 
                 self._stores = LedgerStoreRegistry(self._client)
             else:
@@ -253,9 +253,9 @@ class ReplicaMemory:
 
     def neighbour_leases(self):
         """Bytes other processes leased on this replica's GPU and do not hold yet, kept fresh by the
-        ledger client's heartbeat (cluster/neighbours.py): a provider for ``Device.set_neighbours``.
+        ledger client's heartbeat (cluster/replica/neighbours.py): a provider for ``Device.set_neighbours``.
         None without a GPU pool, or without Ray (the in-process ledger knows no other process)."""
-        from cluster.neighbours import neighbour_leases
+        from cluster.replica.neighbours import neighbour_leases
 
         provider = neighbour_leases(self.device_pool, self.gpu) if self._client is not None else None
         self._neighbours = provider
@@ -267,9 +267,9 @@ class ReplicaMemory:
         return provider
 
     def device_leases(self, *, to_driver=None, idle_s: float | None = None, headroom=None):
-        """This replica's standing lease and call reservation on its device pool (cluster.device_leases);
+        """This replica's standing lease and call reservation on its device pool (cluster.replica.device_leases);
         ``headroom``: reads the device's headroom for reports."""
-        from cluster.device_leases import DEFAULT_IDLE_S, DeviceLeases
+        from cluster.replica.device_leases import DEFAULT_IDLE_S, DeviceLeases
 
         return DeviceLeases(self.device_budget, self.owner, self.device_pool, to_driver=to_driver,
                             idle_s=DEFAULT_IDLE_S if idle_s is None else idle_s, headroom=headroom)
@@ -283,8 +283,8 @@ class ReplicaMemory:
         device = as_device(device)
         if not ray.is_initialized():
             return cls.open_local(owner, device, config=config)
-        from cluster.ledger import node_ledger
-        from cluster.ledger_client import LedgerClient
+        from cluster.ledger.actor import node_ledger
+        from cluster.replica.ledger_client import LedgerClient
 
         node = probe_node()
         # Ray's ids are numbers, or UUIDs where CUDA_VISIBLE_DEVICES names GPUs that way (MIG, some k8s).

@@ -1,0 +1,89 @@
+"""Facts measured on a warm-up request: uses per request and compute time per layer, as the planner takes them.
+
+A pipeline's components are called a model-dependent number of times per request (Wan runs the
+text encoder for the prompt and the negative prompt, the denoiser twice per step for guidance,
+the VAE decoder once per latent frame), so counting beats guessing. The figures are measured by
+:func:`offload_core.residency.compute_meter.measure_warmup` (hooks on a running model: runtime
+state, which the planner never holds); here they become plain facts: :class:`WarmupFigures` per
+component, :class:`MeasuredCompute` per use, and profiles carrying them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from torch import nn
+
+from offload_core.planner.facts import (
+    ComponentProfile,
+    profile_component,
+)
+from offload_core.tables import HostTablesConfig
+
+
+@dataclass(frozen=True)
+class WarmupFigures:
+    """One component's measured figures for one request."""
+
+    uses: int  # passes over its first layer (or calls of the module, without layer groups)
+    order: tuple[str, ...]  # layer keys in the order they first ran
+    layer_s: tuple[float, ...]  # mean seconds of compute per use, per layer, in that order
+    total_s: float  # seconds inside the component's own forwards, per request (copy waits included)
+    # Seconds per request spent in the layers with every hook on them (their compute, the streamer's
+    # hooks and waits); total_s minus this is the component's non-layer compute.
+    layer_span_s: float = 0.0
+    # Per layer, in ``order``, seconds per use in its hooks outside its compute: a streamed layer's
+    # wait for its copy (and the streamer's hook work). What the picture's measured pass shows.
+    layer_wait_s: tuple[float, ...] = ()
+
+    @property
+    def rest_s(self) -> float:
+        """Non-layer compute per use (embeddings, norms, heads): no layer, no copy wait in it."""
+        return max(self.total_s - self.layer_span_s, 0.0) / max(self.uses, 1)
+
+
+@dataclass(frozen=True)
+class MeasuredCompute:
+    """One component's compute per use, as measured: seconds per layer by key, and the rest."""
+
+    layer_s: tuple[tuple[str, float], ...]  # (layer key, seconds per use)
+    rest_s: float  # non-layer seconds per use
+    layer_wait_s: tuple[tuple[str, float], ...] = ()  # (layer key, seconds per use outside compute)
+
+    @property
+    def per_use_s(self) -> float:
+        return sum(s for _, s in self.layer_s) + self.rest_s
+
+    @classmethod
+    def of(cls, figures: WarmupFigures) -> MeasuredCompute:
+        return cls(tuple(zip(figures.order, figures.layer_s)), figures.rest_s,
+                   tuple(zip(figures.order, figures.layer_wait_s)))
+
+    def scaled(self, factor: float) -> MeasuredCompute:
+        """Every figure times ``factor`` (per use as another count of uses sees it)."""
+        return MeasuredCompute(tuple((k, s * factor) for k, s in self.layer_s), self.rest_s * factor,
+                               tuple((k, s * factor) for k, s in self.layer_wait_s))
+
+
+def with_measured_compute(profile: ComponentProfile, measured: MeasuredCompute) -> ComponentProfile:
+    """``profile`` (layers in its own order) with the measured seconds per use of each of its layers."""
+    by_key = dict(measured.layer_s)
+    missing = [layer.key for layer in profile.layers if layer.key not in by_key]
+    if missing:
+        raise ValueError(f"{profile.name}: no measured compute for layers {missing[:4]}")
+    return dataclasses.replace(profile, compute_s_per_layer=tuple(by_key[layer.key] for layer in profile.layers),
+                               compute_s_rest=measured.rest_s)
+
+
+def profiles_from_warmup(components: Mapping[str, nn.Module], figures: Mapping[str, WarmupFigures],
+                         tables: HostTablesConfig = HostTablesConfig(),
+                         layer_groups: Mapping[str, Sequence[str]] | None = None) -> tuple[ComponentProfile, ...]:
+    """Component profiles with the measured uses and per-layer compute times."""
+    profiles = []
+    for name, model in components.items():
+        f = figures[name]
+        profiles.append(profile_component(name, model, uses_per_request=f.uses, compute_s_per_layer=f.layer_s,
+                                          compute_s_rest=f.rest_s, tables=tables, layer_order=f.order,
+                                          layer_groups=(layer_groups or {}).get(name)))
+    return tuple(profiles)
