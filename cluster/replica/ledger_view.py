@@ -1,23 +1,24 @@
-"""What one stage replica leases: host RAM and its GPU's memory, from its node's one ledger.
+"""The replica's view of its node's one ledger: its host budget, its GPU's pool, its neighbours' leases.
 
     memory = ReplicaMemory.open("denoise#abc", device)      # on replica start
     plan with memory.profile, pin through memory.host_budget
-    with memory.device_working_set(planned_bytes, timeout_s=10):   # around each stage call
+    leases = memory.device_leases(to_driver=torch.cuda.empty_cache)
+    leases.hold_standing(kept_bytes, timeout_s)            # what the plan keeps on the device
+    with leases.call(added_bytes, timeout_s):              # around each stage call
         run the stage
     memory.close()                                           # on replica shutdown
 
 Ray's fractional ``num_gpus`` is logical only: three stages sharing a 12 GB card OOM when two
-requests put two of them at work at once. Each stage call therefore leases its planned working
-set on its GPU first; a replica that cannot get it waits (bounded) and then raises
-:class:`DeviceBusy`, which the service answers with 503 and Retry-After, never an OOM.
+requests put two of them at work at once. Each stage call therefore leases what it adds on its GPU
+first (:mod:`cluster.replica.device_leases`: kept between calls as a recallable reservation); a
+replica that cannot get it waits (bounded) and the service answers :class:`DeviceBusy` (raised by
+the stage worker) with 503 and Retry-After, never an OOM.
 
 With Ray initialised the budgets are pools of the node ledger actor (cluster/ledger/actor.py). Without
 Ray they are process-local ledgers, said in a log line: one process is then the whole "node".
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import math
 import threading
@@ -51,10 +52,6 @@ class DeviceBusy(RuntimeError):
 
     def __reduce__(self):  # crosses Ray process boundaries intact (the default would lose the args)
         return (DeviceBusy, (self.owner, self.pool, self.nbytes, self.refusal, self.waited_s))
-
-
-class WorkingSetTooLarge(ValueError):
-    """A stage's planned working set exceeds its GPU's whole pool: a planning error, not load."""
 
 
 class LocalBudget(MemoryBudget):
@@ -320,42 +317,6 @@ class ReplicaMemory:
                     "(host %.2f GB spendable, device %s leases pool %s of %.2f GB): other processes on "
                     "this node are not accounted", owner, host.capacity() / GB, device, pool, dev.capacity() / GB)
         return cls(owner, device, node, profile, host, dev, pool, gpu=gpu, gpu_fraction=gpu_fraction)
-
-    @contextlib.contextmanager
-    def device_working_set(self, nbytes: int, timeout_s: float, priority: float = 0.0):
-        """Lease ``nbytes`` of this replica's GPU for the body; wait up to ``timeout_s``, else DeviceBusy."""
-        lease = self._acquire_working_set(nbytes, timeout_s, priority)
-        try:
-            yield lease
-        finally:
-            self.device_budget.release(lease)
-
-    @contextlib.asynccontextmanager
-    async def device_working_set_async(self, nbytes: int, timeout_s: float, priority: float = 0.0):
-        """The same for async stage methods: the wait runs in a thread, not on the event loop."""
-        lease = await asyncio.to_thread(self._acquire_working_set, nbytes, timeout_s, priority)
-        try:
-            yield lease
-        finally:
-            await asyncio.to_thread(self.device_budget.release, lease)
-
-    def _acquire_working_set(self, nbytes: int, timeout_s: float, priority: float) -> Lease:
-        if nbytes < 0 or timeout_s < 0:
-            raise ValueError(f"nbytes and timeout_s must be >= 0, got {nbytes} B and {timeout_s} s")
-        capacity = self.device_budget.capacity()
-        if nbytes > capacity:
-            raise WorkingSetTooLarge(f"{self.owner}: working set {nbytes} B exceeds the whole "
-                                     f"{self.device_pool} pool ({capacity} B); plan a smaller one")
-        start = time.monotonic()
-        got = self.device_budget.acquire(nbytes, self.owner, priority, "device-working-set", wait_s=timeout_s)
-        waited = time.monotonic() - start
-        if not got:
-            logger.info("%s: device working set of %d B refused after %.2f s: %s",
-                        self.owner, nbytes, waited, got.reason)
-            raise DeviceBusy(self.owner, self.device_pool, nbytes, got, waited)
-        if waited > 0.1:
-            logger.info("%s: device working set of %d B granted after waiting %.2f s", self.owner, nbytes, waited)
-        return got
 
     def close(self) -> int:
         """Give back every lease this replica holds. Returns the bytes released."""

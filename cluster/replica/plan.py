@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from cluster.fleet import FleetProfile
 from cluster.node import GB, GpuFacts
@@ -25,12 +25,19 @@ from offload_core.planner.search import (
     plan_pipeline,
 )
 from offload_core.planner.strategy import Strategy
+from offload_core.streaming.link import measure_link
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
 
-def link_facts(gpu: GpuFacts | None) -> LinkFacts:
-    """The GPU table's bandwidths for the link this GPU reports (none known: the table's default link)."""
+def link_facts(device: "torch.device | None" = None, gpu: GpuFacts | None = None) -> LinkFacts:
+    """The replica's link to its device: measured on CUDA; elsewhere (nothing to measure) the GPU
+    table's bandwidths for the link ``gpu`` reports, or the table's default link without one."""
+    if device is not None and device.type == "cuda":
+        return measure_link(device)
     pinned, pageable = link_Bps(gpu.pcie_gen if gpu else None, gpu.pcie_width if gpu else None)
     return LinkFacts(pinned, pageable, measured=False)
 
@@ -58,7 +65,7 @@ def replica_facts(memory: ReplicaMemory, components: Sequence[ComponentProfile],
     lease = pin_cap_bytes(memory) if host_lease_bytes is None else min(host_lease_bytes, pin_cap_bytes(memory))
     return PipelineFacts(tuple(components), tuple(stages),
                          memory.device_budget.capacity() if device_capacity is None else device_capacity,
-                         link or link_facts(gpu), lease, working_set_bytes,
+                         link or link_facts(gpu=gpu), lease, working_set_bytes,
                          gpu.name if gpu else str(memory.device))
 
 

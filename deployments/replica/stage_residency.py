@@ -16,16 +16,14 @@ import torch
 from torch import nn
 
 from cluster.replica.ledger_view import ReplicaMemory
-from cluster.replica.plan import plan_for_replica, replica_facts
+from cluster.replica.plan import link_facts, plan_for_replica, replica_facts
 from offload_core.host.budget import MemoryBudget
 from offload_core.host.budget_cap import HostMemoryStatus
 from offload_core.planner.facts import (
-    LinkFacts,
     PipelineFacts,
     Stage,
     profile_component,
 )
-from offload_core.planner.gpus import link_Bps
 from offload_core.planner.measured_compute import MeasuredCompute, with_measured_compute
 from offload_core.planner.search import (
     ComponentOverride,
@@ -36,14 +34,8 @@ from offload_core.planner.search import (
 )
 from offload_core.residency.lifecycle import PipelineResidency, RequestFigures
 from offload_core.residency.shared_hosting import SharedWeights
-from offload_core.streaming.link import measure_link
 
 logger = logging.getLogger(__name__)
-
-def link_facts(device: torch.device) -> LinkFacts:
-    """Measured on CUDA; elsewhere there is no link to measure: the GPU table's default link."""
-    return measure_link(device) if device.type == "cuda" else LinkFacts(*link_Bps(), measured=False)
-
 
 def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request: Mapping[str, int],
                mode: PerformanceMode | None, device: torch.device, device_capacity: int, host_lease_bytes: int,

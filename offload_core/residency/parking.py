@@ -33,11 +33,6 @@ from offload_core.streaming.meter import DeviceWeightMeter, walked_device_bytes
 logger = logging.getLogger(__name__)
 
 
-def device_headroom(device: torch.device | str, min_block: int = 0) -> int:
-    """Bytes allocations of at least ``min_block`` can still get (``Device.headroom``)."""
-    return get_device(device).headroom_bytes(min_block)
-
-
 class ParkVerdict(enum.Enum):
     PARKED = "parked"  # weights on the host, placeholders on the device
     KEPT = "kept"  # headroom ample: weights stay on the device, host copy dropped

@@ -8,7 +8,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.ledger.actor import LedgerConfig
-from cluster.replica.ledger_view import DeviceBusy, ReplicaMemory
+from cluster.replica.ledger_view import ReplicaMemory
 
 
 @ray.remote(num_cpus=0)
@@ -16,6 +16,7 @@ class LeasingReplica:
     def __init__(self, owner: str, config: LedgerConfig, device: str = "cpu"):
         self.memory = ReplicaMemory.open(owner, device, config=config)
         self.leases = None
+        self.call_leases = None
 
     def facts(self) -> dict:
         m = self.memory
@@ -60,12 +61,16 @@ class LeasingReplica:
 
     def stage_call(self, nbytes: int, hold_s: float, timeout_s: float) -> tuple[str, float]:
         """One stage call: lease the working set, 'compute' for hold_s, give it back."""
+        from cluster.replica.device_leases import LeaseRefused
+
+        if self.call_leases is None:  # kept between calls, recalled by the ledger when a neighbour waits
+            self.call_leases = self.memory.device_leases(idle_s=0.2)
         start = time.monotonic()
         try:
-            with self.memory.device_working_set(nbytes, timeout_s):
+            with self.call_leases.call(nbytes, timeout_s):
                 time.sleep(hold_s)
-        except DeviceBusy as busy:
-            return "busy", busy.retry_after_s
+        except LeaseRefused as refused:
+            return "busy", refused.waited_s
         return "ok", time.monotonic() - start
 
     def plan(self, components, stages, working_set_bytes: int) -> dict:

@@ -30,11 +30,12 @@ class Denoiser:
     def __init__(self):
         replica = serve.get_replica_context().replica_id.unique_id
         self.memory = ReplicaMemory.open(f"denoiser#{replica}", "cpu", config=FAST)
+        self.leases = self.memory.device_leases(idle_s=0.2)  # as a stage worker's, kept between calls
         self.weights = self.memory.host_budget.request(GB, self.memory.owner, 50.0, "pinned:transformer")
         assert self.weights, f"the test node has room for two replicas' pins: {self.weights}"
 
     def __call__(self, hold_s: float) -> str:
-        with self.memory.device_working_set(2 * GB, timeout_s=30):
+        with self.leases.call(2 * GB, timeout_s=30):
             time.sleep(hold_s)
         return self.memory.owner
 

@@ -1,7 +1,6 @@
-"""ReplicaMemory: device working sets on a shared GPU, in-process and through the node ledger."""
+"""ReplicaMemory: stage calls' device leases on a shared GPU, in-process and through the node ledger."""
 from __future__ import annotations
 
-import pickle
 import threading
 import time
 
@@ -10,9 +9,11 @@ import ray
 
 from cluster.ledger.actor import HOST_POOL, LedgerConfig, node_ledger
 from cluster.node import fake_gpus, probe_node
-from cluster.replica.ledger_view import DeviceBusy, ReplicaMemory, WorkingSetTooLarge, as_device
+from cluster.replica.device_leases import LeaseRefused
+from cluster.replica.ledger_view import ReplicaMemory, as_device
 from tests.cluster.conftest import FAST
 from tests.cluster.replicas import on_node
+from tests.waiting import wait_for
 
 GB = 10**9
 
@@ -36,44 +37,49 @@ def test_concurrent_stage_calls_never_lease_more_than_the_gpu():
     capacity, most, lock = budget.capacity(), [0], threading.Lock()
     start = threading.Barrier(3)
 
-    def call(memory: ReplicaMemory):
+    leases = [m.device_leases() for m in stages]
+
+    def call(device_leases):
         start.wait(10)
         for _ in range(3):
-            with memory.device_working_set(5 * GB, timeout_s=30):
+            with device_leases.call(5 * GB, timeout_s=30):
                 with lock:
                     most[0] = max(most[0], budget.leased())
                 time.sleep(0.1)
 
-    threads = [threading.Thread(target=call, args=(m,)) for m in stages]
+    threads = [threading.Thread(target=call, args=(lease,)) for lease in leases]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert 5 * GB * 2 <= most[0] <= capacity, "two 5 GB working sets fit an 11 GB pool, three never"
-    assert budget.leased() == 0, "every working set must be returned after its call"
+    assert 5 * GB * 2 <= most[0] <= capacity, "two 5 GB calls fit an 11 GB pool, three never"
+    assert budget.peak_leased <= capacity, "a kept reservation must be recalled before a neighbour's call"
+    for lease in leases:
+        lease.close()
+    assert budget.leased() == 0, "every reservation must be returned when the replica closes"
 
 
-def test_a_stage_that_cannot_get_its_working_set_waits_then_is_busy():
-    holder, waiter = _local("denoiser"), _local("decoder")
-    with holder.device_working_set(8 * GB, timeout_s=1):
+def test_a_stage_call_that_cannot_get_its_bytes_waits_then_is_refused():
+    holder, waiter = _local("denoiser").device_leases(), _local("decoder").device_leases()
+    with holder.call(8 * GB, timeout_s=1):
         start = time.monotonic()
-        with pytest.raises(DeviceBusy) as busy:
-            with waiter.device_working_set(8 * GB, timeout_s=0.3):
-                pytest.fail("two 8 GB working sets cannot share an 11 GB pool")
-        assert time.monotonic() - start >= 0.3, "DeviceBusy must come only after the bounded wait"
-    assert busy.value.retry_after_s >= 1 and busy.value.pool == "gpu:0"
-    assert "not free after" in str(busy.value)
-    copy = pickle.loads(pickle.dumps(busy.value))  # it crosses Ray's process boundary to the ingress
-    assert (copy.owner, copy.nbytes, copy.retry_after_s, str(copy)) == (
-        "decoder", 8 * GB, busy.value.retry_after_s, str(busy.value))
-    with waiter.device_working_set(8 * GB, timeout_s=0.3):  # free again once the holder is done
+        with pytest.raises(LeaseRefused) as refused:
+            with waiter.call(8 * GB, timeout_s=0.3):
+                pytest.fail("two 8 GB calls cannot share an 11 GB pool")
+        assert time.monotonic() - start >= 0.3, "the refusal must come only after the bounded wait"
+    assert refused.value.nbytes == 8 * GB and refused.value.waited_s >= 0.3
+    with waiter.call(8 * GB, timeout_s=0.3):  # the holder's idle reservation is recalled for it
         pass
+    holder.close()
+    waiter.close()
 
 
-def test_a_working_set_larger_than_the_gpu_is_a_planning_error():
-    with pytest.raises(WorkingSetTooLarge, match="exceeds the whole gpu:0 pool"):
-        with _local("huge").device_working_set(13 * GB, timeout_s=5):
+def test_a_call_larger_than_the_gpu_is_refused_at_once():
+    start = time.monotonic()
+    with pytest.raises(LeaseRefused):
+        with _local("huge").device_leases().call(13 * GB, timeout_s=5):
             pass
+    assert time.monotonic() - start < 1, "no wait can make 13 GB fit an 11 GB pool"
 
 
 def test_bad_devices_are_named():
@@ -104,7 +110,8 @@ def test_three_stage_replicas_sharing_a_12gb_gpu_never_lease_more_than_it(fleet_
             time.sleep(0.05)
         assert ray.get(stages[1].stage_call.remote(8 * GB, 0.0, 0.2))[0] == "busy"
         assert ray.get(long_call)[0] == "ok"
-        assert ray.get(node_ledger(node.node_id).state.remote()).pool("gpu:0").leased == 0
+        wait_for(lambda: ray.get(ledger.state.remote()).pool("gpu:0").leased == 0, 10,
+                 "the idle reservations to go back to the ledger")
     finally:
         for s in stages:
             ray.kill(s)
@@ -118,28 +125,3 @@ def test_a_replica_without_a_gpu_leases_working_sets_from_host_ram(fleet_nodes):
         assert ray.get(replica.stage_call.remote(GB, 0.0, 1))[0] == "ok"
     finally:
         ray.kill(replica)
-
-
-def test_async_stage_calls_wait_for_the_gpu_without_blocking_the_event_loop():
-    import asyncio
-
-    first, second = _local("async-a"), _local("async-b")
-    ticks = []
-
-    async def scenario():
-        async def ticker():  # keeps running while the second call waits for the GPU
-            for _ in range(5):
-                ticks.append(time.monotonic())
-                await asyncio.sleep(0.02)
-
-        async def call(memory, hold_s):
-            async with memory.device_working_set_async(8 * GB, timeout_s=10):
-                await asyncio.sleep(hold_s)
-            return time.monotonic()
-
-        return await asyncio.gather(call(first, 0.6), call(second, 0.0), ticker())
-
-    done_first, done_second, _ = asyncio.run(scenario())
-    assert done_second >= done_first - 0.05, "the second 8 GB working set must wait for the first"
-    assert len(ticks) == 5 and ticks[-1] - ticks[0] < 0.45, "the event loop stalled while a call waited (0.6 s)"
-    assert first.device_budget.leased() == 0
