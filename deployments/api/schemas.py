@@ -12,6 +12,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from deployments.api.reference_images import ReferenceImageError, check_reference_image, from_data_url
 from deployments.capacity.request_limits import FieldError, Limits, parse_size
 from deployments.models.families import FamilyFacts, ReferenceImage
 from deployments.wire.spec import GenerationSpec
@@ -59,6 +60,8 @@ class VideoRequest(_Generation):
     fps: int | None = Field(None, ge=1, le=60)
     # "b64_json": JSON with the mp4 in base64; "mp4": the bytes themselves, as video/mp4.
     response_format: Text = "b64_json"
+    # Image-to-video's reference image as a data URL ("data:image/png;base64,...").
+    input_reference: Text | None = None
 
 
 def check_model(requested: str | None, model_id: str) -> None:
@@ -109,12 +112,12 @@ def _spec(req: _Generation, facts: FamilyFacts, limits: Limits, n: int, frames: 
 
 def image_spec(req: ImageRequest, facts: FamilyFacts, limits: Limits, model_id: str,
                reference: bytes | None = None) -> GenerationSpec:
-    """``reference``: the checked reference image's bytes (``deployments.reference_images``), if any."""
+    """``reference``: the checked reference image's bytes (``deployments.api.reference_images``), if any."""
     check_model(req.model, model_id)
-    _check_reference(facts, reference)
     if "image" not in facts.modalities:
         raise FieldError("model", f"the {facts.family.value} model family makes {', '.join(facts.modalities)} only; "
                                   "use POST /v1/videos")
+    _check_reference(facts, reference)
     if req.response_format != "b64_json":
         raise FieldError("response_format", f"{req.response_format!r} is not supported; use 'b64_json' "
                                             "(this server keeps no files to serve by url)")
@@ -123,10 +126,26 @@ def image_spec(req: ImageRequest, facts: FamilyFacts, limits: Limits, model_id: 
     return _spec(req, facts, limits, req.n, 1, reference)
 
 
+def reference_bytes(value: object) -> bytes | None:
+    """The checked image of an ``input_reference`` (a data URL, or the bytes of an uploaded file)."""
+    if value is None:
+        return None
+    if not isinstance(value, (bytes, str)):
+        raise FieldError("input_reference", f"must be an image file (multipart/form-data) or a data URL string "
+                                            f"'data:image/png;base64,...', got {type(value).__name__}")
+    try:
+        return check_reference_image(value) if isinstance(value, bytes) else from_data_url(str(value))
+    except ReferenceImageError as exc:
+        raise FieldError("input_reference", str(exc)) from None
+
+
 def video_spec(req: VideoRequest, facts: FamilyFacts, limits: Limits, model_id: str,
                reference: bytes | None = None) -> GenerationSpec:
-    """``reference``: the checked reference image's bytes (``deployments.reference_images``), if any."""
+    """``reference``: the checked reference image's bytes (``deployments.api.reference_images``), if
+    any; else the request's own ``input_reference`` data URL, checked here."""
     check_model(req.model, model_id)
+    if reference is None:
+        reference = reference_bytes(req.input_reference)
     if not facts.supports_video:
         raise FieldError("model", f"the {facts.family.value} model family makes images only; "
                                   "use POST /v1/images/generations")

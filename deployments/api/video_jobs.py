@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from deployments.api import errors
 from deployments.api.body import BodyError, parse_object
+from deployments.api.reference_images import MAX_REFERENCE_BYTES
 from deployments.api.video_requests import VideoJobRequest, job_params
 from deployments.capacity.admission import StageAdmission, memory_refusal
 from deployments.capacity.request_limits import FieldError, Limits
@@ -86,8 +87,9 @@ class VideoJobs:
         """The fields as a dict: JSON, or the multipart/form-data the official client sends (values are strings)."""
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         raw = await request.body()
-        if len(raw) > MAX_CREATE_BYTES:
-            raise FieldError("body", f"{len(raw)} B exceeds the limit of {MAX_CREATE_BYTES} B", 413, "body_too_large")
+        limit = MAX_CREATE_BYTES + (MAX_REFERENCE_BYTES if content_type == "multipart/form-data" else 0)
+        if len(raw) > limit:
+            raise FieldError("body", f"{len(raw)} B exceeds the limit of {limit} B", 413, "body_too_large")
         if content_type == "application/json":
             try:
                 return parse_object(raw)
@@ -95,13 +97,15 @@ class VideoJobs:
                 raise FieldError("body", exc.message, exc.status, exc.code) from None
         if content_type == "multipart/form-data":
             try:
-                form = await request.form(max_files=1, max_fields=MAX_FORM_FIELDS, max_part_size=MAX_CREATE_BYTES)
+                form = await request.form(max_files=1, max_fields=MAX_FORM_FIELDS, max_part_size=limit)
             except Exception as exc:  # starlette's MultiPartException and malformed boundaries
                 raise FieldError("body", f"body is not valid multipart/form-data: {exc}", code="invalid_form")
             fields = {}
             for name, value in form.multi_items():
                 if not isinstance(value, str):
-                    raise FieldError(name, "file uploads are not supported: this server generates from text only")
+                    if name != "input_reference":
+                        raise FieldError(name, "file uploads are taken only as input_reference (a reference image)")
+                    value = await value.read()  # within the body limit already read above
                 fields[name] = value
             return fields
         raise FieldError("content-type", f"Content-Type {content_type or '(none)'!r} is not accepted here; send "

@@ -8,12 +8,13 @@ temporal factor). Every other check is the synchronous route's (:func:`deploymen
 """
 from __future__ import annotations
 
+import base64
 import math
 import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from deployments.api.schemas import MAX_USER_CHARS, Text, VideoRequest, video_spec
+from deployments.api.schemas import MAX_USER_CHARS, Text, VideoRequest, reference_bytes, video_spec
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.jobs.records import JobParams
 from deployments.models.families import FamilyFacts
@@ -29,8 +30,8 @@ class VideoJobRequest(BaseModel):
     model: Text | None = None
     seconds: Text | None = None
     size: Text | None = None
-    # OpenAI's image-to-video reference: named in the error rather than refused as an unknown field.
-    input_reference: object | None = None
+    # OpenAI's image-to-video reference: the uploaded file's bytes (multipart), or a data URL (JSON).
+    input_reference: object | None = None  # checked by reference_bytes: bytes or a data URL string
     user: Text | None = Field(None, max_length=MAX_USER_CHARS)  # OpenAI's end-user id; accepted and ignored
     # This project's extras (the openai client's extra_body).
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
@@ -61,15 +62,14 @@ def frames_for(seconds: str, fps: int, temporal_factor: int) -> int:
 
 def job_params(req: VideoJobRequest, facts: FamilyFacts, limits: Limits, model_id: str) -> JobParams:
     """The job's parameters, or :class:`FieldError` naming the first bad field."""
-    if req.input_reference is not None:
-        raise FieldError("input_reference", "not supported: this server generates from text only")
+    reference = reference_bytes(req.input_reference)
     fps = req.fps or limits.default_fps
     frames = limits.default_frames if req.seconds is None else frames_for(req.seconds, fps, facts.temporal_factor)
     as_sync = VideoRequest(prompt=req.prompt, model=req.model, size=req.size, seed=req.seed,
                            num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale,
                            negative_prompt=req.negative_prompt, num_frames=frames, fps=fps)
     try:
-        spec = video_spec(as_sync, facts, limits, model_id)
+        spec = video_spec(as_sync, facts, limits, model_id, reference)
     except FieldError as exc:
         if exc.param != "num_frames":
             raise
@@ -77,4 +77,5 @@ def job_params(req: VideoJobRequest, facts: FamilyFacts, limits: Limits, model_i
         raise FieldError("seconds", f"{req.seconds} s at {fps} fps is {frames} frames; this server makes at most "
                                     f"{limits.max_frames} frames ({longest} s at {fps} fps)") from None
     return JobParams(spec.prompt, spec.negative_prompt, spec.width, spec.height, spec.num_frames, fps, spec.steps,
-                     spec.guidance_scale, spec.seed, format_seconds(spec.num_frames, fps))
+                     spec.guidance_scale, spec.seed, format_seconds(spec.num_frames, fps),
+                     None if reference is None else base64.b64encode(reference).decode())

@@ -50,7 +50,10 @@ class HandleStages:
     def denoise(self, encoded: Awaitable[StageOutput], spec: GenerationSpec, progress: bool = True
                 ) -> AsyncIterator[DenoiseProgress | StageOutput]:
         # Cancelling the iterating task cancels this call on the replica (Serve propagates it).
-        return self.denoiser.options(stream=True).denoise.remote(encoded, spec, progress)
+        # Image-to-video: the decoder replica (it holds the VAE) encodes the reference image; its
+        # condition goes to the denoiser replica unresolved, as the embeddings do.
+        condition = None if spec.reference_image is None else self.decoder.condition.remote(spec)
+        return self.denoiser.options(stream=True).denoise.remote(encoded, spec, progress, condition)
 
     async def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput:
         return await self.decoder.decode.remote(latents, spec)

@@ -59,6 +59,8 @@ class JobParams:
     guidance_scale: float
     seed: int
     seconds: str  # as the client sees it in the video object ("1", "2.25")
+    # Image-to-video: the checked reference image, base64 (the record is JSON); None for text only.
+    reference_image: str | None = None
 
 
 @dataclass(frozen=True)

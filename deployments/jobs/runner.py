@@ -14,6 +14,7 @@ the queue queues its jobs again when their leases lapse: no job stays in progres
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 from typing import Awaitable, Callable
@@ -38,8 +39,9 @@ SWEEP_EVERY_POLLS = 20
 def params_spec(params: JobParams, request_id: str) -> GenerationSpec:
     """The generation a job with ``params`` runs (one video)."""
     p = params
+    reference = None if p.reference_image is None else base64.b64decode(p.reference_image)
     return GenerationSpec(request_id, p.prompt, p.negative_prompt, p.height, p.width, p.num_frames, p.steps,
-                          p.guidance_scale, p.seed, 1)
+                          p.guidance_scale, p.seed, 1, reference)
 
 
 def job_spec(job: VideoJob) -> GenerationSpec:

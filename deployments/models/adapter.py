@@ -189,6 +189,10 @@ class FamilyAdapter:
         ``batched``: the Denoiser's step batching runs guidance's two branches in one forward."""
         raise NotImplementedError
 
+    def warmup_steps(self, facts: FamilyFacts) -> int:
+        """Denoising steps a warm-up call runs so that every denoiser component runs (and is timed)."""
+        return 1
+
     def activation_input(self, pipe, facts: FamilyFacts, stage: PipelineStage, spec: GenerationSpec):
         """A stand-in for the stage's input at ``spec``'s shape (zeros: activations depend on shapes)."""
         raise NotImplementedError

@@ -36,6 +36,11 @@ def uses_per_request(facts: FamilyFacts, stage: PipelineStage, steps: int, guida
     return adapter_for(facts).uses_per_request(facts, stage, steps, guidance_scale, batched)
 
 
+def warmup_steps(facts: FamilyFacts) -> int:
+    """Denoising steps a warm-up call runs so that every denoiser component runs (Wan2.2 A14B: both experts)."""
+    return adapter_for(facts).warmup_steps(facts)
+
+
 def load_stage_pipeline(facts: FamilyFacts, stage: PipelineStage, dtype: torch.dtype):
     """The family's pipeline with only ``stage``'s components loaded (the rest None), safetensors only."""
     return adapter_for(facts).load_stage_pipeline(facts, stage, dtype)

@@ -219,6 +219,13 @@ class WanAdapter(FamilyAdapter):
         per_step = 1 if batched else cfg
         return {name: n * per_step for name, n in expert_steps(facts, steps).items()}
 
+    def warmup_steps(self, facts) -> int:
+        # The fewest steps that reach the low-noise expert (2 for the tiny A14B and I2V, at shift 3.0).
+        steps = 1
+        while min(expert_steps(facts, steps).values()) == 0:
+            steps += 1
+        return steps
+
     def activation_input(self, pipe, facts, stage, spec):
         stage = PipelineStage(stage)
         if stage is ENCODE:
@@ -233,7 +240,8 @@ class WanAdapter(FamilyAdapter):
 
 def expert_steps(facts: FamilyFacts, steps: int) -> dict[str, int]:
     """Steps each expert runs for ``steps`` denoising steps: the folder's scheduler's timesteps split
-    at the boundary (Wan2.2 A14B at 40 steps and flow_shift 3.0: 15 high-noise, 25 low-noise)."""
+    at the boundary (Wan2.2 A14B at 40 steps: flow_shift 3.0 as the diffusers folder writes it, 13
+    high-noise and 27 low-noise; 12.0 as Wan2.2 samples, 26 and 14)."""
     if len(facts.experts) == 1:
         return {facts.experts[0]: steps}
     from diffusers import UniPCMultistepScheduler

@@ -75,8 +75,8 @@ class Denoiser:
         self.last_spec: GenerationSpec | None = None
         self.last_cancelled: CancelFlag | None = None
 
-    async def denoise(self, encoded: StageOutput, spec: GenerationSpec, progress: bool = True
-                      ) -> AsyncIterator[DenoiseProgress | StageOutput]:
+    async def denoise(self, encoded: StageOutput, spec: GenerationSpec, progress: bool = True,
+                      condition: StageOutput | None = None) -> AsyncIterator[DenoiseProgress | StageOutput]:
         """Streams ``DenoiseProgress`` after every step (unless ``progress`` is false), then the latents
         as the last item.
 
@@ -91,7 +91,10 @@ class Denoiser:
 
         start = time.perf_counter()
         self.worker.admit(spec)
-        request = self.stepper.start(encoded.value.unpacked(), spec, on_step=put if progress else None)
+        value = encoded.value.unpacked()
+        if condition is not None:  # image-to-video: the reference image's condition, from the decoder
+            value = dataclasses.replace(value, image_condition=condition.value)
+        request = self.stepper.start(value, spec, on_step=put if progress else None)
         self.last_spec = spec  # batched requests share a shape: a busy period leases max_batch of it
         future = self.batcher.submit(request)
         future.add_done_callback(lambda _: put(_DONE))
@@ -170,6 +173,12 @@ class VaeDecoder:
         decoded = worker.run(
             lambda: families.decode(worker.pipe, worker.config.facts, latents.value, spec, worker.device), spec)
         return decoded.after(latents)
+
+    def condition(self, spec: GenerationSpec) -> StageOutput:
+        """Image-to-video: the reference image's conditioning, on this replica's VAE (no other stage
+        loads it), for the Denoiser."""
+        worker = self.worker
+        return worker.run(lambda: families.condition(worker.pipe, worker.config.facts, spec, worker.device), spec)
 
     def residency(self) -> ReplicaResidency:
         return self.worker.report()

@@ -66,9 +66,10 @@ class WarmupShape:
         return cls(width, height, limits.default_frames if facts.supports_video else 1)
 
     def spec(self, facts: FamilyFacts, n: int = 1) -> GenerationSpec:
-        """One step, ``n`` outputs, the family's default guidance (Wan: both guidance passes run)."""
+        """One step (more when a family's experts need them all to run: Wan2.2 A14B), ``n`` outputs, the
+        family's default guidance (Wan: both guidance passes run)."""
         return GenerationSpec(f"warmup-{self.width}x{self.height}x{self.frames}", "warm-up", None, self.height,
-                              self.width, self.frames, 1, facts.default_guidance, 0, n)
+                              self.width, self.frames, families.warmup_steps(facts), facts.default_guidance, 0, n)
 
     def describe(self) -> str:
         return f"{self.width}x{self.height}x{self.frames}"
@@ -132,7 +133,8 @@ def warm_up(host: WarmupHost, modules: Mapping[str, nn.Module], provisional: Pip
                         working_set_bytes=math.ceil(ACTIVATION_MARGIN * predicted))
     working_set = plan.device_capacity - plan.weight_budget
     changes = plan.changes_from(provisional)
-    note = (f"planned from a warm-up at {shape.describe()} (1 step): compute per use "
+    steps = shape.spec(config.facts).steps
+    note = (f"planned from a warm-up at {shape.describe()} ({steps} step{'s' if steps > 1 else ''}): compute per use "
             + ", ".join(f"{name} {m.per_use_s * 1e3:.2f} ms" for name, m in compute.items())
             + f"; working set {working_set} B = {ACTIVATION_MARGIN} x {predicted} B of predicted activations for "
             f"{batch} request(s)" + (" (capped: the leanest plan's weights need the rest)"

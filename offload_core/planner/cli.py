@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="denoising steps (default: the model's published default)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per stage replica: plans the stages with a TP plan as one rank holds them")
+    p.add_argument("--shift", type=float, help="a two-expert model's timestep shift, which decides each expert's "
+                   "steps (default: the model's published sampling shift, 12.0 for wan2.2-t2v-a14b)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--picture", type=_picture_path, metavar="PATH.svg|PATH.png",
                    help="also draw the plan: per component its weights by where they live, and one pass "
@@ -81,6 +83,30 @@ def table(plan: PipelinePlan) -> str:
     return "\n".join([plan.explain()[0], "", *lines, "", *plan.notes])
 
 
+def expert_residency(plan: PipelinePlan) -> tuple[str, ...]:
+    """For a two-expert plan: where each expert is while the other runs (its idle bytes on the device)."""
+    phases = [s for s in plan.stages if s.name.startswith("denoise:")]
+    if len(phases) < 2:
+        return ()
+    lines = []
+    for stage in phases:
+        (running,) = stage.components
+        for other in (s.components[0] for s in phases if s is not stage):
+            c = plan.component(other)
+            where = ("resident: both experts on the device" if c.strategy.value == "resident" else
+                     f"{c.strategy.value}{', parked' if c.prediction.parked else ''}, "
+                     f"{c.resident_layers} of {len(c.hosting)} layers kept")
+            lines.append(f"while {running} runs, {other} is {where} ({c.prediction.idle_bytes / 2**30:.2f} GiB idle "
+                         f"on the device); stage {stage.name} peaks at "
+                         f"{plan_stage_bytes(plan, stage) / 2**30:.2f} GiB")
+    return tuple(lines)
+
+
+def plan_stage_bytes(plan: PipelinePlan, stage) -> int:
+    return sum(c.prediction.in_use_bytes if c.name in stage.components else c.prediction.idle_bytes
+               for c in plan.components)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.steps is not None and args.steps < 1:
@@ -93,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         gpu = gpu_spec(args.gpu)
         if args.model:
             facts, notes = real_model_facts(args.model, gpu, args.host_ram, working_set=args.working_set,
-                                            steps=args.steps, tp_size=args.tp)
+                                            steps=args.steps, tp_size=args.tp, flow_shift=args.shift)
         else:
             if not (args.model_dir / "model_index.json").is_file():
                 raise ValueError(f"--model-dir {args.model_dir} has no model_index.json: not a diffusers folder")
@@ -102,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         _parser().error(str(error))
     plan = plan_pipeline(facts, PerformanceMode(args.mode))
-    plan = type(plan)(**{**plan.__dict__, "notes": (*plan.notes, *notes)})
+    plan = type(plan)(**{**plan.__dict__, "notes": (*plan.notes, *notes, *expert_residency(plan))})
     if args.json:
         print(json.dumps(plan.to_dict()))
     else:

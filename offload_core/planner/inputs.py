@@ -83,14 +83,44 @@ def _groups(model: nn.Module, declared: tuple[str, ...] | None, notes: list[str]
         return ()
 
 
+EXPERTS = ("transformer", "transformer_2")
+
+
+def _stages(pipeline: str, components) -> tuple[Stage, ...]:
+    """The pipeline's stages; with two experts (Wan2.2 A14B) each is its own phase of denoising: one
+    runs per step, so the plan's peak holds one expert's working set while the other is idle
+    (parked, streamed or resident, as the plan decides), and the switch is where residency changes."""
+    experts = tuple(e for e in EXPERTS if e in components)
+    if len(experts) < 2:
+        return STAGES[pipeline]
+    encode, _, decode = STAGES[pipeline]
+    return (encode, *(Stage(f"denoise:{e}", (e,)) for e in experts), decode)
+
+
+def expert_steps(steps: int, scheduler: Mapping[str, Any], boundary_ratio: float, flow_shift: float) -> tuple[int, int]:
+    """(high-noise, low-noise) steps: the scheduler's timesteps at ``flow_shift`` split at the boundary,
+    as WanPipeline switches (t >= boundary_ratio x num_train_timesteps runs the first expert)."""
+    import diffusers  # as build_meta: offload_core stays importable with torch alone
+
+    config = {**scheduler["config"], "flow_shift": flow_shift}
+    sched = getattr(diffusers, scheduler["class"]).from_config(config)
+    sched.set_timesteps(steps)
+    high = int((sched.timesteps >= boundary_ratio * sched.config.num_train_timesteps).sum())
+    return high, steps - high
+
+
 def _uses_and_tokens(pipeline: str, defaults: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
-    """(uses per request, tokens per use) per component, from the pipeline's generation defaults."""
+    """(uses per request, tokens per use) per component, from the pipeline's generation defaults
+    (``expert_steps``: the two experts' share of the steps, when there are two)."""
     steps, cfg = int(defaults["num_inference_steps"]), float(defaults.get("guidance_scale", 1.0))
     h, w, seq = int(defaults["height"]), int(defaults["width"]), int(defaults.get("max_sequence_length", 512))
     if pipeline == "WanPipeline":
         passes = 2 if cfg > 1.0 else 1  # conditional + unconditional forward per step
         frames = (int(defaults["num_frames"]) - 1) // 4 + 1  # 4x temporal VAE compression
-        return {"text_encoder": (passes, seq), "transformer": (steps * passes, frames * (h // 16) * (w // 16)),
+        tokens = frames * (h // 16) * (w // 16)
+        high, low = defaults.get("expert_steps", (steps, 0))
+        return {"text_encoder": (passes, seq), "transformer": (high * passes, tokens),
+                "transformer_2": (low * passes, tokens),
                 # the Wan VAE decodes one latent frame per decoder pass
                 "vae": (frames, (h // 4) * (w // 4))}
     # FLUX.1-dev is guidance-distilled: one transformer pass per step.
@@ -99,11 +129,12 @@ def _uses_and_tokens(pipeline: str, defaults: Mapping[str, Any]) -> dict[str, tu
 
 
 def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_set: int = 3 * GiB,
-                     pageable_Bps: float | None = None, steps: int | None = None,
+                     pageable_Bps: float | None = None, steps: int | None = None, flow_shift: float | None = None,
                      tables: HostTablesConfig = HostTablesConfig(), tp_size: int = 1) -> tuple[PipelineFacts, list[str]]:
     """Facts for a real-size model from the published configs, planned for ``gpu`` and ``host_ram``.
 
     ``tp_size > 1``: only the stages with a tensor-parallel plan, as one rank (rank 0) holds them.
+    ``flow_shift``: a two-expert model's timestep shift (default: the model's published sampling shift).
     """
     try:
         specs = [real_models.component_spec(model_name, c) for c in real_models.component_names(model_name)]
@@ -113,9 +144,28 @@ def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_se
         raise ValueError(error.args[0]) from error
     if steps is not None:
         defaults["num_inference_steps"] = steps
+    notes = []
+    if "transformer_2" in {s.component for s in specs}:
+        notes.append(_experts(model_name, defaults, flow_shift))
+    elif flow_shift is not None:
+        raise ValueError(f"--shift applies to a two-expert model; {model_name} has one transformer")
     # An empty layer_groups (none declared) lets _groups fall back to the model's own declaration.
     load = {s.component: (s.class_name, s.config, s.dtype, s.layer_groups) for s in specs}
-    return _facts(pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables, tp_size)
+    facts, more = _facts(pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables, tp_size)
+    return facts, notes + more
+
+
+def _experts(model_name: str, defaults: dict[str, Any], flow_shift: float | None) -> str:
+    """Sets ``defaults["expert_steps"]``; the note saying how the steps split and why."""
+    steps, scheduler = int(defaults["num_inference_steps"]), real_models.scheduler_config(model_name)
+    ratio = real_models.boundary_ratio(model_name)
+    shift = float(defaults.get("flow_shift", scheduler["config"]["flow_shift"]) if flow_shift is None else flow_shift)
+    high, low = defaults["expert_steps"] = expert_steps(steps, scheduler, ratio, shift)
+    folder_shift = scheduler["config"]["flow_shift"]
+    other = expert_steps(steps, scheduler, ratio, folder_shift)
+    return (f"experts: transformer (high noise) runs {high} of {steps} steps, transformer_2 (low noise) {low}: "
+            f"timesteps >= {ratio} x 1000 at flow_shift {shift:g} (the diffusers folder's scheduler says "
+            f"{folder_shift:g}: {other[0]}/{other[1]}); one expert runs per step")
 
 
 def folder_facts(folder: Path, gpu: GpuSpec, host_ram: int, *, working_set: int = 3 * GiB,
@@ -126,8 +176,10 @@ def folder_facts(folder: Path, gpu: GpuSpec, host_ram: int, *, working_set: int 
     pipeline = index["_class_name"]
     if pipeline not in STAGES:
         raise ValueError(f"{folder}: pipeline {pipeline!r} is not one the planner knows ({sorted(STAGES)})")
-    load = {}
-    for name in (n for s in STAGES[pipeline] for n in s.components):
+    load, names = {}, [n for s in STAGES[pipeline] for n in s.components]
+    if isinstance(index.get("transformer_2"), list) and index["transformer_2"][0] is not None:
+        names.insert(names.index("transformer") + 1, "transformer_2")
+    for name in names:
         config_path = folder / name / "config.json"
         config = {k: v for k, v in json.loads(config_path.read_text()).items() if not k.startswith("_")}
         class_name = index[name][1]
@@ -138,6 +190,11 @@ def folder_facts(folder: Path, gpu: GpuSpec, host_ram: int, *, working_set: int 
                                  "max_sequence_length": 512}}[pipeline]
     if steps is not None:
         defaults["num_inference_steps"] = steps
+    if "transformer_2" in load:
+        scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+        scheduler = {"class": scheduler["_class_name"], "config": {k: v for k, v in scheduler.items() if k[0] != "_"}}
+        defaults["expert_steps"] = expert_steps(defaults["num_inference_steps"], scheduler, index["boundary_ratio"],
+                                                scheduler["config"]["flow_shift"])
     return _facts(pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables)
 
 
@@ -157,8 +214,8 @@ def _folder_dtype(component_dir: Path) -> torch.dtype:
 def _tp_stages(pipeline: str, load: Mapping[str, tuple], tp_size: int) -> tuple[Stage, ...]:
     """The pipeline's stages, or with ``tp_size > 1`` those whose components all have a tensor-parallel plan."""
     if tp_size == 1:
-        return STAGES[pipeline]
-    stages = tuple(s for s in STAGES[pipeline] if all(has_plan(load[c][0]) for c in s.components))
+        return _stages(pipeline, load)
+    stages = tuple(s for s in _stages(pipeline, load) if all(has_plan(load[c][0]) for c in s.components))
     if not stages:
         raise ValueError(f"no stage of {pipeline} has a tensor-parallel plan for --tp {tp_size}; "
                          f"classes with plans: {list(classes_with_plans())}")

@@ -23,7 +23,8 @@ from torch import nn
 
 # Found from this file (offload_core/real_models.py), not from zoo: offload_core imports no sibling package.
 CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "models" / "real_model_configs.json"
-COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "vae")
+# transformer_2: Wan2.2 A14B's low-noise expert (the same class as the high-noise ``transformer``).
+COMPONENTS = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "vae")
 # Classes the json or a local folder may name, by library; anything else is a typo or an unreviewed model.
 _DIFFUSERS_CLASSES = frozenset({"WanTransformer3DModel", "FluxTransformer2DModel", "AutoencoderKLWan", "AutoencoderKL"})
 _TRANSFORMERS_CLASSES = frozenset({"UMT5EncoderModel", "T5EncoderModel", "CLIPTextModel"})
@@ -164,6 +165,16 @@ def meta_component(model_name: str, component: str) -> nn.Module:
     """Build a real-size component on the meta device in its published dtype; allocates nothing."""
     spec = component_spec(model_name, component)
     return build_meta(spec.class_name, spec.config, spec.dtype)
+
+
+def boundary_ratio(model_name: str) -> float | None:
+    """Where a two-expert model switches experts: timesteps >= ratio x 1000 run ``transformer``."""
+    return _model_entry(model_name).get("boundary_ratio")
+
+
+def scheduler_config(model_name: str) -> dict[str, Any]:
+    """The published scheduler's class and config (its flow_shift decides each expert's steps)."""
+    return copy.deepcopy(_model_entry(model_name)["scheduler"])
 
 
 def pipeline_defaults(model_name: str) -> dict[str, Any]:
