@@ -42,7 +42,8 @@ def app(ray_cluster, tmp_path_factory):
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.jobs.actor import JobsArgs, drop_job_store
+    from deployments.jobs.actor import drop_job_queue
+    from deployments.jobs.queue import JobsArgs
 
     jobs = JobsArgs(directory=str(tmp_path_factory.mktemp("jobs")), poll_after_ms=100, poll_interval_s=0.2)
     args = tiny_args(app_name=APP, limits=LIMITS, model_path=str(ensure_tiny_wan22_i2v()), video_jobs=jobs)
@@ -55,7 +56,7 @@ def app(ray_cluster, tmp_path_factory):
             yield client, http
     finally:
         serve.delete(APP)
-        drop_job_store(APP)
+        drop_job_queue(APP)
 
 
 def _frames(mp4: bytes):
