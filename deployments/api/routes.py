@@ -26,7 +26,8 @@ from deployments.api.body import BodyError, parse_object
 from deployments.api.guard import JSON_TYPES, Guard, GuardConfig, request_id
 from deployments.api.model_list import ModelList, model_card
 from deployments.api.schemas import ImageRequest, VideoRequest, image_spec, video_spec
-from deployments.api.seams import ReplicaBoard, StagePipeline
+from deployments.api.seams import ReplicaBoard, ServingCheck, StagePipeline
+from deployments.api.serving import NotServingGate, not_serving
 from deployments.capacity.admission import StageAdmission
 from deployments.capacity.replica_report import REPUBLISH_S
 from deployments.capacity.request_limits import FieldError, Limits
@@ -243,19 +244,30 @@ def _install_error_handlers(api: FastAPI) -> None:
 
 
 def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
-              jobs: video_jobs.JobsBackend | None = None) -> FastAPI:
-    """The whole HTTP API over ``stages`` and ``board``; with ``jobs``, the Videos API (/v1/videos) too."""
+              jobs: video_jobs.JobsBackend | None = None, serving: ServingCheck | None = None) -> FastAPI:
+    """The whole HTTP API over ``stages`` and ``board``; with ``jobs``, the Videos API (/v1/videos) too;
+    with ``serving``, health, models and new work follow whether every stage runs."""
     service = Service(config, stages, board)
     api = FastAPI(title="offload-serve", version="0.1.0")
     _install_error_handlers(api)
 
     @api.get("/health")
-    async def health() -> dict:
+    async def health():
+        """200 while every stage deployment has a running replica; else 503 naming the stage and
+        Serve's reason (a readiness probe's route: the ingress itself answers either way)."""
+        state = serving.state() if serving is not None else None
+        if state is not None and not state.serving:
+            return not_serving(state, config.retry_after_s)
         return {"status": "ok", "model": config.model_id}
 
     @api.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return await service.models()
+        listed = await service.models()
+        state = serving.state() if serving is not None else None
+        if state is None or state.serving:
+            return listed
+        down = {"serving": False, "not_serving": state.describe()}
+        return listed.model_copy(update={"data": [card.model_copy(update=down) for card in listed.data]})
 
     @api.get("/v1/residency")
     async def residency():
@@ -293,6 +305,9 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
     if jobs is not None:
         video_jobs.mount(api, video_jobs.VideoJobsConfig(config.model_id, config.facts, config.limits, config.jobs),
                      jobs, service.generate, config.retry_after_s, stages.failure, service.admissions)
+    if serving is not None:  # inside the Guard (added after): a request without the token is still a 401
+        api.add_middleware(NotServingGate, check=serving, paths=frozenset({IMAGES, VIDEOS, video_jobs.CREATE}),
+                           retry_after_s=config.retry_after_s)
     guard = GuardConfig(config.api_token, config.cors_origins, ((IMAGES, JSON_TYPES), (VIDEOS, JSON_TYPES),
                                                                 (video_jobs.CREATE, video_jobs.CREATE_TYPES)))
     api.add_middleware(Guard, config=guard)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Awaitable, Protocol
 
+from deployments.api.serving import ServingState
 from deployments.capacity.gpu_shares import PendingReplica
 from deployments.capacity.replica_report import ReplicaResidency
 from deployments.wire.failures import Failure
@@ -45,3 +46,10 @@ class ReplicaBoard(Protocol):
     async def residency(self) -> tuple[ReplicaResidency, ...]: ...
 
     async def pending_replicas(self) -> tuple[PendingReplica, ...]: ...
+
+
+class ServingCheck(Protocol):
+    """Whether every stage deployment has a running replica (``deployments.ingress.watch``: Serve's
+    status, read every couple of seconds): a cached reading, so the API may ask per request."""
+
+    def state(self) -> ServingState: ...

@@ -23,6 +23,7 @@ from deployments.capacity import unplaced
 from deployments.capacity.gpu_shares import PendingReplica
 from deployments.capacity.replica_report import ReplicaResidency
 from deployments.ingress.failures import sort_failure
+from deployments.ingress.watch import AppWatch
 from deployments.jobs.actor import get_job_queue
 from deployments.jobs.queue import JobsArgs
 from deployments.jobs.results import ResultStore
@@ -94,9 +95,10 @@ class Ingress:
         self.config = config
         self.board = ResidencyBoardClient(config.app_name)
         self.jobs = serve_backend(config.app_name, config.jobs)
+        self.watch = AppWatch(config.app_name)  # which stages run (health, refusals) and pending replicas
         logger.info("ingress for %s (%s, %s): auth %s, CORS origins %s, limits %s", config.model_id,
                     config.facts.family.value, config.facts.folder, "bearer token" if config.api_token else "off",
                     list(config.cors_origins) or "none", config.limits)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_api(self.config, self.stages, self.board, self.jobs)
+        return build_api(self.config, self.stages, self.board, self.jobs, self.watch)

@@ -6,6 +6,7 @@ replica and application tags itself.
 from __future__ import annotations
 
 from ray.serve import metrics
+from ray.util import metrics as ray_metrics
 
 from deployments.replica.batching import ForwardFigures
 from deployments.wire.spec import StageStats
@@ -80,3 +81,51 @@ class BatchMetrics:
 
     def record_wait(self, seconds: float) -> None:
         self._wait.observe(seconds)
+
+
+# Host tiers as the residency report totals them (offload_core.residency.report), by the tier's name.
+HOST_TIERS = (("pinned", "host_pinned_bytes"), ("pageable", "host_pageable_bytes"), ("mapped", "host_mapped_bytes"),
+              ("shared", "host_shared_bytes"))
+
+
+class ReplicaGauges:
+    """Where a replica's weights are and what it leased, set each time it publishes its residency report:
+    host bytes by tier, its device leases and its share against the capacity of its GPU (the Grafana
+    dashboard's "Host bytes by tier" and "Device leases against capacity per GPU")."""
+
+    def __init__(self, stage: str, gpu: str):
+        self._host = metrics.Gauge("offload_serve_host_bytes", description="Weight bytes this replica holds in "
+                                   "host memory, by tier (pinned includes staging; shared: the node weight store).",
+                                   tag_keys=("stage", "tier"))
+        self._leased = metrics.Gauge("offload_serve_device_leased_bytes", description="Device bytes this replica "
+                                     "leased from its node's ledger (standing + call reservation).",
+                                     tag_keys=("stage", "gpu"))
+        self._share = metrics.Gauge("offload_serve_device_share_bytes", description="This replica's share of its "
+                                    "GPU (num_gpus of the pool): what it plans against.", tag_keys=("stage", "gpu"))
+        self._capacity = metrics.Gauge("offload_serve_gpu_capacity_bytes", description="What the node ledger may "
+                                       "lease on this GPU, all replicas together.", tag_keys=("gpu",))
+        for gauge in (self._host, self._leased, self._share):
+            gauge.set_default_tags({"stage": stage})
+        self._gpu = gpu
+
+    def record(self, weights_totals: dict, standing_bytes: int, reserved_bytes: int, share_bytes: int,
+               capacity_bytes: int) -> None:
+        for tier, field in HOST_TIERS:
+            self._host.set(float(weights_totals.get(field, 0)), tags={"tier": tier})
+        self._leased.set(float(standing_bytes + reserved_bytes), tags={"gpu": self._gpu})
+        self._share.set(float(share_bytes), tags={"gpu": self._gpu})
+        self._capacity.set(float(capacity_bytes), tags={"gpu": self._gpu})
+
+
+class PendingGauge:
+    """Stage replicas Ray has not placed, per deployment (set by the ingress as it watches the app).
+    Ray's own Gauge: Serve's reserves the ``deployment`` tag for the replica that records."""
+
+    def __init__(self):
+        self._pending = ray_metrics.Gauge("offload_serve_pending_replicas", description="Replicas of the deployment "
+                                      "waiting for a node (GET /v1/residency -> pending says why).",
+                                      tag_keys=("deployment",))
+
+    def record(self, counts: dict[str, int]) -> None:
+        for deployment, count in counts.items():
+            self._pending.set(float(count), tags={"deployment": deployment})

@@ -36,7 +36,7 @@ from deployments.replica.batching import BatchingConfig
 from deployments.replica.board import get_board
 from deployments.replica.board_publisher import Throttled
 from deployments.replica.leases import LEASE_REFUSED, open_device_leases, open_replica_memory
-from deployments.replica.metrics import StageMetrics
+from deployments.replica.metrics import ReplicaGauges, StageMetrics
 from deployments.replica.stage_residency import StageResidency, host_lease_bytes, plan_stage, predicted_kept_bytes
 from deployments.wire.spec import (
     GenerationSpec,
@@ -130,6 +130,7 @@ class StageWorker:
         self.residency = applier(plan=plan)
         self.activations: activation_features.StageActivations | None = None
         self.metrics = StageMetrics(config.stage.value)
+        self.gauges = ReplicaGauges(config.stage.value, f"{(self.memory.node.node_id or 'local')[:8]}/{self.memory.device_pool}")
         # One call at a time per replica: the pipeline object (scheduler state) is not reentrant.
         self._lock = threading.Lock()
         self._last = StageStats(config.stage.value, self.replica, 0.0, 0, 0)
@@ -309,3 +310,5 @@ class StageWorker:
         with self._lock:  # never while a call is moving the weights the report walks
             report = self.report()
         self._board.publish.remote(report)  # fire and forget: a report is not worth a wait
+        self.gauges.record(report.weights["totals"], report.leases["standing_bytes"], report.leases["reserved_bytes"],
+                           self.memory.share_bytes, self.memory.device_budget.capacity())

@@ -1,0 +1,94 @@
+"""The ingress's watch over its application: which stage deployments run, and how many replicas wait.
+
+Every ``WATCH_INTERVAL_S`` a thread of the ingress replica reads Serve's status of the app
+(``serve.status()``: one call to the controller) and keeps a :class:`deployments.api.serving.ServingState`
+the API answers from without a round trip per request; every ``PENDING_EVERY`` reads it also counts
+the stage replicas Ray has not placed (``capacity.unplaced``: controller + GCS) for the
+``offload_serve_pending_replicas`` gauge. A stage is down while it has no RUNNING replica; its
+status and Serve's message say why (deploying, unhealthy, failed to deploy). A change is logged once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+from deployments.api.serving import ServingState, StageDown
+from deployments.capacity import unplaced
+from deployments.replica.metrics import PendingGauge
+
+logger = logging.getLogger(__name__)
+
+STAGES = ("TextEncoder", "Denoiser", "VaeDecoder")
+# Serve's message for a failed deployment ends in the constructor's traceback: the start of it says
+# what failed; the rest is in Serve's controller log.
+REASON_CHARS = 600
+# 2 s: a stage that fails is refused for within 2 s of Serve knowing; one status read costs the
+# controller ~1 ms, so the ingress's replicas add < 1 call/s to it.
+WATCH_INTERVAL_S = 2.0
+PENDING_EVERY = 5  # unplaced replicas every 10 s: it also reads the GCS's placement groups and nodes
+
+
+def serving_state(app_name: str, stages=STAGES) -> ServingState:
+    """The app's stages as Serve reports them now (from a replica or a driver)."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        return ServingState(tuple(StageDown(s, "MISSING", f"Serve has no application {app_name!r}") for s in stages))
+    down = []
+    for stage in stages:
+        info = app.deployments.get(stage)
+        if info is None:
+            down.append(StageDown(stage, "MISSING", app.message))
+            continue
+        running = int(info.replica_states.get("RUNNING", 0))
+        if running == 0:
+            reason = info.message if len(info.message) <= REASON_CHARS else info.message[:REASON_CHARS] + " ..."
+            down.append(StageDown(stage, str(getattr(info.status, "value", info.status)), reason))
+    return ServingState(tuple(down))
+
+
+class AppWatch:
+    """``state()`` is the last reading (``known=False`` before the first); ``close()`` stops the thread."""
+
+    def __init__(self, app_name: str, interval_s: float = WATCH_INTERVAL_S, stages=STAGES):
+        self.app_name, self.interval_s, self.stages = app_name, interval_s, stages
+        self._state = ServingState(known=False)
+        self._gauge = PendingGauge()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="app-watch", daemon=True)
+        self._thread.start()
+
+    def state(self) -> ServingState:
+        return self._state
+
+    def _run(self) -> None:
+        reads = 0
+        while not self._stop.is_set():
+            self._read(count_pending=reads % PENDING_EVERY == 0)
+            reads += 1
+            self._stop.wait(self.interval_s)
+
+    def _read(self, count_pending: bool) -> None:
+        try:
+            state = serving_state(self.app_name, self.stages)
+        except Exception as exc:  # the controller restarting: keep the last reading, say so once per change
+            logger.info("app watch: Serve's status unreadable (%s: %s); keeping the last reading",
+                        type(exc).__name__, exc)
+            return
+        if state != self._state:
+            logger.info("app watch: %s", state.describe())
+        self._state = state
+        if count_pending:
+            try:
+                pending = unplaced.pending_replicas(self.app_name)
+            except Exception as exc:
+                logger.info("app watch: pending replicas unreadable (%s: %s)", type(exc).__name__, exc)
+                return
+            counts = Counter(p.deployment for p in pending)
+            self._gauge.record({stage: counts.get(stage, 0) for stage in self.stages})
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + 1)

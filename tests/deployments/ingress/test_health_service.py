@@ -1,0 +1,73 @@
+"""A stage that fails at start-up in the real service: health, models, images and video jobs say so at once.
+
+The module's one app: the tiny Wan whose transformer checkpoint is truncated, so the Denoiser's
+replicas fail in their constructor (safetensors refuses the file) while the encoder, the decoder
+and the ingress start; Serve marks the Denoiser DEPLOY_FAILED.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import httpx
+import pytest
+
+from tests.deployments.conftest import TOKEN, TOKEN_ENV, serve_base_url, tiny_args
+from tests.waiting import wait_for
+from zoo.tiny import ensure_tiny_wan
+
+APP, PREFIX = "svc-broken", "/broken"
+
+
+@pytest.fixture(scope="module")
+def broken(ray_cluster, tmp_path_factory):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    folder = tmp_path_factory.mktemp("broken") / "tiny-wan"
+    shutil.copytree(ensure_tiny_wan(), folder)
+    weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:64])  # a header cut short: the Denoiser cannot load it
+    os.environ[TOKEN_ENV] = TOKEN
+    base = serve_base_url(ray_cluster)
+    # Not serve.run: it waits for the app to run, and raises when it failed to deploy.
+    serve._run(build_app(tiny_args(app_name=APP, model_path=str(folder))), name=APP, route_prefix=PREFIX,
+               _blocking=False)
+    try:
+        with httpx.Client(base_url=base + PREFIX, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as client:
+            yield client
+    finally:
+        from deployments.jobs.actor import drop_job_store
+
+        serve.delete(APP)
+        drop_job_store(APP)
+
+
+def _failed_health(client: httpx.Client):
+    """The ingress's answer once Serve has given up on the Denoiser (until then: deploying, or the
+    proxy's own plain-text answer while no ingress replica is up)."""
+    response = client.get("/health")
+    if response.headers.get("content-type", "").startswith("application/json") and "failed to deploy" in response.text:
+        return response
+    return None
+
+
+def test_health_models_images_and_video_jobs_refuse_while_a_stage_failed_at_start_up(broken):
+    health = wait_for(lambda: _failed_health(broken), 240, "the Denoiser to fail to deploy")
+    error = health.json()["error"]
+    assert health.status_code == 503 and set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "stage_not_running" and health.headers["retry-after"] == "1"
+    assert "stage Denoiser is not running (failed to deploy: " in error["message"]
+    assert "TextEncoder" not in error["message"] and "VaeDecoder" not in error["message"], "they run"
+    (card,) = broken.get("/v1/models").json()["data"]
+    assert card["serving"] is False and "stage Denoiser is not running" in card["not_serving"]
+    start = time.monotonic()
+    image = broken.post("/v1/images/generations", json={"prompt": "a fox", "size": "16x16"})
+    assert time.monotonic() - start < 5, "a request must be refused at once, not wait on the failed stage"
+    assert image.status_code == 503 and image.headers["retry-after"] == "1", image.text
+    assert image.json()["error"]["code"] == "stage_not_running"
+    job = broken.post("/v1/videos", json={"prompt": "waves", "seconds": "1", "size": "16x16"})
+    assert job.status_code == 503 and job.json()["error"]["code"] == "stage_not_running", job.text
+    assert broken.get("/v1/videos").json()["data"] == [], "no job was queued for nothing to run"
