@@ -41,6 +41,7 @@ from offload_core.layout import (
     unique_storage_bytes,
 )
 from offload_core.order import OrderedLayer, execution_order
+from offload_core.progress import ByteProgress
 from offload_core.quant import WeightFormat, quantized_names
 from offload_core.sharded import move_unsharded
 from offload_core.streaming.config import (  # noqa: F401 (the engine's public names, re-exported)
@@ -401,17 +402,22 @@ def _move_layers_off(entries: tuple[_LayerEntry, ...], tiers: Mapping[str, Hosti
         group_bytes[entry.group] = group_bytes.get(entry.group, 0) + entry.layout.nbytes
     order = sorted(entries, key=lambda e: -group_bytes[e.group])  # stable: layers keep their order
     moved: list[tuple[_LayerEntry, HostLayer, list[torch.device]]] = []
+    tiers_used = sorted({tiers[e.key].value for e in entries if e.key not in prebuilt})
     try:
-        for entry in order:
-            host = prebuilt.get(entry.key)
-            if host is not None and host.layout != entry.layout:
-                raise LayoutError(f"layer {entry.key}: the given host copy is laid out differently from the layer")
-            if host is None:
-                host = HostLayer.consolidate(entry.layout, [p.data for p in entry.params], tiers[entry.key],
-                                             context.device)
-            moved.append((entry, host, [p.device for p in entry.params]))
-            for param in entry.params:
-                param.data = placeholder(context.device, param.dtype)
+        # Tens of GB for a 14B model (pinning included): logged with its rate, a bar in a terminal.
+        with ByteProgress(f"hosting layers ({', '.join(tiers_used) or 'shared copies'})",
+                          sum(e.layout.host_nbytes for e in entries if e.key not in prebuilt)) as progress:
+            for entry in order:
+                host = prebuilt.get(entry.key)
+                if host is not None and host.layout != entry.layout:
+                    raise LayoutError(f"layer {entry.key}: the given host copy is laid out differently from the layer")
+                if host is None:
+                    host = HostLayer.consolidate(entry.layout, [p.data for p in entry.params], tiers[entry.key],
+                                                 context.device)
+                    progress.update(entry.layout.host_nbytes)
+                moved.append((entry, host, [p.device for p in entry.params]))
+                for param in entry.params:
+                    param.data = placeholder(context.device, param.dtype)
     except Exception:
         for entry, host, devices in moved:
             for param, view, where in zip(entry.params, host.host_views(), devices):
