@@ -26,12 +26,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m deployments.dev.demo
+	$(VENV)/bin/offload-serve demo
 
-# `serve run configs/local.yaml` against a head started as `ray start --head --node-ip-address=127.0.0.1
+# configs/local.yaml on a head started as `ray start --head --node-ip-address=127.0.0.1
 # --dashboard-host=127.0.0.1` with token auth; Ctrl-C stops the service and that head (only it).
 serve: $(STAMP)
-	$(PY) -m deployments.dev.local_ray serve run configs/local.yaml
+	$(VENV)/bin/offload-serve serve configs/local.yaml
 
 # One BLAS thread per process: Ray workers and the test process share 2 cores, and oversubscribed
 # threads made the engine's tests 4x slower here (12 s vs 48 s).

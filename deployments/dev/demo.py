@@ -37,12 +37,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def load_config(path: pathlib.Path, port: int):
+def load_config(path: pathlib.Path, port: int | None):
+    """The Serve config file, validated as ``serve run`` validates it; ``port``: the HTTP port instead of the file's."""
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
     raw = yaml.safe_load(path.read_text())
-    raw.setdefault("http_options", {})["port"] = port
+    if port is not None:
+        raw.setdefault("http_options", {})["port"] = port
     return ServeDeploySchema.model_validate(raw)
 
 
@@ -111,8 +113,8 @@ def make_video(client, out: pathlib.Path, prompt: str, size: str, steps: int, se
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=pathlib.Path, default=REPO / "configs" / "local.yaml")
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "out" / "demo.png")
     parser.add_argument("--video-out", type=pathlib.Path, default=REPO / "out" / "demo.mp4")
@@ -126,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(local_ray.token_env())  # this driver and the head it starts: Ray's token auth
     import httpx
     import ray
-    from ray import serve
 
     port = _free_port()
     config = load_config(args.config, port)
@@ -163,10 +164,12 @@ def main(argv: list[str] | None = None) -> int:
             print_residency(client.get("/v1/residency").json()["replicas"])
         return 0
     finally:
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        local_ray.stop_head(head)
+        # The app deleted, not serve.shutdown(): its controller kills itself under our graceful_shutdown
+        # call and Ray prints that task's failure in red after a clean run. The head stops the rest.
+        try:
+            local_ray.stop_apps([app.name])
+        finally:
+            local_ray.stop_head(head)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m offload_core.plan", description=__doc__.splitlines()[0])
+def _parser(prog: str = "python -m offload_core.plan") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a real model in configs/models/real_model_configs.json, e.g. wan2.1-t2v-14b")
     source.add_argument("--model-dir", type=Path, help="a local diffusers pipeline folder")
@@ -107,14 +107,16 @@ def plan_stage_bytes(plan: PipelinePlan, stage) -> int:
                for c in plan.components)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m offload_core.plan") -> int:
+    """``prog``: how the user called it (``offload-serve plan``), for usage and error lines."""
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
-        _parser().error(f"--steps must be >= 1, got {args.steps}")
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.tp < 1:
-        _parser().error(f"--tp must be >= 1, got {args.tp}")
+        parser.error(f"--tp must be >= 1, got {args.tp}")
     if args.tp > 1 and args.model_dir:
-        _parser().error("--tp plans a real model (--model); a folder's stages are planned at tp 1")
+        parser.error("--tp plans a real model (--model); a folder's stages are planned at tp 1")
     try:
         gpu = gpu_spec(args.gpu)
         if args.model:
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             facts, notes = folder_facts(args.model_dir, gpu, args.host_ram, working_set=args.working_set,
                                         steps=args.steps)
     except ValueError as error:
-        _parser().error(str(error))
+        parser.error(str(error))
     plan = plan_pipeline(facts, PerformanceMode(args.mode))
     plan = type(plan)(**{**plan.__dict__, "notes": (*plan.notes, *notes, *expert_residency(plan))})
     if args.json:
