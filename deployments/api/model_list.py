@@ -28,6 +28,10 @@ class ModelCard(BaseModel):
     size_multiple: int = Field(description="Width and height must be multiples of this.")
     limits: ModelLimits
     configured_limits: Limits = Field(description="The configured limits and defaults (args.limits).")
+    serving: bool = Field(True, description="Every stage deployment has a running replica; false: requests "
+                          "for this model get 503 with Retry-After until it does (not_serving says why).")
+    not_serving: str | None = Field(None, description="Which stage is down and Serve's reason, while serving "
+                                    "is false.")
 
 
 class ModelList(BaseModel):
