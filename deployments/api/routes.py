@@ -255,7 +255,7 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
     async def health():
         """200 while every stage deployment has a running replica; else 503 naming the stage and
         Serve's reason (a readiness probe's route: the ingress itself answers either way)."""
-        state = serving.state() if serving is not None else None
+        state = await serving.confirm() if serving is not None else None
         if state is not None and not state.serving:
             return not_serving(state, config.retry_after_s)
         return {"status": "ok", "model": config.model_id}
@@ -263,24 +263,46 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
     @api.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
         listed = await service.models()
-        state = serving.state() if serving is not None else None
+        state = await serving.confirm() if serving is not None else None
         if state is None or state.serving:
             return listed
         down = {"serving": False, "not_serving": state.describe()}
         return listed.model_copy(update={"data": [card.model_copy(update=down) for card in listed.data]})
+
+    def board_restarting(exc: Exception, route: str) -> JSONResponse:
+        if stages.failure(exc).kind is not FailureKind.LOST_REPLICA:
+            raise exc
+        logger.warning("GET %s: the residency board is unreachable (%s); 503", route, type(exc).__name__)
+        return errors.error_json(503, "the residency board is restarting; replicas report again within "
+                                      f"{REPUBLISH_S:.0f} s; retry", None, "board_unavailable", "overloaded",
+                                 {"Retry-After": "1"})
 
     @api.get("/v1/residency")
     async def residency():
         try:
             replicas, pending = await asyncio.gather(board.residency(), board.pending_replicas())
         except Exception as exc:
-            if stages.failure(exc).kind is not FailureKind.LOST_REPLICA:
-                raise
-            logger.warning("GET /v1/residency: the residency board is unreachable (%s); 503", type(exc).__name__)
-            return errors.error_json(503, "the residency board is restarting; replicas report again within "
-                                          f"{REPUBLISH_S:.0f} s; retry", None, "board_unavailable", "overloaded",
-                                     {"Retry-After": "1"})
+            return board_restarting(exc, "/v1/residency")
         return {"replicas": [r.to_json() for r in replicas], "pending": [p.to_json() for p in pending]}
+
+    @api.get("/v1/residency/picture")
+    async def residency_picture(replica: str | None = None):
+        """A replica's plan as SVG: its weights by where they live, one pass predicted and measured."""
+        try:
+            reports = await board.residency()
+        except Exception as exc:
+            return board_restarting(exc, "/v1/residency/picture")
+        known = sorted(r.replica for r in reports if r.picture is not None)
+        chosen = [r for r in reports if r.picture is not None and replica is not None
+                  and (r.replica == replica or r.replica.endswith(f"#{replica}"))]
+        if len(chosen) != 1:
+            why = "name one replica" if replica is None else f"no replica {replica!r} has a picture"
+            return errors.error_json(404 if replica is not None else 400, f"{why}; replicas: {known or 'none yet'}",
+                                     "replica", "unknown_replica", "invalid_request_error")
+        from offload_core.planner.picture import render  # matplotlib: imported on the first picture only
+
+        svg = await asyncio.to_thread(render, chosen[0].picture, "svg")  # ~0.1-1 s of CPU: off the event loop
+        return Response(svg, media_type="image/svg+xml")
 
     @api.post(IMAGES)
     async def images(request: Request):

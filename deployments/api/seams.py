@@ -53,3 +53,6 @@ class ServingCheck(Protocol):
     status, read every couple of seconds): a cached reading, so the API may ask per request."""
 
     def state(self) -> ServingState: ...
+
+    async def confirm(self) -> ServingState:
+        """``state()`` if it serves, else read afresh: what a refusal is decided on."""

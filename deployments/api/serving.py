@@ -66,7 +66,7 @@ class NotServingGate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("method") == "POST" and get_route_path(scope) in self.paths:
-            state = self.check.state()
+            state = await self.check.confirm()
             if not state.serving:
                 await not_serving(state, self.retry_after_s)(scope, receive, send)
                 return

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deployments.capacity.admission import StageAdmission
+from offload_core.planner.picture import PlanPicture
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class ReplicaResidency:
     leases: dict = field(default_factory=dict)
     # What the replica admits (activation models, room beside its weights); None before calibration.
     admission: StageAdmission | None = None
+    # The plan drawn as data (GET /v1/residency/picture renders it): strips, predicted and measured
+    # passes; made once after the warm-up. Not in to_json: the picture is its own route.
+    picture: PlanPicture | None = field(default=None, compare=False)
 
     def to_json(self) -> dict:
         return {"replica": self.replica, "stage": self.stage, "device": self.device, "mode": self.mode,

@@ -9,8 +9,10 @@ status and Serve's message say why (deploying, unhealthy, failed to deploy). A c
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
 from collections import Counter
 
 from deployments.api.serving import ServingState, StageDown
@@ -26,7 +28,11 @@ REASON_CHARS = 600
 # 2 s: a stage that fails is refused for within 2 s of Serve knowing; one status read costs the
 # controller ~1 ms, so the ingress's replicas add < 1 call/s to it.
 WATCH_INTERVAL_S = 2.0
-PENDING_EVERY = 5  # unplaced replicas every 10 s: it also reads the GCS's placement groups and nodes
+PENDING_EVERY = 5
+# A "down" reading is checked afresh before the API refuses on it, at most this often: the app may
+# have come up since the last read (a request right after serve.run returned got a 503 from a
+# reading 2 s old).
+CONFIRM_AFTER_S = 0.25  # unplaced replicas every 10 s: it also reads the GCS's placement groups and nodes
 
 
 def serving_state(app_name: str, stages=STAGES) -> ServingState:
@@ -55,12 +61,24 @@ class AppWatch:
     def __init__(self, app_name: str, interval_s: float = WATCH_INTERVAL_S, stages=STAGES):
         self.app_name, self.interval_s, self.stages = app_name, interval_s, stages
         self._state = ServingState(known=False)
+        self._read_at = 0.0  # time.monotonic() of the last reading
+        self._confirming = asyncio.Lock()
         self._gauge = PendingGauge()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="app-watch", daemon=True)
         self._thread.start()
 
     def state(self) -> ServingState:
+        return self._state
+
+    async def confirm(self) -> ServingState:
+        """The last reading if it says the app serves; else a fresh one (at most one per CONFIRM_AFTER_S,
+        off the event loop), so nothing is refused on a reading the app has outgrown."""
+        if self._state.serving:
+            return self._state
+        async with self._confirming:
+            if time.monotonic() - self._read_at >= CONFIRM_AFTER_S:
+                await asyncio.to_thread(self._read, False)
         return self._state
 
     def _run(self) -> None:
@@ -79,7 +97,7 @@ class AppWatch:
             return
         if state != self._state:
             logger.info("app watch: %s", state.describe())
-        self._state = state
+        self._state, self._read_at = state, time.monotonic()
         if count_pending:
             try:
                 pending = unplaced.pending_replicas(self.app_name)

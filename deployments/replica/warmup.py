@@ -192,9 +192,8 @@ def _per_use(figures: WarmupFigures, uses: int) -> MeasuredCompute:
     if not figures.order:
         # No layer groups: the pipeline calls a method (vae.decode), so the hooks sit on its children.
         return MeasuredCompute((), figures.total_s / uses)
-    scale = figures.uses / uses
-    measured = MeasuredCompute.of(figures)
-    return MeasuredCompute(tuple((key, s * scale) for key, s in measured.layer_s), measured.rest_s * scale)
+    # Waits for copies come along: the plan's picture shows the measured pass with them.
+    return MeasuredCompute.of(figures).scaled(figures.uses / uses)
 
 
 __all__ = ["WarmupHost", "WarmupOutcome", "WarmupShape", "warm_up"]

@@ -48,6 +48,7 @@ from deployments.wire.spec import (
 from offload_core.host.budget import Refusal
 from offload_core.host.budget_cap import HostBudgetSpec
 from offload_core.host.store import folder_identity
+from offload_core.planner.picture import PlanPicture, plan_picture
 from offload_core.planner.search import PerformanceMode
 from offload_core.residency.shared_hosting import SharedWeights
 from offload_core.streaming.headroom import HeadroomTimeout
@@ -146,7 +147,10 @@ class StageWorker:
         # The batch size goes on its own (no lock, no walk of the weights): a busy period holds the
         # call lock for as long as its batch runs, and a report waits for that lock.
         self._batch_sender = Throttled(self._send_batch, PUBLISH_INTERVAL_S, f"batch-{config.stage.value}")
+        self.picture = None
         self.warmup = self._apply_warmup(warmup.warm_up(self, modules, plan), applier)
+        # Drawn from the plan that runs and what the warm-up measured (GET /v1/residency/picture).
+        self.picture = self._picture()
         self.publish()
 
     @property
@@ -274,13 +278,22 @@ class StageWorker:
             self.residency = make()
         self.leases.hold_standing(self.residency.kept_bytes(), timeout_s)
 
+    def _picture(self) -> PlanPicture | None:
+        """The plan that runs, drawn as data with the warm-up's measured pass (None: a plan without facts)."""
+        plan = self.residency.plan
+        if plan.facts is None:
+            logger.info("%s: no picture of the plan: it carries no facts to draw from", self.replica)
+            return None
+        return plan_picture(plan, dict(self.warmup.compute), title=f"{self.config.stage.value} replica "
+                            f"{self.replica} on {self.device}: {plan.explain()[0].split(':')[0]}")
+
     def report(self) -> ReplicaResidency:
         weights = self.residency.report()
         return ReplicaResidency(self.replica, self.config.stage.value, str(self.device), self.residency.mode.value,
                                 self.residency.plan.explain(), self.residency.predicted_peak_bytes(),
                                 self._last.device_peak_bytes, self._last.bytes_streamed, weights.to_json(),
                                 self.residency.host_status(weights).to_json(), self._batch,
-                                self.leases.figures(with_headroom=True).to_json(), self.admission())
+                                self.leases.figures(with_headroom=True).to_json(), self.admission(), self.picture)
 
     def set_batch(self, size: int, mean: float) -> None:
         """The Denoiser's batch size; the board gets it within PUBLISH_INTERVAL_S when it changed."""

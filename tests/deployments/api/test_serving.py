@@ -18,6 +18,9 @@ class FakeCheck:
     def state(self) -> ServingState:
         return self.now
 
+    async def confirm(self) -> ServingState:
+        return self.now
+
 
 def _client(check: FakeCheck) -> tuple[TestClient, FakeStages]:
     stages = FakeStages()

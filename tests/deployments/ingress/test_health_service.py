@@ -39,16 +39,19 @@ def broken(ray_cluster, tmp_path_factory):
         with httpx.Client(base_url=base + PREFIX, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as client:
             yield client
     finally:
-        from deployments.jobs.actor import drop_job_store
+        from deployments.jobs.actor import drop_job_queue
 
         serve.delete(APP)
-        drop_job_store(APP)
+        drop_job_queue(APP)
 
 
 def _failed_health(client: httpx.Client):
     """The ingress's answer once Serve has given up on the Denoiser (until then: deploying, or the
     proxy's own plain-text answer while no ingress replica is up)."""
-    response = client.get("/health")
+    try:
+        response = client.get("/health")
+    except httpx.TimeoutException:  # Serve's proxy holds a request while the app has no ingress replica yet
+        return None
     if response.headers.get("content-type", "").startswith("application/json") and "failed to deploy" in response.text:
         return response
     return None

@@ -217,6 +217,17 @@ def _pixels(png: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)))
 
 
+def test_each_replicas_plan_picture_shows_its_predicted_and_its_measured_pass(client):
+    replicas = {r["stage"]: r["replica"] for r in client.get("/v1/residency").json()["replicas"]}
+    svg = client.get("/v1/residency/picture", params={"replica": replicas["denoise"]})
+    assert svg.status_code == 200 and svg.headers["content-type"].startswith("image/svg+xml"), svg.text
+    # Memory mode streams the transformer: the strip and both passes, the measured one from its warm-up.
+    for text in (b"transformer: layerwise: 0/4 resident", b"transformer, predicted: one pass",
+                 b"transformer, measured (warm-up): one pass", b"copy stream"):
+        assert text in svg.content, text
+    assert client.get("/v1/residency/picture", params={"replica": "nope"}).status_code == 404
+
+
 def test_concurrent_denoise_calls_share_forwards_and_each_gets_its_own_latents(service):
     from ray import serve
 
