@@ -9,7 +9,7 @@ MAPPED one is first copied into one of the two pinned staging buffers by the hos
 (at the pageable rate), then DMA'd. The third of three simulated passes is shown: the first pays
 ``prepare_for_use``'s burst, later ones are the steady state a long request runs in.
 
-Measured: a running replica's warm-up (``planner.warmup``) timed each layer's compute and the time
+Measured: a running replica's warm-up (``residency.compute_meter``) timed each layer's compute and the time
 the layer spent in its hooks outside compute (the streamer's wait for its copy); the measured
 pass lays those out in order on the compute stream. Copies are not timed on the copy stream, so
 the measured pass shows where compute waited, not the copies themselves.
