@@ -1,7 +1,7 @@
 """The operators' Grafana dashboard, and the ConfigMap that hands it to Grafana's dashboard sidecar.
 
 Writes ``k8s/grafana/offload-serve.json`` (import it by hand, or let the sidecar load it) and
-``k8s/grafana-dashboard.yaml`` (a ConfigMap labelled ``grafana_dashboard: "1"``, the label the
+``k8s/grafana/configmap.yaml`` (a ConfigMap labelled ``grafana_dashboard: "1"``, the label the
 Grafana Helm chart's and kube-prometheus-stack's sidecar watch by default). The panels are the
 table below; every query names metrics as Ray's metrics agent exports them (Ray prefixes the
 application's own metrics with ``ray_``). ``tests/k8s/test_dashboard.py`` starts the tiny service,
@@ -22,7 +22,7 @@ import yaml
 
 K8S_DIR = Path(__file__).resolve().parent
 DASHBOARD = K8S_DIR / "grafana" / "offload-serve.json"
-CONFIGMAP = K8S_DIR / "grafana-dashboard.yaml"
+CONFIGMAP = K8S_DIR / "grafana" / "configmap.yaml"
 UID = "offload-serve"
 # Ray's Serve app label is "application"; the manifests name the app offload-serve.
 APP = 'application=~"$application"'

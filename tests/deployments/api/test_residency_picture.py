@@ -5,9 +5,9 @@ from fastapi.testclient import TestClient
 
 from deployments.api.routes import build_api
 from deployments.capacity.replica_report import ReplicaResidency
+from offload_core.planner.measured_compute import MeasuredCompute
 from offload_core.planner.picture import plan_picture
 from offload_core.planner.search import PerformanceMode, plan_pipeline
-from offload_core.planner.measured_compute import MeasuredCompute
 from tests.deployments.fakes import TOKEN, FakeBoard, FakeStages, fake_config
 from tests.offload_core.planner.test_picture import facts
 
