@@ -189,6 +189,11 @@ class FamilyAdapter:
         ``batched``: the Denoiser's step batching runs guidance's two branches in one forward."""
         raise NotImplementedError
 
+    def phases(self, facts: FamilyFacts, stage: PipelineStage) -> tuple[tuple[str, ...], ...]:
+        """The stage's components grouped by what runs at once; the planner holds one group's working
+        set on the device at a time and the replica switches residency between groups."""
+        return (self.modules(facts, stage),)
+
     def warmup_steps(self, facts: FamilyFacts) -> int:
         """Denoising steps a warm-up call runs so that every denoiser component runs (and is timed)."""
         return 1

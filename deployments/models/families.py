@@ -36,6 +36,11 @@ def uses_per_request(facts: FamilyFacts, stage: PipelineStage, steps: int, guida
     return adapter_for(facts).uses_per_request(facts, stage, steps, guidance_scale, batched)
 
 
+def stage_phases(facts: FamilyFacts, stage: PipelineStage) -> tuple[tuple[str, ...], ...]:
+    """The stage's components grouped by what runs at once (Wan2.2 A14B's denoiser: one expert at a time)."""
+    return adapter_for(facts).phases(facts, stage)
+
+
 def warmup_steps(facts: FamilyFacts) -> int:
     """Denoising steps a warm-up call runs so that every denoiser component runs (Wan2.2 A14B: both experts)."""
     return adapter_for(facts).warmup_steps(facts)

@@ -171,6 +171,12 @@ class WanAdapter(FamilyAdapter):
     def modules(self, facts, stage):
         return facts.experts if PipelineStage(stage) is DENOISE else super().modules(facts, stage)
 
+    def phases(self, facts, stage):
+        # One expert runs per step: each is its own phase, so its working set alone is on the device.
+        if PipelineStage(stage) is DENOISE and len(facts.experts) > 1:
+            return tuple((expert,) for expert in facts.experts)
+        return super().phases(facts, stage)
+
     def restore_scale_factors(self, pipe, facts) -> None:
         vae = read_json(pathlib.Path(facts.folder) / "vae" / "config.json")
         pipe.vae_scale_factor_spatial = int(vae.get("scale_factor_spatial", 8))

@@ -40,8 +40,12 @@ class StageMetrics:
         self._free_after_cancel = metrics.Gauge(
             "offload_serve_free_seconds_after_cancel", description="Seconds from the cancel to the replica being "
             "free (lease and call lock given back), last cancelled call.", tag_keys=tags)
+        # Per component: Wan2.2 A14B's Denoiser streams two experts, each counted on its own.
+        self._component_total = metrics.Counter(
+            "offload_serve_component_bytes_streamed_total", description="Host->device weight bytes per component, "
+            "all calls.", tag_keys=("stage", "component"))
         for metric in (self._latency, self._streamed, self._streamed_total, self._peak, self._cancelled,
-                       self._steps_after_cancel, self._free_after_cancel):
+                       self._steps_after_cancel, self._free_after_cancel, self._component_total):
             metric.set_default_tags({"stage": stage})
 
     def record(self, stats: StageStats) -> None:
@@ -50,6 +54,11 @@ class StageMetrics:
         if stats.bytes_streamed > 0:  # Ray counters refuse increments of 0 (a resident plan moves nothing)
             self._streamed_total.inc(float(stats.bytes_streamed))
         self._peak.set(float(stats.device_peak_bytes))
+
+    def record_components(self, nbytes: dict[str, int]) -> None:
+        for component, moved in nbytes.items():
+            if moved > 0:  # Ray counters refuse increments of 0
+                self._component_total.inc(float(moved), tags={"component": component})
 
     def record_cancel(self, steps_after: int, free_s: float) -> None:
         self._cancelled.inc()

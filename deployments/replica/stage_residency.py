@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -37,9 +37,20 @@ from offload_core.residency.shared_hosting import SharedWeights
 
 logger = logging.getLogger(__name__)
 
+def stage_phases(stage: str, components: Mapping[str, nn.Module],
+                 phases: Sequence[Sequence[str]] | None) -> tuple[Stage, ...]:
+    """The planner's stages for one stage replica: the whole stage, or one per phase when only one
+    phase's components run at a time (Wan2.2 A14B's experts: ``denoise:transformer``, then
+    ``denoise:transformer_2``), so the plan holds one phase's working set with the others idle."""
+    if not phases or len(phases) < 2:
+        return (Stage(stage, tuple(components)),)
+    return tuple(Stage(f"{stage}:{names[0]}", tuple(names)) for names in phases)
+
+
 def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request: Mapping[str, int],
                mode: PerformanceMode | None, device: torch.device, device_capacity: int, host_lease_bytes: int,
-               memory: ReplicaMemory | None = None, expected_batch: float = 1.0) -> PipelinePlan:
+               memory: ReplicaMemory | None = None, expected_batch: float = 1.0,
+               phases: Sequence[Sequence[str]] | None = None) -> PipelinePlan:
     """The plan for one stage's components: this replica's whole "pipeline" is its stage.
 
     With the replica's ``memory`` (the service always has it) the plan is the fleet profile's for
@@ -52,7 +63,7 @@ def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request
     profiles = tuple(dataclasses.replace(profile_component(name, module, uses_per_request=uses_per_request[name]),
                                          expected_batch=expected_batch)
                      for name, module in components.items())
-    stages = (Stage(stage, tuple(components)),)
+    stages = stage_phases(stage, components, phases)
     if memory is None:
         if mode is None:
             raise ValueError(f"stage {stage}: no offload mode and no replica memory to take a fleet profile from")
@@ -110,21 +121,28 @@ class StageResidency:
                  mode: PerformanceMode | None, device: torch.device, *, device_capacity: int,
                  host_budget: MemoryBudget, owner: str, host_budget_bytes: int | None = None,
                  shared: SharedWeights | None = None, memory: ReplicaMemory | None = None,
-                 plan: PipelinePlan | None = None, expected_batch: float = 1.0):
+                 plan: PipelinePlan | None = None, expected_batch: float = 1.0,
+                 phases: Sequence[Sequence[str]] | None = None):
         """``plan``: made beforehand with :func:`plan_stage` (a replica plans, leases what the plan keeps
-        on the device, then applies it); None: planned here."""
+        on the device, then applies it); None: planned here. ``phases``: see :func:`stage_phases`."""
         self.device = device
         self.host_budget_bytes = host_budget_bytes
         self._names = tuple(components)
         wanted = plan or plan_stage(stage, components, uses_per_request, mode, device, device_capacity,
                                     host_lease_bytes(host_budget, host_budget_bytes), memory,
-                                    expected_batch)
+                                    expected_batch, phases)
         self.mode = wanted.mode  # the fleet profile's when the stage's configuration left it open
         self._residency = PipelineResidency.apply(components, wanted, device, host_budget, owner=owner,
                                                   host_budget_bytes=host_budget_bytes, shared=shared)
         # As applied: tiers the host budget lowered or the driver refused to pin are in it, with notes.
         self.plan = self._residency.plan
         self._last = RequestFigures(0, 0)
+        # Phases (Wan2.2 A14B's experts): a use prepares the first; the first call into another
+        # phase's module finishes the one in use and prepares it (PipelineResidency.following_calls),
+        # so residency changes at the expert switch and one expert's working set is on the device.
+        self._phases = [s.components for s in self.plan.stages]
+        self._following = None
+        self._last_by_component: dict[str, int] = {}
 
     def adopt(self, plan: PipelinePlan) -> None:
         """Show ``plan`` (the applied decisions re-predicted from measurements) as this residency's plan."""
@@ -134,11 +152,27 @@ class StageResidency:
         self.plan = self._residency.plan = plan
 
     def prepare_for_use(self) -> None:
-        self._residency.prepare_for_use(self._names)
+        if len(self._phases) < 2:
+            self._residency.prepare_for_use(self._names)
+            return
+        self._residency.prepare_for_use(self._phases[0])
+        self._following = self._residency.following_calls()
+        self._following.__enter__()
 
     def finish_use(self) -> None:
-        self._residency.finish_use(self._names)
+        if self._following is None:
+            self._residency.finish_use(self._names)
+        else:
+            self._following.__exit__(None, None, None)
+            self._following = None
+            self._residency.finish_use([n for n in self._names if self._residency.in_use(n)])
+        # Before finish_request resets the counters: each component's bytes (Wan2.2 A14B: each expert's).
+        self._last_by_component = {n: self._residency.components[n].bytes_moved() for n in self._names}
         self._last = self._residency.finish_request()
+
+    def bytes_streamed_by_component(self) -> dict[str, int]:
+        """Host->device weight bytes the last use moved, per component."""
+        return dict(self._last_by_component)
 
     def bytes_streamed_so_far(self) -> int:
         """Host->device weight bytes moved in the use now running (a counter; step batching splits it)."""

@@ -119,15 +119,17 @@ class StageWorker:
             shared = SharedWeights(self.memory.store_registry(), identities, self.replica, budget_bytes=budget)
         # Planned against the replica's share of its GPU, not the whole card; 0 s of compute and no
         # working set until the warm-up measured them (deployments/replica/warmup.py plans again).
+        phases = families.stage_phases(config.facts, config.stage)  # Wan2.2 A14B: one expert at a time
         plan = plan_stage(config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
                           self.memory.share_bytes, host_lease_bytes(self.memory.host_budget, budget), self.memory,
-                          expected_batch=config.batching.max_batch if config.batching is not None else 1)
+                          expected_batch=config.batching.max_batch if config.batching is not None else 1,
+                          phases=phases)
         # What the plan keeps on the device is leased before applying it moves anything there.
         self.leases.hold_standing(predicted_kept_bytes(plan), config.device_timeout_s)
         applier = functools.partial(
             StageResidency, config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
             device_capacity=self.memory.share_bytes, host_budget=self.memory.host_budget,
-            owner=self.replica, host_budget_bytes=budget, shared=shared, memory=self.memory)
+            owner=self.replica, host_budget_bytes=budget, shared=shared, memory=self.memory, phases=phases)
         self.residency = applier(plan=plan)
         self.activations: activation_features.StageActivations | None = None
         self.metrics = StageMetrics(config.stage.value)
@@ -219,6 +221,7 @@ class StageWorker:
                     yield
                 finally:
                     self.residency.finish_use()
+                    self.metrics.record_components(self.residency.bytes_streamed_by_component())
                 kept = self.residency.kept_bytes()
             self.leases.hold_standing(kept, self.config.device_timeout_s)
         self._publisher.poke()

@@ -257,6 +257,10 @@ class PipelineResidency:
         for c in picked:
             c.gate()
 
+    def in_use(self, name: str) -> bool:
+        """Whether component ``name`` is prepared for use now (between its prepare and its finish)."""
+        return self.components[name].state is UseState.IN_USE
+
     @contextlib.contextmanager
     def following_calls(self) -> Iterator[None]:
         """Drive the lifecycle from the pipeline's own calls (one ``pipe(...)`` runs every stage).

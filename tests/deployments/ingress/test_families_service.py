@@ -96,7 +96,7 @@ def test_a_bad_or_missing_reference_image_is_a_400_naming_input_reference(app):
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
 
 
-def test_residency_lists_both_experts_each_streamed(app):
+def test_residency_lists_both_experts_each_streamed_one_at_a_time(app):
     _, http = app
 
     def reported():
@@ -110,3 +110,6 @@ def test_residency_lists_both_experts_each_streamed(app):
     for expert in experts.values():  # memory mode: each expert's 4 blocks streamed, on the host between calls
         assert sum(expert["layer_tiers"].values()) == 4, expert
     assert any(line.startswith("transformer_2: ") for line in denoiser["plan"]), denoiser["plan"]
+    # One expert's working set at a time: the plan peaks in one expert's phase, and the replica measured it.
+    assert "in stage denoise:transformer" in denoiser["plan"][0], denoiser["plan"][0]
+    assert denoiser["last_device_peak_bytes"] == denoiser["predicted_peak_bytes"]
