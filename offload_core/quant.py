@@ -74,7 +74,8 @@ def quantized_names(layer: nn.Module, weights: WeightFormat) -> frozenset[str]:
         for name, param in module.named_parameters(recurse=False):
             if quantizable(module, name, param):
                 names.add(f"{module_name}.{name}" if module_name else name)
-    return frozenset(names)
+    # Only what streams: a tensor-parallel (DTensor) weight stays on its rank's device as it is.
+    return frozenset(names & {name for name, _ in layer_parameters(layer)})
 
 
 def layer_layout(key: str, layer: nn.Module, weights: WeightFormat = WeightFormat.NATIVE) -> LayerLayout:

@@ -12,8 +12,9 @@ from typing import Sequence
 
 from offload_core.host.maps import MapsSnapshot
 from offload_core.host.pin_order import PinClaim
-from offload_core.layout import STREAMER_ATTRIBUTE, declared_layer_groups, layer_parameters, plan_layer_layout
+from offload_core.layout import STREAMER_ATTRIBUTE, declared_layer_groups, layer_parameters
 from offload_core.order import execution_order
+from offload_core.quant import WeightFormat, layer_layout
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,10 @@ class LayerFacts:
     # (dtype name, flat bytes) as the engine lays the layer out; sizes its share of a staging buffer.
     # Empty: one region of ``host_bytes`` (facts made by hand, single-dtype layers).
     flat_bytes: tuple[tuple[str, int], ...] = ()
+    # FP8-hosted (``offload_core.quant``): quantized at load into anonymous memory of its 8-bit
+    # layout's bytes (``flat_bytes`` are then the host buffers); it can never be left MAPPED.
+    quantized: bool = False
+    quantized_host_bytes: int = 0
 
     def __post_init__(self) -> None:
         assert min(self.nbytes, self.mapped_bytes, self.anon_bytes, self.padding_bytes) >= 0, \
@@ -42,7 +47,7 @@ class LayerFacts:
     @property
     def host_bytes(self) -> int:
         """Bytes of the layer's own host buffers once consolidated (PINNED or PAGEABLE)."""
-        return self.nbytes + self.padding_bytes
+        return self.quantized_host_bytes if self.quantized else self.nbytes + self.padding_bytes
 
     @property
     def layout_bytes(self) -> tuple[tuple[str, int], ...]:
@@ -50,7 +55,10 @@ class LayerFacts:
 
     @property
     def consolidation_cost(self) -> int:
-        """Net anonymous bytes consolidating adds: the mapped part copied out, plus padding."""
+        """Net anonymous bytes consolidating adds: the mapped part copied out, plus padding (FP8: its
+        8-bit buffers, less the anonymous original it frees; never below 0, the lease is not a credit)."""
+        if self.quantized:
+            return max(0, self.quantized_host_bytes - self.anon_bytes)
         return self.mapped_bytes + self.padding_bytes
 
 
@@ -103,6 +111,7 @@ def facts_from_module(
     maps: MapsSnapshot | None = None,
     mapped_fraction: float | None = None,
     layer_order: Sequence[str] | None = None,
+    weights: WeightFormat = WeightFormat.NATIVE,
 ) -> ComponentFacts:
     """Per-layer facts of a model: bytes from shapes and dtypes, mapped bytes measured or given.
 
@@ -131,10 +140,11 @@ def facts_from_module(
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         mapped = (int(nbytes * mapped_fraction) if mapped_fraction is not None
                   else maps.mapped_bytes(tensors))
-        layout = plan_layer_layout(key, [(n, p.data) for n, p in named])
+        layout = layer_layout(key, ordered.module, weights)
         facts = LayerFacts(key, nbytes, mapped, nbytes - mapped, resident=key in resident_keys,
                            padding_bytes=max(0, layout.nbytes - nbytes),
-                           flat_bytes=tuple((str(d), n) for d, n in layout.flat_bytes))
+                           flat_bytes=tuple((str(d), n) for d, n in layout.host_flat_bytes),
+                           quantized=bool(layout.quantized), quantized_host_bytes=layout.host_nbytes)
         (resident if facts.resident else streamed).append(facts)
     unknown = set(resident_keys) - known
     if unknown:

@@ -215,7 +215,7 @@ def _wanted(ranked: Sequence[ComponentFacts], policy: HostingPolicy) -> list[_Sl
                 # The pin order is a priority order: once one layer misses the cap, later ones
                 # do not jump ahead of it.
                 pin_open = pin_open and best is not HostingTier.PINNED
-                copy_nothing = best is HostingTier.MAPPED and layer.mapped_bytes > 0
+                copy_nothing = best is HostingTier.MAPPED and layer.mapped_bytes > 0 and not layer.quantized
                 tier = HostingTier.MAPPED if copy_nothing else HostingTier.PAGEABLE
             slots.append(_Slot(comp, layer, tier, tier, policy.staging_buffers))
     return slots
@@ -233,13 +233,18 @@ def _fit(slots: list[_Slot], available: int) -> list[str]:
         for slot in reversed(slots):
             if cost <= available:
                 break
-            if slot.tier is from_tier and slot.cost > 0:
+            if slot.tier is from_tier and slot.cost > 0 and not slot.layer.quantized:  # FP8: never MAPPED
                 slot.tier = HostingTier.MAPPED
                 cost = _cost(slots)
                 moved += 1
         if moved:
             verb = "demoted pageable layers to mapped" if from_tier is HostingTier.PAGEABLE else "gave back pins"
             reasons.append(f"{verb}: {moved} layers, to fit {_gib(available)} free")
+    fp8 = sum(s.cost for s in slots if s.layer.quantized)
+    if cost > available and fp8 and all(s.cost == 0 or s.layer.quantized for s in slots):
+        raise HostingError(f"FP8 layers must be held in anonymous memory ({_gib(fp8)} of their 8-bit buffers), "
+                           f"and {_gib(cost)} does not fit {_gib(available)} free: host fewer FP8 stages or "
+                           "raise the host budget")
     assert cost <= available or all(s.cost == 0 for s in slots), "fit left a cost no demotion can cut"
     return reasons
 

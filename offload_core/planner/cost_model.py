@@ -4,9 +4,11 @@ Byte figures follow the engine exactly, so predictions equal what its meter and 
 - a streamed layer occupies its flat layout (one buffer per dtype, 512-byte aligned tensors);
   the ring has min(depth + 1, streamed layers) slots, each sized per dtype to the largest
   streamed layer; a resident layer has its own flat buffer;
-- every layer copies its flat buffers (PINNED from its own, PAGEABLE and MAPPED from the pinned
+- every layer copies its host buffers (PINNED from its own, PAGEABLE and MAPPED from the pinned
   staging buffer the host copier filled); a component with PAGEABLE or MAPPED layers holds
-  ``layout.staging_bytes`` of pinned staging buffers on the host;
+  ``layout.staging_bytes`` of pinned staging buffers on the host; an FP8-hosted layer
+  (``ComponentProfile.weights``) hosts and copies its 8-bit size (``layout.host_nbytes``) and the
+  device holds one landing buffer more (``layout.landing_bytes``);
 - per request, ``prepare_for_use`` arms the resident layers and prefetches the first
   ``slots`` layers, each use enters every streamed layer once (each entry issues the copy
   ``slots - 1`` layers ahead, wrapping into the next use), so U uses copy
@@ -22,15 +24,15 @@ from __future__ import annotations
 from typing import Sequence
 
 from offload_core.host.tier import STAGED_TIERS, HostingTier
-from offload_core.layout import RegionMap, slot_count, staging_bytes
+from offload_core.layout import RegionMap, landing_bytes, slot_count, staging_bytes
 from offload_core.planner.facts import ComponentProfile, LayerProfile, LinkFacts
 from offload_core.planner.pipeline_plan import ComponentPlan, ComponentPrediction
 from offload_core.planner.strategy import Strategy
 
 
 def copy_bytes(layer: LayerProfile, tier: HostingTier) -> int:
-    """Bytes one host->device copy of ``layer`` moves from ``tier``: its flat layout, staged or not."""
-    return layer.nbytes
+    """Bytes one host->device copy of ``layer`` moves from ``tier``: its host buffers, staged or not."""
+    return layer.host_bytes
 
 
 def component_staging_bytes(profile: ComponentProfile, plan: ComponentPlan) -> int:
@@ -38,7 +40,8 @@ def component_staging_bytes(profile: ComponentProfile, plan: ComponentPlan) -> i
     if plan.strategy is not Strategy.LAYERWISE:
         return 0
     tiers = _tiers(plan)
-    return staging_bytes(layer.layout.flat_bytes for layer in profile.layers if tiers.get(layer.key) in STAGED_TIERS)
+    return staging_bytes(layer.layout.host_flat_bytes for layer in profile.layers
+                         if tiers.get(layer.key) in STAGED_TIERS)
 
 
 def slot_region_bytes(streamed: Sequence[LayerProfile]) -> int:
@@ -67,7 +70,8 @@ def device_bytes(profile: ComponentProfile, plan: ComponentPlan, parked: bool) -
         return whole, (whole if plan.strategy is Strategy.RESIDENT else 0)
     resident, streamed = _split(profile, plan)
     slots = n_slots(plan, len(streamed)) * slot_region_bytes(streamed)
-    in_use = rest + sum(layer.nbytes for layer in resident) + slots
+    landing = landing_bytes(layer.layout for layer in profile.layers)  # the engine's one landing buffer
+    in_use = rest + sum(layer.nbytes for layer in resident) + slots + landing
     return in_use, (0 if parked else rest)
 
 
@@ -124,7 +128,9 @@ def predict(profile: ComponentProfile, plan: ComponentPlan, link: LinkFacts, par
     share = profile.expected_batch
     return ComponentPrediction(in_use, idle, round((restore + sum(moved.values())) / share), transfer / share,
                                compute, once_s + uses * per_use, parked,
-                               component_staging_bytes(profile, plan))
+                               component_staging_bytes(profile, plan),
+                               sum(layer.host_bytes for layer in profile.layers),
+                               sum(layer.nbytes for layer in profile.layers))
 
 
 def _seconds(nbytes: int, tier: HostingTier, link: LinkFacts) -> float:

@@ -20,9 +20,9 @@ from offload_core.layout import (
     LayoutError,
     declared_layer_groups,
     layer_parameters,
-    plan_layer_layout,
 )
 from offload_core.order import Trace, execution_order
+from offload_core.quant import WeightFormat, layer_layout
 from offload_core.sharded import local_nbytes, local_numel
 from offload_core.tables import HostTablesConfig, TableVerdict, select_host_tables
 
@@ -47,8 +47,13 @@ class LayerProfile:
     # Cached: the search reads them ~10^5 times planning a 40-layer model (frozen, so never stale).
     @functools.cached_property
     def nbytes(self) -> int:
-        """Its flat buffers: what a PINNED or PAGEABLE layer copies and takes on the device."""
+        """Its flat buffers: what the layer takes on the device (and hosts, unless quantized)."""
         return self.layout.nbytes
+
+    @functools.cached_property
+    def host_bytes(self) -> int:
+        """Its host buffers: what a PINNED or PAGEABLE layer holds and copies (8-bit where quantized)."""
+        return self.layout.host_nbytes
 
     @functools.cached_property
     def tensor_bytes(self) -> int:
@@ -75,6 +80,8 @@ class ComponentProfile:
     # Requests expected to share each use (a Denoiser's step batching): the weights streamed for a
     # use are paid once by the whole batch, so bytes moved per request are divided by it.
     expected_batch: float = 1.0
+    # How its streamed layers are hosted (their layouts say which tensors are 8-bit).
+    weights: WeightFormat = WeightFormat.NATIVE
 
     def __post_init__(self) -> None:
         assert len(self.compute_s_per_layer) == len(self.layers), (
@@ -154,12 +161,11 @@ class PipelineFacts:
         return self.device_capacity - self.working_set_bytes
 
 
-def layer_profile(key: str, layer: nn.Module) -> LayerProfile:
+def layer_profile(key: str, layer: nn.Module, weights: WeightFormat = WeightFormat.NATIVE) -> LayerProfile:
     """The layer laid out exactly as the engine will lay it out (works on meta)."""
-    named = layer_parameters(layer)
     # FLOPs count every local parameter, streamed or kept (a rank's sharded ones compute there too).
     params = sum(local_numel(p) for p in layer.parameters())
-    return LayerProfile(key, plan_layer_layout(key, [(n, p) for n, p in named]), params)
+    return LayerProfile(key, layer_layout(key, layer, weights), params)
 
 
 def streamable_groups(model: nn.Module, layer_groups: Sequence[str] | None) -> tuple[str, ...]:
@@ -176,7 +182,8 @@ def profile_component(name: str, model: nn.Module, *, uses_per_request: int,
                       compute_s_per_layer: Sequence[float] | None = None, compute_s_rest: float = 0.0,
                       layer_groups: Sequence[str] | None = None,
                       tables: HostTablesConfig = HostTablesConfig(), trace: Trace | None = None,
-                      layer_order: Sequence[str] | None = None) -> ComponentProfile:
+                      layer_order: Sequence[str] | None = None,
+                      weights: WeightFormat = WeightFormat.NATIVE) -> ComponentProfile:
     """Read a component's facts from the module (real or meta). Compute defaults to 0 s per layer.
 
     Layers come in execution order (``trace`` or ``layer_order``, see offload_core.order), the
@@ -186,7 +193,7 @@ def profile_component(name: str, model: nn.Module, *, uses_per_request: int,
     layers: list[LayerProfile] = []
     in_layers: set[int] = set()
     for layer in execution_order(model, groups, trace=trace, layer_order=layer_order):
-        layers.append(layer_profile(layer.key, layer.module))
+        layers.append(layer_profile(layer.key, layer.module, weights))
         in_layers.update(id(p) for _, p in layer_parameters(layer.module))
     # The rest is kept on the device, with a layer's tensor-parallel parameters (never streamed), at local bytes.
     rest = {id(p): p for p in model.parameters() if id(p) not in in_layers}
@@ -194,7 +201,7 @@ def profile_component(name: str, model: nn.Module, *, uses_per_request: int,
     table_bytes = sum(d.nbytes for d in select_host_tables(model, tables) if d.verdict is TableVerdict.HOSTED)
     compute = tuple(compute_s_per_layer) if compute_s_per_layer is not None else (0.0,) * len(layers)
     return ComponentProfile(name, type(model).__name__, groups, tuple(layers), non_layer, table_bytes,
-                            int(uses_per_request), compute, compute_s_rest)
+                            int(uses_per_request), compute, compute_s_rest, weights=weights)
 
 
 def estimate_layer_compute_s(layer: LayerProfile, tokens: int, device_flops: float) -> float:
@@ -212,4 +219,5 @@ def with_compute(profile: ComponentProfile, tokens: int, device_flops: float) ->
     rest_params = profile.non_layer_bytes // 2  # ~2 B per parameter (bf16); the estimate is a floor anyway
     rest = 2.0 * rest_params * tokens / device_flops
     return ComponentProfile(profile.name, profile.class_name, profile.layer_groups, profile.layers,
-                            profile.non_layer_bytes, profile.table_bytes, profile.uses_per_request, times, rest)
+                            profile.non_layer_bytes, profile.table_bytes, profile.uses_per_request, times, rest,
+                            profile.expected_batch, profile.weights)

@@ -13,6 +13,7 @@ from typing import Any
 from offload_core.host.tier import HostingTier
 from offload_core.planner.facts import PipelineFacts, Stage
 from offload_core.planner.strategy import Strategy
+from offload_core.quant import WeightFormat
 
 GiB = 1024**3
 
@@ -60,6 +61,9 @@ class ComponentPrediction:
     time_s: float  # compute plus the transfer time not hidden behind it
     parked: bool  # the parking gate is predicted to park its non-layer weights between uses
     staging_bytes: int = 0  # pinned host staging buffers for its PAGEABLE and MAPPED layers
+    # Host bytes of its streamed layers as hosted, and as loaded: they differ under FP8 weights.
+    layer_host_bytes: int = 0
+    layer_native_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -76,11 +80,12 @@ class ComponentPlan:
     hosting: tuple[tuple[str, HostingTier], ...]  # per layer key; empty unless LAYERWISE
     prediction: ComponentPrediction | None = None
     uses_per_request: int = 1  # from the facts: ranks the component's claim on pins
+    weights: WeightFormat = WeightFormat.NATIVE  # from the facts: how LAYERWISE layers are hosted and copied
 
     def decisions(self) -> tuple:
         """What the engine is configured from (no predictions): equal decisions run the same way."""
         return (self.strategy, self.layer_groups, self.resident_layers, self.prefetch_depth, self.park,
-                self.host_tables, self.hosting)
+                self.host_tables, self.hosting, self.weights)
 
     def explain(self) -> str:
         p = self.prediction
@@ -94,6 +99,9 @@ class ComponentPlan:
         parked = p.parked if p is not None else self.park
         extras = [x for x, on in (("parked between uses", parked), ("parking gated off: headroom ample", self.park and not parked),
                                   ("tables on host", self.host_tables)) if on]
+        if self.strategy is Strategy.LAYERWISE and self.weights is not WeightFormat.NATIVE and p is not None:
+            extras.append(f"{self.weights.value} weights: layers host {_gib(p.layer_host_bytes)} "
+                          f"instead of {_gib(p.layer_native_bytes)}")
         line = f"{self.name}: {what}" + (f"; {', '.join(extras)}" if extras else "")
         if p is not None:
             line += (f" | device {_gib(p.in_use_bytes)} in use, {_gib(p.idle_bytes)} idle | moves "

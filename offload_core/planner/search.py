@@ -45,7 +45,8 @@ _GATE_ROUNDS = 4
 
 def _base(profile: ComponentProfile, strategy: Strategy, park: bool, tables: bool) -> ComponentPlan:
     return ComponentPlan(profile.name, strategy, profile.layer_groups, 0, 1, park, tables, (),
-                         uses_per_request=max(1, profile.uses_per_request))
+                         uses_per_request=max(1, profile.uses_per_request),
+                         weights=profile.weights)
 
 
 def _options(profile: ComponentProfile, override: ComponentOverride) -> list[ComponentPlan]:
@@ -90,14 +91,14 @@ def _tiers_along_pin_order(facts: PipelineFacts, plans: dict[str, ComponentPlan]
         if plans[profile.name].strategy is Strategy.LAYERWISE:
             r = min(plans[profile.name].resident_layers, len(profile.layers))
             claims.append(PinClaim(profile.name, profile.uses_per_request,
-                                   tuple((l.key, l.nbytes) for l in profile.layers[r:]),
-                                   tuple((l.key, l.nbytes) for l in profile.layers[:r])))
+                                   tuple((l.key, l.host_bytes) for l in profile.layers[r:]),
+                                   tuple((l.key, l.host_bytes) for l in profile.layers[:r])))
     left, pin_open, out = facts.host_lease_bytes, True, dict(plans)
     for claim in pin_order(claims):
         plan, profile = plans[claim.component], facts.component(claim.component)
         forced = overrides.get(claim.component, ComponentOverride()).hosting
         tiers = {}
-        layouts = {l.key: l.layout.flat_bytes for l in profile.layers}
+        layouts = {l.key: l.layout.host_flat_bytes for l in profile.layers}
         keys = [key for key, _ in claim.layers]
         after = _suffix_staging(tuple(layouts[key] for key in keys))
         for index, (key, nbytes) in enumerate(claim.layers):
@@ -189,7 +190,7 @@ def _evaluate(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str, Comp
     pinned = 0
     for n, c in done.items():
         tiers = dict(c.hosting)
-        pinned += sum(l.nbytes for l in profiles[n].layers if tiers.get(l.key) is HostingTier.PINNED)
+        pinned += sum(l.host_bytes for l in profiles[n].layers if tiers.get(l.key) is HostingTier.PINNED)
     preds = [c.prediction for c in done.values()]
     staging = sum(p.staging_bytes for p in preds)
     return PipelinePlan(

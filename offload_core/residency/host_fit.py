@@ -20,6 +20,7 @@ from offload_core.layout import staging_bytes
 from offload_core.planner.pipeline_plan import PipelinePlan
 from offload_core.planner.search import retier
 from offload_core.planner.strategy import Strategy
+from offload_core.quant import WeightFormat
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget:
         return _repredicted(planned, plan), None, budget, shared_hosts
     facts = [facts_from_module(c.name, components[c.name], c.layer_groups or None, c.uses_per_request,
                                resident_keys=[key for key, _ in c.hosting[:c.resident_layers]],
-                               layer_order=[key for key, _ in c.hosting]) for c in streamed]
+                               layer_order=[key for key, _ in c.hosting], weights=c.weights) for c in streamed]
     if host_budget_bytes is not None:
         budget = _capped(budget, facts, streamed, owner, host_budget_bytes)
     # The plan's tiers are the ceilings: the host may only lower them.
@@ -84,7 +85,11 @@ def _shared(plan: PipelinePlan, components: Mapping[str, nn.Module], shared, dev
     updated = []
     for c in plan.components:
         wants_copy = HostingTier.MAPPED not in dict(c.hosting).values()
-        if c.strategy is Strategy.LAYERWISE and shared.covers(c.name) and wants_copy:
+        if c.strategy is Strategy.LAYERWISE and shared.covers(c.name) and c.weights is not WeightFormat.NATIVE:
+            # A store holds the layers as loaded; an FP8 store (8-bit extents, keyed by format) is not built yet.
+            logger.info("residency: %s hosts its %s layers privately: node stores hold native weights only",
+                        c.name, c.weights.value)
+        elif c.strategy is Strategy.LAYERWISE and shared.covers(c.name) and wants_copy:
             got = shared.host_layers(c.name, components[c.name], c.layer_groups or None, dict(c.hosting), device)
             if got is not None:
                 hosts[c.name] = got
@@ -109,6 +114,9 @@ def _capped(budget: MemoryBudget, facts, streamed, owner: str, host_budget_bytes
         stage_all = staging_bytes(layer.layout_bytes for layer in component.layers)
         all_pinnable = all(tier is HostingTier.PINNED for _, tier in plan.hosting)
         pin_all = sum(layer.consolidation_cost for layer in component.layers)
+        if any(layer.quantized for layer in component.layers):  # FP8 layers are consolidated whatever the tier
+            staging += pin_all + (0 if all_pinnable else stage_all)
+            continue
         staging += min(stage_all, pin_all) if all_pinnable else stage_all
     if floor + staging > host_budget_bytes:
         raise BudgetTooSmall(owner, host_budget_bytes, floor + staging,

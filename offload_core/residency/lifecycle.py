@@ -45,7 +45,7 @@ def streaming_config(plan: ComponentPlan) -> StreamingConfig:
     return StreamingConfig(layer_groups=plan.layer_groups or None, prefetch_depth=plan.prefetch_depth,
                            resident=plan.resident_layers, resident_placement=ResidentPlacement.LEADING,
                            keep_resident=False, hosting=dict(plan.hosting),
-                           layer_order=tuple(key for key, _ in plan.hosting))
+                           layer_order=tuple(key for key, _ in plan.hosting), weights=plan.weights)
 
 
 class LifecycleError(RuntimeError):

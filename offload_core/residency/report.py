@@ -56,6 +56,11 @@ class ComponentResidency:
     host_staging_bytes: int = 0
     # Every declared token table's verdict (hosted, sharded, too small...) and why, when host tables were asked.
     tables: tuple[TableDecision, ...] = ()
+    # How streamed layers are hosted ("native", "fp8"), and the host bytes their layouts take
+    # that way and as loaded: the difference is what 8-bit hosting saves (and each copy of it too).
+    weights: str = "native"
+    layer_host_bytes: int = 0
+    layer_native_bytes: int = 0
 
     @property
     def host_bytes(self) -> int:
@@ -76,7 +81,9 @@ class ComponentResidency:
                 f"{_gib(self.host_pinned_bytes)} (staging {_gib(self.host_staging_bytes)}), mapped "
                 f"{_gib(self.host_mapped_bytes)}, pageable "
                 f"{_gib(self.host_pageable_bytes)}, parked {_gib(self.parked_bytes)}, shared "
-                f"{_gib(self.host_shared_bytes)}; layers: {tiers}{tables}")
+                f"{_gib(self.host_shared_bytes)}; layers: {tiers}{tables}"
+                + (f"; {self.weights} weights: layers host {_gib(self.layer_host_bytes)} instead of "
+                   f"{_gib(self.layer_native_bytes)}" if self.weights != "native" else ""))
 
 
 @dataclass(frozen=True)
@@ -179,8 +186,11 @@ def component_residency(name: str, model: torch.nn.Module, *, streamer=None, par
         tally.add(tensor, tally.model_place(tensor))
     b = tally.bytes
     layer_tiers = tuple((t.value, n) for t, n in tiers.items()) if streamer is not None else ()
+    layers = streamer.layers if streamer is not None else ()
+    weights = streamer.config.weights.value if streamer is not None else "native"
     return ComponentResidency(name, b["device"], b["pinned"], b["mapped"], b["pageable"], b["parked"], layer_tiers,
-                              b["shared"], staging_bytes, tuple(tables))
+                              b["shared"], staging_bytes, tuple(tables), weights,
+                              sum(layer.layout.host_nbytes for layer in layers), sum(layer.layout.nbytes for layer in layers))
 
 
 def residency_report(models: Mapping[str, torch.nn.Module], *, streamers: Mapping[str, object] | None = None,
