@@ -27,6 +27,7 @@ from deployments.replica.worker import DTYPES, StageConfig
 from deployments.wire.spec import PipelineStage
 from offload_core.host.budget_cap import HostBudgetSpec, parse_host_budget
 from offload_core.planner.search import PerformanceMode
+from offload_core.quant import WeightFormat
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,10 @@ class StageArgs(BaseModel):
     # Host the stage's streamed layers from the node weight store: one read-only shared-memory copy
     # per node, whatever the number of replicas (false: each replica keeps its own copy).
     share_host_weights: bool = True
+    # How the stage's streamed layers are hosted and copied: native (as loaded) or fp8 (Linear/Conv
+    # weights as e4m3 with per-channel scales, widened on the device: half the host bytes and the
+    # bytes per copy of a bf16 model; lossy, so opt-in; see offload_core/quant.py).
+    weights: WeightFormat = WeightFormat.NATIVE
 
     @field_validator("host_memory_budget")
     @classmethod
@@ -149,7 +154,8 @@ def stage_configs(args: AppArgs, facts: FamilyFacts) -> dict[str, StageConfig]:
         batching = args.batching.config() if stage is PipelineStage.DENOISE else None
         configs[stage] = StageConfig(args.app_name, facts, stage, stage_args.offload_mode, tuple(uses.items()),
                                      args.dtype, args.device_timeout_s, stage_args.host_budget(), batching,
-                                     share_host_weights=stage_args.share_host_weights, warmup_shape=shape)
+                                     share_host_weights=stage_args.share_host_weights, warmup_shape=shape,
+                                     weights=stage_args.weights)
     return configs
 
 

@@ -4,6 +4,8 @@ The public API. Everything a user needs for a model the project does not ship:
 
 - stream a model's layers:      ``apply_layer_streaming(model, device, StreamingConfig(...))``
 - choose where each layer waits: ``HostingTier`` per layer in ``StreamingConfig.hosting``
+- host and copy 8-bit weights:  ``StreamingConfig(weights=WeightFormat.FP8)``; ``fake_quantize_`` makes
+  the plain reference with the same loss
 - keep huge token tables on the host: ``apply_host_tables``
 - run a pipeline's components per plan: ``PipelineResidency``
 - plan without a GPU:           ``profile_component`` -> ``PipelineFacts`` -> ``plan_pipeline``
@@ -33,6 +35,7 @@ from offload_core.planner.pipeline_plan import (
 )
 from offload_core.planner.search import plan_pipeline
 from offload_core.planner.strategy import Strategy
+from offload_core.quant import WeightFormat, fake_quantize_
 from offload_core.residency.host_tables import apply_host_tables
 from offload_core.residency.lifecycle import LifecycleError, PipelineResidency
 from offload_core.residency.report import ResidencyReport, residency_report
@@ -51,7 +54,7 @@ from offload_core.tables import HostTablesConfig
 __all__ = [
     # streaming
     "apply_layer_streaming", "StreamingConfig", "ResidentPlacement", "LayerStreamer", "DeviceFacts",
-    "get_device", "Headroom", "HeadroomTimeout",
+    "get_device", "Headroom", "HeadroomTimeout", "WeightFormat", "fake_quantize_",
     # host memory
     "HostingTier", "HostingPlan", "HostingPolicy", "plan_hosting", "MemoryBudget", "InProcessLedger",
     "Lease", "Refusal",

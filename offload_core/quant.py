@@ -5,10 +5,16 @@ the tests' fake-quantized reference all decide and compute through these functio
 streamed FP8 model equals the reference bit for bit by construction.
 
 Format (``WeightFormat.FP8``): a quantized weight is stored as ``float8_e4m3fn`` with one float32
-scale per output channel (dim 0), ``w ~= q * scale``, ``scale = amax(|row|) / 448``. The widen
-is ``out.copy_(q); out.mul_(scale)``: the fp8 -> compute-dtype copy is exact (every e4m3 value is
-a bf16/fp16/fp32 value), then one multiply rounds once to the compute dtype. torch 2.13 has no
-mixed fp8 x fp32 multiply (``Promotion for Float8 Types is not supported``), so it is two kernels.
+scale per output channel (dim 0), ``w ~= q * scale``, the scale the power of two that maps the
+row's absolute maximum into (224, 448] (448: e4m3's largest value; power-of-two scales as in the
+OCP MX formats' E8M0). The widen is ``out.copy_(q); out.mul_(scale)``: the fp8 -> compute-dtype
+copy is exact (every e4m3 value is a bf16/fp16/fp32 value) and so is a multiply by a power of two
+(bar bf16/fp16 under- or overflow), so the widened weight is exactly ``q * scale``, and
+quantizing it again widens to the very same weights (a row whose maximum rounded down to 224
+gets half the scale and twice the values, exactly): a replica that re-applies its plan (the
+warm-up's replan, after ``remove()`` gave the widened weights back) computes the same, never
+rounding twice. torch 2.13 has no mixed fp8 x
+fp32 multiply (``Promotion for Float8 Types is not supported``), so the widen is two kernels.
 
 Which tensors: the ``weight`` of ``nn.Linear`` and ``nn.ConvNd`` modules (2+ dims, contiguous,
 floating point, at least ``MIN_QUANTIZED_ELEMENTS`` elements). They are 99.6 % of a Wan2.1-14B
@@ -92,7 +98,10 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     w = weight.detach().to(torch.float32)
     amax = w.abs().reshape(w.shape[0], -1).amax(dim=1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    mantissa, exponent = torch.frexp(amax / FP8_MAX)  # amax / 448 = m * 2**e, m in [0.5, 1)
+    # The least power of two >= amax / 448: 2**e, or 2**(e - 1) when amax / 448 is one already.
+    scale = torch.ldexp(torch.ones_like(amax), exponent - (mantissa == 0.5).to(exponent.dtype))
+    scale = torch.where(amax > 0, scale, torch.ones_like(amax))
     q = (w / scale.reshape(-1, *([1] * (w.dim() - 1)))).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale.to(SCALE_DTYPE)
 

@@ -32,6 +32,7 @@ from offload_core.planner.search import (
     memory_floor_bytes,
     plan_pipeline,
 )
+from offload_core.quant import WeightFormat
 from offload_core.residency.lifecycle import PipelineResidency, RequestFigures
 from offload_core.residency.shared_hosting import SharedWeights
 
@@ -50,7 +51,8 @@ def stage_phases(stage: str, components: Mapping[str, nn.Module],
 def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request: Mapping[str, int],
                mode: PerformanceMode | None, device: torch.device, device_capacity: int, host_lease_bytes: int,
                memory: ReplicaMemory | None = None, expected_batch: float = 1.0,
-               phases: Sequence[Sequence[str]] | None = None) -> PipelinePlan:
+               phases: Sequence[Sequence[str]] | None = None,
+               weights: WeightFormat = WeightFormat.NATIVE) -> PipelinePlan:
     """The plan for one stage's components: this replica's whole "pipeline" is its stage.
 
     With the replica's ``memory`` (the service always has it) the plan is the fleet profile's for
@@ -60,7 +62,8 @@ def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request
     are the stream's bytes divided by it. Compute is 0 s and no working set is kept until the
     warm-up measured them (:func:`replan_stage`).
     """
-    profiles = tuple(dataclasses.replace(profile_component(name, module, uses_per_request=uses_per_request[name]),
+    profiles = tuple(dataclasses.replace(profile_component(name, module, uses_per_request=uses_per_request[name],
+                                                           weights=weights),
                                          expected_batch=expected_batch)
                      for name, module in components.items())
     stages = stage_phases(stage, components, phases)
@@ -122,7 +125,8 @@ class StageResidency:
                  host_budget: MemoryBudget, owner: str, host_budget_bytes: int | None = None,
                  shared: SharedWeights | None = None, memory: ReplicaMemory | None = None,
                  plan: PipelinePlan | None = None, expected_batch: float = 1.0,
-                 phases: Sequence[Sequence[str]] | None = None):
+                 phases: Sequence[Sequence[str]] | None = None,
+                 weights: WeightFormat = WeightFormat.NATIVE):
         """``plan``: made beforehand with :func:`plan_stage` (a replica plans, leases what the plan keeps
         on the device, then applies it); None: planned here. ``phases``: see :func:`stage_phases`."""
         self.device = device
@@ -130,7 +134,7 @@ class StageResidency:
         self._names = tuple(components)
         wanted = plan or plan_stage(stage, components, uses_per_request, mode, device, device_capacity,
                                     host_lease_bytes(host_budget, host_budget_bytes), memory,
-                                    expected_batch, phases)
+                                    expected_batch, phases, weights)
         self.mode = wanted.mode  # the fleet profile's when the stage's configuration left it open
         self._residency = PipelineResidency.apply(components, wanted, device, host_budget, owner=owner,
                                                   host_budget_bytes=host_budget_bytes, shared=shared)

@@ -50,6 +50,7 @@ from offload_core.host.budget_cap import HostBudgetSpec
 from offload_core.host.store import folder_identity
 from offload_core.planner.picture import PlanPicture, plan_picture
 from offload_core.planner.search import PerformanceMode
+from offload_core.quant import WeightFormat
 from offload_core.residency.shared_hosting import SharedWeights
 from offload_core.streaming.headroom import HeadroomTimeout
 
@@ -82,6 +83,8 @@ class StageConfig:
     # The default request (limits.default_size / default_frames): the warm-up times the layers and sizes
     # the working set there (deployments/replica/warmup.py); None: the default Limits'.
     warmup_shape: warmup.WarmupShape | None = None
+    # How the stage's streamed layers are hosted and copied (StageArgs.weights).
+    weights: WeightFormat = WeightFormat.NATIVE
 
 
 def _replica_device() -> torch.device:
@@ -123,7 +126,7 @@ class StageWorker:
         plan = plan_stage(config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
                           self.memory.share_bytes, host_lease_bytes(self.memory.host_budget, budget), self.memory,
                           expected_batch=config.batching.max_batch if config.batching is not None else 1,
-                          phases=phases)
+                          phases=phases, weights=config.weights)
         # What the plan keeps on the device is leased before applying it moves anything there.
         self.leases.hold_standing(predicted_kept_bytes(plan), config.device_timeout_s)
         applier = functools.partial(

@@ -78,3 +78,14 @@ def test_a_host_memory_budget_is_parsed_per_stage_at_build_and_a_typo_is_refused
         AppArgs.model_validate({"denoiser": {"host_memory_budget": "16 parsecs"}})
     with pytest.raises(ValidationError, match=r"\(0, 1\]"):
         AppArgs.model_validate({"decoder": {"host_memory_budget": 2.5}})
+
+
+def test_weights_are_set_per_stage_native_by_default_and_a_typo_is_refused_by_name():
+    from offload_core.quant import WeightFormat
+
+    args = AppArgs.model_validate({"denoiser": {"weights": "fp8"}})
+    configs = stage_configs(args, read_family_facts(resolve_model_folder(args)))
+    assert configs[DENOISE].weights is WeightFormat.FP8
+    assert configs[ENCODE].weights is WeightFormat.NATIVE is configs[DECODE].weights
+    with pytest.raises(ValidationError, match="weights"):
+        AppArgs.model_validate({"denoiser": {"weights": "int4"}})

@@ -11,6 +11,7 @@ from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core.host.maps import MapsSnapshot
 from offload_core.planner.search import PerformanceMode
 from offload_core.planner.strategy import Strategy
+from offload_core.quant import WeightFormat, fake_quantize_
 from zoo.tiny import ensure_tiny_wan
 
 CPU = torch.device("cpu")
@@ -25,14 +26,14 @@ def facts():
     return families.read_family_facts(ensure_tiny_wan())
 
 
-def _denoise_under(facts, mode, remove_after, capacity=CAPACITY):
+def _denoise_under(facts, mode, remove_after, capacity=CAPACITY, weights=WeightFormat.NATIVE):
     encoded = families.encode(families.load_stage_pipeline(facts, ENCODE, torch.float32), facts, SPEC, CPU)
     pipe = families.load_stage_pipeline(facts, DENOISE, torch.float32)
     memory = ReplicaMemory.open_local("test-denoise", CPU)
     uses = families.uses_per_request(facts, DENOISE, SPEC.steps, SPEC.guidance_scale)
     residency = remove_after(StageResidency(
         "denoise", families.stage_modules(pipe, facts, DENOISE), uses, mode, CPU,
-        device_capacity=capacity, host_budget=memory.host_budget, owner="test-denoise"))
+        device_capacity=capacity, host_budget=memory.host_budget, owner="test-denoise", weights=weights))
     residency.prepare_for_use()
     latents = families.denoise(pipe, facts, encoded, SPEC, CPU)
     residency.finish_use()
@@ -138,3 +139,16 @@ def test_a_stage_left_to_the_fleet_plans_in_its_gpus_profile_within_its_limits(f
     plain = families.denoise(families.load_stage_pipeline(facts, DENOISE, torch.float32), facts, encoded, SPEC, CPU)
     assert torch.equal(latents, plain)
     assert residency.device_peak_bytes() == residency.predicted_peak_bytes()
+
+
+def test_an_fp8_denoiser_streams_8bit_bytes_and_equals_the_fake_quantized_stage(facts, remove_after):
+    native_latents, native, encoded = _denoise_under(facts, PerformanceMode.MEMORY, remove_after)
+    latents, fp8, _ = _denoise_under(facts, PerformanceMode.MEMORY, remove_after, weights=WeightFormat.FP8)
+    reference = families.load_stage_pipeline(facts, DENOISE, torch.float32)
+    fake_quantize_(reference.transformer.blocks)
+    assert torch.equal(latents, families.denoise(reference, facts, encoded, SPEC, CPU))
+    assert not torch.equal(latents, native_latents), "the tiny Wan's linears are quantized: a lossy path"
+    assert fp8.bytes_streamed() == fp8.plan.bytes_moved_per_request < native.bytes_streamed()
+    assert fp8.device_peak_bytes() == fp8.predicted_peak_bytes()
+    shown = fp8.report().component("transformer")
+    assert shown.weights == "fp8" and shown.layer_host_bytes < shown.layer_native_bytes

@@ -118,15 +118,21 @@ def test_only_linear_and_conv_weights_are_quantized_tables_norms_biases_stay():
     assert {layout.tensors[q.index].name for q in layout.quantized} == names
 
 
-def test_quantize_is_deterministic_and_the_widen_rounds_once_from_float32():
-    weight = torch.randn(64, 48, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_quantize_is_deterministic_exact_to_widen_and_a_fixed_point(dtype):
+    g = torch.Generator().manual_seed(3)
+    weight = (torch.randn(64, 48, generator=g) * torch.rand(64, 1, generator=g) * 3).to(dtype)
     weight[5] = 0  # a row of zeros gets scale 1, never 0/0
     q1, s1 = quantize_fp8(weight)
     q2, s2 = quantize_fp8(weight.clone())
     assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s1, s2)
     assert q1.dtype is torch.float8_e4m3fn and s1.dtype is torch.float32 and s1[5] == 1
-    widened = dequantize_fp8(q1, s1, torch.bfloat16)
-    assert torch.equal(widened, (q1.to(torch.float32) * s1[:, None]).to(torch.bfloat16))
+    assert torch.equal(torch.frexp(s1).mantissa, torch.full_like(s1, 0.5)), "power-of-two scales"
+    rows = weight.float().abs().amax(dim=1)[torch.arange(64) != 5] / s1[torch.arange(64) != 5]
+    assert bool(((rows > 224) & (rows <= 448)).all()), "each row's maximum lands in e4m3's top binade"
+    widened = dequantize_fp8(q1, s1, dtype)
+    assert torch.equal(widened.double(), q1.double() * s1.double()[:, None]), "the widen rounds nothing"
+    assert torch.equal(dequantize_fp8(*quantize_fp8(widened), dtype), widened), "re-quantizing changes nothing"
     assert (widened.float() - weight.float()).abs().max() <= weight.float().abs().max() / 16  # e4m3: 3 mantissa bits
 
 
@@ -136,7 +142,7 @@ def test_mapped_fp8_layers_are_refused_with_the_layer_named():
         apply_layer_streaming(model, "cpu", _fp8_config(model, HostingTier.MAPPED))
 
 
-def test_remove_gives_back_the_widened_weights():
+def test_remove_gives_back_the_widened_weights_and_streaming_again_computes_the_same(remove_after):
     model = WAN.build()
     reference = WAN.build()
     fake_quantize_(_layers(reference))
@@ -144,6 +150,10 @@ def test_remove_gives_back_the_widened_weights():
     streamer.remove()
     for (name, mine), (_, theirs) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.equal(mine, theirs), name
+    # A replica re-applies its plan after the warm-up: the widened weights are quantized again.
+    remove_after(apply_layer_streaming(model, "cpu", _fp8_config(model, HostingTier.PAGEABLE)))
+    inputs = WAN.inputs()
+    assert torch.equal(WAN.run(model, inputs), WAN.run(reference, inputs))
 
 
 def test_weights_must_be_a_weight_format():
