@@ -90,6 +90,8 @@ class LayerStreamer:
         self._resident_copied = 0
         self._armed = False
         self._landing_metered = False  # the landing buffer's bytes are in the meter (armed, or arming)
+        self._skipping = False  # skip_rest_of_use: layers after the current one are not run this use
+        self._restart_pending = False  # the ring restarts when the running layer is released
         self._handles: list = []
         self._running: tuple[int, StreamedLayer] | None = None  # (thread id, layer) inside a forward
         self._running_lock = threading.Lock()
@@ -158,6 +160,7 @@ class LayerStreamer:
         keep = self.config.keep_resident if keep_resident is None else keep_resident
         with self._running_lock:
             self._running = None
+        self._skipping = self._restart_pending = False  # a skip lasts to the end of its use at most
         try:
             self.ring.release_all()
             if self.staging is not None:
@@ -208,7 +211,28 @@ class LayerStreamer:
         logger.info("streamer %s: removed; layer weights are host tensors again", type(self.model).__name__)
 
     # -- hooks ------------------------------------------------------------------------------------
+    def skip_rest_of_use(self) -> int:
+        """The running forward will not run the layers after the current one (a step cache decided
+        from the first layer's output): their hooks do nothing until the first layer is entered
+        again (the next use), and the ring starts fetching that use's first layers now, before its
+        window fills with layers that will not run. Returns the layers whose copies were already
+        issued and are wasted: at most ``prefetch_depth`` (the window ahead of the current layer);
+        counted in ``ring.wasted_copies``. Called from inside the current layer's forward, the ring
+        restarts once that layer is released (its post-hook), so its own slot is not given away early.
+        """
+        self._skipping = True
+        with self._running_lock:
+            running = self._running is not None and self._running[0] == threading.get_ident()
+        if running:
+            self._restart_pending = True
+        else:
+            self.ring.restart()
+
     def before_layer(self, layer: StreamedLayer) -> None:
+        if self._skipping:
+            if layer is not self.layers[0]:
+                return  # a skipped layer: its module's forward does not read its weights
+            self._skipping = False
         self._claim(layer)
         self._arm()
         if layer.resident:
@@ -231,6 +255,9 @@ class LayerStreamer:
         finally:
             with self._running_lock:
                 self._running = None
+        if self._restart_pending:  # a step cache skipped the rest of this use from inside this layer
+            self._restart_pending = False
+            self.ring.restart()
 
     def _claim(self, layer: StreamedLayer) -> None:
         me = threading.get_ident()

@@ -74,6 +74,8 @@ class PrefetchRing:
         # parameter (slice, dtype view, as_strided), paid at every entry otherwise.
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.bytes_copied = 0
+        self.skipped_restarts = 0  # uses cut short by restart() (a step cache skipped their rest)
+        self.wasted_copies = 0  # layers copied for a use that then skipped them
         self.out_of_order_entries = 0  # entries that found their layer not prefetched (after a cold start)
         self.failed_prefetches = 0
 
@@ -180,6 +182,22 @@ class PrefetchRing:
         self._device.compute_waits(held.event)
         self._in_flight[position] = InFlight(held.slot, None)
         self.prefetch(position)
+
+    def restart(self) -> int:
+        """The running use enters no more layers (a step cache skips them): the window moves to the
+        next use's first layers now. In-flight copies of layers that will not run are released (their
+        bytes were moved for nothing: at most ``n_slots - 1`` layers, those already prefetched) and the
+        freed slots fetch the next use's first layers. Returns how many copies were wasted."""
+        if not self._layers:
+            return 0
+        window = {step % len(self._layers) for step in range(self.n_slots)}
+        wasted = [held for held in self._in_flight if held not in window]
+        for held in wasted:
+            self._release(held)
+        self.skipped_restarts += 1
+        self.wasted_copies += len(wasted)
+        self.prefetch(0)
+        return len(wasted)
 
     def exit(self, position: int) -> None:
         """After streamed layer ``position`` ran: give its slot back (no-op if already released)."""
