@@ -50,6 +50,9 @@ class StageArgs(BaseModel):
     # weights as e4m3 with per-channel scales, widened on the device: half the host bytes and the
     # bytes per copy of a bf16 model; lossy, so opt-in; see offload_core/quant.py).
     weights: WeightFormat = WeightFormat.NATIVE
+    # The Denoiser only: the step cache's threshold for requests that set none (their
+    # cache_threshold); 0 is off. See deployments/models/step_cache.py.
+    cache_threshold: float = Field(0.0, ge=0.0, le=1.0)
 
     @field_validator("host_memory_budget")
     @classmethod
@@ -148,6 +151,9 @@ def stage_configs(args: AppArgs, facts: FamilyFacts) -> dict[str, StageConfig]:
     configs = {}
     shape = WarmupShape.default_for(args.limits, facts)  # a default size the API would refuse fails the build
     for stage, stage_args in options.items():
+        if stage is not PipelineStage.DENOISE and stage_args.cache_threshold:
+            raise ValueError(f"{stage.value}: cache_threshold is the denoiser's step cache; the {stage.value} "
+                             "stage runs once per request and has no steps to skip")
         # Planned for the default request; a request with more steps streams the same plan longer.
         uses = uses_per_request(facts, stage, args.limits.default_steps, facts.default_guidance,
                                 batched=stage is PipelineStage.DENOISE)
@@ -155,7 +161,7 @@ def stage_configs(args: AppArgs, facts: FamilyFacts) -> dict[str, StageConfig]:
         configs[stage] = StageConfig(args.app_name, facts, stage, stage_args.offload_mode, tuple(uses.items()),
                                      args.dtype, args.device_timeout_s, stage_args.host_budget(), batching,
                                      share_host_weights=stage_args.share_host_weights, warmup_shape=shape,
-                                     weights=stage_args.weights)
+                                     weights=stage_args.weights, cache_threshold=stage_args.cache_threshold)
     return configs
 
 

@@ -132,7 +132,9 @@ class Service:
                 "data": data,
                 "stages": [{"stage": s.stage, "replica": s.replica, "seconds": round(s.seconds, 4),
                             "bytes_streamed": s.bytes_streamed,
-                            "device_peak_bytes": s.device_peak_bytes} for s in generated.stats]}
+                            "device_peak_bytes": s.device_peak_bytes,
+                            **({"steps": s.steps, "cache_skips": s.cache_skips} if s.steps else {})}
+                           for s in generated.stats]}
 
     def image_body(self, generated: Generated) -> dict:
         images = [{"b64_json": base64.b64encode(media.png_bytes(item[0])).decode()} for item in generated.frames]

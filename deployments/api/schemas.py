@@ -45,6 +45,10 @@ class _Generation(BaseModel):
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0.0, le=100.0)
     negative_prompt: Text | None = None
+    # The step cache (first-block caching): a step whose first-block residual changed by less than
+    # this fraction since the request's last full step skips the remaining blocks. 0: off; null:
+    # the deployment's default (denoiser.cache_threshold). Lossy when > 0; 0.05-0.15 is the usual range.
+    cache_threshold: float | None = Field(None, ge=0.0, le=1.0)
     # Server-Sent Events: "progress" events (denoising step k of n), then one "result" event.
     stream: bool = False
     user: Text | None = Field(None, max_length=MAX_USER_CHARS)  # OpenAI's end-user id; accepted and ignored
@@ -107,7 +111,7 @@ def _spec(req: _Generation, facts: FamilyFacts, limits: Limits, n: int, frames: 
     guidance = facts.default_guidance if req.guidance_scale is None else req.guidance_scale
     seed = secrets.randbelow(2**31) if req.seed is None else req.seed
     return GenerationSpec(uuid.uuid4().hex, req.prompt, req.negative_prompt, height, width, frames,
-                          _steps(req, limits), guidance, seed, n, reference)
+                          _steps(req, limits), guidance, seed, n, reference, req.cache_threshold)
 
 
 def image_spec(req: ImageRequest, facts: FamilyFacts, limits: Limits, model_id: str,

@@ -22,7 +22,7 @@ from deployments.models.adapter import (
     read_json,
     step_callback,
 )
-from deployments.models.steppers import BatchKey, StepRequest, rows_of, split_noise
+from deployments.models.steppers import BatchKey, StepRequest, cached, rows_of, split_noise
 from deployments.wire.spec import EncodedPrompt, Family, PipelineStage
 
 FLUX_GUIDANCE = 3.5  # FluxPipeline.__call__'s default
@@ -64,10 +64,11 @@ class FluxStepper:
         latents = torch.cat([r.latents for r in batch])
         timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch]).to(latents.dtype)
         guidance = rows_of(batch, "guidance", "cond") if "guidance" in batch[0].cond else None
-        noise = self.pipe.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=guidance,
-                                      pooled_projections=rows_of(batch, "pooled_projections", "cond"),
-                                      encoder_hidden_states=rows_of(batch, "encoder_hidden_states", "cond"),
-                                      return_dict=False, **batch[0].shared)[0]
+        with cached(self.pipe.transformer, batch, guided=False):
+            noise = self.pipe.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=guidance,
+                                          pooled_projections=rows_of(batch, "pooled_projections", "cond"),
+                                          encoder_hidden_states=rows_of(batch, "encoder_hidden_states", "cond"),
+                                          return_dict=False, **batch[0].shared)[0]
         return split_noise(batch, noise)
 
 

@@ -10,6 +10,7 @@ one is the pipeline's computation, and a larger batch differs only by the batche
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -17,6 +18,7 @@ import torch
 
 from deployments.models.adapter import FamilyFacts
 from deployments.models.cancel import CancelFlag
+from deployments.models.step_cache import CachedRequest, step_cache_for
 from deployments.wire.spec import DenoiseProgress, EncodedPrompt, GenerationSpec
 
 
@@ -51,6 +53,8 @@ class StepRequest:
             self.cancel = CancelFlag(self.spec.request_id)
     bytes_streamed: float = 0.0  # this request's share of the weights streamed for its forwards
     waited_s: float = 0.0  # queued before it joined a batch
+    # Its step cache state: threshold (0: off), residuals per transformer, steps skipped.
+    cache: CachedRequest = field(default_factory=CachedRequest)
 
     @property
     def rows(self) -> int:
@@ -92,6 +96,24 @@ def guided_noise(batch: list[StepRequest], cond: torch.Tensor, uncond: torch.Ten
         out.append(u + r.spec.guidance_scale * (c - u))
         start += n
     return out
+
+
+def request_rows(batch: list[StepRequest], guided: bool) -> list[list[int]]:
+    """Each request's rows in the forward's batch: its conditional rows, then (guided) its
+    unconditional ones, which follow every request's conditional rows (``cat([cond, uncond])``)."""
+    rows, start, total = [], 0, sum(r.latents.shape[0] for r in batch)
+    for r in batch:
+        n = r.latents.shape[0]
+        rows.append(list(range(start, start + n)) + (list(range(total + start, total + start + n)) if guided else []))
+        start += n
+    return rows
+
+
+def cached(transformer, batch: list[StepRequest], guided: bool):
+    """The step cache around one transformer call of ``batch`` (the plain call when every threshold is 0)."""
+    if not any(r.cache.threshold > 0 for r in batch):
+        return contextlib.nullcontext()
+    return step_cache_for(transformer).active([r.cache for r in batch], request_rows(batch, guided))
 
 
 def split_noise(batch: list[StepRequest], noise: torch.Tensor) -> list[torch.Tensor]:

@@ -31,7 +31,7 @@ from deployments.models.adapter import (
     read_json,
     step_callback,
 )
-from deployments.models.steppers import BatchKey, StepRequest, guided_noise, rows_of, split_noise
+from deployments.models.steppers import BatchKey, StepRequest, cached, guided_noise, rows_of, split_noise
 from deployments.wire.spec import EncodedPrompt, Family, GenerationSpec, PipelineStage
 
 # WanPipeline.__call__'s default guidance; Wan2.2 A14B uses the same scale for both experts
@@ -150,8 +150,10 @@ class WanStepper:
         if guided:  # both branches in one forward: the weights stream once for both
             latents, timestep = torch.cat([latents, latents]), torch.cat([timestep, timestep])
             text = torch.cat([text, rows_of(batch, "encoder_hidden_states", "uncond")])
-        noise = getattr(self.pipe, expert)(hidden_states=latents, timestep=timestep, encoder_hidden_states=text,
-                                           return_dict=False)[0]
+        transformer = getattr(self.pipe, expert)
+        with cached(transformer, batch, guided):
+            noise = transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=text,
+                                return_dict=False)[0]
         if guided:
             cond, uncond = noise.chunk(2)
             return guided_noise(batch, cond, uncond)

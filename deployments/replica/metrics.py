@@ -15,6 +15,7 @@ from deployments.wire.spec import StageStats
 LATENCY_BUCKETS_S = [0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 600.0]
 # Bytes streamed per request: 1 MiB (tiny zoo) to 1 TiB (a 28 GB denoiser streamed 2 x 50 times).
 BYTES_BUCKETS = [float(1 << shift) for shift in range(20, 41, 2)]
+SKIP_FRACTION_BUCKETS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 
 
 class StageMetrics:
@@ -44,8 +45,15 @@ class StageMetrics:
         self._component_total = metrics.Counter(
             "offload_serve_component_bytes_streamed_total", description="Host->device weight bytes per component, "
             "all calls.", tag_keys=("stage", "component"))
+        self._cache_skips = metrics.Counter(
+            "offload_serve_step_cache_skips_total", description="Denoising steps whose blocks after the first "
+            "the step cache skipped (with their copies when the whole batch skipped).", tag_keys=tags)
+        self._cache_skip_fraction = metrics.Histogram(
+            "offload_serve_step_cache_skip_fraction", description="Per request: skipped steps / steps.",
+            boundaries=SKIP_FRACTION_BUCKETS, tag_keys=tags)
         for metric in (self._latency, self._streamed, self._streamed_total, self._peak, self._cancelled,
-                       self._steps_after_cancel, self._free_after_cancel, self._component_total):
+                       self._steps_after_cancel, self._free_after_cancel, self._component_total, self._cache_skips,
+                       self._cache_skip_fraction):
             metric.set_default_tags({"stage": stage})
 
     def record(self, stats: StageStats) -> None:
@@ -54,6 +62,10 @@ class StageMetrics:
         if stats.bytes_streamed > 0:  # Ray counters refuse increments of 0 (a resident plan moves nothing)
             self._streamed_total.inc(float(stats.bytes_streamed))
         self._peak.set(float(stats.device_peak_bytes))
+        if stats.steps:
+            self._cache_skip_fraction.observe(stats.cache_skips / stats.steps)
+        if stats.cache_skips:  # Ray counters refuse increments of 0
+            self._cache_skips.inc(float(stats.cache_skips))
 
     def record_components(self, nbytes: dict[str, int]) -> None:
         for component, moved in nbytes.items():

@@ -95,6 +95,8 @@ class Denoiser:
         if condition is not None:  # image-to-video: the reference image's condition, from the decoder
             value = dataclasses.replace(value, image_condition=condition.value)
         request = self.stepper.start(value, spec, on_step=put if progress else None)
+        default = self.worker.config.cache_threshold
+        request.cache.threshold = default if spec.cache_threshold is None else spec.cache_threshold
         self.last_spec = spec  # batched requests share a shape: a busy period leases max_batch of it
         future = self.batcher.submit(request)
         future.add_done_callback(lambda _: put(_DONE))
@@ -117,7 +119,12 @@ class Denoiser:
         self.batch_metrics.record_wait(request.waited_s)
         worker = self.worker
         stats = StageStats(worker.config.stage.value, worker.replica, time.perf_counter() - start,
-                           int(request.bytes_streamed), worker.residency.device_peak_bytes())
+                           int(request.bytes_streamed), worker.residency.device_peak_bytes(), request.step,
+                           request.cache.skipped)
+        if request.cache.threshold > 0:
+            logger.info("%s: request %s: step cache skipped the blocks after the first in %d of %d steps "
+                        "(threshold %g); %d B streamed for it", worker.replica, spec.request_id,
+                        request.cache.skipped, request.step, request.cache.threshold, stats.bytes_streamed)
         worker.record(stats)
         yield StageOutput(latents.to(families.CPU), stats).after(encoded)
 

@@ -85,6 +85,8 @@ class StageConfig:
     warmup_shape: warmup.WarmupShape | None = None
     # How the stage's streamed layers are hosted and copied (StageArgs.weights).
     weights: WeightFormat = WeightFormat.NATIVE
+    # The Denoiser's step cache threshold for requests that do not set one (0: off).
+    cache_threshold: float = 0.0
 
 
 def _replica_device() -> torch.device:

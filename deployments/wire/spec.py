@@ -45,6 +45,9 @@ class GenerationSpec:
     n: int  # outputs per prompt; the batch dimension of every tensor below
     # The reference image's file bytes (PNG/JPEG/WebP), checked by the ingress; image-to-video only.
     reference_image: bytes | None = None
+    # The step cache's threshold for this request (deployments/models/step_cache.py): 0 is off;
+    # None: the Denoiser's configured default.
+    cache_threshold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,8 @@ class StageStats:
     seconds: float
     bytes_streamed: int  # host->device weight bytes copied during the call
     device_peak_bytes: int  # peak weight bytes materialized on the device during the call
+    steps: int = 0  # denoising steps run (the Denoiser; 0 for the other stages)
+    cache_skips: int = 0  # of them, steps whose remaining blocks the step cache skipped
 
 
 @dataclass(frozen=True)

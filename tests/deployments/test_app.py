@@ -89,3 +89,14 @@ def test_weights_are_set_per_stage_native_by_default_and_a_typo_is_refused_by_na
     assert configs[ENCODE].weights is WeightFormat.NATIVE is configs[DECODE].weights
     with pytest.raises(ValidationError, match="weights"):
         AppArgs.model_validate({"denoiser": {"weights": "int4"}})
+
+
+def test_the_step_cache_threshold_is_the_denoisers_and_is_refused_on_other_stages():
+    args = AppArgs.model_validate({"denoiser": {"cache_threshold": 0.1}})
+    configs = stage_configs(args, read_family_facts(resolve_model_folder(args)))
+    assert configs[DENOISE].cache_threshold == 0.1 and configs[ENCODE].cache_threshold == 0.0
+    with pytest.raises(ValueError, match="encode: cache_threshold is the denoiser's step cache"):
+        args = AppArgs.model_validate({"encoder": {"cache_threshold": 0.1}})
+        stage_configs(args, read_family_facts(resolve_model_folder(args)))
+    with pytest.raises(ValidationError, match="cache_threshold"):
+        AppArgs.model_validate({"denoiser": {"cache_threshold": 1.5}})

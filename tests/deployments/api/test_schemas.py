@@ -77,3 +77,12 @@ def test_a_valid_request_gets_the_configured_defaults_and_a_seed(wan):
     assert spec.guidance_scale == wan.default_guidance and spec.seed >= 0
     video = video_spec(VideoRequest(prompt="a cat", seed=7), wan, LIMITS, "tiny-wan")
     assert (video.num_frames, video.seed, video.n) == (LIMITS.default_frames, 7, 1)
+
+
+def test_a_request_sets_its_step_cache_threshold_or_leaves_it_to_the_deployment(wan):
+    assert image_spec(ImageRequest(prompt="a cat"), wan, LIMITS, "m").cache_threshold is None
+    assert image_spec(ImageRequest(prompt="a cat", cache_threshold=0.1), wan, LIMITS, "m").cache_threshold == 0.1
+    assert image_spec(ImageRequest(prompt="a cat", cache_threshold=0), wan, LIMITS, "m").cache_threshold == 0
+    for bad in (-0.1, 1.5, "high"):
+        with pytest.raises(ValidationError, match="cache_threshold"):
+            ImageRequest(prompt="a cat", cache_threshold=bad)

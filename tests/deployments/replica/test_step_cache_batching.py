@@ -1,0 +1,80 @@
+"""The step cache under step batching: each request decides alone, a batch that all skips streams no later block."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from deployments.models import families
+from deployments.models.step_cache import CACHE_ATTRIBUTE
+from deployments.models.steppers import stepper_for
+from deployments.replica.batching import BatchingConfig, StepBatch
+from deployments.wire.spec import GenerationSpec, PipelineStage
+from offload_core import StreamingConfig, apply_layer_streaming
+from zoo.tiny import ensure_tiny_flux, ensure_tiny_wan
+
+F32, CPU = torch.float32, torch.device("cpu")
+STEPS = 6
+
+
+def _specs(guided: bool):
+    scale = 5.0 if guided else 3.5
+    return [GenerationSpec("a", "a red fox", None, 16, 16, 1, STEPS, scale, 1, 1),
+            GenerationSpec("b", "a blue bird", None, 16, 16, 1, STEPS, scale, 2, 1)]
+
+
+def _run(folder, specs, thresholds, remove_after):
+    """Both requests from the first boundary, the transformer streamed at depth 1; (latents, requests, streamer)."""
+    facts = families.read_family_facts(folder)
+    encoder = families.load_stage_pipeline(facts, PipelineStage.ENCODE, F32)
+    denoiser = families.load_stage_pipeline(facts, PipelineStage.DENOISE, F32)
+    for param in denoiser.transformer.parameters():
+        param.data = param.data.clone()
+    streamer = remove_after(apply_layer_streaming(denoiser.transformer, CPU, StreamingConfig(prefetch_depth=1)))
+    stepper = stepper_for(denoiser, facts, CPU)
+    batch = StepBatch(stepper, BatchingConfig(max_batch=4), bytes_streamed=lambda: streamer.bytes_copied)
+    requests = []
+    for spec, threshold in zip(specs, thresholds):
+        request = stepper.start(families.encode(encoder, facts, spec, CPU), spec)
+        request.cache.threshold = threshold
+        requests.append((request, batch.submit(request)))
+    while not batch.idle:
+        batch.step()
+    return {r.spec.request_id: f.result() for r, f in requests}, [r for r, _ in requests], streamer, denoiser
+
+
+@pytest.mark.parametrize("folder, guided", [(ensure_tiny_wan, True), (ensure_tiny_flux, False)], ids=["wan", "flux"])
+def test_threshold_zero_leaves_the_forward_alone_and_equal_bitwise(folder, guided, remove_after):
+    plain, _, _, denoiser = _run(folder(), _specs(guided), (0.0, 0.0), remove_after)
+    assert getattr(denoiser.transformer, CACHE_ATTRIBUTE, None) is None, "no block wrapped while the cache is off"
+    again, requests, _, _ = _run(folder(), _specs(guided), (0.0, 0.0), remove_after)
+    assert all(torch.equal(again[k], plain[k]) for k in plain)
+    assert [r.cache.skipped for r in requests] == [0, 0]
+
+
+@pytest.mark.parametrize("folder, guided", [(ensure_tiny_wan, True), (ensure_tiny_flux, False)], ids=["wan", "flux"])
+def test_one_request_skips_while_the_other_computes_on_the_sub_batch(folder, guided, remove_after):
+    plain, _, _, _ = _run(folder(), _specs(guided), (0.0, 0.0), remove_after)
+    # 1e9: every step after the first two (a residual to compare, a tail to reuse) skips.
+    cached, requests, _, _ = _run(folder(), _specs(guided), (1e9, 0.0), remove_after)
+    skipper, computer = requests
+    assert skipper.cache.skipped == STEPS - 1 and computer.cache.skipped == 0
+    assert skipper.cache.decided == STEPS
+    # The computing request ran its later blocks on a sub-batch of one: rounding only.
+    torch.testing.assert_close(cached["b"], plain["b"], rtol=0, atol=1e-4)
+    assert not torch.equal(cached["a"], plain["a"]), "the skipping request reused residuals: lossy"
+
+
+def test_a_batch_that_all_skips_streams_only_its_first_block_and_the_next_window(remove_after):
+    specs = _specs(True)
+    _, _, plain, _ = _run(ensure_tiny_wan(), specs, (0.0, 0.0), remove_after)
+    _, requests, streamer, denoiser = _run(ensure_tiny_wan(), specs, (1e9, 1e9), remove_after)
+    cache = getattr(denoiser.transformer, CACHE_ATTRIBUTE)
+    assert cache.all_skipped == STEPS - 1 and [r.cache.skipped for r in requests] == [STEPS - 1] * 2
+    per_layer = streamer.layers[0].layout.nbytes
+    n = len(streamer.layers)
+    # A skipped step copies block 0 and at most depth (1) layers wasted ahead of it, against n for a full step.
+    assert streamer.bytes_copied <= plain.bytes_copied - (STEPS - 1) * (n - 2) * per_layer
+    assert streamer.ring.wasted_copies <= STEPS - 1  # depth 1: at most one layer per decision
+    assert dataclasses.asdict(requests[0].spec)["cache_threshold"] is None
