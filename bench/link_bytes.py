@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import batching_projection as bp  # noqa: E402
 from deployments.models import families  # noqa: E402
+from deployments.models.steppers import stepper_for  # noqa: E402
 from deployments.replica.batching import BatchingConfig, StepBatch  # noqa: E402
-from deployments.replica.steppers import stepper_for  # noqa: E402
 from deployments.wire.spec import GenerationSpec, PipelineStage  # noqa: E402
 from offload_core import StreamingConfig, WeightFormat, apply_layer_streaming  # noqa: E402
 from offload_core.planner.facts import profile_component  # noqa: E402
