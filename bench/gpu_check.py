@@ -220,6 +220,25 @@ def activation_comparison(timeout_s: int) -> dict:
     return {"returncode": 0, "max_abs_error": report["max_abs_error"], "rows": report["rows"]}
 
 
+def widen_cost(timeout_s: int) -> dict:
+    """bench/widen_cost.py on CUDA, in a subprocess: FP8 widening's cost per real-size Wan2.1-14B block
+    beside the copy it saves (issue 23 item 4). On CPU the bench runs on its own (README figures)."""
+    if not CUDA:
+        return {"skipped": "the widen's cost beside the pinned copy needs CUDA (bench/widen_cost.py runs on CPU alone)"}
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    try:
+        done = subprocess.run([sys.executable, "bench/widen_cost.py", "--device", "cuda"], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"returncode": 124, "summary": f"timed out after {timeout_s} s"}
+    lines = done.stdout.strip().splitlines()
+    print("\n" + "\n".join(lines[:-1]), done.stderr[-2000:] if done.returncode else "", sep="\n", flush=True)
+    if done.returncode or not lines:
+        return {"returncode": done.returncode, "summary": done.stderr.strip().splitlines()[-1:]}
+    return {"returncode": 0, **json.loads(lines[-1])}
+
+
 def bandwidth() -> dict:
     if not CUDA:
         return {"skipped": "host->device bandwidth is measured on CUDA only"}
@@ -239,6 +258,8 @@ def main() -> None:
                         help="seconds for the CUDA-only tests at the end (0: do not run them)")
     parser.add_argument("--activations-timeout", type=int, default=45,
                         help="seconds for the activation model's CUDA calibration, after the tests (0: skip)")
+    parser.add_argument("--widen-timeout", type=int, default=60,
+                        help="seconds for FP8 widening's cost on a Wan2.1-14B block, last (0: skip)")
     args = parser.parse_args()
     if args.require_cuda and not CUDA:
         parser.exit(2, "gpu_check: --require-cuda given but torch sees no CUDA device\n")
@@ -273,8 +294,9 @@ def main() -> None:
     tests = cuda_tests(args.cuda_tests_timeout) if args.cuda_tests_timeout else {"skipped": "--cuda-tests-timeout 0"}
     calibration = (activation_comparison(args.activations_timeout) if args.activations_timeout
                    else {"skipped": "--activations-timeout 0"})
+    widen = widen_cost(args.widen_timeout) if args.widen_timeout else {"skipped": "--widen-timeout 0"}
     print("\n" + json.dumps({"bench": "gpu_check", "cuda": CUDA, "bandwidth": link, "results": results,
-                             "activations": calibration, "cuda_tests": tests}))
+                             "activations": calibration, "cuda_tests": tests, "widen": widen}))
     if tests.get("returncode", 0) != 0:
         sys.exit(1)
 

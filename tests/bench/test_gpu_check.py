@@ -23,6 +23,7 @@ def test_gpu_check_runs_in_cpu_mode_and_streams_bitwise_equal():
     assert [r["case"] for r in report["results"]] == ["medium-wan-denoiser", "wan2.1-1.3b-random"]
     assert "need CUDA" in report["cuda_tests"]["skipped"]
     assert "needs CUDA" in report["activations"]["skipped"]
+    assert "needs CUDA" in report["widen"]["skipped"]
     for result in report["results"]:
         rows = result["rows"]
         assert result["streamed_bytes_per_step"] > 0

@@ -298,3 +298,29 @@ def test_a_client_leaving_an_event_stream_cancels_the_denoiser_at_the_step_it_wa
     assert stages.steps_done["leaver-1"] == 1
     assert not any(b"event: result" in chunk for chunk in chunks)
     assert ("decode", "leaver-1") not in stages.calls
+
+
+class _CachingStages(FakeStages):
+    """A Denoiser whose stats say how many steps it ran and how many the step cache skipped."""
+
+    async def denoise(self, encoded, spec: GenerationSpec, progress: bool = True):
+        import dataclasses
+
+        self.threshold = spec.cache_threshold
+        async for item in super().denoise(encoded, spec, progress):
+            if hasattr(item, "stats"):
+                item = dataclasses.replace(item, stats=dataclasses.replace(item.stats, steps=spec.steps, cache_skips=1))
+            yield item
+
+
+def test_the_denoise_stage_reports_its_steps_and_step_cache_skips_and_the_threshold_reaches_it():
+    client, stages = _client(_CachingStages())
+    response = client.post(IMAGES, json={"prompt": "a fox", "size": "32x16", "num_inference_steps": 3,
+                                         "cache_threshold": 0.2})
+    assert response.status_code == 200, response.text
+    encode, denoise, decode = response.json()["stages"]
+    assert denoise["steps"] == 3 and denoise["cache_skips"] == 1
+    assert "steps" not in encode and "cache_skips" not in decode  # stages without steps say nothing of them
+    assert stages.threshold == 0.2
+    bad = client.post(IMAGES, json={"prompt": "a fox", "cache_threshold": 2})
+    assert bad.status_code == 400 and "cache_threshold" in bad.text
