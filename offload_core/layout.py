@@ -39,6 +39,19 @@ KNOWN_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = {
     "T5EncoderModel": ("encoder.block",),
     "CLIPTextModel": ("encoder.layers",),  # transformers >= 5 dropped the `text_model` wrapper
     "AutoencoderKLWan": ("decoder.up_blocks",),
+    "SD3Transformer2DModel": ("transformer_blocks",),
+    "QwenImageTransformer2DModel": ("transformer_blocks",),
+    # Z-Image's single-stream DiT runs its image refiner, then its caption refiner, then the main layers.
+    "ZImageTransformer2DModel": ("noise_refiner", "context_refiner", "layers"),
+    # The token refiner's 2 blocks (of 54 + 2) stay with the non-layer weights.
+    "HunyuanVideo15Transformer3DModel": ("transformer_blocks",),
+    "CLIPTextModelWithProjection": ("text_model.encoder.layers",),  # SD3.5's CLIP-L and CLIP-G
+    "Qwen3Model": ("layers",),  # Z-Image's text encoder
+    "Qwen2_5_VLTextModel": ("layers",),  # HunyuanVideo 1.5's text encoder
+    # Qwen-Image's text encoder: text-to-image never runs the vision tower (it stays non-layer).
+    "Qwen2_5_VLForConditionalGeneration": ("model.language_model.layers",),
+    "AutoencoderKLQwenImage": ("decoder.up_blocks",),
+    "AutoencoderKLHunyuanVideo15": ("decoder.up_blocks",),
 }
 # Where the same class kept its layers in older library versions; tried when the current path
 # does not resolve (transformers 4.x: CLIPTextModel.text_model.encoder.layers).

@@ -1,0 +1,178 @@
+"""Z-Image (diffusers ``ZImagePipeline``): Qwen3 text model, single-stream S3-DiT, FLUX.1's AutoencoderKL.
+
+Images only. Knobs as the pipeline means them: classifier-free guidance runs when
+``guidance_scale > 0`` (not > 1), as ``pos + scale * (pos - neg)`` on the negative prompt ("" when
+none); Z-Image-Turbo is meant to run with ``guidance_scale=0`` and 8-9 steps (its card), the base
+model with guidance. The encoder returns one embedding per prompt of the prompt's own token count
+(padding dropped by its mask), and the transformer takes lists of them: requests with prompts of
+different lengths share a forward. The staged split is exact (same seeded generator, same lists).
+Run by the stage replicas; :meth:`ZImageAdapter.facts` by the ingress (json only).
+"""
+from __future__ import annotations
+
+import copy
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from deployments.models.adapter import (
+    CPU,
+    DECODE,
+    DENOISE,
+    ENCODE,
+    FamilyAdapter,
+    FamilyFacts,
+    generator_for,
+    read_json,
+    step_callback,
+)
+from deployments.replica.steppers import BatchKey, StepRequest
+from deployments.wire.prompt_tensors import PromptTensors
+from deployments.wire.spec import Family, PipelineStage
+
+Z_IMAGE_GUIDANCE = 5.0  # ZImagePipeline.__call__'s default (Turbo: 0.0)
+TEXT_TOKENS = 512  # the pipeline's max_sequence_length: the encoder's pass is this long whatever the prompt
+
+
+@dataclass(frozen=True)
+class ZImagePrompt(PromptTensors):
+    """``ZImagePipeline.encode_prompt``'s lists: one (tokens_i, width) embedding per prompt (one prompt here)."""
+
+    prompt_embeds: tuple[torch.Tensor, ...]
+    negative_prompt_embeds: tuple[torch.Tensor, ...] | None = None  # with guidance only
+
+
+def _guided(spec) -> bool:
+    return spec.guidance_scale > 0  # ZImagePipeline.do_classifier_free_guidance
+
+
+class ZImageStepper:
+    """ZImagePipeline's loop (diffusers 0.42), one step for a batch of requests (both branches in one call,
+    as the pipeline does, positive rows first)."""
+
+    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
+        self.pipe, self.device = pipe, device
+        self.dtype = pipe.transformer.dtype  # read once: ModelMixin.dtype walks the parameters
+
+    def start(self, encoded: ZImagePrompt, spec, on_step=None) -> StepRequest:
+        from diffusers.pipelines.z_image.pipeline_z_image import (
+            calculate_shift,
+            get_default_z_image_sigmas,
+            retrieve_timesteps,
+        )
+
+        pipe, device = self.pipe, self.device
+        encoded = encoded.to(device)
+        latents = pipe.prepare_latents(spec.n, pipe.transformer.in_channels, spec.height, spec.width, torch.float32,
+                                       device, generator_for(spec), None)
+        scheduler = copy.deepcopy(pipe.scheduler)
+        config = scheduler.config
+        mu = calculate_shift((latents.shape[2] // 2) * (latents.shape[3] // 2), config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
+        timesteps, _ = retrieve_timesteps(scheduler, spec.steps, device, sigmas=get_default_z_image_sigmas(spec.steps),
+                                          mu=mu)
+        scheduler.set_begin_index(0)
+        # Row i of the request's n: its prompt's embedding (the pipeline repeats the list n times).
+        cond = {"captions": [e for e in encoded.prompt_embeds for _ in range(spec.n)]}
+        uncond = {"captions": [e for e in encoded.negative_prompt_embeds for _ in range(spec.n)]} if _guided(spec) else None
+        # Caption lengths differ per prompt and the transformer takes lists: any lengths share a forward.
+        key = BatchKey(tuple(latents.shape[1:]), self.dtype, 0, uncond is not None)
+        return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step)
+
+    def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
+        latents = torch.cat([r.latents for r in batch]).to(self.dtype)
+        timestep = torch.cat([(1000 - r.timesteps[r.step].expand(r.latents.shape[0])) / 1000 for r in batch])
+        captions = [c for r in batch for c in r.cond["captions"]]
+        guided = batch[0].key.guided
+        if guided:
+            latents, timestep = latents.repeat(2, 1, 1, 1), timestep.repeat(2)
+            captions += [c for r in batch for c in r.uncond["captions"]]
+        out = self.pipe.transformer(list(latents.unsqueeze(2).unbind(dim=0)), timestep, captions, return_dict=False)[0]
+        rows = sum(r.latents.shape[0] for r in batch)
+        noise, start = [], 0
+        for r in batch:
+            n = r.latents.shape[0]
+            if guided:  # the pipeline's formula, row by row in float32
+                pos = [out[start + j].float() for j in range(n)]
+                neg = [out[rows + start + j].float() for j in range(n)]
+                pred = torch.stack([p + r.spec.guidance_scale * (p - q) for p, q in zip(pos, neg)], dim=0)
+            else:
+                pred = torch.stack([out[start + j].float() for j in range(n)], dim=0)
+            noise.append(-pred.squeeze(2))  # Z-Image predicts the negated velocity
+            start += n
+        return noise
+
+
+class ZImageAdapter(FamilyAdapter):
+    family = Family.Z_IMAGE
+    pipeline_classes = ("ZImagePipeline",)
+    stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}
+    stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
+    serves = ("image",)
+
+    def facts(self, folder, index) -> FamilyFacts:
+        vae = read_json(folder / "vae" / "config.json")
+        patch = int(read_json(folder / "transformer" / "config.json").get("all_patch_size", [2])[0])
+        # ZImagePipeline.__call__: sides are multiples of vae_scale_factor x 2 (the 2x2 patch).
+        multiple = 2 ** (len(vae["block_out_channels"]) - 1) * patch
+        return FamilyFacts(self.family, str(folder), multiple, 1, False, True, Z_IMAGE_GUIDANCE,
+                           pipeline_class=index["_class_name"], modalities=self.serves)
+
+    def restore_scale_factors(self, pipe, facts) -> None:
+        vae = read_json(pathlib.Path(facts.folder) / "vae" / "config.json")
+        pipe.vae_scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
+
+    @torch.no_grad()
+    def encode(self, pipe, facts, spec, device) -> ZImagePrompt:
+        positive, negative = pipe.encode_prompt(
+            prompt=spec.prompt, device=device, do_classifier_free_guidance=_guided(spec),
+            negative_prompt=spec.negative_prompt, max_sequence_length=TEXT_TOKENS)
+        return ZImagePrompt(tuple(positive), tuple(negative) if _guided(spec) else None).to(CPU)
+
+    def denoise(self, pipe, facts, encoded, spec, device, on_step=None) -> torch.Tensor:
+        encoded = encoded.to(device)
+        negative = list(encoded.negative_prompt_embeds) if encoded.negative_prompt_embeds is not None else None
+        out = pipe(prompt_embeds=list(encoded.prompt_embeds), negative_prompt_embeds=negative,
+                   height=spec.height, width=spec.width, num_inference_steps=spec.steps,
+                   guidance_scale=spec.guidance_scale, generator=generator_for(spec), output_type="latent",
+                   num_images_per_prompt=spec.n, callback_on_step_end=step_callback(spec, on_step),
+                   callback_on_step_end_tensor_inputs=[], max_sequence_length=TEXT_TOKENS)
+        return out.images.to(CPU)
+
+    @torch.no_grad()
+    def decode(self, pipe, facts, latents, spec, device) -> torch.Tensor:
+        vae = pipe.vae  # the tail of ZImagePipeline.__call__
+        latents = latents.to(device, vae.dtype)
+        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
+        image = vae.decode(latents, return_dict=False)[0]
+        return torch.from_numpy(pipe.image_processor.postprocess(image, output_type="np")).unsqueeze(1)
+
+    def stepper(self, pipe, facts, device) -> ZImageStepper:
+        return ZImageStepper(pipe, facts, device)
+
+    def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
+        return torch.from_numpy(pipe(
+            prompt=spec.prompt, negative_prompt=spec.negative_prompt, height=spec.height, width=spec.width,
+            num_inference_steps=spec.steps, guidance_scale=spec.guidance_scale, num_images_per_prompt=spec.n,
+            generator=generator_for(spec), output_type="np").images).unsqueeze(1)
+
+    def uses_per_request(self, facts, stage, steps, guidance_scale, batched=False) -> dict[str, int]:
+        # Guided: the encoder runs for the negative prompt too; the pipeline's loop already runs both
+        # branches in one transformer call, so a step is one pass either way.
+        per_stage = {ENCODE: 2 if guidance_scale > 0 else 1, DENOISE: steps, DECODE: 1}
+        return {name: per_stage[PipelineStage(stage)] for name in self.modules(facts, stage)}
+
+    def activation_input(self, pipe, facts, stage, spec):
+        stage = PipelineStage(stage)
+        if stage is ENCODE:
+            return None
+        if stage is DENOISE:  # the longest caption the encoder gives: the safe side for shorter ones
+            caption = (torch.zeros(TEXT_TOKENS, pipe.transformer.config.cap_feat_dim),)
+            return ZImagePrompt(caption, caption if _guided(spec) else None)
+        scale = pipe.vae_scale_factor
+        return torch.zeros(spec.n, pipe.vae.config.latent_channels, spec.height // scale, spec.width // scale)
+
+
+ADAPTERS = (ZImageAdapter(),)
