@@ -1,0 +1,235 @@
+"""Qwen-Image (diffusers ``QwenImagePipeline``): Qwen2.5-VL text encoder, QwenImage MMDiT, AutoencoderKLQwenImage.
+
+Images only. The knob mapping (the README's families table says it too): Qwen-Image's transformer
+is not guidance-distilled, so the pipeline ignores its ``guidance_scale``; classifier-free guidance
+is ``true_cfg_scale`` with a negative prompt. The API's ``guidance_scale`` is therefore passed as
+``true_cfg_scale``: above 1 it guides, on the request's negative prompt or, when it has none, on
+" " (what Qwen-Image's own example passes; the pipeline would silently not guide without one);
+at 1 or below there is one branch. A guidance-distilled variant (``guidance_embeds``) gets it as
+its guidance embedding instead. Guidance rescales the combined prediction to the conditional one's
+norm (the pipeline's rule). The staged split is exact (same seeded generator, same embeddings).
+Run by the stage replicas; :meth:`QwenImageAdapter.facts` by the ingress (json only).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from deployments.models.adapter import (
+    CPU,
+    DECODE,
+    DENOISE,
+    ENCODE,
+    FamilyAdapter,
+    FamilyFacts,
+    generator_for,
+    read_json,
+    step_callback,
+)
+from deployments.replica.steppers import BatchKey, StepRequest
+from deployments.wire.prompt_tensors import PromptTensors
+from deployments.wire.spec import Family, PipelineStage
+
+
+class _MaskNotice(logging.Filter):
+    """Drops the pipeline's per-call warning that a mask was not passed: the encoder passes one whenever
+    the prompt has padding (``encode_prompt`` returns None exactly when every token counts)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "_mask` is not provided" not in record.getMessage()
+
+
+logging.getLogger("diffusers.pipelines.qwenimage.pipeline_qwenimage").addFilter(_MaskNotice())
+
+QWEN_GUIDANCE = 4.0  # QwenImagePipeline.__call__'s true_cfg_scale default
+EMPTY_NEGATIVE = " "  # Qwen-Image's example negative prompt: guidance needs one
+TEXT_TOKENS = 512  # the pipeline's max_sequence_length default
+ACTIVATION_TEXT_TOKENS = 64  # a stand-in prompt's tokens for activation calibration (prompts are unpadded)
+
+
+@dataclass(frozen=True)
+class QwenImagePrompt(PromptTensors):
+    """``QwenImagePipeline.encode_prompt``'s pairs: (n, tokens, 3584) and its mask (None: every token counts)."""
+
+    prompt_embeds: torch.Tensor
+    prompt_embeds_mask: torch.Tensor | None = None
+    negative_prompt_embeds: torch.Tensor | None = None  # with guidance only
+    negative_prompt_embeds_mask: torch.Tensor | None = None
+
+
+def _distilled(pipe) -> bool:
+    return bool(pipe.transformer.config.guidance_embeds)
+
+
+def _true_cfg(spec) -> bool:
+    return spec.guidance_scale > 1.0
+
+
+def _negative(spec) -> str:
+    return spec.negative_prompt if spec.negative_prompt is not None else EMPTY_NEGATIVE
+
+
+def _pad(parts: list[torch.Tensor], masks: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows of different token counts in one tensor, zero-padded, with the mask the transformer needs
+    (None when every row is full length and unmasked: then it is exactly the pipeline's input)."""
+    longest = max(p.shape[1] for p in parts)
+    full = [torch.ones(p.shape[:2], dtype=torch.long, device=p.device) if m is None else m for p, m in zip(parts, masks)]
+    if all(p.shape[1] == longest for p in parts) and all(m is None for m in masks):
+        return torch.cat(parts), None
+    text = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, longest - p.shape[1])) for p in parts])
+    mask = torch.cat([torch.nn.functional.pad(m, (0, longest - m.shape[1])) for m in full])
+    return text, mask
+
+
+class QwenImageStepper:
+    """QwenImagePipeline's loop (diffusers 0.42), one step for a batch: both guidance branches of every
+    request in one forward (prompts of other lengths zero-padded and masked)."""
+
+    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
+        self.pipe, self.device = pipe, device
+        self.dtype = pipe.transformer.dtype  # read once: ModelMixin.dtype walks the parameters
+
+    def start(self, encoded: QwenImagePrompt, spec, on_step=None) -> StepRequest:
+        import numpy as np
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+        pipe, device, dtype = self.pipe, self.device, self.dtype
+        encoded = encoded.to(device)
+        embeds = encoded.prompt_embeds.to(dtype)
+        latents = pipe.prepare_latents(spec.n, pipe.transformer.config.in_channels // 4, spec.height, spec.width,
+                                       embeds.dtype, device, generator_for(spec), None)
+        scheduler = copy.deepcopy(pipe.scheduler)
+        config = scheduler.config
+        mu = calculate_shift(latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        sigmas = np.linspace(1.0, 1 / spec.steps, spec.steps)
+        timesteps, _ = retrieve_timesteps(scheduler, spec.steps, device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        cond = {"text": embeds, "mask": encoded.prompt_embeds_mask}
+        if _distilled(pipe):
+            cond["guidance"] = torch.full([spec.n], spec.guidance_scale, device=device, dtype=torch.float32)
+        uncond = None
+        if not _distilled(pipe) and _true_cfg(spec):
+            uncond = {"text": encoded.negative_prompt_embeds.to(dtype), "mask": encoded.negative_prompt_embeds_mask}
+        scale = pipe.vae_scale_factor * 2
+        shared = {"img_shape": (1, spec.height // scale, spec.width // scale)}
+        # Text lengths may differ (padded and masked in the forward): the key does not carry them.
+        key = BatchKey(tuple(latents.shape[1:]), latents.dtype, 0, uncond is not None)
+        return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step, shared)
+
+    def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
+        latents = torch.cat([r.latents for r in batch])
+        timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch]).to(latents.dtype)
+        branches = [r.cond for r in batch]
+        guided = batch[0].key.guided
+        if guided:
+            branches += [r.uncond for r in batch]
+            latents, timestep = torch.cat([latents, latents]), torch.cat([timestep, timestep])
+        text, mask = _pad([b["text"] for b in branches], [b["mask"] for b in branches])
+        guidance = torch.cat([r.cond["guidance"] for r in batch]) if "guidance" in batch[0].cond else None
+        noise = self.pipe.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=guidance,
+                                      encoder_hidden_states_mask=mask, encoder_hidden_states=text,
+                                      img_shapes=[[batch[0].shared["img_shape"]]] * latents.shape[0],
+                                      return_dict=False)[0]
+        out, start, rows = [], 0, sum(r.latents.shape[0] for r in batch)
+        for r in batch:
+            n = r.latents.shape[0]
+            cond = noise[start:start + n]
+            if guided:  # the pipeline's true CFG, rescaled to the conditional prediction's norm
+                neg = noise[rows + start:rows + start + n]
+                comb = neg + r.spec.guidance_scale * (cond - neg)
+                cond = comb * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(comb, dim=-1, keepdim=True))
+            out.append(cond)
+            start += n
+        return out
+
+
+class QwenImageAdapter(FamilyAdapter):
+    family = Family.QWEN_IMAGE
+    pipeline_classes = ("QwenImagePipeline",)
+    stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}
+    stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
+    serves = ("image",)
+
+    def facts(self, folder, index) -> FamilyFacts:
+        vae = read_json(folder / "vae" / "config.json")
+        # QwenImagePipeline: 2 ** len(temperal_downsample) spatial, x2 for the packed 2x2 patches.
+        multiple = 2 ** len(vae.get("temperal_downsample", [False, True, True])) * 2
+        return FamilyFacts(self.family, str(folder), multiple, 1, False, True, QWEN_GUIDANCE,
+                           pipeline_class=index["_class_name"], modalities=self.serves)
+
+    def restore_scale_factors(self, pipe, facts) -> None:
+        vae = read_json(pathlib.Path(facts.folder) / "vae" / "config.json")
+        pipe.vae_scale_factor = 2 ** len(vae.get("temperal_downsample", [False, True, True]))
+
+    @torch.no_grad()
+    def encode(self, pipe, facts, spec, device) -> QwenImagePrompt:
+        positive, mask = pipe.encode_prompt(prompt=spec.prompt, device=device, num_images_per_prompt=spec.n,
+                                            max_sequence_length=TEXT_TOKENS)
+        negative = negative_mask = None
+        if _true_cfg(spec):  # a distilled transformer's pipe never reads them; encoding them is cheap
+            negative, negative_mask = pipe.encode_prompt(prompt=_negative(spec), device=device,
+                                                         num_images_per_prompt=spec.n, max_sequence_length=TEXT_TOKENS)
+        return QwenImagePrompt(positive, mask, negative, negative_mask).to(CPU)
+
+    def _knobs(self, pipe, spec) -> dict:
+        if _distilled(pipe):
+            return dict(guidance_scale=spec.guidance_scale, true_cfg_scale=1.0)
+        return dict(guidance_scale=None, true_cfg_scale=spec.guidance_scale)
+
+    def denoise(self, pipe, facts, encoded, spec, device, on_step=None) -> torch.Tensor:
+        encoded = encoded.to(device)
+        out = pipe(prompt_embeds=encoded.prompt_embeds, prompt_embeds_mask=encoded.prompt_embeds_mask,
+                   negative_prompt_embeds=encoded.negative_prompt_embeds,
+                   negative_prompt_embeds_mask=encoded.negative_prompt_embeds_mask,
+                   height=spec.height, width=spec.width, num_inference_steps=spec.steps,
+                   generator=generator_for(spec), output_type="latent", num_images_per_prompt=1,
+                   callback_on_step_end=step_callback(spec, on_step), callback_on_step_end_tensor_inputs=[],
+                   max_sequence_length=TEXT_TOKENS, **self._knobs(pipe, spec))
+        return out.images.to(CPU)
+
+    @torch.no_grad()
+    def decode(self, pipe, facts, latents, spec, device) -> torch.Tensor:
+        vae = pipe.vae  # the tail of QwenImagePipeline.__call__
+        latents = pipe._unpack_latents(latents, spec.height, spec.width, pipe.vae_scale_factor).to(device, vae.dtype)
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
+        image = vae.decode(latents / inv_std + mean, return_dict=False)[0][:, :, 0]
+        return torch.from_numpy(pipe.image_processor.postprocess(image, output_type="np")).unsqueeze(1)
+
+    def stepper(self, pipe, facts, device) -> QwenImageStepper:
+        return QwenImageStepper(pipe, facts, device)
+
+    def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
+        negative = _negative(spec) if _true_cfg(spec) and not _distilled(pipe) else None
+        return torch.from_numpy(pipe(
+            prompt=spec.prompt, negative_prompt=negative, height=spec.height, width=spec.width,
+            num_inference_steps=spec.steps, num_images_per_prompt=spec.n, generator=generator_for(spec),
+            output_type="np", **self._knobs(pipe, spec)).images).unsqueeze(1)
+
+    def uses_per_request(self, facts, stage, steps, guidance_scale, batched=False) -> dict[str, int]:
+        # True CFG: the encoder runs for the negative prompt too, and the pipeline's loop runs a
+        # second transformer forward per step (step batching joins both branches in one).
+        cfg = 2 if guidance_scale > 1.0 else 1
+        per_stage = {ENCODE: cfg, DENOISE: steps * (1 if batched else cfg), DECODE: 1}
+        return {name: per_stage[PipelineStage(stage)] for name in self.modules(facts, stage)}
+
+    def activation_input(self, pipe, facts, stage, spec):
+        stage = PipelineStage(stage)
+        if stage is ENCODE:
+            return None
+        if stage is DENOISE:
+            text = torch.zeros(spec.n, ACTIVATION_TEXT_TOKENS, pipe.transformer.config.joint_attention_dim)
+            if _true_cfg(spec) and not _distilled(pipe):
+                return QwenImagePrompt(text, None, text.clone(), None)
+            return QwenImagePrompt(text)
+        scale = pipe.vae_scale_factor * 2  # 2x2 latent patches packed into one token of 4 x z_dim
+        return torch.zeros(spec.n, (spec.height // scale) * (spec.width // scale), pipe.vae.config.z_dim * 4)
+
+
+ADAPTERS = (QwenImageAdapter(),)
