@@ -49,7 +49,17 @@ STAGES = {
     "WanPipeline": (Stage("encode", ("text_encoder",)), Stage("denoise", ("transformer",)), Stage("decode", ("vae",))),
     "FluxPipeline": (Stage("encode", ("text_encoder", "text_encoder_2")), Stage("denoise", ("transformer",)),
                      Stage("decode", ("vae",))),
+    "StableDiffusion3Pipeline": (Stage("encode", ("text_encoder", "text_encoder_2", "text_encoder_3")),
+                                 Stage("denoise", ("transformer",)), Stage("decode", ("vae",))),
+    "ZImagePipeline": (Stage("encode", ("text_encoder",)), Stage("denoise", ("transformer",)), Stage("decode", ("vae",))),
+    "QwenImagePipeline": (Stage("encode", ("text_encoder",)), Stage("denoise", ("transformer",)),
+                          Stage("decode", ("vae",))),
+    "HunyuanVideo15Pipeline": (Stage("encode", ("text_encoder", "text_encoder_2")), Stage("denoise", ("transformer",)),
+                               Stage("decode", ("vae",))),
 }
+# Z-Image and Qwen-Image feed the transformer the prompt's own tokens (no padding): a typical prompt
+# after their chat templates, for compute estimates only.
+PROMPT_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -123,9 +133,38 @@ def _uses_and_tokens(pipeline: str, defaults: Mapping[str, Any]) -> dict[str, tu
                 "transformer_2": (low * passes, tokens),
                 # the Wan VAE decodes one latent frame per decoder pass
                 "vae": (frames, (h // 4) * (w // 4))}
+    if pipeline in _IMAGE_PIPELINES:
+        return _IMAGE_PIPELINES[pipeline](steps, cfg, (h // 16) * (w // 16), seq) | {"vae": (1, (h // 4) * (w // 4))}
+    if pipeline == "HunyuanVideo15Pipeline":
+        passes = 1 if cfg == 1.0 else 2  # the guider's conditional + unconditional forward per step
+        frames = (int(defaults["num_frames"]) - 1) // 4 + 1  # 4x temporal, 16x spatial VAE compression
+        text = seq + 256 + 729  # Qwen2.5-VL tokens (padded to 1000), ByT5 glyph tokens, zero image tokens
+        return {"text_encoder": (passes, seq + 108), "text_encoder_2": (passes, 256),
+                "transformer": (steps * passes, frames * (h // 16) * (w // 16) + text),
+                "vae": (frames, (h // 4) * (w // 4))}
     # FLUX.1-dev is guidance-distilled: one transformer pass per step.
     return {"text_encoder": (1, 77), "text_encoder_2": (1, seq), "transformer": (steps, (h // 16) * (w // 16) + seq),
             "vae": (1, (h // 4) * (w // 4))}
+
+
+def _sd3(steps: int, cfg: float, image: int, seq: int) -> dict[str, tuple[int, int]]:
+    # Guidance encodes the negative prompt too and runs both branches as one batch of two per step.
+    rows = 2 if cfg > 1.0 else 1
+    return {"text_encoder": (rows, 77), "text_encoder_2": (rows, 77), "text_encoder_3": (rows, seq),
+            "transformer": (steps, rows * (image + 77 + seq))}
+
+
+def _z_image(steps: int, cfg: float, image: int, seq: int) -> dict[str, tuple[int, int]]:
+    rows = 2 if cfg > 0.0 else 1  # Z-Image guides at any scale above 0 (Turbo runs at 0), both branches batched
+    return {"text_encoder": (rows, seq), "transformer": (steps, rows * (image + PROMPT_TOKENS))}
+
+
+def _qwen_image(steps: int, cfg: float, image: int, seq: int) -> dict[str, tuple[int, int]]:
+    passes = 2 if cfg > 1.0 else 1  # true CFG: a second transformer forward per step, on the negative prompt
+    return {"text_encoder": (passes, PROMPT_TOKENS + 34), "transformer": (steps * passes, image + PROMPT_TOKENS)}
+
+
+_IMAGE_PIPELINES = {"StableDiffusion3Pipeline": _sd3, "ZImagePipeline": _z_image, "QwenImagePipeline": _qwen_image}
 
 
 def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_set: int = 3 * GiB,
