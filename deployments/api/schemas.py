@@ -127,6 +127,9 @@ def image_spec(req: ImageRequest, facts: FamilyFacts, limits: Limits, model_id: 
                                             "(this server keeps no files to serve by url)")
     if req.n > limits.max_n:
         raise FieldError("n", f"{req.n} exceeds the configured maximum of {limits.max_n}")
+    if facts.max_n is not None and req.n > facts.max_n:
+        raise FieldError("n", f"{req.n} exceeds what the {facts.family.value} model family makes per request "
+                              f"({facts.max_n})")
     return _spec(req, facts, limits, req.n, 1, reference)
 
 

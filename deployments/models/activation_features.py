@@ -94,13 +94,18 @@ def calibrate_stage(facts: FamilyFacts, stage: PipelineStage, shapes: Sequence[G
     return StageActivations(facts, stage, models)
 
 
-def calibration_shapes(facts: FamilyFacts, steps: int = 1) -> tuple[GenerationSpec, ...]:
+def calibration_shapes(facts: FamilyFacts, steps: int = 1,
+                       stage: PipelineStage | None = None) -> tuple[GenerationSpec, ...]:
     """Two shapes per regime, small enough to run at start-up, that separate each stage's features
-    (they differ in n and in size)."""
+    (they differ in n and in size). A family that makes at most ``facts.max_n`` outputs per request
+    decodes no more (HunyuanVideo 1.5: one video at a time, so its decoder's peak is not linear in a
+    larger n); its other stages still vary n, which their features need."""
     m, guidance = facts.size_multiple, facts.default_guidance
     small, large = (math.ceil(side / m) * m for side in (32, 64))
 
     def spec(name, side, frames, n):
+        if stage is PipelineStage.DECODE and facts.max_n is not None:
+            n = min(n, facts.max_n)
         return GenerationSpec(f"calibrate-{name}", "calibration", None, side, side, frames, steps, guidance, 0, n)
 
     shapes = [spec("image-a", small, 1, 1), spec("image-b", large, 1, 2)]

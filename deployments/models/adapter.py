@@ -67,6 +67,9 @@ class FamilyFacts:
     # Python modules the family's pipeline imports when it runs (diffusers' Wan image-to-video
     # calls ftfy on every prompt): build_app checks them, so a missing one fails the deploy.
     requirements: tuple[str, ...] = ()
+    # The most outputs one request may ask for (the ``n`` of a batch the family's VAE can decode);
+    # None: only the configured limit. HunyuanVideo 1.5's pipeline fails on a batch of two: 1.
+    max_n: int | None = None
 
 
 def read_json(path: pathlib.Path) -> dict:

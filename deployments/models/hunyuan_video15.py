@@ -10,8 +10,9 @@ the pipeline cannot be built without its VAE (its ``__init__`` reads ``vae.confi
 encoder and Denoiser stages get the VAE built on the meta device (no weights) and then dropped;
 it fails for ``num_videos_per_prompt > 1`` (its image embeddings keep one row per prompt), so
 ``n`` videos would be asked for as ``n`` copies of the prompt; but its VAE cannot decode a batch of
-two at any size (a causal-mask broadcast error), so a request is one video (``n > 1`` is a 400
-naming ``n``; requests still share the Denoiser's forwards). It has no step
+two at any size (a causal-mask broadcast error), so the family declares ``max_n=1``: a request is
+one video (requests still share the Denoiser's forwards). The decoder decodes its rows one at a
+time, so the start-up activation calibration, which varies ``n``, still runs. It has no step
 callback, so progress is reported from its scheduler's ``step``, called once per denoising step.
 Run by the stage replicas; :meth:`HunyuanVideo15Adapter.facts` by the ingress (json only).
 """
@@ -35,7 +36,7 @@ from deployments.models.adapter import (
     generator_for,
     read_json,
 )
-from deployments.replica.steppers import BatchKey, StepRequest, guided_noise, split_noise
+from deployments.models.steppers import BatchKey, StepRequest, guided_noise, split_noise
 from deployments.wire.prompt_tensors import PromptTensors
 from deployments.wire.spec import DenoiseProgress, Family, PipelineStage
 
@@ -132,19 +133,13 @@ class HunyuanVideo15Adapter(FamilyAdapter):
                     f"(the adapter reproduces ClassifierFreeGuidance with {GUIDER_DEFAULTS})")
         return None
 
-    def check_request(self, facts, spec) -> tuple[str, str] | None:
-        if spec.n > 1:  # diffusers 0.42's AutoencoderKLHunyuanVideo15 cannot decode a batch of 2 (any size)
-            return ("n", f"{facts.family.value} makes one video per request (n=1, not {spec.n}): diffusers' "
-                         "HunyuanVideo 1.5 VAE fails on a batch of more than one video")
-        return None
-
     def facts(self, folder, index) -> FamilyFacts:
         vae = read_json(folder / "vae" / "config.json")
         patch = int(read_json(folder / "transformer" / "config.json").get("patch_size", 1))
         guidance = float(read_json(folder / "guider" / "guider_config.json").get("guidance_scale", 6.0))
         return FamilyFacts(self.family, str(folder), int(vae.get("spatial_compression_ratio", 16)) * patch,
                            int(vae.get("temporal_compression_ratio", 4)), True, True, guidance,
-                           pipeline_class=index["_class_name"], modalities=self.serves)
+                           pipeline_class=index["_class_name"], modalities=self.serves, max_n=1)
 
     def load_stage_pipeline(self, facts, stage, dtype):
         """The base loading, except that a stage without the VAE gets it on the meta device for the
@@ -206,9 +201,10 @@ class HunyuanVideo15Adapter(FamilyAdapter):
 
     @torch.no_grad()
     def decode(self, pipe, facts, latents, spec, device) -> torch.Tensor:
-        vae = pipe.vae  # the tail of HunyuanVideo15Pipeline.__call__
-        video = vae.decode(latents.to(device, vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
-        return torch.from_numpy(pipe.video_processor.postprocess_video(video, output_type="np"))
+        vae = pipe.vae  # the tail of HunyuanVideo15Pipeline.__call__, one video at a time (max_n)
+        videos = [vae.decode(row.to(device, vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+                  for row in latents.split(1)]
+        return torch.from_numpy(pipe.video_processor.postprocess_video(torch.cat(videos), output_type="np"))
 
     def stepper(self, pipe, facts, device) -> HunyuanVideo15Stepper:
         return HunyuanVideo15Stepper(pipe, facts, device)

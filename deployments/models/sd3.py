@@ -26,7 +26,7 @@ from deployments.models.adapter import (
     read_json,
     step_callback,
 )
-from deployments.replica.steppers import BatchKey, StepRequest, guided_noise, rows_of, split_noise
+from deployments.models.steppers import BatchKey, StepRequest, guided_noise, rows_of, split_noise
 from deployments.wire.prompt_tensors import PromptTensors
 from deployments.wire.spec import Family, PipelineStage
 

@@ -27,7 +27,7 @@ from deployments.models.adapter import (
     read_json,
     step_callback,
 )
-from deployments.replica.steppers import BatchKey, StepRequest
+from deployments.models.steppers import BatchKey, StepRequest
 from deployments.wire.prompt_tensors import PromptTensors
 from deployments.wire.spec import Family, PipelineStage
 

@@ -160,8 +160,8 @@ def calibrate_activations(worker: WarmupHost, modules: Mapping[str, nn.Module]) 
         return measured.peak_bytes
 
     start = time.perf_counter()
-    fitted = activation_features.calibrate_stage(facts, stage, activation_features.calibration_shapes(facts), measure,
-                                         getattr(torch, worker.config.dtype).itemsize)
+    fitted = activation_features.calibrate_stage(facts, stage, activation_features.calibration_shapes(facts, stage=stage),
+                                                 measure, getattr(torch, worker.config.dtype).itemsize)
     logger.info("%s: activations calibrated in %.2f s on %s: %s", worker.replica, time.perf_counter() - start,
                 worker.device, fitted.explain())
     return fitted

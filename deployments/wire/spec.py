@@ -19,6 +19,15 @@ class Family(enum.Enum):
     FLUX = "flux"
     # diffusers WanImageToVideoPipeline (Wan2.2 I2V-A14B layout): a reference image in, a video out.
     WAN_I2V = "wan-i2v"
+    # diffusers StableDiffusion3Pipeline (SD3.5): CLIP-L + CLIP-G + T5-XXL, SD3Transformer2DModel, AutoencoderKL.
+    SD3 = "sd3"
+    # diffusers ZImagePipeline: Qwen3 text model, ZImageTransformer2DModel (single stream), AutoencoderKL.
+    Z_IMAGE = "z-image"
+    # diffusers QwenImagePipeline: Qwen2.5-VL text encoder, QwenImageTransformer2DModel, AutoencoderKLQwenImage.
+    QWEN_IMAGE = "qwen-image"
+    # diffusers HunyuanVideo15Pipeline: Qwen2.5-VL text + ByT5 glyph encoders, HunyuanVideo15Transformer3DModel,
+    # AutoencoderKLHunyuanVideo15 (16x spatial, 4x temporal). Videos.
+    HUNYUAN_VIDEO15 = "hunyuan-video-1.5"
 
 
 class PipelineStage(str, enum.Enum):
