@@ -38,6 +38,7 @@ from typing import Sequence
 import torch
 
 from offload_core.layout import LayerLayout, extent_view
+from offload_core.progress import ByteProgress
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,10 @@ class WeightStore:
             fcntl.flock(fd, fcntl.LOCK_EX)
             _reserve(fd, layout.total_bytes)
             with mmap.mmap(fd, layout.total_bytes) as writable:
-                _write_layers(writable, layout, layers)
+                # The first replica of a model on a node writes every streamed layer here (GBs for a
+                # 14B DiT): logged with its rate, a bar in a terminal.
+                with ByteProgress(f"writing the node weight store for {key.component}", layout.layer_bytes) as progress:
+                    _write_layers(writable, layout, layers, progress.update)
                 view = memoryview(writable)
                 header = {"magic": MAGIC, "key": key.digest, "layout_digest": layout.digest,
                           "total_bytes": layout.total_bytes, "creator_pid": os.getpid(),
@@ -278,7 +282,7 @@ def _reserve(fd: int, nbytes: int) -> None:
 
 
 def _write_layers(writable: mmap.mmap, layout: StoreLayout,
-                  layers: Sequence[tuple[LayerLayout, Sequence[torch.Tensor]]]) -> None:
+                  layers: Sequence[tuple[LayerLayout, Sequence[torch.Tensor]]], written=lambda nbytes: None) -> None:
     where = {(e.key, e.dtype): e for e in layout.extents}
     for layer_layout, tensors in layers:
         assert len(tensors) == len(layer_layout.tensors), f"{layer_layout.key}: tensors and layout disagree"
@@ -288,6 +292,7 @@ def _write_layers(writable: mmap.mmap, layout: StoreLayout,
             run = flat[meta.byte_offset:meta.byte_offset + meta.extent_bytes].view(meta.dtype)
             run.copy_(extent_view(tensor.detach()))
             del flat, run  # the mapping cannot close while a tensor still exports it
+        written(layer_layout.nbytes)
 
 
 def _check(mapping: mmap.mmap, path: Path, key: StoreKey, layout: StoreLayout) -> None:
