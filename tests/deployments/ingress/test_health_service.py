@@ -45,25 +45,25 @@ def broken(ray_cluster, tmp_path_factory):
         drop_job_queue(APP)
 
 
-def _failed_health(client: httpx.Client):
-    """The ingress's answer once Serve has given up on the Denoiser (until then: deploying, or the
-    proxy's own plain-text answer while no ingress replica is up)."""
+def _down_health(client: httpx.Client, failed: bool):
+    """The ingress's 503 naming the Denoiser (with ``failed``: once Serve gave up on it); None until then
+    (the proxy holds requests, or answers in plain text, while no ingress replica is up)."""
     try:
         response = client.get("/health")
-    except httpx.TimeoutException:  # Serve's proxy holds a request while the app has no ingress replica yet
+    except httpx.TimeoutException:
         return None
-    if response.headers.get("content-type", "").startswith("application/json") and "failed to deploy" in response.text:
-        return response
-    return None
+    if not response.headers.get("content-type", "").startswith("application/json") or response.status_code != 503:
+        return None
+    return response if "stage Denoiser is not running" in response.text and (
+        not failed or "failed to deploy" in response.text) else None
 
 
-def test_health_models_images_and_video_jobs_refuse_while_a_stage_failed_at_start_up(broken):
-    health = wait_for(lambda: _failed_health(broken), 240, "the Denoiser to fail to deploy")
+def test_health_models_images_and_video_jobs_refuse_while_a_stage_cannot_serve(broken):
+    # While it starts (and fails, and is retried) the Denoiser has no running replica: refused at once.
+    health = wait_for(lambda: _down_health(broken, failed=False), 300, "the ingress to report the Denoiser down")
     error = health.json()["error"]
-    assert health.status_code == 503 and set(error) == {"message", "type", "param", "code"}
-    assert error["code"] == "stage_not_running" and health.headers["retry-after"] == "1"
-    assert "stage Denoiser is not running (failed to deploy: " in error["message"]
-    assert "TextEncoder" not in error["message"] and "VaeDecoder" not in error["message"], "they run"
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == "stage_not_running"
+    assert health.headers["retry-after"] == "1"
     (card,) = broken.get("/v1/models").json()["data"]
     assert card["serving"] is False and "stage Denoiser is not running" in card["not_serving"]
     start = time.monotonic()
@@ -74,3 +74,10 @@ def test_health_models_images_and_video_jobs_refuse_while_a_stage_failed_at_star
     job = broken.post("/v1/videos", json={"prompt": "waves", "seconds": "1", "size": "16x16"})
     assert job.status_code == 503 and job.json()["error"]["code"] == "stage_not_running", job.text
     assert broken.get("/v1/videos").json()["data"] == [], "no job was queued for nothing to run"
+
+
+def test_once_serve_gives_up_health_names_the_stage_and_serves_reason(broken):
+    health = wait_for(lambda: _down_health(broken, failed=True), 600, "the Denoiser to fail to deploy")
+    message = health.json()["error"]["message"]
+    assert "stage Denoiser is not running (failed to deploy: " in message
+    assert "TextEncoder" not in message and "VaeDecoder" not in message, "they run"
