@@ -25,7 +25,7 @@ for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"),
 
 logger = logging.getLogger("deployments.dev.demo")
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]  # deployments/dev/demo.py -> the repository
 # The tiny zoo's tensors between stages are kilobytes; 200 MiB leaves room and spares the host.
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
 READY_TIMEOUT_S = 600

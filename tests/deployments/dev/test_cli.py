@@ -59,3 +59,9 @@ def test_residency_of_a_service_that_is_not_there_says_so_and_exits_1(capsys):
 
     assert cli.main(["residency", f"http://127.0.0.1:{free_port()}"]) == 1
     assert "offload-serve residency: http://127.0.0.1:" in capsys.readouterr().err
+
+
+def test_the_demo_finds_the_repositorys_config_by_default():
+    from deployments.dev import demo
+
+    assert (demo.REPO / "configs" / "local.yaml").is_file(), "make demo would fail before starting anything"
