@@ -3,17 +3,22 @@
     python bench/serve.py --quick      # tiny Wan, < 60 s on 2 CPUs (most of it is deploying)
     python bench/serve.py --medium     # the ~300 MB medium Wan denoiser
 
-Prints a table, then (last line) one JSON object. Three latencies side by side, same request:
+Prints a table, then (last line) one JSON object. Four latencies side by side, same request:
 - in-process: the plain diffusers pipeline + PNG encoding (the baseline);
 - in-process offloaded: the three stages under offload_core in one process (the engine's cost);
-- service: POST /v1/images/generations over HTTP through Ray Serve (engine + Ray + HTTP).
-The in-process pipeline and the service are timed alternately, request by request, so a load
-that comes and goes on a shared machine weighs on both alike; medians are compared.
+- service: POST /v1/images/generations over HTTP through Ray Serve (engine + Ray + HTTP);
+- floor: Ray Serve's own path for the same request with stages that do nothing
+  (bench/serve_floor.py's chain, deployed beside the service on the same HTTP proxy, handing on
+  payloads of the service's sizes): what no change in this project's code can remove.
+All four are timed in turn, request by request (medians of at least 30 each), so a load that comes
+and goes on a shared machine weighs on every column alike. The figure the project owns:
+``overhead_over_floor_ms`` = (service - in-process) - floor.
 
-Then where the service's overhead goes, per hop: each stage called through its Serve handle
-from this process (the Ray hop = handle wall time - the replica's own stage time), and the rest
-(HTTP, the ingress, PNG). The replicas' lease figures say how many calls went without a ledger
-round trip.
+Then where it goes, per hop: each stage called through its Serve handle from this process, the
+service's (the Ray hop = handle wall time - the replica's own stage time) beside the floor's (all
+hop: its stages do nothing), the replicas' own stage time beyond the in-process pipeline's, and the
+rest (HTTP, the ingress, PNG) beside the floor's. The replicas' lease figures say how many calls
+went without a ledger round trip.
 """
 from __future__ import annotations
 
@@ -46,6 +51,10 @@ from deployments.wire.spec import GenerationSpec, PipelineStage  # noqa: E402
 from offload_core.planner.search import PerformanceMode  # noqa: E402
 
 CONCURRENCY = (1, 2, 4)
+# The floor's app, deployed beside the service on the same HTTP proxy.
+FLOOR_APP, FLOOR_PREFIX = "floor", "/floor"
+# Medians of at least this many requests per column (the issue's bar for the overhead figure).
+MIN_REPEATS = 30
 
 
 def _free_port() -> int:
@@ -54,8 +63,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _nbytes(value) -> int:
+    """Bytes of every tensor in ``value`` (a stage's output: tensors, dataclasses, tuples, dicts)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(_nbytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    return 0
+
+
 def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode):
-    """One request through the three stages under offload_core in this process (a callable)."""
+    """One request through the three stages under offload_core in this process (a callable), and the
+    bytes each stage hands on (encoded prompt, latents, frames): the floor's payloads."""
     from cluster.replica.ledger_view import ReplicaMemory
 
     cpu = torch.device("cpu")
@@ -77,13 +100,24 @@ def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode):
         finally:
             residency.finish_use()
 
+    payloads, stage_s = [], {stage.value: [] for stage in PipelineStage}
+
+    def timed(stage, fn):
+        start = time.perf_counter()
+        out = under(stage, fn)
+        stage_s[stage.value].append(time.perf_counter() - start)
+        return out
+
     def once():
-        encoded = under(PipelineStage.ENCODE, lambda p: families.encode(p, facts, spec, cpu))
-        latents = under(PipelineStage.DENOISE, lambda p: families.denoise(p, facts, encoded, spec, cpu))
-        frames = under(PipelineStage.DECODE, lambda p: families.decode(p, facts, latents, spec, cpu))
+        encoded = timed(PipelineStage.ENCODE, lambda p: families.encode(p, facts, spec, cpu))
+        latents = timed(PipelineStage.DENOISE, lambda p: families.denoise(p, facts, encoded, spec, cpu))
+        frames = timed(PipelineStage.DECODE, lambda p: families.decode(p, facts, latents, spec, cpu))
+        payloads[:] = [_nbytes(encoded), _nbytes(latents), _nbytes(frames)]
         return [media.png_bytes(f[0]) for f in frames]
 
-    return once
+    once()
+    once.stage_s = stage_s  # seconds per stage call, in process: what each replica's own time is compared with
+    return once, tuple(payloads)
 
 
 def start_service(model_path: str, mode: PerformanceMode):
@@ -104,54 +138,74 @@ def start_service(model_path: str, mode: PerformanceMode):
     return f"http://127.0.0.1:{port}", time.perf_counter() - started
 
 
-def side_by_side(plain, offloaded, client, body: dict, repeats: int) -> tuple[float, float, float]:
-    """Median seconds of the in-process pipeline, in-process offloaded and the service, timed in turn."""
+def side_by_side(plain, offloaded, client, body: dict, repeats: int) -> tuple[tuple[float, ...], dict[str, float]]:
+    """Median seconds of the in-process pipeline, in-process offloaded, the service and the floor, timed in
+    turn; and per stage, the median of the replicas' own seconds in those same service requests."""
+    replica_s: dict[str, list[float]] = {}
+
     def served():
         response = client.post("/v1/images/generations", json=body)
         assert response.status_code == 200, response.text
+        for stage in response.json()["stages"]:
+            replica_s.setdefault(stage["stage"], []).append(stage["seconds"])
 
-    fns = (plain, offloaded, served)
+    def floor():
+        response = client.post(f"{FLOOR_PREFIX}/generate", json={"prompt": body["prompt"]})
+        assert response.status_code == 200, response.text
+
+    fns = (plain, offloaded, served, floor)
     for fn in fns:  # warm-up: first-call allocations and lazy imports are not the steady state
         fn()
     times = {fn: [] for fn in fns}
+    replica_s.clear()
     for _ in range(repeats):
         for fn in fns:
             start = time.perf_counter()
             fn()
             times[fn].append(time.perf_counter() - start)
-    return tuple(statistics.median(times[fn]) for fn in fns)
+    return tuple(statistics.median(times[fn]) for fn in fns), {k: statistics.median(v) for k, v in replica_s.items()}
 
 
-def hops(app: str, spec: GenerationSpec, repeats: int) -> dict[str, tuple[float, float]]:
-    """Per stage: (median handle wall time from this process, median stage time in the replica)."""
+def hops(app: str, spec: GenerationSpec, repeats: int) -> dict[str, tuple[float, float, float]]:
+    """Per stage, each called through its Serve handle from this process, the service's and the floor's
+    in turn: (median service handle wall time, median stage time in its replica, median floor wall time)."""
     from ray import serve
 
-    encoder = serve.get_deployment_handle("TextEncoder", app)
-    denoiser = serve.get_deployment_handle("Denoiser", app)
-    decoder = serve.get_deployment_handle("VaeDecoder", app)
+    def handles(app_name: str, names: tuple[str, str, str]):
+        return [serve.get_deployment_handle(name, app_name) for name in names]
+
+    encoder, denoiser, decoder = handles(app, ("TextEncoder", "Denoiser", "VaeDecoder"))
+    noop_encoder, noop_denoiser, noop_decoder = handles(FLOOR_APP, ("NoopEncoder", "NoopDenoiser", "NoopDecoder"))
     calls = {
-        "encode": lambda: encoder.encode.remote(spec).result(),
+        "encode": (lambda: encoder.encode.remote(spec).result(),
+                   lambda: noop_encoder.encode.remote(spec.prompt).result()),
         # No progress events, as the service asks for a plain (not streamed) request.
-        "denoise": lambda: list(denoiser.options(stream=True).denoise.remote(encoded, spec, False))[-1],
-        "decode": lambda: decoder.decode.remote(latents, spec).result(),
+        "denoise": (lambda: list(denoiser.options(stream=True).denoise.remote(encoded, spec, False))[-1],
+                    lambda: list(noop_denoiser.options(stream=True).denoise.remote(noop_encoded, spec.steps))[-1]),
+        "decode": (lambda: decoder.decode.remote(latents, spec).result(),
+                   lambda: noop_decoder.decode.remote(noop_latents).result()),
     }
-    encoded = calls["encode"]()
-    latents = calls["denoise"]()
+    encoded, noop_encoded = (call() for call in calls["encode"])
+    latents, noop_latents = (call() for call in calls["denoise"])
     out = {}
-    for stage, call in calls.items():
-        walls, inside = [], []
+    for stage, (service_call, floor_call) in calls.items():
+        walls, inside, floor = [], [], []
         for _ in range(repeats):
             start = time.perf_counter()
-            result = call()
+            result = service_call()
             walls.append(time.perf_counter() - start)
             inside.append(result.stats.seconds)
-        out[stage] = (statistics.median(walls), statistics.median(inside))
+            start = time.perf_counter()
+            floor_call()
+            floor.append(time.perf_counter() - start)
+        out[stage] = (statistics.median(walls), statistics.median(inside), statistics.median(floor))
     return out
 
 
-def lease_figures(client) -> dict[str, dict]:
+def lease_figures(client) -> tuple[dict[str, dict], dict[str, str]]:
+    """Per stage: the replica's lease figures, and the first line of its plan (what it streams)."""
     replicas = client.get("/v1/residency").json()["replicas"]
-    return {r["stage"]: r.get("leases", {}) for r in replicas}
+    return {r["stage"]: r.get("leases", {}) for r in replicas}, {r["stage"]: r["plan"][0] for r in replicas}
 
 
 def throughput(client, body: dict, clients: int, total: int) -> float:
@@ -172,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--size", default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--mode", default="auto", choices=[m.value for m in PerformanceMode])
+    parser.add_argument("--repeats", type=int, default=MIN_REPEATS, help=f"requests per column (at least {MIN_REPEATS})")
     args = parser.parse_args(argv)
 
     import httpx
@@ -184,8 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
     facts = families.read_family_facts(folder)
     size = args.size or ("32x32" if args.quick else "64x64")
     steps = args.steps or (2 if args.quick else 8)
-    # Alternated, so a load that comes and goes weighs on every column alike; 9 keep --quick < 90 s.
-    repeats, per_level = (9, 6) if args.quick else (20, 16)
+    # Alternated, so a load that comes and goes weighs on every column alike.
+    repeats, per_level = max(args.repeats, MIN_REPEATS), (6 if args.quick else 16)
     width, height = (int(v) for v in size.split("x"))
     mode = PerformanceMode(args.mode)
     spec = GenerationSpec("bench", "a lighthouse at dawn", None, height, width, 1, steps, facts.default_guidance, 0, 1)
@@ -196,14 +251,21 @@ def main(argv: list[str] | None = None) -> dict:
     def plain():
         return [media.png_bytes(f[0]) for f in families.reference_frames(pipe, facts, spec)]
 
-    offloaded = in_process_offloaded(facts, spec, mode)
+    offloaded, payloads = in_process_offloaded(facts, spec, mode)
     base, deploy_s = start_service(str(folder), mode)
     try:
+        from ray import cloudpickle
+
+        from bench import serve_floor
+
+        cloudpickle.register_pickle_by_value(serve_floor)  # the replicas need not import bench/
+        serve.run(serve_floor.floor_app(payloads), name=FLOOR_APP, route_prefix=FLOOR_PREFIX)
         with httpx.Client(base_url=base, timeout=600) as client:
-            plain_s, offloaded_s, service_s = side_by_side(plain, offloaded, client, body, repeats)
+            (plain_s, offloaded_s, service_s, floor_s), replica_s = side_by_side(
+                plain, offloaded, client, body, repeats)
             per_stage = hops("bench", dataclasses.replace(spec, request_id="hops"), repeats)
             rates = {c: throughput(client, body, c, per_level) for c in CONCURRENCY}
-            leases = lease_figures(client)
+            leases, plans = lease_figures(client)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -214,17 +276,31 @@ def main(argv: list[str] | None = None) -> dict:
     for name, seconds in (("in-process pipeline", plain_s), ("in-process, offloaded", offloaded_s),
                           ("service (HTTP, 3 stages)", service_s)):
         print(f"{name:28s} {seconds * 1e3:9.1f} {seconds / plain_s:13.2f}")
+    over_floor = (service_s - plain_s) - floor_s
+    print(f"{'floor (Ray Serve, no-op stages)':28s} {floor_s * 1e3:9.1f}")
     print(f"service overhead vs in-process: {(service_s - plain_s) * 1e3:.1f} ms "
-          f"(of which offload: {(offloaded_s - plain_s) * 1e3:.1f} ms)")
-    print(f"{'hop':28s} {'ms':>9s}")
-    handles_s = sum(wall for wall, _ in per_stage.values())
-    breakdown = {}
-    for stage, (wall, inside) in per_stage.items():
-        breakdown[f"{stage}_in_replica_ms"] = round(inside * 1e3, 2)
+          f"(of which offload: {(offloaded_s - plain_s) * 1e3:.1f} ms); Ray Serve's floor {floor_s * 1e3:.1f} ms; "
+          f"over the floor: {over_floor * 1e3:.1f} ms (payloads {payloads[0]}, {payloads[1]}, {payloads[2]} B)")
+    # Where the overhead over the floor goes. The replicas' own time and the in-process stages are from
+    # the same interleaved requests; the hops from the handle calls (service and floor in turn); the
+    # rest (HTTP, the ingress, PNG, beyond the floor's) by difference.
+    breakdown, over = {}, {}
+    in_process_s = {stage: statistics.median(offloaded.stage_s[stage][-repeats:]) for stage in per_stage}
+    for stage, (wall, inside, floor_wall) in per_stage.items():
+        breakdown[f"{stage}_in_process_ms"] = round(in_process_s[stage] * 1e3, 2)
+        breakdown[f"{stage}_in_replica_ms"] = round(replica_s[stage] * 1e3, 2)
         breakdown[f"{stage}_ray_hop_ms"] = round((wall - inside) * 1e3, 2)
-    breakdown["http_ingress_png_ms"] = round((service_s - handles_s) * 1e3, 2)
+        breakdown[f"{stage}_floor_hop_ms"] = round(floor_wall * 1e3, 2)
+        over[f"{stage}_hop"] = round((wall - inside - floor_wall) * 1e3, 2)
+    over["offload_in_process"] = round((offloaded_s - plain_s) * 1e3, 2)
+    over["replicas_over_in_process"] = round((sum(replica_s.values()) - sum(in_process_s.values())) * 1e3, 2)
+    over["http_ingress_png_rest"] = round(over_floor * 1e3 - sum(over.values()), 2)
+    print(f"{'hop':28s} {'ms':>9s}")
     for name, ms in breakdown.items():
         print(f"{name.removesuffix('_ms').replace('_', ' '):28s} {ms:9.1f}")
+    print("over the floor: " + ", ".join(f"{name.replace('_', ' ')} {ms:.1f} ms" for name, ms in over.items()))
+    for stage, plan in sorted(plans.items()):
+        print(f"{stage} plan: {plan}")
     print("calls without a ledger round trip: " + ", ".join(
         f"{stage} {f.get('calls_without_round_trip', 0)}/{f.get('calls', 0)}" for stage, f in sorted(leases.items())))
     print("throughput, requests/s by concurrent clients: " +
@@ -232,7 +308,10 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"bench": "serve", "model": folder.name, "size": size, "steps": steps, "mode": mode.value,
               "in_process_ms": round(plain_s * 1e3, 2), "in_process_offloaded_ms": round(offloaded_s * 1e3, 2),
               "service_ms": round(service_s * 1e3, 2), "service_over_in_process": round(service_s / plain_s, 3),
-              "overhead_ms": round((service_s - plain_s) * 1e3, 2), "hops_ms": breakdown,
+              "overhead_ms": round((service_s - plain_s) * 1e3, 2), "floor_ms": round(floor_s * 1e3, 2),
+              "overhead_over_floor_ms": round(over_floor * 1e3, 2), "over_floor_ms": over,
+              "payload_bytes": list(payloads), "repeats": repeats, "load_average": round(os.getloadavg()[0], 2),
+              "hops_ms": breakdown,
               "calls_without_round_trip": {stage: [f.get("calls_without_round_trip", 0), f.get("calls", 0)]
                                            for stage, f in sorted(leases.items())},
               "throughput_rps": {str(c): round(rates[c], 3) for c in CONCURRENCY},

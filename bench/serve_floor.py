@@ -37,22 +37,38 @@ from ray import serve  # noqa: E402
 EMBEDDINGS, LATENTS, FRAMES = (2, 6, 32), (1, 16, 1, 4, 4), (1, 1, 32, 32, 3)
 
 
+def _payload(shape_or_nbytes) -> torch.Tensor:
+    """A tensor of the given shape, or of the given bytes (float32): what a stage hands on."""
+    if isinstance(shape_or_nbytes, int):
+        return torch.zeros(max(shape_or_nbytes // 4, 1))
+    return torch.zeros(shape_or_nbytes)
+
+
 @serve.deployment(max_ongoing_requests=1)
 class NoopEncoder:
+    def __init__(self, payload=EMBEDDINGS):
+        self.payload = _payload(payload)
+
     def encode(self, prompt: str) -> torch.Tensor:
-        return torch.zeros(EMBEDDINGS)
+        return self.payload.clone()
 
 
 @serve.deployment(max_ongoing_requests=4)
 class NoopDenoiser:
+    def __init__(self, payload=LATENTS):
+        self.payload = _payload(payload)
+
     async def denoise(self, encoded: torch.Tensor, steps: int):
-        yield torch.zeros(LATENTS)  # the latents alone, as for a request that reads no progress
+        yield self.payload.clone()  # the latents alone, as for a request that reads no progress
 
 
 @serve.deployment(max_ongoing_requests=1)
 class NoopDecoder:
+    def __init__(self, payload=FRAMES):
+        self.payload = _payload(payload)
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(FRAMES)
+        return self.payload.clone()
 
 
 api = FastAPI()
@@ -72,13 +88,21 @@ class FloorIngress:
         async for latents in self.denoiser.options(stream=True).denoise.remote(encoded, 2):
             break
         frames = await self.decoder.decode.remote(latents)
-        return {"frames": int(frames.shape[1])}
+        return {"frames": int(frames.shape[-1])}
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def floor_app(payloads: tuple = (EMBEDDINGS, LATENTS, FRAMES)):
+    """The whole chain with no-op stages handing on ``payloads`` (shapes, or byte counts) in turn."""
+    actor = {"num_cpus": 0}
+    encoder, denoiser, decoder = (d.options(ray_actor_options=actor).bind(p)
+                                  for d, p in zip((NoopEncoder, NoopDenoiser, NoopDecoder), payloads))
+    return FloorIngress.options(ray_actor_options=actor).bind(encoder, denoiser, decoder)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -95,9 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     actor = {"num_cpus": 0}
     try:
         serve.run(FloorIngress.options(ray_actor_options=actor).bind(), name="floor-http", route_prefix="/http")
-        serve.run(FloorIngress.options(ray_actor_options=actor).bind(
-            NoopEncoder.options(ray_actor_options=actor).bind(), NoopDenoiser.options(ray_actor_options=actor).bind(),
-            NoopDecoder.options(ray_actor_options=actor).bind()), name="floor-chain", route_prefix="/chain")
+        serve.run(floor_app(), name="floor-chain", route_prefix="/chain")
         routes = {"http": "/http/generate", "chain": "/chain/generate"}
         times: dict[str, list[float]] = {name: [] for name in routes}
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
