@@ -52,7 +52,7 @@ class GiveBack(enum.Enum):
 
 
 class DeviceLedger(Protocol):
-    """What DeviceLeases needs of a device pool (cluster.replica.ledger_client.LedgerBudget, replica_memory.LocalBudget)."""
+    """What DeviceLeases needs of a device pool (cluster.replica.ledger_client.LedgerBudget, ledger_view.LocalBudget)."""
 
     def acquire(self, nbytes: int, owner: str, priority: float = 0.0, purpose: str = "", wait_s: float = 0.0,
                 recallable: bool = False) -> Lease | Refusal: ...

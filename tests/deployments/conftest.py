@@ -28,7 +28,7 @@ def serve_base_url(ray_cluster) -> str:
 
 
 def jobs_directory() -> str:
-    """One temporary folder per test session for the apps' job stores (SQLite files, results)."""
+    """One temporary folder per test session for the apps' job queues (SQLite files, results)."""
     global _JOBS_DIR
     if _JOBS_DIR is None:
         _JOBS_DIR = tempfile.mkdtemp(prefix="offload-serve-test-jobs-")
