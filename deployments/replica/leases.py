@@ -1,4 +1,4 @@
-"""The replica's memory: the node's host budget and its device leases, from one seam.
+"""A stage replica's leases, opened in one place: its view of the node ledger (host budget, GPU pool) and its device leases.
 
 ``cluster.replica.ledger_view.ReplicaMemory`` leases from the node's one ledger actor (and falls back
 to an in-process ledger itself when Ray is not running). :func:`open_replica_memory` is the only
