@@ -127,7 +127,9 @@ def _uses_and_tokens(pipeline: str, defaults: Mapping[str, Any]) -> dict[str, tu
     if pipeline == "WanPipeline":
         passes = 2 if cfg > 1.0 else 1  # conditional + unconditional forward per step
         frames = (int(defaults["num_frames"]) - 1) // 4 + 1  # 4x temporal VAE compression
-        tokens = frames * (h // 16) * (w // 16)
+        # VAE spatial factor x the transformer's 2x2 patches: 8 x 2 (Wan2.1, A14B), 16 x 2 (TI2V-5B).
+        patch = 2 * int(defaults.get("vae_spatial", 8))
+        tokens = frames * (h // patch) * (w // patch)
         high, low = defaults.get("expert_steps", (steps, 0))
         return {"text_encoder": (passes, seq), "transformer": (high * passes, tokens),
                 "transformer_2": (low * passes, tokens),
@@ -279,6 +281,8 @@ def _profile(name: str, module: nn.Module, tp_size: int, notes: list[str], **kwa
 def _facts(pipeline, load, defaults, gpu: GpuSpec, host_ram: int, working_set: int, pageable_Bps: float,
            tables: HostTablesConfig, tp_size: int = 1) -> tuple[PipelineFacts, list[str]]:
     notes: list[str] = []
+    if "vae" in load:  # a Wan2.2 VAE compresses 16x, not 8x: a quarter of the transformer's tokens
+        defaults = {**defaults, "vae_spatial": load["vae"][1].get("scale_factor_spatial") or 8}
     work = _uses_and_tokens(pipeline, defaults)
     stages = _tp_stages(pipeline, load, tp_size)
     profiles: list[ComponentProfile] = []
