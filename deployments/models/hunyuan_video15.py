@@ -36,7 +36,7 @@ from deployments.models.adapter import (
     generator_for,
     read_json,
 )
-from deployments.models.steppers import BatchKey, StepRequest, guided_noise, split_noise
+from deployments.models.steppers import BatchKey, StepRequest, guided_noise, split_noise, uncached
 from deployments.wire.prompt_tensors import PromptTensors
 from deployments.wire.spec import DenoiseProgress, Family, PipelineStage
 
@@ -76,6 +76,8 @@ def _guided(scale: float) -> bool:
 class HunyuanVideo15Stepper:
     """HunyuanVideo15Pipeline's loop (diffusers 0.42), one step for a batch; both guidance branches in one forward."""
 
+    family = Family.HUNYUAN_VIDEO15.value
+
     def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
         self.pipe, self.device = pipe, device
         self.dtype = pipe.transformer.dtype  # read once: ModelMixin.dtype walks the parameters
@@ -97,6 +99,7 @@ class HunyuanVideo15Stepper:
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step)
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
+        uncached(batch, self.family)
         latents = torch.cat([r.latents for r in batch])
         # Text-to-video: no condition latents, no mask, zero image embeddings (prepare_cond_latents_and_mask).
         zeros = latents.new_zeros(latents.shape[0], latents.shape[1] + 1, *latents.shape[2:])

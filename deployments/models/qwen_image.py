@@ -30,7 +30,7 @@ from deployments.models.adapter import (
     read_json,
     step_callback,
 )
-from deployments.models.steppers import BatchKey, StepRequest
+from deployments.models.steppers import BatchKey, StepRequest, uncached
 from deployments.wire.prompt_tensors import PromptTensors
 from deployments.wire.spec import Family, PipelineStage
 
@@ -89,6 +89,8 @@ class QwenImageStepper:
     """QwenImagePipeline's loop (diffusers 0.42), one step for a batch: both guidance branches of every
     request in one forward (prompts of other lengths zero-padded and masked)."""
 
+    family = Family.QWEN_IMAGE.value
+
     def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
         self.pipe, self.device = pipe, device
         self.dtype = pipe.transformer.dtype  # read once: ModelMixin.dtype walks the parameters
@@ -122,6 +124,7 @@ class QwenImageStepper:
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step, shared)
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
+        uncached(batch, self.family)
         latents = torch.cat([r.latents for r in batch])
         timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch]).to(latents.dtype)
         branches = [r.cond for r in batch]

@@ -26,7 +26,7 @@ from deployments.models.adapter import (
     read_json,
     step_callback,
 )
-from deployments.models.steppers import BatchKey, StepRequest, guided_noise, rows_of, split_noise
+from deployments.models.steppers import BatchKey, StepRequest, guided_noise, rows_of, split_noise, uncached
 from deployments.wire.prompt_tensors import PromptTensors
 from deployments.wire.spec import Family, PipelineStage
 
@@ -51,6 +51,8 @@ def _guided(spec) -> bool:
 
 class SD3Stepper:
     """StableDiffusion3Pipeline's loop (diffusers 0.42), one step for a batch of requests."""
+
+    family = Family.SD3.value
 
     def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
         self.pipe, self.device = pipe, device
@@ -84,6 +86,7 @@ class SD3Stepper:
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step)
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
+        uncached(batch, self.family)
         latents = torch.cat([r.latents for r in batch])
         timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch])
         text, pooled = rows_of(batch, "encoder_hidden_states", "cond"), rows_of(batch, "pooled_projections", "cond")

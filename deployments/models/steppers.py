@@ -11,6 +11,7 @@ one is the pipeline's computation, and a larger batch differs only by the batche
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -20,6 +21,8 @@ from deployments.models.adapter import FamilyFacts
 from deployments.models.cancel import CancelFlag
 from deployments.models.step_cache import CachedRequest, step_cache_for
 from deployments.wire.spec import DenoiseProgress, EncodedPrompt, GenerationSpec
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,15 @@ def cached(transformer, batch: list[StepRequest], guided: bool):
     if not any(r.cache.threshold > 0 for r in batch):
         return contextlib.nullcontext()
     return step_cache_for(transformer).active([r.cache for r in batch], request_rows(batch, guided))
+
+
+def uncached(batch: list[StepRequest], family: str) -> None:
+    """For a family whose stepper runs no step cache: say so once per request that asked for one
+    (at its first step), so a threshold is never ignored silently; every block runs."""
+    for r in batch:
+        if r.cache.threshold > 0 and r.step == 0:
+            logger.info("request %s: cache_threshold %.3g ignored: the step cache is not implemented for the %s "
+                        "family; every block runs each step", r.spec.request_id, r.cache.threshold, family)
 
 
 def split_noise(batch: list[StepRequest], noise: torch.Tensor) -> list[torch.Tensor]:

@@ -27,7 +27,7 @@ from deployments.models.adapter import (
     read_json,
     step_callback,
 )
-from deployments.models.steppers import BatchKey, StepRequest
+from deployments.models.steppers import BatchKey, StepRequest, uncached
 from deployments.wire.prompt_tensors import PromptTensors
 from deployments.wire.spec import Family, PipelineStage
 
@@ -50,6 +50,8 @@ def _guided(spec) -> bool:
 class ZImageStepper:
     """ZImagePipeline's loop (diffusers 0.42), one step for a batch of requests (both branches in one call,
     as the pipeline does, positive rows first)."""
+
+    family = Family.Z_IMAGE.value
 
     def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
         self.pipe, self.device = pipe, device
@@ -82,6 +84,7 @@ class ZImageStepper:
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step)
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
+        uncached(batch, self.family)
         latents = torch.cat([r.latents for r in batch]).to(self.dtype)
         timestep = torch.cat([(1000 - r.timesteps[r.step].expand(r.latents.shape[0])) / 1000 for r in batch])
         captions = [c for r in batch for c in r.cond["captions"]]
