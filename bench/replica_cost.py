@@ -67,9 +67,11 @@ def main(argv: list[str] | None = None) -> dict:
     local_ray.init_local(include_dashboard=False, object_store_memory=100 * 1024 * 1024, log_to_driver=False)
     try:
         actor = PlainEncoder.remote(str(folder), spec)
-        columns = {"bare": [], "worker": [], "noop_worker": [], "actor": []}
+        columns = {"bare": [], "worker": [], "noop_worker": [], "actor": [], "report": []}
         calls = {"bare": bare, "worker": lambda: worker.run(bare, spec), "noop_worker": lambda: worker.run(lambda: None),
-                 "actor": lambda: ray.get(actor.encode.remote())}
+                 "actor": lambda: ray.get(actor.encode.remote()),
+                 # What a replica builds for the board once a second after a call, under its call lock.
+                 "report": worker.report}
         for name, call in calls.items():  # warm-up
             call()
         for _ in range(args.calls):
@@ -84,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
     medians = {name: statistics.median(values) * 1e3 for name, values in columns.items()}
     print(f"tiny Wan encoder, 32x32, medians of {args.calls} interleaved calls, load average {load:.2f}")
     labels = {"bare": "bare, in this process", "worker": "under StageWorker.run", "noop_worker":
-              "StageWorker.run around nothing", "actor": "bare, in a plain Ray actor"}
+              "StageWorker.run around nothing", "actor": "bare, in a plain Ray actor",
+              "report": "one residency report"}
     for name, ms in medians.items():
         print(f"{labels[name]:34s} {ms:9.2f} ms")
     result = {"bench": "replica_cost", "calls": args.calls, "load_average": round(load, 2),
