@@ -54,7 +54,7 @@ def _workers(folder):
         # The service opens the node ledger; here one in-process pool stands for the shared GPU.
         stages.open_replica_memory = lambda owner, device, s=stage: ReplicaMemory.open_local(
             owner, device, node=node, gpu_fraction=FRACTIONS[s.value], assigned=(0,))
-        stages._replica_id = lambda s, name=stage.value: f"bench-{name}"
+        stages.replica_id = lambda s, name=stage.value: f"bench-{name}"
         workers[stage] = stages.StageWorker(configs[stage])
     return facts, workers
 

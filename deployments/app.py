@@ -20,6 +20,7 @@ from deployments.capacity.request_limits import Limits
 from deployments.ingress.deployment import Ingress, IngressConfig
 from deployments.jobs.queue import JobsArgs
 from deployments.models.families import FamilyFacts, read_family_facts, uses_per_request
+from deployments.models.tensor_parallel import check_tp
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.stages import Denoiser, TextEncoder, VaeDecoder
 from deployments.replica.warmup import WarmupShape
@@ -28,6 +29,7 @@ from deployments.wire.spec import PipelineStage
 from offload_core.host.budget_cap import HostBudgetSpec, parse_host_budget
 from offload_core.planner.search import PerformanceMode
 from offload_core.quant import WeightFormat
+from offload_core.tables import HostTablesConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,16 @@ class StageArgs(BaseModel):
     # The Denoiser only: the step cache's threshold for requests that set none (their
     # cache_threshold); 0 is off. See deployments/models/step_cache.py.
     cache_threshold: float = Field(0.0, ge=0.0, le=1.0)
+    # Ranks per replica (tensor parallelism): the replica holds tp_size bundles of its node, one GPU
+    # each (strict pack), and runs one rank worker per bundle. 1: one process, today's path. Only
+    # stages whose components have a plan (offload_core.tensor_parallel) accept more.
+    tp_size: int = Field(1, ge=1)
+    # Whether a rank's bundle holds a GPU: "auto" asks the cluster at build time (no GPU anywhere:
+    # CPU bundles, gloo); "gpu" for clusters whose GPU nodes an autoscaler adds later (KubeRay).
+    tp_device: str = Field("auto", pattern="^(auto|gpu|cpu)$")
+    # Token tables at least this large are considered for the host (offload_core.tables); None: 256 MiB.
+    # A tensor-parallel (sharded) table never is: the report says so.
+    host_tables_min_bytes: int | None = Field(None, ge=0)
 
     @field_validator("host_memory_budget")
     @classmethod
@@ -60,6 +72,9 @@ class StageArgs(BaseModel):
         if value is not None:
             parse_host_budget(value)  # a typo fails build_app, not a replica's start
         return value
+
+    def tables(self) -> HostTablesConfig:
+        return HostTablesConfig() if self.host_tables_min_bytes is None else HostTablesConfig(self.host_tables_min_bytes)
 
     def host_budget(self) -> HostBudgetSpec | None:
         return None if self.host_memory_budget is None else parse_host_budget(self.host_memory_budget)
@@ -158,11 +173,43 @@ def stage_configs(args: AppArgs, facts: FamilyFacts) -> dict[str, StageConfig]:
         uses = uses_per_request(facts, stage, args.limits.default_steps, facts.default_guidance,
                                 batched=stage is PipelineStage.DENOISE)
         batching = args.batching.config() if stage is PipelineStage.DENOISE else None
+        check_tp(facts, stage, stage_args.tp_size)  # a stage without a plan fails the build, naming those with one
         configs[stage] = StageConfig(args.app_name, facts, stage, stage_args.offload_mode, tuple(uses.items()),
                                      args.dtype, args.device_timeout_s, stage_args.host_budget(), batching,
                                      share_host_weights=stage_args.share_host_weights, warmup_shape=shape,
-                                     weights=stage_args.weights, cache_threshold=stage_args.cache_threshold)
+                                     weights=stage_args.weights, cache_threshold=stage_args.cache_threshold,
+                                     tp_size=stage_args.tp_size, host_tables=stage_args.tables())
     return configs
+
+
+def _cluster_has_gpus() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1
+
+
+def tp_options(name: str, options: Mapping, stage: StageArgs) -> dict:
+    """A stage's Serve options with its ranks' placement-group bundles (unchanged at tp_size 1).
+
+    One bundle per rank, strict pack (one node, so the ranks' collectives stay on its links);
+    rank i runs in bundle i; the replica itself sits in bundle 0 with no GPU of its own.
+    """
+    options = dict(options)
+    if stage.tp_size == 1:
+        return options
+    actor = dict(options.get("ray_actor_options") or {})
+    gpu = stage.tp_device == "gpu" or (stage.tp_device == "auto" and _cluster_has_gpus())
+    # A bundle must ask for something: a hundredth of a CPU when the replicas ask for none (tests).
+    rank_cpus = max(float(actor.get("num_cpus", 0.0)), 0.01)
+    bundles = [{"CPU": rank_cpus, **({"GPU": 1} if gpu else {})} for _ in range(stage.tp_size)]
+    bundles[0]["CPU"] += float(actor.get("num_cpus", 0.0))
+    if actor.get("accelerator_type"):  # Ray asks 0.001 of this resource for the replica (bundle 0) and each rank
+        for bundle in bundles:
+            bundle[f"accelerator_type:{actor['accelerator_type']}"] = 0.002 if bundle is bundles[0] else 0.001
+    actor["num_gpus"] = 0  # the ranks hold the GPUs, one whole GPU each
+    logger.info("%s: tp_size %d -> %d bundles %s, STRICT_PACK", name, stage.tp_size, len(bundles), bundles[1:2])
+    options.update(ray_actor_options=actor, placement_group_bundles=bundles, placement_group_strategy="STRICT_PACK")
+    return options
 
 
 def build_app(args: AppArgs | dict) -> Application:
@@ -194,6 +241,8 @@ def build_app_with(args: AppArgs | dict, options: Mapping[str, Mapping]) -> Appl
     if unknown:
         raise ValueError(f"options for unknown deployments {sorted(unknown)}; the app has {sorted(chosen)}")
     chosen = {name: {**defaults, **options.get(name, {})} for name, defaults in chosen.items()}
+    for name, stage_args in (("TextEncoder", args.encoder), ("Denoiser", args.denoiser), ("VaeDecoder", args.decoder)):
+        chosen[name] = tp_options(name, chosen[name], stage_args)
     logger.info("building %s: %s model %r from %s; offload modes encoder=%s denoiser=%s decoder=%s; "
                 "host budgets encoder=%s denoiser=%s decoder=%s", args.app_name, facts.family.value, model_id,
                 facts.folder, _mode(args.encoder), _mode(args.denoiser), _mode(args.decoder),

@@ -48,6 +48,7 @@ class GpuGroup:
     memory_gi: int  # pod memory request == limit: the cgroup the node ledger budgets against
     object_store_gi: int  # Ray object store, taken out of the host budget (it lives in /dev/shm)
     max_replicas: int
+    gpus: int = 1  # GPUs per pod: 2 for a group whose pods host a tensor-parallel stage replica
 
     @property
     def gpu_memory_gb(self) -> int:
@@ -83,6 +84,7 @@ class StagePlacement:
     min_replicas: int
     max_replicas: int
     target_ongoing_requests: float
+    tp_size: int = 1  # ranks per replica: one whole GPU each, all in one pod (deployments/replica/shards.py)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class ServiceVariant:
     dtype: str
     stages: tuple[StagePlacement, ...]
     about: str
+    extra_groups: tuple[GpuGroup, ...] = ()  # beyond the fleet: multi-GPU pods for tensor-parallel stages
 
 
 VARIANTS: tuple[ServiceVariant, ...] = (
@@ -131,6 +134,24 @@ VARIANTS: tuple[ServiceVariant, ...] = (
             StagePlacement("VaeDecoder", "decoder", "A10G", 0.5, "auto", 1, 4, 2),
         ),
         "FLUX.1-dev: encoders and decoder share A10Gs, the denoiser runs on an L40S.",
+    ),
+)
+
+
+# Tensor parallelism: umT5-XXL's encoder over the two L4s of one pod (g2-standard-24: 2 x L4, 96 GB;
+# a 2-GPU slice less ~10 %), each rank keeping its half (5.3 GiB bf16) of it on its own GPU.
+L4X2 = GpuGroup("l4x2-48gb", "NVIDIA-L4", "L4", 22, 84, 4, 4, gpus=2)
+TP_VARIANTS: tuple[ServiceVariant, ...] = (
+    ServiceVariant(
+        "tp/rayservice-wan14b-tp2.yaml", "offload-serve-wan14b-tp2", "wan2.1-t2v-14b",
+        "/models/Wan2.1-T2V-14B-Diffusers", "bfloat16",
+        (
+            StagePlacement("TextEncoder", "encoder", "L4", 1.0, "speed", 1, 2, 4, tp_size=2),
+            StagePlacement("Denoiser", "denoiser", "H100", 1.0, "speed", 1, 4, 1),
+            StagePlacement("VaeDecoder", "decoder", "L4", 0.5, "auto", 1, 4, 2),
+        ),
+        "Wan2.1-T2V-14B with its text encoder tensor-parallel over the 2 L4s of one pod (tp_size 2).",
+        extra_groups=(L4X2,),
     ),
 )
 
@@ -225,7 +246,7 @@ def worker_group(group: GpuGroup, variant: ServiceVariant) -> dict:
         "maxReplicas": group.max_replicas,
         "rayStartParams": {
             "num-cpus": str(group.cpus),
-            "num-gpus": "1",
+            "num-gpus": str(group.gpus),
             "object-store-memory": str(group.object_store_gi * GI),
             "resources": _ray_resources(group),
         },
@@ -239,11 +260,15 @@ def worker_group(group: GpuGroup, variant: ServiceVariant) -> dict:
             "spec": {
                 "nodeSelector": {"nvidia.com/gpu.product": group.gpu_product},
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                "containers": [_container("ray-worker", group.cpus, group.memory_gi, 1, group.object_store_gi)],
+                "containers": [_container("ray-worker", group.cpus, group.memory_gi, group.gpus, group.object_store_gi)],
                 "volumes": _volumes(group.object_store_gi, shared_store_gi(variant, group)),
             },
         },
     }
+
+
+def _tp_args(stage: StagePlacement) -> dict:
+    return {"tp_size": stage.tp_size, "tp_device": "gpu"} if stage.tp_size > 1 else {}
 
 
 def serve_config(variant: ServiceVariant) -> dict:
@@ -252,7 +277,7 @@ def serve_config(variant: ServiceVariant) -> dict:
         "model_path": variant.model_path,
         "model_id": variant.real_model,
         "dtype": variant.dtype,
-        **{s.args_key: {"offload_mode": s.offload_mode} for s in variant.stages},
+        **{s.args_key: {"offload_mode": s.offload_mode, **_tp_args(s)} for s in variant.stages},
         "batching": {"max_batch": DENOISER_MAX_BATCH},
         "device_timeout_s": 30.0,
         "retry_after_s": 2,
@@ -281,7 +306,10 @@ def serve_config(variant: ServiceVariant) -> dict:
                 "upscale_delay_s": 10,
                 "downscale_delay_s": 300,  # a GPU node takes minutes to come back: keep it a while
             },
-            "ray_actor_options": {"num_cpus": 1, "num_gpus": s.num_gpus, "accelerator_type": s.accelerator_type},
+            # A tensor-parallel stage asks for no GPU itself: build_app gives its replica one bundle
+            # with a whole GPU per rank (strict pack, so one pod of the multi-GPU group).
+            "ray_actor_options": {"num_cpus": 1, **({"num_gpus": s.num_gpus} if s.tp_size == 1 else {}),
+                                  "accelerator_type": s.accelerator_type},
         })
     return {
         "proxy_location": "HeadOnly",
@@ -320,7 +348,7 @@ def rayservice(variant: ServiceVariant) -> dict:
                                   "requests": {"cpu": "500m", "memory": "512Mi"}},
                 },
                 "headGroupSpec": head_group(),
-                "workerGroupSpecs": [worker_group(g, variant) for g in FLEET],
+                "workerGroupSpecs": [worker_group(g, variant) for g in FLEET + variant.extra_groups],
             },
         },
     }
@@ -341,9 +369,10 @@ def render(variant: ServiceVariant) -> str:
     header = (
         f"# {variant.about}\n"
         "# Generated by k8s/render.py (edit the tables there, then `python k8s/render.py`).\n"
-        "# Worker groups (one GPU each; pod memory = host budget cgroup):\n"
-        + "".join(f"#   {g.name:<13} {g.gpu_memory_gb:>3} GB GPU  {g.memory_gi:>3}Gi pod  "
-                  f"{g.object_store_gi}Gi object store  accelerator_type={g.accelerator_type}\n" for g in FLEET)
+        f"# Worker groups ({'GPUs' if variant.extra_groups else 'one GPU'} each; pod memory = host budget cgroup):\n"
+        + "".join(f"#   {g.name:<13} {g.gpu_memory_gb:>3} GB GPU{f' x{g.gpus}' if g.gpus > 1 else ''}  "
+                  f"{g.memory_gi:>3}Gi pod  {g.object_store_gi}Gi object store  accelerator_type={g.accelerator_type}\n"
+                  for g in FLEET + variant.extra_groups)
     )
     return header + yaml.safe_dump(rayservice(variant), sort_keys=False, width=120)
 
@@ -353,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="fail if a committed manifest is stale")
     args = parser.parse_args(argv)
     stale = []
-    for variant in VARIANTS:
+    for variant in VARIANTS + TP_VARIANTS:
         path = K8S_DIR / variant.file_name
         text = render(variant)
         if args.check:

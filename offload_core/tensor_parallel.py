@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from offload_core.sharded import sharded_parameters
+
 logger = logging.getLogger(__name__)
 
 TP_HEADS_ATTRIBUTE = "_offload_tp_heads"  # (rank, tp_size) once an attention module's heads were divided
@@ -121,9 +123,29 @@ def load_rank(model_class: type, folder: str, tp_size: int, rank: int, *, subfol
         folder, distributed_config=DistributedConfig(tp_size=tp_size, tp_plan=plan.as_dict()),
         torch_dtype=torch_dtype, **sub, **kwargs)
     heads = divide_attention_heads(model, tp_size, rank)
+    own_shards(model)
     logger.info("tensor parallel %s rank %d/%d: %d rules, %d attention modules at %d heads", model_class.__name__,
                 rank, tp_size, len(plan.rules), heads, _first_heads(model))
     return model.eval()
+
+
+def own_shards(model: nn.Module) -> int:
+    """Give every DTensor shard that is a view of a larger storage its own allocation; returns the bytes freed.
+
+    transformers 5.24 on CPU slices each loaded tensor without copying: a rank's half of the tiny
+    Wan's 32.8 MB table kept the whole 32.8 MB storage alive. The DTensor object (and its global
+    shape) stays; only its local tensor is replaced by a contiguous copy of the same values.
+    """
+    freed = 0
+    for _, p in sharded_parameters(model):
+        local = p._local_tensor
+        held, own = local.untyped_storage().nbytes(), local.numel() * local.element_size()
+        if held > own:
+            p._local_tensor = local.contiguous().clone()
+            freed += held - own
+    if freed:
+        logger.info("%s: %d B of whole tensors no longer held behind this rank's shards", type(model).__name__, freed)
+    return freed
 
 
 def _first_heads(model: nn.Module) -> int:
@@ -145,10 +167,12 @@ def _expanded(model: nn.Module, plan: TensorParallelPlan) -> dict[str, str]:
 
 
 def shard_in_place(model: nn.Module, mesh, plan: TensorParallelPlan) -> int:
-    """Turn ``model``'s planned parameters into DTensors over ``mesh`` (works on ``meta``); returns how many.
+    """Turn ``model``'s planned parameters into DTensors over ``mesh`` and hook the planned modules'
+    forwards (works on ``meta``); returns how many parameters were sharded.
 
     For planning a rank's bytes without loading: ``meta`` parameters become DTensors whose local
-    shard has this rank's shape, which is what every byte count of the engine reads.
+    shard has this rank's shape, which is what every byte count of the engine reads. The values of
+    a real model's shards are not its slices (the loader's job); its forward runs the collectives.
     """
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
@@ -156,7 +180,8 @@ def shard_in_place(model: nn.Module, mesh, plan: TensorParallelPlan) -> int:
     params = dict(model.named_parameters(remove_duplicate=False))
     made: dict[int, nn.Parameter] = {}  # original Parameter id -> its DTensor: a tied one is sharded once, re-tied
     for name, style in _expanded(model, plan).items():
-        if name not in params:
+        if name not in params:  # a module: its forward runs the style's collectives
+            ALL_PARALLEL_STYLES[style].install_forward(modules[name], mesh)
             continue
         module_name, _, pname = name.rpartition(".")
         module = modules[module_name]
@@ -191,5 +216,5 @@ def planning_world(tp_size: int) -> Iterator[object]:
 
 __all__ = [
     "KNOWN_TP_PLANS", "NoTensorParallelPlan", "TensorParallelPlan", "classes_with_plans", "divide_attention_heads",
-    "has_plan", "load_rank", "planning_world", "shard_in_place", "tp_plan_for",
+    "has_plan", "load_rank", "own_shards", "planning_world", "shard_in_place", "tp_plan_for",
 ]

@@ -10,12 +10,13 @@ from ray.serve import exceptions as serve_errors
 
 from cluster.replica.ledger_view import DeviceBusy
 from deployments.wire.failures import Failure, FailureKind, causes
-from deployments.wire.spec import RequestRejected
+from deployments.wire.spec import RankLost, RequestRejected
 
 # Gone or going replicas: Serve replaces them; the client should retry.
 _UNAVAILABLE = (ray_errors.RayActorError, ray_errors.ActorDiedError, ray_errors.ActorUnavailableError,
                 serve_errors.ReplicaUnavailableError, serve_errors.DeploymentUnavailableError,
-                serve_errors.RequestCancelledError, ray_errors.ObjectLostError)
+                serve_errors.RequestCancelledError, ray_errors.ObjectLostError,
+                RankLost)  # a tensor-parallel replica lost a rank: it fails its health check and is replaced
 
 
 def sort_failure(exc: BaseException) -> Failure:

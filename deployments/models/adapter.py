@@ -136,14 +136,17 @@ class FamilyAdapter:
 
         return getattr(diffusers, facts.pipeline_class or self.pipeline_classes[0])
 
-    def load_stage_pipeline(self, facts: FamilyFacts, stage: PipelineStage, dtype: torch.dtype):
-        """The pipeline with only ``stage``'s components loaded (the rest None), safetensors only."""
+    def load_stage_pipeline(self, facts: FamilyFacts, stage: PipelineStage, dtype: torch.dtype,
+                            loaded: Mapping[str, torch.nn.Module] | None = None):
+        """The pipeline with only ``stage``'s components loaded (the rest None), safetensors only.
+
+        ``loaded``: components loaded elsewhere (a tensor-parallel rank's slices), used as given."""
         cls = self.pipeline_type(facts)
         keep = set(self.modules(facts, stage)) | set(self.helpers(facts, stage))
         index = read_json(pathlib.Path(facts.folder) / "model_index.json")
         skipped = {name: None for name, spec in index.items()
                    if isinstance(spec, list) and spec[0] is not None and name not in keep}
-        pipe = cls.from_pretrained(facts.folder, use_safetensors=True, dtype=dtype, **skipped)
+        pipe = cls.from_pretrained(facts.folder, use_safetensors=True, dtype=dtype, **skipped, **(loaded or {}))
         pipe.set_progress_bar_config(disable=True)
         self.restore_scale_factors(pipe, facts)
         logger.info("stage %s loaded %s from %s: components %s, skipped %s", PipelineStage(stage).value,

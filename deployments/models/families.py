@@ -46,9 +46,11 @@ def warmup_steps(facts: FamilyFacts) -> int:
     return adapter_for(facts).warmup_steps(facts)
 
 
-def load_stage_pipeline(facts: FamilyFacts, stage: PipelineStage, dtype: torch.dtype):
-    """The family's pipeline with only ``stage``'s components loaded (the rest None), safetensors only."""
-    return adapter_for(facts).load_stage_pipeline(facts, stage, dtype)
+def load_stage_pipeline(facts: FamilyFacts, stage: PipelineStage, dtype: torch.dtype,
+                        loaded: dict[str, torch.nn.Module] | None = None):
+    """The family's pipeline with only ``stage``'s components loaded (the rest None), safetensors only;
+    ``loaded``: components loaded elsewhere (a tensor-parallel rank's slices), used as given."""
+    return adapter_for(facts).load_stage_pipeline(facts, stage, dtype, loaded)
 
 
 def stage_modules(pipe, facts: FamilyFacts, stage: PipelineStage) -> dict[str, torch.nn.Module]:

@@ -48,6 +48,12 @@ def get_board(app_name: str):
                                   get_if_exists=True).remote()
 
 
+# A tensor-parallel replica's rank actors are named with this prefix and their own id (the replica's
+# id + "/rank<i>") in the "serve" namespace: each rank's report is kept while its actor lives.
+RANK_ACTOR_PREFIX = "offload-tp-rank:"
+
+
 def live_replicas() -> set[str]:
-    return {entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
-            if entry.get("namespace") == "serve"}
+    names = {entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
+             if entry.get("namespace") == "serve"}
+    return {name.removeprefix(RANK_ACTOR_PREFIX) for name in names}

@@ -35,6 +35,7 @@ from offload_core.planner.search import (
 from offload_core.quant import WeightFormat
 from offload_core.residency.lifecycle import PipelineResidency, RequestFigures
 from offload_core.residency.shared_hosting import SharedWeights
+from offload_core.tables import HostTablesConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request
                mode: PerformanceMode | None, device: torch.device, device_capacity: int, host_lease_bytes: int,
                memory: ReplicaMemory | None = None, expected_batch: float = 1.0,
                phases: Sequence[Sequence[str]] | None = None,
-               weights: WeightFormat = WeightFormat.NATIVE) -> PipelinePlan:
+               weights: WeightFormat = WeightFormat.NATIVE,
+               tables: HostTablesConfig = HostTablesConfig()) -> PipelinePlan:
     """The plan for one stage's components: this replica's whole "pipeline" is its stage.
 
     With the replica's ``memory`` (the service always has it) the plan is the fleet profile's for
@@ -63,7 +65,7 @@ def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request
     warm-up measured them (:func:`replan_stage`).
     """
     profiles = tuple(dataclasses.replace(profile_component(name, module, uses_per_request=uses_per_request[name],
-                                                           weights=weights),
+                                                           weights=weights, tables=tables),
                                          expected_batch=expected_batch)
                      for name, module in components.items())
     stages = stage_phases(stage, components, phases)
@@ -126,7 +128,8 @@ class StageResidency:
                  shared: SharedWeights | None = None, memory: ReplicaMemory | None = None,
                  plan: PipelinePlan | None = None, expected_batch: float = 1.0,
                  phases: Sequence[Sequence[str]] | None = None,
-                 weights: WeightFormat = WeightFormat.NATIVE):
+                 weights: WeightFormat = WeightFormat.NATIVE,
+                 tables: HostTablesConfig = HostTablesConfig()):
         """``plan``: made beforehand with :func:`plan_stage` (a replica plans, leases what the plan keeps
         on the device, then applies it); None: planned here. ``phases``: see :func:`stage_phases`."""
         self.device = device
@@ -134,10 +137,10 @@ class StageResidency:
         self._names = tuple(components)
         wanted = plan or plan_stage(stage, components, uses_per_request, mode, device, device_capacity,
                                     host_lease_bytes(host_budget, host_budget_bytes), memory,
-                                    expected_batch, phases, weights)
+                                    expected_batch, phases, weights, tables)
         self.mode = wanted.mode  # the fleet profile's when the stage's configuration left it open
         self._residency = PipelineResidency.apply(components, wanted, device, host_budget, owner=owner,
-                                                  host_budget_bytes=host_budget_bytes, shared=shared)
+                                                  host_budget_bytes=host_budget_bytes, shared=shared, tables=tables)
         # As applied: tiers the host budget lowered or the driver refused to pin are in it, with notes.
         self.plan = self._residency.plan
         self._last = RequestFigures(0, 0)

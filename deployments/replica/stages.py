@@ -19,7 +19,8 @@ from deployments.models.cancel import CancelFlag, RequestCancelled
 from deployments.models.steppers import StepRequest, stepper_for
 from deployments.replica.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
 from deployments.replica.metrics import BatchMetrics
-from deployments.replica.worker import StageConfig, StageWorker
+from deployments.replica.shards import RankIdentity, ShardGroup
+from deployments.replica.worker import StageConfig, StageWorker, replica_id
 from deployments.wire.spec import (
     DenoiseProgress,
     GenerationSpec,
@@ -31,26 +32,49 @@ from deployments.wire.spec import (
 logger = logging.getLogger(__name__)
 
 
+def encode_on(worker: StageWorker, spec: GenerationSpec) -> StageOutput:
+    """One encode call on ``worker`` (the replica's own, or each rank's of a tensor-parallel replica)."""
+    try:
+        encoded = worker.run(lambda: families.encode(worker.pipe, worker.config.facts, spec, worker.device), spec)
+    except (UnicodeError, TypeError) as exc:
+        # The tokenizer is the only part that reads request text; it raises these on text it
+        # cannot take (a lone surrogate was one, before validation refused them): the request's fault.
+        raise RequestRejected("prompt", f"the tokenizer refused the prompt: {type(exc).__name__}: {exc}") from exc
+    return StageOutput(encoded.value.packed(), encoded.stats)  # the Denoiser unpacks it
+
+
 @serve.deployment(name="TextEncoder")
 class TextEncoder:
+    """At ``tp_size > 1`` the replica holds no model itself: its ranks do (deployments/replica/shards.py)."""
+
     def __init__(self, config: StageConfig):
-        self.worker = StageWorker(config)
+        self.group: ShardGroup | None = None
+        if config.tp_size > 1:
+            self.group = ShardGroup(config, replica_id(config.stage), config.tp_size)
+        else:
+            self.worker = StageWorker(config)
 
     def encode(self, spec: GenerationSpec) -> StageOutput:
-        worker = self.worker
-        try:
-            encoded = worker.run(lambda: families.encode(worker.pipe, worker.config.facts, spec, worker.device), spec)
-        except (UnicodeError, TypeError) as exc:
-            # The tokenizer is the only part that reads request text; it raises these on text it
-            # cannot take (a lone surrogate was one, before validation refused them): the request's fault.
-            raise RequestRejected("prompt", f"the tokenizer refused the prompt: {type(exc).__name__}: {exc}") from exc
-        return StageOutput(encoded.value.packed(), encoded.stats)  # the Denoiser unpacks it
+        if self.group is not None:
+            return self.group.call(encode_on, spec)
+        return encode_on(self.worker, spec)
 
     def residency(self) -> ReplicaResidency:
-        return self.worker.report()
+        return self.group.reports()[0] if self.group is not None else self.worker.report()
+
+    def ranks(self) -> list[RankIdentity]:
+        """Where each rank runs (pid, node, GPU); empty at tp_size 1."""
+        return list(self.group.identities) if self.group is not None else []
+
+    def check_health(self) -> None:
+        """Serve's health check: at tp_size > 1 every rank must answer (a broken group fails it for good)."""
+        if self.group is not None:
+            self.group.check_health()
 
     def __del__(self):  # Serve calls it on graceful replica shutdown
-        if hasattr(self, "worker"):
+        if getattr(self, "group", None) is not None:
+            self.group.close()
+        elif hasattr(self, "worker"):
             self.worker.close()
 
 

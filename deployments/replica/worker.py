@@ -31,12 +31,14 @@ from deployments.capacity.replica_report import REPUBLISH_S, BatchState, Replica
 from deployments.models import activation_features, families
 from deployments.models.activation_features import ACTIVATION_MARGIN
 from deployments.models.families import FamilyFacts
+from deployments.models.tensor_parallel import rank_components
 from deployments.replica import warmup
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.board import get_board
 from deployments.replica.board_publisher import Throttled
 from deployments.replica.leases import LEASE_REFUSED, open_device_leases, open_replica_memory
 from deployments.replica.metrics import ReplicaGauges, StageMetrics
+from deployments.replica.shards import RankSpec
 from deployments.replica.stage_residency import StageResidency, host_lease_bytes, plan_stage, predicted_kept_bytes
 from deployments.wire.spec import (
     GenerationSpec,
@@ -53,6 +55,7 @@ from offload_core.planner.search import PerformanceMode
 from offload_core.quant import WeightFormat
 from offload_core.residency.shared_hosting import SharedWeights
 from offload_core.streaming.headroom import HeadroomTimeout
+from offload_core.tables import HostTablesConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +90,10 @@ class StageConfig:
     weights: WeightFormat = WeightFormat.NATIVE
     # The Denoiser's step cache threshold for requests that do not set one (0: off).
     cache_threshold: float = 0.0
+    # Ranks of one replica (tensor parallelism, deployments/replica/shards.py); 1: today's single process.
+    tp_size: int = 1
+    # Which token tables the stage's replicas consider hosting (offload_core.tables); a sharded one never is.
+    host_tables: HostTablesConfig = HostTablesConfig()
 
 
 def _replica_device() -> torch.device:
@@ -96,7 +103,7 @@ def _replica_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _replica_id(stage: PipelineStage) -> str:
+def replica_id(stage: PipelineStage) -> str:
     try:
         return serve.get_replica_context().replica_id.to_full_id_str()
     except (RuntimeError, RayServeException):  # constructed outside Serve (benchmarks, unit tests of a worker)
@@ -106,11 +113,16 @@ def _replica_id(stage: PipelineStage) -> str:
 class StageWorker:
     """Loads one stage, runs its calls under offload_core and the device lease, publishes residency."""
 
-    def __init__(self, config: StageConfig):
+    def __init__(self, config: StageConfig, rank: RankSpec | None = None):
+        """``rank``: this worker is one rank of a tensor-parallel replica (its process group formed):
+        it loads its slice, and leases, plans and reports as its own replica ``rank.worker_id``."""
         self.config = config
         self.device = _replica_device()
-        self.replica = _replica_id(config.stage)
-        self.pipe = families.load_stage_pipeline(config.facts, config.stage, DTYPES[config.dtype])
+        self.replica = rank.worker_id if rank is not None else replica_id(config.stage)
+        loaded = None
+        if rank is not None and rank.size > 1:
+            loaded = rank_components(config.facts, config.stage, DTYPES[config.dtype], rank.size, rank.rank)
+        self.pipe = families.load_stage_pipeline(config.facts, config.stage, DTYPES[config.dtype], loaded)
         self.memory = open_replica_memory(self.replica, self.device)
         budget = config.host_budget.resolve(self.memory.node.ram.spendable) if config.host_budget else None
         if budget is not None:
@@ -119,7 +131,9 @@ class StageWorker:
         self.leases = open_device_leases(self.memory, self.device)
         modules = families.stage_modules(self.pipe, config.facts, config.stage)
         shared = None
-        if config.share_host_weights:
+        # A rank's streamed layers differ from an unsharded replica's of the same folder (its
+        # sharded parameters stay out of them): never hosted from the folder's node store.
+        if config.share_host_weights and rank is None:
             identities = {name: folder_identity(pathlib.Path(config.facts.folder) / name) for name in modules}
             shared = SharedWeights(self.memory.store_registry(), identities, self.replica, budget_bytes=budget)
         # Planned against the replica's share of its GPU, not the whole card; 0 s of compute and no
@@ -128,13 +142,14 @@ class StageWorker:
         plan = plan_stage(config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
                           self.memory.share_bytes, host_lease_bytes(self.memory.host_budget, budget), self.memory,
                           expected_batch=config.batching.max_batch if config.batching is not None else 1,
-                          phases=phases, weights=config.weights)
+                          phases=phases, weights=config.weights, tables=config.host_tables)
         # What the plan keeps on the device is leased before applying it moves anything there.
         self.leases.hold_standing(predicted_kept_bytes(plan), config.device_timeout_s)
         applier = functools.partial(
             StageResidency, config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
             device_capacity=self.memory.share_bytes, host_budget=self.memory.host_budget,
-            owner=self.replica, host_budget_bytes=budget, shared=shared, memory=self.memory, phases=phases)
+            owner=self.replica, host_budget_bytes=budget, shared=shared, memory=self.memory, phases=phases,
+            tables=config.host_tables)
         self.residency = applier(plan=plan)
         self.activations: activation_features.StageActivations | None = None
         self.metrics = StageMetrics(config.stage.value)

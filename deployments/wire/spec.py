@@ -168,6 +168,11 @@ class StageOutput:
         return StageOutput(self.value, self.stats, previous.all_stats)
 
 
+class RankLost(RuntimeError):
+    """A rank of a tensor-parallel stage replica died or hung mid-call (deployments/replica/shards.py):
+    the call fails with 503 and Serve replaces the replica. Crosses Ray to the ingress."""
+
+
 class RequestRejected(ValueError):
     """A stage could not serve this request because of what the request asked (HTTP 4xx naming
     ``param``), as opposed to a fault of the server. Pickles itself: it crosses Ray to the ingress."""

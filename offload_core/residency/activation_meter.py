@@ -16,8 +16,17 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
+
+
+def _storage(tensor: torch.Tensor):
+    # A wrapper subclass (a DTensor, the AsyncCollectiveTensor an all-reduce returns) has no storage
+    # of its own: what it holds is its inner tensor's (a DTensor's local shard).
+    while is_traceable_wrapper_subclass(tensor):
+        inner, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, inner[0])
+    return tensor.untyped_storage()
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -25,7 +34,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __init__(self, existing: Iterable[torch.Tensor] = ()):
         super().__init__()
-        self._existing = {t.untyped_storage().data_ptr() for t in existing}
+        self._existing = {_storage(t).data_ptr() for t in existing}
         self._live: dict[int, int] = {}  # storage data_ptr -> bytes charged
         self._refs: dict[int, int] = {}  # storage data_ptr -> tensors seen on it, still alive
         self.current = self.peak = 0
@@ -33,7 +42,7 @@ class LiveTensorBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+        inputs = {_storage(t).data_ptr() for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, torch.Tensor) and t.device.type != "meta"}
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor) and value.device.type != "meta":
@@ -41,7 +50,7 @@ class LiveTensorBytes(TorchDispatchMode):
         return out
 
     def _charge(self, tensor: torch.Tensor, inputs: set[int]) -> None:
-        storage = tensor.untyped_storage()
+        storage = _storage(tensor)
         key, nbytes = storage.data_ptr(), storage.nbytes()
         if key == 0 or nbytes == 0 or key in self._existing or (key in inputs and key not in self._live):
             return

@@ -75,6 +75,7 @@ class _Component:
         self.parking: Parking | None = None
         self.streamer = None
         self.meter: DeviceWeightMeter | None = None
+        self.table_decisions: tuple = ()  # every declared table's verdict, hosted or not (the report's)
 
     def prepare(self) -> None:
         """Bring the component in for its stage."""
@@ -325,7 +326,7 @@ class PipelineResidency:
         return residency_report({n: c.module for n, c in self.components.items()},
                                 streamers={n: c.streamer for n, c in self.components.items() if c.streamer},
                                 parkings={n: c.parking for n, c in self.components.items() if c.parking},
-                                tables={n: c.tables.decisions for n, c in self.components.items()},
+                                tables={n: c.table_decisions for n, c in self.components.items()},
                                 device=self.device)
 
     def host_leased_bytes(self) -> int:
@@ -360,7 +361,8 @@ def _build(components: Mapping[str, nn.Module], plan: PipelinePlan, device: torc
     built: dict[str, _Component] = {}
     for cplan in plan.components:
         module = components[cplan.name]
-        host = HostTables(module, select_host_tables(module, tables) if cplan.host_tables else ())
+        decisions = select_host_tables(module, tables)  # reported either way: every table's verdict and why
+        host = HostTables(module, decisions if cplan.host_tables else ())
         host.install(device)
         args = (cplan.name, module, cplan, device, host)
         if cplan.strategy is Strategy.RESIDENT:
@@ -371,5 +373,6 @@ def _build(components: Mapping[str, nn.Module], plan: PipelinePlan, device: torc
             built[cplan.name] = _Layerwise(*args, park_fraction=plan.park_fraction,
                                            parked=bool(cplan.prediction and cplan.prediction.parked),
                                            host_layers=shared_hosts.get(cplan.name))
+        built[cplan.name].table_decisions = decisions
         logger.info("residency %s: %s", cplan.name, cplan.explain())
     return built

@@ -15,7 +15,7 @@ CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 STAGES = {"TextEncoder", "Denoiser", "VaeDecoder", "Ingress"}
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "gpu.yaml"])
+@pytest.mark.parametrize("name", ["local.yaml", "gpu.yaml", "tp.yaml"])
 def test_a_serve_config_validates_and_names_every_deployment(name):
     schema = ServeDeploySchema.model_validate(yaml.safe_load((CONFIGS / name).read_text()))
     assert schema.http_options.host == "127.0.0.1", "the service must bind to localhost unless configured"
@@ -24,6 +24,17 @@ def test_a_serve_config_validates_and_names_every_deployment(name):
     args = AppArgs.model_validate(app.args)
     assert args.app_name == app.name, "the residency board is named after the application"
     assert {d.name for d in app.deployments} == STAGES
+
+
+def test_the_tp_config_gives_the_encoder_one_gpu_bundle_per_rank_strictly_packed():
+    from deployments.app import tp_options
+
+    (app,) = yaml.safe_load((CONFIGS / "tp.yaml").read_text())["applications"]
+    args = AppArgs.model_validate(app["args"])
+    [encoder] = [d for d in app["deployments"] if d["name"] == "TextEncoder"]
+    options = tp_options("TextEncoder", encoder, args.encoder)
+    assert options["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 1}, {"CPU": 1.0, "GPU": 1}]
+    assert options["placement_group_strategy"] == "STRICT_PACK" and options["ray_actor_options"]["num_gpus"] == 0
 
 
 def test_the_local_config_fits_on_two_cpus_without_a_gpu():

@@ -102,3 +102,17 @@ def test_every_byte_count_is_a_ranks_local_bytes():
             assert residency.device_bytes_now() == local == residency.report().component("text_encoder").device_bytes
         finally:
             residency.remove()
+
+
+def test_a_calls_activation_peak_is_measured_through_dtensors_and_collective_outputs():
+    from offload_core.residency.activations import measure_activations
+
+    with fake_world(2) as mesh:
+        model = sharded(tiny_umt5(), mesh)
+        ids = torch.tensor([[5, 17, 300, 1]])
+        with torch.no_grad():
+            _, measured = measure_activations(lambda: model(input_ids=ids).last_hidden_state, "cpu",
+                                              list(model.parameters()))
+        # DTensor weights and the all-reduces' wrapped outputs have no storage of their own: counted
+        # through their inner tensors, the call's hidden states (4 tokens x 32 fp32 = 512 B) at least.
+        assert measured.peak_bytes >= 4 * 32 * 4, measured

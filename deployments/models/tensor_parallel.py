@@ -1,0 +1,58 @@
+"""Which stages of a model folder can run tensor-parallel, and one rank's slice of a stage's components.
+
+Runs in ``build_app`` (the deploy-time refusal, reading only the folder's ``model_index.json``) and
+in each rank actor of a tensor-parallel stage replica (``rank_components``). The plans themselves
+are offload_core's (``offload_core.tensor_parallel``): today the T5-family text encoders.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+
+import torch
+
+from deployments.models.families import FamilyFacts, stage_component_names
+from deployments.wire.spec import PipelineStage
+from offload_core.tensor_parallel import classes_with_plans, has_plan, load_rank
+
+logger = logging.getLogger(__name__)
+
+
+class NoStagePlan(ValueError):
+    """``tp_size > 1`` for a stage whose components have no tensor-parallel plan (refused at deploy)."""
+
+
+def stage_classes(facts: FamilyFacts, stage: PipelineStage) -> dict[str, tuple[str, str]]:
+    """(library, class name) of each of the stage's components, from the folder's model_index.json."""
+    index = json.loads((pathlib.Path(facts.folder) / "model_index.json").read_text())
+    return {name: tuple(index[name]) for name in stage_component_names(facts, stage)}
+
+
+def check_tp(facts: FamilyFacts, stage: PipelineStage, tp_size: int) -> None:
+    """Refuse ``tp_size > 1`` for a stage unless every component it loads has a plan, naming those that do."""
+    if tp_size == 1:
+        return
+    classes = stage_classes(facts, stage)
+    missing = {name: cls for name, (_, cls) in classes.items() if not has_plan(cls)}
+    if missing:
+        raise NoStagePlan(
+            f"tp_size {tp_size} for the {stage.value} stage of {facts.family.value}: "
+            f"{', '.join(f'{n} ({c})' for n, c in missing.items())} has no tensor-parallel plan; "
+            f"plans exist for {list(classes_with_plans())} (the text encoder of Wan), every other stage runs at "
+            "tp_size 1")
+
+
+def rank_components(facts: FamilyFacts, stage: PipelineStage, dtype: torch.dtype, tp_size: int,
+                    rank: int) -> dict[str, torch.nn.Module]:
+    """This rank's slice of each of the stage's components, to hand to the pipeline's ``from_pretrained``."""
+    check_tp(facts, stage, tp_size)
+    import transformers
+
+    loaded = {}
+    for name, (library, cls) in stage_classes(facts, stage).items():
+        assert library == "transformers", f"{name}: plans exist for transformers classes only, got {library}"
+        loaded[name] = load_rank(getattr(transformers, cls), facts.folder, tp_size, rank, subfolder=name,
+                                 torch_dtype=dtype)
+    logger.info("rank %d/%d of the %s stage: %s loaded sharded", rank, tp_size, stage.value, sorted(loaded))
+    return loaded
