@@ -25,7 +25,6 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import ray
@@ -35,6 +34,8 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.replica.board import RANK_ACTOR_PREFIX
+from deployments.replica.rank_spec import RankIdentity, RankSpec
+from deployments.replica.worker import StageWorker
 from deployments.wire.spec import RankLost, RequestRejected
 
 logger = logging.getLogger(__name__)
@@ -47,30 +48,6 @@ START_TIMEOUT_S = 900.0
 # The health check's wait for every rank's answer (they answer on a second thread, beside a call).
 PING_TIMEOUT_S = 10.0
 NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    """Who a rank worker is: its rank, the group's size and the replica it belongs to."""
-
-    rank: int
-    size: int
-    replica: str  # the Serve replica's id
-
-    @property
-    def worker_id(self) -> str:
-        """The rank's own id: its leases, its residency report and its actor's name."""
-        return f"{self.replica}/rank{self.rank}"
-
-
-@dataclass(frozen=True)
-class RankIdentity:
-    """Where a rank actor landed."""
-
-    rank: int
-    node_ip: str
-    pid: int
-    gpu_uuid: str | None  # None on a CPU bundle
 
 
 def _gpu_uuid() -> str | None:
@@ -97,8 +74,6 @@ class RankWorker:
             return s.getsockname()[1]
 
     def start(self, config, master: str, port: int, timeout_s: float) -> None:
-        from deployments.replica.worker import StageWorker
-
         backend = "nccl" if _gpu_uuid() is not None else "gloo"
         # Ray shows each rank only its own GPU: it is cuda:0 here, whatever its index on the node.
         os.environ.update(LOCAL_RANK="0", RANK=str(self.spec.rank), WORLD_SIZE=str(self.spec.size), **NCCL_ENV)

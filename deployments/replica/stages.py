@@ -19,7 +19,8 @@ from deployments.models.cancel import CancelFlag, RequestCancelled
 from deployments.models.steppers import StepRequest, stepper_for
 from deployments.replica.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
 from deployments.replica.metrics import BatchMetrics
-from deployments.replica.shards import RankIdentity, ShardGroup
+from deployments.replica.rank_spec import RankIdentity
+from deployments.replica.shards import ShardGroup
 from deployments.replica.worker import StageConfig, StageWorker, replica_id
 from deployments.wire.spec import (
     DenoiseProgress,

@@ -38,7 +38,7 @@ from deployments.replica.board import get_board
 from deployments.replica.board_publisher import Throttled
 from deployments.replica.leases import LEASE_REFUSED, open_device_leases, open_replica_memory
 from deployments.replica.metrics import ReplicaGauges, StageMetrics
-from deployments.replica.shards import RankSpec
+from deployments.replica.rank_spec import RankSpec
 from deployments.replica.stage_residency import StageResidency, host_lease_bytes, plan_stage, predicted_kept_bytes
 from deployments.wire.spec import (
     GenerationSpec,
