@@ -5,7 +5,9 @@ tp 2 over the unsharded encoder's, measured on the tiny Wan's umT5 encoder (2 gl
 loading its slice through transformers' DistributedConfig) and planned at real size (umT5-XXL, on
 ``meta``); target <= 0.55. ``fanout_overhead_ms``: the median encode call of a tp 2 stage (the
 ShardGroup: a lock, one Ray call per rank, rank 0 answers) minus that of a tp 1 stage worker,
-both on the tiny encoder on this machine's CPU, the same request, ``--calls`` each.
+both on the tiny encoder on this machine's CPU, the same request, ``--calls`` each; on CPU the
+two ranks also split the compute, so ``fanout_noop_ms`` times the fan-out alone (a call that does
+nothing, through the ranks minus on the worker).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/tp.py --quick
 """
@@ -93,11 +95,24 @@ class Stage:
             times.append((time.perf_counter() - start) * 1e3)
         return times
 
+    def noop_ms(self, calls: int) -> list[float]:
+        """The fan-out alone: a call that does nothing, on every rank (tp 2) or on the worker (tp 1)."""
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            self.group.call(_noop) if self.group else _noop(self.worker)
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+
     def close(self) -> None:
         self.group.close() if self.group else self.worker.close()
 
 
-def call_ms(folder: Path, tp: int, calls: int) -> float:
+def _noop(worker) -> None:
+    return None
+
+
+def call_ms(folder: Path, tp: int, calls: int) -> tuple[float, float]:
     args = AppArgs(model_path=str(folder), encoder=StageArgs(tp_size=tp))
     config = stage_configs(args, families.read_family_facts(folder))[PipelineStage.ENCODE]
     group = placement_group([{"CPU": 0.01}] * tp, strategy="STRICT_PACK")
@@ -105,8 +120,9 @@ def call_ms(folder: Path, tp: int, calls: int) -> float:
     stage = Stage.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0)).remote(config)
     try:
         stage_ms = ray.get(stage.encode_ms.remote(calls + 2))[2:]  # the first two warm the allocator
+        noop_ms = ray.get(stage.noop_ms.remote(calls + 2))[2:]
         ray.get(stage.close.remote())
-        return statistics.median(stage_ms)
+        return statistics.median(stage_ms), statistics.median(noop_ms)
     finally:
         ray.kill(stage)
         remove_placement_group(group)
@@ -125,7 +141,7 @@ def main() -> int:
     local_ray.init_local(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
                          namespace="offload-serve-bench")
     try:
-        one, two = call_ms(folder, 1, calls), call_ms(folder, 2, calls)
+        (one, noop_one), (two, noop_two) = call_ms(folder, 1, calls), call_ms(folder, 2, calls)
     finally:
         ray.shutdown()
     result = {
@@ -133,12 +149,15 @@ def main() -> int:
         "rank_weight_bytes": ranks, "unsharded_weight_bytes": whole,
         "real_umt5_xxl_rank_over_unsharded": round(real, 4),
         "encode_ms_tp1": round(one, 2), "encode_ms_tp2": round(two, 2),
-        "fanout_overhead_ms": round(two - one, 2), "calls": calls, "backend": "gloo (CPU)",
+        "fanout_overhead_ms": round(two - one, 2),
+        # The fan-out alone (lock + one Ray call per rank, rank 0 answers) for a call that does nothing.
+        "fanout_noop_ms": round(noop_two - noop_one, 3), "calls": calls, "backend": "gloo (CPU)",
         "load_average": round(os.getloadavg()[0], 1),
     }
     print(f"rank 0/1 hold {ranks} B of {whole} B unsharded ({result['rank_weight_bytes_over_unsharded']}); "
           f"umT5-XXL planned per rank at {result['real_umt5_xxl_rank_over_unsharded']} of its bytes")
-    print(f"encode: tp 1 {one:.2f} ms, tp 2 {two:.2f} ms (median of {calls}), fan-out {two - one:.2f} ms")
+    print(f"encode: tp 1 {one:.2f} ms, tp 2 {two:.2f} ms (median of {calls}), difference {two - one:.2f} ms; "
+          f"a call doing nothing: {noop_one:.3f} ms vs {noop_two:.3f} ms through the ranks")
     print(json.dumps(result))
     return 0
 

@@ -59,10 +59,10 @@ def tp_service(ray_cluster):
         with httpx.Client(base_url=base + PREFIX, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as c:
             yield c
     finally:
-        from deployments.jobs.actor import drop_job_store
+        from deployments.jobs.actor import drop_job_queue
 
         serve.delete(APP)
-        drop_job_store(APP)
+        drop_job_queue(APP)
 
 
 def _encoder():
