@@ -105,7 +105,7 @@ def test_every_byte_count_is_a_ranks_local_bytes():
 
 
 def test_a_calls_activation_peak_is_measured_through_dtensors_and_collective_outputs():
-    from offload_core.residency.activations import measure_activations
+    from offload_core.residency.activation_meter import measure_activations
 
     with fake_world(2) as mesh:
         model = sharded(tiny_umt5(), mesh)
