@@ -101,7 +101,7 @@ def test_the_encoder_at_tp_2_answers_the_in_process_result_with_each_rank_keepin
 
 def test_a_rank_killed_mid_call_fails_the_call_with_503_and_the_replica_is_replaced(tp_service):
     """Last in the module: the replacement replica starts two ranks again (tens of seconds here)."""
-    from cluster.ledger import node_ledger
+    from cluster.ledger.actor import node_ledger
 
     body = {"prompt": "a storm", "seed": 3, "num_inference_steps": 2, "size": "16x16"}
     expected = tp_service.post(IMAGES, json=body)
