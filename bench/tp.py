@@ -75,7 +75,7 @@ def real_rank_fraction() -> float:
 
 
 @ray.remote(num_cpus=0)
-class Stage:
+class EncoderReplica:
     """A stage replica stand-in: the TextEncoder's own code path (a StageWorker, or a ShardGroup of ranks)."""
 
     def __init__(self, config):
@@ -117,7 +117,7 @@ def call_ms(folder: Path, tp: int, calls: int) -> tuple[float, float]:
     config = stage_configs(args, families.read_family_facts(folder))[PipelineStage.ENCODE]
     group = placement_group([{"CPU": 0.01}] * tp, strategy="STRICT_PACK")
     ray.get(group.ready())
-    stage = Stage.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0)).remote(config)
+    stage = EncoderReplica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0)).remote(config)
     try:
         stage_ms = ray.get(stage.encode_ms.remote(calls + 2))[2:]  # the first two warm the allocator
         noop_ms = ray.get(stage.noop_ms.remote(calls + 2))[2:]
