@@ -4,8 +4,8 @@ Writes ``k8s/grafana/offload-serve.json`` (import it by hand, or let the sidecar
 ``k8s/grafana/configmap.yaml`` (a ConfigMap labelled ``grafana_dashboard: "1"``, the label the
 Grafana Helm chart's and kube-prometheus-stack's sidecar watch by default). The panels are the
 table below; every query names metrics as Ray's metrics agent exports them (Ray prefixes the
-application's own metrics with ``ray_``). ``tests/k8s/test_dashboard.py`` starts the tiny service,
-scrapes what Ray exports and fails when a query names a metric the service does not export.
+application's own metrics with ``ray_``). ``tests/deployments/ingress/test_service.py`` scrapes what
+Ray exports for the running tiny service and fails when a query names a metric it does not export.
 
     python k8s/grafana.py            # write both files
     python k8s/grafana.py --check    # fail if either is stale

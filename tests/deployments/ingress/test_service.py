@@ -6,6 +6,7 @@ import concurrent.futures
 import io
 import json
 import time
+import urllib.request
 
 import httpx
 import numpy as np
@@ -18,6 +19,7 @@ from deployments.models import families
 from deployments.wire import media
 from deployments.wire.spec import GenerationSpec
 from tests.deployments.conftest import APP, MAX_STEPS
+from tests.k8s.test_dashboard import queried_metrics
 from zoo.tiny import ensure_tiny_wan
 
 IMAGES, VIDEOS = "/v1/images/generations", "/v1/videos/generations"
@@ -351,6 +353,37 @@ def _sse_events(response):
             name = line[len("event: "):]
         elif line.startswith("data: "):
             yield name, json.loads(line[len("data: "):])
+
+
+# Ray's metrics agent exports what replicas recorded every few seconds (metrics_report_interval_ms).
+SCRAPE_TIMEOUT_S = 120
+
+
+def _exported() -> set[str]:
+    """Metric names every alive node's metrics agent exports now (Prometheus text)."""
+    names = set()
+    for node in ray.nodes():
+        if node["Alive"]:
+            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            names |= {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+                      if line and not line.startswith("#")}
+    return names
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_exported_by_the_running_service(client):
+    # k8s/grafana.py's queries against what Ray's metrics agents export once the service served a request.
+    response = client.post(IMAGES, json={"prompt": "a fox", "size": "16x16", "seed": 1})
+    assert response.status_code == 200, response.text
+    wanted = queried_metrics()
+    deadline, missing = time.monotonic() + SCRAPE_TIMEOUT_S, wanted
+    while missing and time.monotonic() < deadline:
+        exported = _exported()
+        missing = wanted - exported
+        if missing:
+            time.sleep(3)
+    assert not missing, (f"the dashboard queries metrics the service does not export: {sorted(missing)}; "
+                         f"exported ray_serve/offload ones: {sorted(n for n in exported if 'serve' in n)}")
 
 
 def test_a_denoiser_replica_killed_mid_request_fails_that_request_with_503_then_is_replaced(client):
