@@ -265,6 +265,73 @@ def slot_count(prefetch_depth: int, n_streamed: int) -> int:
     return min(prefetch_depth + 1, n_streamed)
 
 
+class WindowPlacer:
+    """Where streamed layers go in the prefetch window of ``window`` bytes: each after the last one
+    placed (or at 0 if it does not fit before the end), never over a layer still held.
+
+    The engine's ring places its layers with it, and the planner replays a request with it
+    (:func:`window_copies`), so predicted copies are the ring's own. Placement is by position in
+    the streamed order; ``sizes[p]`` is layer ``p``'s device bytes.
+    """
+
+    def __init__(self, sizes: Sequence[int], window: int):
+        self.sizes, self.window = tuple(int(n) for n in sizes), int(window)
+        self.head = 0
+        self.held: dict[int, tuple[int, int]] = {}
+
+    def fits(self, position: int) -> int | None:
+        """Where ``position`` would go now, or None while a held layer is in the way."""
+        size = self.sizes[position]
+        start = self.head if self.head + size <= self.window else 0
+        if any(start < b and a < start + size for a, b in self.held.values()):
+            return None
+        return start
+
+    def take(self, position: int, start: int) -> tuple[int, int]:
+        span = self.held[position] = (start, start + self.sizes[position])
+        self.head = span[1]
+        return span
+
+    def free(self, position: int) -> tuple[int, int]:
+        span = self.held.pop(position)
+        if not self.held:
+            self.head = 0  # an empty window starts again at 0: every request places alike
+        return span
+
+
+def window_copies(sizes: Sequence[int], window: int, uses: int) -> int:
+    """Layer copies the ring makes in one request of ``uses`` in-order uses: the prefetch before the
+    first use, every layer at each use, the prefetch each layer's exit issues (wrapping)."""
+    n = len(sizes)
+    if not n:
+        return 0
+    placer, copies = WindowPlacer(sizes, window), 0
+
+    def prefetch(first: int) -> None:
+        nonlocal copies
+        for step in range(n):
+            p = (first + step) % n
+            if p in placer.held:
+                continue
+            start = placer.fits(p)
+            if start is None:
+                return
+            placer.take(p, start)
+            copies += 1
+
+    prefetch(0)
+    for _ in range(uses):
+        for p in range(n):
+            if p not in placer.held:  # a cold entry: what was held is stale
+                for q in list(placer.held):
+                    placer.free(q)
+                placer.take(p, placer.fits(p))
+                copies += 1
+            placer.free(p)
+            prefetch((p + 1) % n)
+    return copies
+
+
 @dataclass(frozen=True)
 class RegionMap:
     """Byte regions of one device allocation, one per dtype (a slot or a resident layer)."""
@@ -386,7 +453,7 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 __all__ = [
-    "ALIGN_BYTES", "FP8_HOST_DTYPE", "KNOWN_LAYER_GROUPS", "LEGACY_LAYER_GROUPS", "LayerGroup", "LayerLayout",
+    "WindowPlacer", "window_copies", "ALIGN_BYTES", "FP8_HOST_DTYPE", "KNOWN_LAYER_GROUPS", "LEGACY_LAYER_GROUPS", "LayerGroup", "LayerLayout",
     "LayoutError", "QuantizedMeta", "RegionMap", "landing_bytes",
     "TensorMeta", "align_up", "check_disjoint", "declared_layer_groups", "extent_view", "is_placeholder",
     "layer_parameters", "placeholder", "plan_layer_layout", "resolve_layer_group", "slot_count", "storage_extent",

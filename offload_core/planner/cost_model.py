@@ -2,17 +2,18 @@
 
 Byte figures follow the engine exactly, so predictions equal what its meter and counters see:
 - a streamed layer occupies its flat layout (one buffer per dtype, 512-byte aligned tensors);
-  the ring has min(depth + 1, streamed layers) slots, each sized per dtype to the largest
-  streamed layer; a resident layer has its own flat buffer;
+  the ring is one window of min(depth + 1, streamed layers) x the largest streamed layer's bytes
+  (per dtype), each copy placed after the last one in it; a resident layer has its own flat buffer;
 - every layer copies its host buffers (PINNED from its own, PAGEABLE and MAPPED from the pinned
   staging buffer the host copier filled); a component with PAGEABLE or MAPPED layers holds
   ``layout.staging_bytes`` of pinned staging buffers on the host; an FP8-hosted layer
   (``ComponentProfile.weights``) hosts and copies its 8-bit size (``layout.host_nbytes``) and the
   device holds one landing buffer more (``layout.landing_bytes``);
-- per request, ``prepare_for_use`` arms the resident layers and prefetches the first
-  ``slots`` layers, each use enters every streamed layer once (each entry issues the copy
-  ``slots - 1`` layers ahead, wrapping into the next use), so U uses copy
-  ``U * streamed + slots - 1`` layers in cyclic order; ``finish_use`` releases the wrapped ones.
+- per request, ``prepare_for_use`` arms the resident layers and prefetches the layers the window
+  holds from the first, each use copies every streamed layer once (each layer's exit issues the
+  copies after it, wrapping into the next use); the count is the ring's own placement replayed
+  (``layout.window_copies``: ``U * streamed + W`` for equal layers, W = slots); ``finish_use``
+  releases the wrapped ones.
 Times: every copy to the device is from pinned memory on a side stream and overlaps compute; PAGEABLE
 and MAPPED layers add a host memcpy into staging, on its own thread, that overlaps both. A use takes
 the slowest of compute, the DMA (all streamed bytes at the pinned rate) and the memcpy (staged
@@ -24,7 +25,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from offload_core.host.tier import STAGED_TIERS, HostingTier
-from offload_core.layout import RegionMap, landing_bytes, slot_count, staging_bytes
+from offload_core.layout import RegionMap, landing_bytes, slot_count, staging_bytes, window_copies
 from offload_core.planner.facts import ComponentProfile, LayerProfile, LinkFacts
 from offload_core.planner.pipeline_plan import ComponentPlan, ComponentPrediction
 from offload_core.planner.strategy import Strategy
@@ -47,6 +48,13 @@ def component_staging_bytes(profile: ComponentProfile, plan: ComponentPlan) -> i
 def slot_region_bytes(streamed: Sequence[LayerProfile]) -> int:
     """One ring slot, sized by the ring's own ``RegionMap.covering`` of the streamed layers."""
     return RegionMap.covering(layer.layout for layer in streamed).nbytes
+
+
+def layer_copies(streamed: Sequence[LayerProfile], slots: int, uses: int) -> int:
+    """Layer copies the ring makes in one request: its own placement replayed (``layout.window_copies``)
+    in a window of ``slots`` x the largest streamed layer's bytes."""
+    sizes = [RegionMap.covering([layer.layout]).nbytes for layer in streamed]
+    return window_copies(sizes, slots * slot_region_bytes(streamed), uses)
 
 
 def n_slots(plan: ComponentPlan, n_streamed: int) -> int:
@@ -85,7 +93,7 @@ def _streamed_copy_bytes(streamed: Sequence[LayerProfile], tiers: dict[str, Host
     out = {tier: 0 for tier in HostingTier}
     if not streamed:
         return out
-    count = uses * len(streamed) + slots - 1 if uses else slots
+    count = layer_copies(streamed, slots, uses)
     full, rem = divmod(count, len(streamed))
     for i, layer in enumerate(streamed):
         tier = tiers[layer.key]
@@ -126,11 +134,15 @@ def predict(profile: ComponentProfile, plan: ComponentPlan, link: LinkFacts, par
     transfer = restore / link.pageable_Bps + sum(_seconds(n, t, link) for t, n in moved.items())
     # A batch shares every copy: each request pays its share (1 unless the stage batches).
     share = profile.expected_batch
+    window = n_slots(plan, len(streamed)) * slot_region_bytes(streamed) if streamed else 0
+    sizes = [RegionMap.covering([layer.layout]).nbytes for layer in streamed]
+    layers_held = (window // max(sizes), window // max(1, min(sizes))) if sizes else (0, 0)
     return ComponentPrediction(in_use, idle, round((restore + sum(moved.values())) / share), transfer / share,
                                compute, once_s + uses * per_use, parked,
                                component_staging_bytes(profile, plan),
                                sum(layer.host_bytes for layer in profile.layers),
-                               sum(layer.nbytes for layer in profile.layers))
+                               sum(layer.nbytes for layer in profile.layers),
+                               window_bytes=window, window_layers=layers_held)
 
 
 def _seconds(nbytes: int, tier: HostingTier, link: LinkFacts) -> float:

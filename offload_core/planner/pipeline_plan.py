@@ -64,6 +64,9 @@ class ComponentPrediction:
     # Host bytes of its streamed layers as hosted, and as loaded: they differ under FP8 weights.
     layer_host_bytes: int = 0
     layer_native_bytes: int = 0
+    # The prefetch window (layerwise): its device bytes and the fewest/most streamed layers it holds.
+    window_bytes: int = 0
+    window_layers: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,10 @@ class ComponentPlan:
             extras.append(f"{self.weights.value} weights: layers host {_gib(p.layer_host_bytes)} "
                           f"instead of {_gib(p.layer_native_bytes)}")
         line = f"{self.name}: {what}" + (f"; {', '.join(extras)}" if extras else "")
+        if p is not None and p.window_bytes:
+            fewest, most = p.window_layers
+            line += (f" | prefetch window {_gib(p.window_bytes)} in bytes: {fewest}-{most} layers, the next "
+                     "issued as each layer's kernels launch")
         if p is not None:
             line += (f" | device {_gib(p.in_use_bytes)} in use, {_gib(p.idle_bytes)} idle | moves "
                      f"{_gib(p.bytes_moved)}/request in {p.transfer_s:.3f} s | {p.time_s:.3f} s "

@@ -1,32 +1,52 @@
-"""The prefetch ring: a fixed set of device slots reused by streamed layers in execution order.
+"""The prefetch ring: one device allocation streamed layers take turns in, sized in bytes.
 
-``depth + 1`` slots, each one device allocation carved into one region per dtype sized to the
-largest streamed layer. Entering streamed layer ``k`` waits for its copy and issues the copies of
-layers ``k+1 .. k+depth`` (wrapping, so the last layer prefetches the next step's first layer);
-leaving it releases its slot. Nothing is allocated per prefetch, so the device holds exactly
-``slots x slot bytes`` of streamed weights at any time, plus, when layers are hosted as FP8, one
-landing buffer their 8-bit bytes arrive in before they are widened into a slot
-(``layout.landing_bytes``; shared by every copy, which the copy stream runs in order).
+The window is ``depth + 1`` times the largest streamed layer's bytes (per dtype, as a slot was),
+one device allocation. Each copy puts its layer's own bytes contiguous after the previous one's
+(``layout.WindowPlacer``: wrapping to the start when the rest does not fit, never over a layer
+still held), so small layers pack: with FLUX's double then single blocks, depth 1 holds two
+double blocks or four single ones, where equal slots held two of either. Parameter views are made
+once per (layer, place). Entering streamed layer ``k`` waits for its copy (issuing it on a cold start); leaving it,
+after its kernels were launched, releases its bytes and issues the copies of the layers after it,
+in order, as far as their places are free (wrapping, so the last layer prefetches the next step's
+first). The launch thread so never waits for a fill before launching a layer whose weights are
+there. Nothing is allocated per prefetch, so the device holds exactly the window's bytes of
+streamed weights, plus, when layers are hosted as FP8, one landing buffer their 8-bit bytes
+arrive in before they are widened into place (``layout.landing_bytes``; shared by every copy,
+which the copy stream runs in order).
 
-Faults: a copy that raises gives its slot back at once and reaches the caller as
+Faults: a copy that raises frees its place at once and reaches the caller as
 :class:`~offload_core.streaming.copier.CopyFailed`; a prefetch that fails is logged and left to
 the layer's own entry, which copies it again (and raises if it fails again).
 """
 from __future__ import annotations
 
-import collections
 import logging
-from typing import Mapping, NamedTuple, Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
 
-from offload_core.layout import FP8_HOST_DTYPE, LayerLayout, RegionMap, slot_count
+from offload_core.layout import FP8_HOST_DTYPE, LayerLayout, RegionMap, WindowPlacer, slot_count, window_copies
 from offload_core.streaming.copier import CopyFailed, FillTimeout
 from offload_core.streaming.device import Device
 from offload_core.streaming.host_layer import HostLayer
 from offload_core.streaming.staging import StagingRing
 
 logger = logging.getLogger(__name__)
+
+
+def _cut(out: list[tuple[int, int, object]], start: int, end: int) -> list[tuple[int, int, object]]:
+    """``out`` without the bytes [start, end) (a copy into them waited for their readers): the
+    ranges stay disjoint, so the list never holds more of them than the window has layers."""
+    kept = []
+    for a, b, event in out:
+        if b <= start or end <= a:
+            kept.append((a, b, event))
+            continue
+        if a < start:
+            kept.append((a, start, event))
+        if end < b:
+            kept.append((end, b, event))
+    return kept
 
 
 class RingLayer(Protocol):
@@ -41,16 +61,11 @@ class RingLayer(Protocol):
 
     def bind(self, views: tuple[torch.Tensor, ...]) -> None: ...
 
-
-class InFlight(NamedTuple):
-    """A slot and the copy event that fills it, carried together until the compute stream waits."""
-
-    slot: int
-    event: object | None  # torch.cuda.Event; None on CPU (copies are synchronous) or once waited
+    def release(self) -> None: ...
 
 
 class PrefetchRing:
-    """Slots and in-flight copies for the streamed (non-resident) layers of one model."""
+    """The window and the in-flight copies for the streamed (non-resident) layers of one model."""
 
     def __init__(self, device: Device, layers: Sequence[RingLayer], depth: int,
                  staging: StagingRing | None = None, neighbour_wait_s: float = 30.0, landing_bytes: int = 0):
@@ -58,20 +73,24 @@ class PrefetchRing:
         self._neighbour_wait_s = neighbour_wait_s
         self._staging = staging  # PAGEABLE and MAPPED layers copy through it
         self._layers = tuple(layers)
-        # More slots than layers would only hold a layer twice: cap at the number of layers.
+        # The window in largest layers (more than the layers would only hold a layer twice).
         self.n_slots = slot_count(depth, len(self._layers))
         self.regions = RegionMap.covering(layer.layout for layer in self._layers)
+        self.window_bytes = self.n_slots * self.regions.nbytes
+        self._own = [RegionMap.covering([layer.layout]) for layer in self._layers]
+        self._placer = WindowPlacer([own.nbytes for own in self._own], self.window_bytes)
+        # Bytes layers were released from: (start, end, the compute event after their last reader).
+        self._out: list[tuple[int, int, object]] = []
         # Sized by the engine over resident and streamed layers alike: resident FP8 layers land here too.
         self.landing_bytes = int(landing_bytes)
         self.landing: torch.Tensor | None = None
-        self._buffers: list[torch.Tensor] = []
+        self._buffer: torch.Tensor | None = None
         self._allocated = False
-        self._carved: list[dict[torch.dtype, torch.Tensor]] = []
-        self._free: collections.deque[int] = collections.deque()
-        self._last_use: list[object | None] = []
-        self._in_flight: dict[int, InFlight] = {}
-        # Parameter views per (layer position, slot), made once: building a view costs ~2.5 us per
-        # parameter (slice, dtype view, as_strided), paid at every entry otherwise.
+        self._in_flight: dict[int, object | None] = {}  # position -> its copy's event (None once waited)
+        # Regions and parameter views per (layer, place), made once: a view costs ~2.5 us per
+        # parameter (slice, dtype view, as_strided), paid at every entry otherwise. A layer takes
+        # a few places at most (equal layers: depth + 1), so the cache stays small.
+        self._carved: dict[tuple[int, int], dict[torch.dtype, torch.Tensor]] = {}
         self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.bytes_copied = 0
         self.skipped_restarts = 0  # uses cut short by restart() (a step cache skipped their rest)
@@ -81,54 +100,62 @@ class PrefetchRing:
 
     @property
     def slot_bytes(self) -> int:
-        """Device bytes of all slots together (the 'slots' term of the peak formula)."""
-        return self.n_slots * self.regions.nbytes
+        """Device bytes of the window (the 'slots' term of the peak formula)."""
+        return self.window_bytes
 
     @property
     def allocated(self) -> bool:
         return self._allocated
 
+    def copies_per_request(self, uses: int) -> int:
+        """Layer copies one request of ``uses`` in-order uses makes (the planner's own replay)."""
+        return window_copies(self._placer.sizes, self.window_bytes, uses)
+
+    def explain(self) -> str:
+        """The window, for the plan and the log: its bytes and how many layers it holds ahead."""
+        sizes = self._placer.sizes
+        return (f"prefetch window {self.window_bytes} B ({self.n_slots} x the largest streamed layer, "
+                f"{self.regions.nbytes} B): {self.window_bytes // max(sizes, default=1)}-"
+                f"{self.window_bytes // max(1, min(sizes, default=1))} layers of {min(sizes, default=0)}-"
+                f"{max(sizes, default=0)} B, the next issued as each layer's kernels are launched")
+
     def materialized(self) -> tuple[int, ...]:
-        """Positions (in streamed order) whose weights occupy a slot now."""
+        """Positions (in streamed order) whose weights occupy the window now."""
         return tuple(sorted(self._in_flight))
 
     def allocate(self) -> None:
-        """Allocate the slots once per use; the copy stream then waits for the allocating stream.
+        """Allocate the window once per use; the copy stream then waits for the allocating stream.
 
         Bytes a neighbour process leased but has not allocated yet are not taken: while only they
-        keep the slots from fitting, the first prefetch waits for them (bounded, HeadroomTimeout).
+        keep the window from fitting, the first prefetch waits for them (bounded, HeadroomTimeout).
         """
         if self._allocated or not (self.n_slots or self.landing_bytes):
             return
-        nbytes = self.regions.nbytes
-        self._device.wait_for_neighbours(nbytes, self.n_slots, self._neighbour_wait_s, "prefetch ring")
-        if self._buffers or self.landing is not None:
-            # The slots' storages were emptied at deallocate: their memory comes back here, and
-            # the views made into them stay valid (they follow the storage), so no view is rebuilt.
-            for buffer in self._buffers:
-                buffer.untyped_storage().resize_(nbytes)
-            if self.landing is not None:
-                self.landing.untyped_storage().resize_(self.landing_bytes)
+        if self.n_slots:
+            self._device.wait_for_neighbours(self.window_bytes, 1, self._neighbour_wait_s, "prefetch window")
+        if self._buffer is not None or self.landing is not None:
+            # The storages were emptied at deallocate: their memory comes back here, and the views
+            # made into them stay valid (they follow the storage), so no view is rebuilt.
+            for owned in self._owned():
+                owned.untyped_storage().resize_(owned.numel())
         else:
-            self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self._device.device)
-                             for _ in range(self.n_slots)]
-            self._carved = [self.regions.carve(buffer) for buffer in self._buffers]
+            self._buffer = torch.empty(self.window_bytes, dtype=torch.uint8, device=self._device.device)
             if self.landing_bytes:
                 self.landing = torch.empty(self.landing_bytes, dtype=torch.uint8, device=self._device.device)
-                for carved in self._carved:
-                    carved[FP8_HOST_DTYPE] = self.landing
         self._allocated = True
-        self._free = collections.deque(range(self.n_slots))
-        self._last_use = [None] * self.n_slots
+        self._out = []
         self._device.copy_waits_for_compute()
-        logger.debug("ring on %s: allocated %d slots x %d B for %d streamed layers, landing %d B",
-                     self._device.device, self.n_slots, nbytes, len(self._layers), self.landing_bytes)
+        logger.debug("ring on %s: allocated %s; landing %d B", self._device.device, self.explain(),
+                     self.landing_bytes)
+
+    def _owned(self) -> list[torch.Tensor]:
+        return [t for t in (self._buffer, self.landing) if t is not None]
 
     def deallocate(self) -> None:
-        """Release every layer and drop the slots (stage teardown)."""
+        """Release every layer and drop the window (stage teardown)."""
         self.release_all()
         self._device.compute_waits_for_copies()
-        owned = [*self._buffers, *([self.landing] if self.landing is not None else [])]
+        owned = self._owned()
         self._device.retire(owned)  # before the storages go: every stream that read them
         # Emptying the storages gives the memory back to the allocator exactly as dropping the
         # tensors would, but keeps the parameter views: rebuilding them cost ~2.5 us per parameter
@@ -136,35 +163,39 @@ class PrefetchRing:
         for buffer in owned:
             buffer.untyped_storage().resize_(0)
         self._allocated = False
-        self._free, self._last_use = collections.deque(), []
+        self._out = []
 
     def prefetch(self, position: int) -> None:
-        """Issue copies for ``position`` and the layers after it, as far as free slots allow.
+        """Issue copies for ``position`` and the layers after it, in order, while their places are free.
 
         A copy that fails here is not this layer's: logged, and the layer copied again when it
         is entered. A fill timeout is raised (the copier was stuck: waiting more would not help).
         """
         self.allocate()
-        for step in range(self.n_slots):
-            ahead = (position + step) % len(self._layers)
-            if ahead not in self._in_flight:
-                if not self._free:
-                    return
-                try:
-                    self._issue(ahead)
-                except FillTimeout:
-                    raise
-                except CopyFailed as error:
-                    self.failed_prefetches += 1
-                    logger.warning("ring: prefetch of streamed layer %d failed (%s); copied again when entered",
-                                   ahead, error)
-                    return
+        n = len(self._layers)
+        for step in range(n):
+            ahead = (position + step) % n
+            if ahead in self._in_flight:
+                continue
+            if self._placer.fits(ahead) is None:
+                return  # a held layer is in the way: the next exit frees it
+            try:
+                self._issue(ahead)
+            except FillTimeout:
+                raise
+            except CopyFailed as error:
+                self.failed_prefetches += 1
+                logger.warning("ring: prefetch of streamed layer %d failed (%s); copied again when entered",
+                               ahead, error)
+                return
 
     def enter(self, position: int) -> None:
-        """Before streamed layer ``position`` runs: have it on the device, waited, and prefetch."""
+        """Before streamed layer ``position`` runs: have it on the device and make the compute wait for it."""
         self.allocate()
-        window = {(position + step) % len(self._layers) for step in range(self.n_slots)}
-        stale = [held for held in self._in_flight if held not in window]
+        run, n = {position}, len(self._layers)
+        while position in self._in_flight and len(run) < n and (position + len(run)) % n in self._in_flight:
+            run.add((position + len(run)) % n)
+        stale = [held for held in self._in_flight if held not in run]
         if stale or position not in self._in_flight:
             if self._in_flight:
                 # Layers ran out of the order they were declared in: still correct, but the stale
@@ -177,11 +208,9 @@ class PrefetchRing:
             for held in stale:
                 self._release(held)
         if position not in self._in_flight:
-            self._issue(position)
-        held = self._in_flight[position]
-        self._device.compute_waits(held.event)
-        self._in_flight[position] = InFlight(held.slot, None)
-        self.prefetch(position)
+            self._issue(position)  # a cold start: the layers after it follow at its exit
+        self._device.compute_waits(self._in_flight[position])
+        self._in_flight[position] = None
 
     def restart(self) -> int:
         """The running use enters no more layers (a step cache skips them): the window moves to the
@@ -200,47 +229,58 @@ class PrefetchRing:
         return len(wasted)
 
     def exit(self, position: int) -> None:
-        """After streamed layer ``position`` ran: give its slot back (no-op if already released)."""
+        """After streamed layer ``position``'s kernels were launched: free its place, prefetch the next."""
         if position in self._in_flight:
             self._release(position)
+        if self._allocated and self._layers:
+            self.prefetch((position + 1) % len(self._layers))
 
     def release_all(self) -> None:
         for position in list(self._in_flight):
             self._release(position)
 
-    @property
-    def free_slots(self) -> int:
-        """Slots holding no layer (all of them between uses: a slot lost to a fault would show here)."""
-        return len(self._free)
-
     def _issue(self, position: int) -> None:
-        slot = self._free.popleft()
         layer = self._layers[position]
+        start = self._placer.fits(position)
+        assert start is not None, f"streamed layer {position} issued over a held one"
+        place = (position, start)
+        carved = self._carved.get(place)
+        if carved is None:
+            own = self._own[position]
+            carved = self._carved[place] = own.carve(self._buffer[start:start + own.nbytes])
+            if self.landing is not None:
+                carved[FP8_HOST_DTYPE] = self.landing
+        end = start + self._own[position].nbytes
         try:
-            # The slot's previous layer may still be read by queued kernels: copy only after them.
-            self._device.copy_waits(self._last_use[slot])
+            # Layers released from these bytes may still be read by queued kernels: copy only after
+            # them (the compute stream runs in order, so the last one's event covers the others).
+            last = [event for a, b, event in self._out if a < end and start < b]
+            if last:
+                self._device.copy_waits(last[-1])
             with self._device.on_copy_stream():
                 if self._staging is not None and self._staging.stages(layer):
-                    self.bytes_copied += self._staging.copy_to(layer, self._carved[slot])
+                    self.bytes_copied += self._staging.copy_to(layer, carved)
                 else:
-                    self.bytes_copied += layer.host.copy_to(self._carved[slot])
+                    self.bytes_copied += layer.host.copy_to(carved)
                 event = self._device.record_copy()
         except BaseException as error:
-            # A copy issued in part is ordered before the slot's next copy (same stream); the
-            # slot's last reader is unchanged, so it is free again as it was.
-            self._free.appendleft(slot)
+            # A copy issued in part is ordered before the place's next copy (same stream), and its
+            # last readers are unchanged: nothing is held. An AssertionError (the simulator's
+            # hazard) is an engine bug, not a copy fault: never wrapped.
             if isinstance(error, (CopyFailed, AssertionError)) or not isinstance(error, Exception):
                 raise
             raise CopyFailed(f"copying streamed layer {getattr(layer, 'key', position)} to {self._device.device} "
                              f"failed: {type(error).__name__}: {error}") from error
-        views = self._views.get((position, slot))
+        self._placer.take(position, start)
+        self._out = _cut(self._out, start, end)
+        views = self._views.get(place)
         if views is None:
-            views = self._views[(position, slot)] = layer.views(self._carved[slot])
+            views = self._views[place] = layer.views(carved)
         layer.bind(views)
-        self._in_flight[position] = InFlight(slot, event)
+        self._in_flight[position] = event
 
     def _release(self, position: int) -> None:
-        held = self._in_flight.pop(position)
+        del self._in_flight[position]
         self._layers[position].release()
-        self._last_use[held.slot] = self._device.record_compute()
-        self._free.append(held.slot)
+        start, end = self._placer.free(position)
+        self._out.append((start, end, self._device.record_compute()))

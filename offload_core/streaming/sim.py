@@ -158,6 +158,24 @@ def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
+Span = tuple[int, int]  # the bytes [lo, hi) an operation touches
+
+
+def _span(tensor: torch.Tensor) -> Span:
+    """The address range ``tensor``'s elements lie in (a strided view's holes included)."""
+    lo = tensor.data_ptr()
+    if tensor.numel() == 0:
+        return lo, lo
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return lo, lo + extent * tensor.element_size()
+
+
+def _latest(times: dict[Span, float], span: Span) -> float:
+    """The latest time among ``times`` entries overlapping ``span`` (0 if none)."""
+    lo, hi = span
+    return max((t for (a, b), t in times.items() if a < hi and lo < b), default=0.0)
+
+
 class _SimJob:
     """A finished host-copier job: waiting for it moves the waiting thread's clock to its end."""
 
@@ -224,8 +242,10 @@ class SimDevice(Device):
         self._clocks = {LAUNCH_THREAD: 0.0}
         self._thread = LAUNCH_THREAD
         self._host_memory: dict[int, HostingTier] = {}
-        self._last_write: dict[int, float] = {}
-        self._last_read: dict[int, float] = {}
+        # By byte range, not storage: one allocation holds many layers (the ring's window, the
+        # staging ring), and a copy into one layer's place must not be taken for one into another's.
+        self._last_write: dict[Span, float] = {}
+        self._last_read: dict[Span, float] = {}
         self.copies = 0
         self.kernels = 0
         self.blocked_s = 0.0  # launch-thread time blocked: in host-blocking copies and waiting for the copier
@@ -265,20 +285,18 @@ class SimDevice(Device):
         handles = []
         for layer in streamer.layers:
             def charge(_module, _args, _output, layer=layer):
-                reads = {_storage(p) for p in layer.params if p.numel() > 0}
-                self.launch_kernel(seconds[layer.key], reads)
+                self.launch_kernel(seconds[layer.key], [p for p in layer.params if p.numel() > 0])
             handles.append(layer.module.register_forward_hook(charge, prepend=True))
         return handles
 
-    def launch_kernel(self, seconds: float, reads: Iterable[int] = ()) -> None:
-        """Queue a kernel of ``seconds`` on the compute stream reading the storages ``reads``."""
+    def launch_kernel(self, seconds: float, reads: Iterable[torch.Tensor] = ()) -> None:
+        """Queue a kernel of ``seconds`` on the compute stream reading the tensors ``reads``."""
         start = max(self._clocks[self._thread], self._ready[SimStream.COMPUTE])
-        reads = tuple(reads)
-        self._check(start, reads=reads, writes=(), what=f"a {seconds:.3g} s kernel")
+        spans = tuple(_span(t) for t in reads)
+        self._check(start, reads=spans, writes=(), what=f"a {seconds:.3g} s kernel")
         end = start + seconds
         self._ready[SimStream.COMPUTE] = end
-        for storage in reads:
-            self._last_read[storage] = max(self._last_read.get(storage, 0.0), end)
+        self._touch(end, reads=spans, writes=())
         self._clocks[self._thread] += self.link.launch_s
         self.kernels += 1
 
@@ -287,11 +305,11 @@ class SimDevice(Device):
         source = self._host_memory.get(_storage(src), HostingTier.PAGEABLE)
         clock = self._clocks[self._thread]
         start = max(clock, self._ready[self._stream], self._h2d_free)
-        self._check(start, reads=(_storage(src),), writes=(_storage(dst),), what=f"a {source.value} copy")
+        self._check(start, reads=(_span(src),), writes=(_span(dst),), what=f"a {source.value} copy")
         end = start + self.link.copy_latency_s + nbytes / self.link.h2d_Bps(source)
         self._ready[self._stream] = end
         self._h2d_free = end
-        self._touch(end, reads=(_storage(src),), writes=(_storage(dst),))
+        self._touch(end, reads=(_span(src),), writes=(_span(dst),))
         if source is not HostingTier.PINNED or not non_blocking:
             # The driver stages pageable memory itself and returns only once the copy landed; a
             # pinned copy without non_blocking is synchronous too (cudaMemcpy, not ...Async).
@@ -304,28 +322,28 @@ class SimDevice(Device):
     def _host_memcpy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         nbytes = dst.numel() * dst.element_size()
         start = self._clocks[self._thread]
-        self._check(start, reads=(_storage(src),), writes=(_storage(dst),), what="a host memcpy")
+        self._check(start, reads=(_span(src),), writes=(_span(dst),), what="a host memcpy")
         end = start + self.link.memcpy_s(nbytes, start, self._rng)
-        self._touch(end, reads=(_storage(src),), writes=(_storage(dst),))
+        self._touch(end, reads=(_span(src),), writes=(_span(dst),))
         self._clocks[self._thread] = end
 
-    def _check(self, start: float, reads: tuple[int, ...], writes: tuple[int, ...], what: str) -> None:
-        for storage in reads:
-            landed = self._last_write.get(storage, 0.0)
+    def _check(self, start: float, reads: tuple[Span, ...], writes: tuple[Span, ...], what: str) -> None:
+        for span in reads:
+            landed = _latest(self._last_write, span)
             if landed > start + _EPSILON_S:
                 raise StreamHazardError(f"{what} at t={start:.9f} s reads a buffer whose last write "
                                         f"lands at t={landed:.9f} s: a missing wait")
-        for storage in writes:
-            busy = max(self._last_read.get(storage, 0.0), self._last_write.get(storage, 0.0))
+        for span in writes:
+            busy = max(_latest(self._last_read, span), _latest(self._last_write, span))
             if busy > start + _EPSILON_S:
                 raise StreamHazardError(f"{what} at t={start:.9f} s overwrites a buffer still in use "
                                         f"until t={busy:.9f} s: a missing wait")
 
-    def _touch(self, end: float, reads: tuple[int, ...], writes: tuple[int, ...]) -> None:
-        for storage in reads:
-            self._last_read[storage] = max(self._last_read.get(storage, 0.0), end)
-        for storage in writes:
-            self._last_write[storage] = end
+    def _touch(self, end: float, reads: tuple[Span, ...], writes: tuple[Span, ...]) -> None:
+        for span in reads:
+            self._last_read[span] = max(self._last_read.get(span, 0.0), end)
+        for span in writes:
+            self._last_write[span] = end
 
     # -- the Device interface -----------------------------------------------------------------------
     def on_copy_stream(self) -> contextlib.AbstractContextManager[None]:

@@ -3,26 +3,29 @@
 On CUDA a copy from pageable or file-mapped memory is staged by the driver and blocks the calling
 thread until it lands; issued from the thread that launches kernels, it serialises copy and
 compute (the simulator measures a step at 1.5-2x max(copy, compute) that way). So such layers go
-through ``n`` pinned host buffers, each carved per dtype like a ring slot and sized to the
-largest staged layer:
+through one pinned host buffer of ``n x`` the largest staged layer's bytes, used as a byte ring:
+each fill takes its own layer's bytes, contiguous, after the previous one (wrapping), so the
+copier runs as many small layers ahead as fit, not a fixed count (FLUX's single blocks are less
+than half a double block: two buffers' worth holds four of them ahead, not two):
 
-1. a host copier thread fills the buffers in the order the engine will ask for the layers (once
-   per use the staged resident layers, then the staged streamed layers cyclically), ``n`` ahead;
+1. a host copier thread fills the ring in the order the engine will ask for the layers (once
+   per use the staged resident layers, then the staged streamed layers cyclically), as far ahead
+   as the bytes allow;
 2. when the launch thread needs a staged layer it waits for that fill (normally long done),
    issues the asynchronous copy from pinned memory on the copy stream and records its event;
-3. the buffer goes back to the copier, whose next fill into it first waits for that event: the
+3. the bytes go back to the copier, whose next fill over them first waits for that event: the
    copier, never the launch thread, waits for the copy to land.
 
 Host bytes: exactly ``n x`` the region bytes (``staging_bytes``), page-locked, allocated once
-and freed by ``close()`` after every copy out of them landed. A refused pin frees them all: a
-pageable staging buffer would add a host memcpy to a copy that blocks anyway, so the ring then
-stages nothing (``refusal`` says why) and the engine copies those layers unstaged.
+and freed by ``close()`` after every copy out of it landed. A refused pin frees it: a pageable
+staging buffer would add a host memcpy to a copy that blocks anyway, so the ring then stages
+nothing (``refusal`` says why) and the engine copies those layers unstaged.
 
-Faults: every buffer goes back on every path. A fill that raised frees its buffer and its error
+Faults: every byte goes back on every path. A fill that raised frees its bytes and its error
 reaches the launch thread only when it needs that layer (a fill made ahead and dropped is logged).
-A fill waited for longer than ``timeout_s`` raises :class:`FillTimeout`; its buffer stays out until
+A fill waited for longer than ``timeout_s`` raises :class:`FillTimeout`; its bytes stay out until
 the stuck job ends, the fills queued behind it are cancelled, and a new copier thread takes over,
-so the next request stages through the other buffers (none left: copied unstaged).
+so the next request stages through the rest of the ring (no room: copied unstaged).
 """
 from __future__ import annotations
 
@@ -57,8 +60,29 @@ class StagedLayer(Protocol):
 
 class _Fill(NamedTuple):
     layer: StagedLayer
-    buffer: int
+    start: int  # its bytes in the ring: [start, end)
+    end: int
+    carved: dict[torch.dtype, torch.Tensor]
     job: CopyJob
+
+
+def _overlap(a0: int, a1: int, b0: int, b1: int) -> bool:
+    return a0 < b1 and b0 < a1
+
+
+def _cut(out: list[tuple[int, int, object]], start: int, end: int) -> list[tuple[int, int, object]]:
+    """``out`` without the bytes [start, end) (a fill waited for their copies): ranges stay disjoint,
+    so the list never holds more ranges than the ring has fills."""
+    kept = []
+    for a, b, event in out:
+        if not _overlap(a, b, start, end):
+            kept.append((a, b, event))
+            continue
+        if a < start:
+            kept.append((a, start, event))
+        if end < b:
+            kept.append((end, b, event))
+    return kept
 
 
 class StagingRing:
@@ -72,13 +96,13 @@ class StagingRing:
         self._cycle = tuple(cycle)  # the staged streamed layers, in streamed order
         self._cycle_index = {id(layer): i for i, layer in enumerate(self._cycle)}
         self.regions = RegionMap.covering((layer.layout for layer in staged), host=True)  # 8-bit where hosted so
-        self.n_buffers = min(n_buffers, len(staged))
-        self._buffers: list[HostBuffer] = []
-        self._carved: list[dict[torch.dtype, torch.Tensor]] = []
-        self._dma_done: list[object | None] = []
-        self._free: collections.deque[int] = collections.deque()
+        self.n_buffers = min(n_buffers, len(staged))  # the ring's bytes, in largest staged layers
+        self._own = {id(layer): RegionMap.covering([layer.layout], host=True) for layer in staged}
+        self._buffers: list[HostBuffer] = []  # the one ring buffer, once allocated
+        self._head = 0  # where the next fill starts (or 0, if it does not fit before the end)
+        self._out: list[tuple[int, int, object]] = []  # bytes copied out: (start, end, the copy's event)
         self._pending: collections.deque[_Fill] = collections.deque()
-        self._late: list[_Fill] = []  # fills given up on (timed out, cancelled): buffers back once done
+        self._late: list[_Fill] = []  # fills given up on (timed out, interrupted): bytes back once done
         self._prologue: collections.deque[StagedLayer] = collections.deque()
         self._next = 0  # index in the cycle of the next layer to fill
         self._copier: HostCopier | None = None
@@ -86,16 +110,22 @@ class StagingRing:
         self.restarts = 0  # requests out of the fill order (cold starts, layers run out of order)
         self.refusal: PinRefusal | None = None  # the driver refused to lock a buffer: nothing staged
         self.unstaged_copies = 0  # staged layers copied directly: every buffer was out (a hung fill)
+        self.dropped_failures = 0  # fills made ahead that failed and were dropped unasked (logged)
         self._retired_cpu_s = 0.0  # CPU seconds of copiers replaced after a timeout
 
     @property
     def staging_bytes(self) -> int:
-        """Page-locked host bytes of all staging buffers together (``layout.staging_bytes``, exactly)."""
+        """Page-locked host bytes of the staging ring (``layout.staging_bytes``, exactly)."""
         return self.n_buffers * self.regions.nbytes
 
     def host_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The staging buffers, once allocated (for the residency report)."""
+        """The staging ring's buffer, once allocated (for the residency report)."""
         return tuple(buffer.data for buffer in self._buffers)
+
+    @property
+    def filled_ahead(self) -> int:
+        """Fills made and not yet copied out."""
+        return len(self._pending)
 
     @property
     def copier_cpu_s(self) -> float:
@@ -104,41 +134,32 @@ class StagingRing:
 
     @property
     def buffers_out(self) -> int:
-        """Buffers neither free nor filled ahead: held by fills given up on (0 when whole)."""
+        """Fills given up on whose bytes are still held (0 when the ring is whole)."""
         return len(self._late)
 
     def stages(self, layer: StagedLayer) -> bool:
         return id(layer) in self._staged and self.refusal is None
 
     def allocate(self) -> None:
-        """Allocate the buffers and start the copier, once (they live until ``close``)."""
+        """Allocate the ring buffer and start the copier, once (they live until ``close``)."""
         if self._buffers or not self.n_buffers:
             return
-        buffers: list[HostBuffer] = []
-        try:
-            for _ in range(self.n_buffers):
-                buffers.append(self._device.allocate_staging(self.regions.nbytes))
-        except Exception:
-            for buffer in buffers:  # a refused pin must not leave the earlier buffers locked
-                self._device.free_staging(buffer)
-            raise
-        refused = [buffer.refusal for buffer in buffers if buffer.refusal is not None]
-        if refused:
-            for buffer in buffers:
-                self._device.free_staging(buffer)
-            self.refusal, self.n_buffers = refused[0], 0
+        buffer = self._device.allocate_staging(self.staging_bytes)
+        if buffer.refusal is not None:
+            self._device.free_staging(buffer)
+            self.refusal, self.n_buffers = buffer.refusal, 0
             logger.info("staging on %s: %s; %d pageable/mapped layers are copied unstaged (a pageable "
                         "staging buffer would add a host memcpy to a copy that blocks anyway)",
-                        self._device.device, refused[0].explain(), len(self._staged))
+                        self._device.device, buffer.refusal.explain(), len(self._staged))
             return
-        self._buffers = buffers
-        self._carved = [self.regions.carve(buffer.data) for buffer in buffers]
-        self._dma_done = [None] * self.n_buffers
-        self._free = collections.deque(range(self.n_buffers))
+        self._buffers = [buffer]
+        self._head, self._out = 0, []
         self._copier = self._device.host_copier(COPIER_NAME)
-        logger.info("staging on %s: %d pinned buffers x %d B = %d B for %d pageable/mapped layers",
-                    self._device.device, self.n_buffers, self.regions.nbytes, self.staging_bytes,
-                    len(self._staged))
+        sizes = [own.nbytes for own in self._own.values()]
+        logger.info("staging on %s: one pinned ring of %d B (%d x the largest staged layer, %d B) for %d "
+                    "pageable/mapped layers of %d-%d B: %d-%d fills ahead", self._device.device,
+                    self.staging_bytes, self.n_buffers, self.regions.nbytes, len(self._staged), min(sizes),
+                    max(sizes), self.staging_bytes // max(sizes), self.staging_bytes // max(1, min(sizes)))
 
     def begin(self, prologue: Sequence[StagedLayer] = ()) -> None:
         """Start a use: fill ``prologue`` (staged resident layers, in arm order), then the cycle from its start."""
@@ -165,23 +186,22 @@ class StagingRing:
         if not self._pending or self._pending[0].layer is not layer:
             self._restart(layer)
         if not self._pending:
-            # Every buffer is held by a fill given up on: this layer goes the driver's blocking way.
+            # The ring's room is held by fills given up on: this layer goes the driver's blocking way.
             self.unstaged_copies += 1
-            logger.info("staging: no buffer free (%d held by fills given up on); %s copied unstaged",
+            logger.info("staging: no room (%d fills given up on hold it); %s copied unstaged",
                         len(self._late), getattr(layer, "key", "?"))
             return layer.host.copy_to(regions)
         fill = self._pending.popleft()
         self._wait(fill)  # the launch thread waits for the host copier only when it fell behind
-        staged = self._carved[fill.buffer]
+        staged = fill.carved
         copied = 0
         try:
             for dtype, nbytes in layer.layout.host_flat_bytes:
                 regions[dtype][:nbytes].copy_(staged[dtype][:nbytes], non_blocking=True)
                 copied += nbytes
             layer.host.widen(regions)  # a quantized layer: from the landing buffer into its slot, on the copy stream
-        finally:  # a copy issued (even in part) is waited for before the buffer is filled again
-            self._dma_done[fill.buffer] = self._device.record_copy()
-            self._free.append(fill.buffer)
+        finally:  # a copy issued (even in part) is waited for before its bytes are filled again
+            self._out.append((fill.start, fill.end, self._device.record_copy()))
         self._top_up()
         return copied
 
@@ -193,19 +213,18 @@ class StagingRing:
         """
         self._drain()
         stuck = self._settle_late(self._timeout_s)
-        for event in self._dma_done:
+        for _, _, event in self._out:
             self._device.host_waits(event)
-        for index, buffer in enumerate(self._buffers):
-            if index not in stuck:
-                self._device.free_staging(buffer)
         if stuck:
-            logger.warning("staging: %d buffers still held by hung fills after %.1f s; left locked",
-                           len(stuck), self._timeout_s)
+            logger.warning("staging: %d fills still hung after %.1f s; the ring is left locked", stuck,
+                           self._timeout_s)
+        else:
+            for buffer in self._buffers:
+                self._device.free_staging(buffer)
         if self._copier is not None:
             self._retired_cpu_s += self._copier.cpu_s
             self._copier.close(wait=not stuck)
-        self._buffers, self._carved, self._dma_done, self._free = [], [], [], collections.deque()
-        self._late = []
+        self._buffers, self._out, self._late, self._head = [], [], [], 0
         self._copier = None
 
     def _restart(self, layer: StagedLayer) -> None:
@@ -226,19 +245,18 @@ class StagingRing:
         self._top_up()
 
     def _drain(self) -> None:
-        """Wait (bounded) for every fill in flight; their buffers go back unread, errors logged."""
+        """Wait (bounded) for every fill in flight; their bytes go back unread, errors logged."""
         while self._pending:
             fill = self._pending.popleft()
             try:
                 self._wait(fill)
             except Exception as error:  # a fill made ahead that no layer asked for (yet): not this call's
+                self.dropped_failures += 1
                 logger.warning("staging: fill of %s made ahead failed (%s: %s); dropped, filled again "
                                "when asked", getattr(fill.layer, "key", "?"), type(error).__name__, error)
-            else:
-                self._free.append(fill.buffer)
 
     def _wait(self, fill: _Fill) -> None:
-        """Wait for ``fill``; on its error its buffer is freed, past the bound the copier replaced."""
+        """Wait for ``fill``; on its error its bytes are freed, past the bound the copier replaced."""
         try:
             fill.job.result(timeout=self._timeout_s)
         except BaseException as error:
@@ -248,69 +266,86 @@ class StagingRing:
                     self._abandon_copier(fill)
                     raise FillTimeout(f"staging fill of layer {getattr(fill.layer, 'key', '?')} not done "
                                       f"after {self._timeout_s:.1f} s (fill_timeout_s); a hung host "
-                                      "mapping? the copier was replaced and the buffer set aside") from None
-            else:
-                self._free.append(fill.buffer)
+                                      "mapping? the copier was replaced and its bytes set aside") from None
             raise
 
     def _abandon_copier(self, stuck: _Fill) -> None:
         """The copier is stuck in ``stuck``: cancel the fills queued behind it, start a new thread."""
         for fill in self._pending:
-            if fill.job.cancel():  # queued behind the stuck one, never started: its buffer is free
-                self._free.append(fill.buffer)
-            else:
+            if not fill.job.cancel():  # queued behind the stuck one and never started: its bytes are free
                 self._late.append(fill)
         self._pending.clear()
         old, self._copier = self._copier, self._device.host_copier(COPIER_NAME)
         self._retired_cpu_s += old.cpu_s
         old.close(wait=False)
-        logger.warning("staging: fill of %s timed out after %.1f s; %d buffers set aside until their fills "
-                       "end, a new copier thread fills the others", getattr(stuck.layer, "key", "?"),
+        logger.warning("staging: fill of %s timed out after %.1f s; %d fills' bytes set aside until they "
+                       "end, a new copier thread fills the rest of the ring", getattr(stuck.layer, "key", "?"),
                        self._timeout_s, len(self._late))
 
     def _reclaim(self) -> None:
-        """Buffers of fills given up on come back once their jobs ended (or were cancelled)."""
+        """Bytes of fills given up on come back once their jobs ended."""
         if not self._late:
             return
         done = [fill for fill in self._late if fill.job.done()]
         for fill in done:
             self._late.remove(fill)
-            self._free.append(fill.buffer)
         if done:
-            logger.info("staging: %d buffers back from fills given up on; %d still out", len(done), len(self._late))
+            logger.info("staging: %d fills given up on ended, their bytes are back; %d still out",
+                        len(done), len(self._late))
 
-    def _settle_late(self, timeout_s: float) -> set[int]:
-        """Wait up to ``timeout_s`` for fills given up on; the buffers still held after it."""
+    def _settle_late(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for fills given up on; how many still hold bytes after it."""
         for fill in self._late:
             if not fill.job.cancel():
                 try:
                     fill.job.result(timeout=timeout_s)
-                except Exception as error:  # its caller was told already; only the buffer matters
+                except Exception as error:  # its caller was told already; only the bytes matter
                     logger.debug("staging: fill given up on ended with %s", type(error).__name__)
         self._reclaim()
-        return {fill.buffer for fill in self._late}
+        return len(self._late)
 
-    def _upcoming(self) -> StagedLayer | None:
+    def _peek(self) -> StagedLayer | None:
         if self._prologue:
-            return self._prologue.popleft()
-        if not self._cycle:
+            return self._prologue[0]
+        return self._cycle[self._next] if self._cycle else None
+
+    def _advance(self) -> None:
+        if self._prologue:
+            self._prologue.popleft()
+        else:
+            self._next = (self._next + 1) % len(self._cycle)
+
+    def _room(self, nbytes: int) -> int | None:
+        """Where ``nbytes`` of the next fill go: after the last fill, or at 0 if not before the end; None if held."""
+        start = self._head if self._head + nbytes <= self.staging_bytes else 0
+        held = [*self._pending, *self._late]
+        if any(_overlap(start, start + nbytes, f.start, f.end) for f in held):
             return None
-        layer = self._cycle[self._next]
-        self._next = (self._next + 1) % len(self._cycle)
-        return layer
+        return start
 
     def _top_up(self) -> None:
+        """Fill ahead in order while the next layer's bytes fit beside the fills held."""
         self._reclaim()
-        while self._free:
-            layer = self._upcoming()
+        while True:
+            layer = self._peek()
             if layer is None:
                 return
-            buffer = self._free.popleft()
-            job = functools.partial(self._fill, layer, buffer, self._dma_done[buffer])
-            self._pending.append(_Fill(layer, buffer, self._copier.submit(job)))
+            own = self._own[id(layer)]
+            start = self._room(own.nbytes)
+            if start is None:
+                return
+            self._advance()
+            end = start + own.nbytes
+            # The copy stream runs in order: the last copy out of these bytes covers the earlier ones.
+            overlapping = [event for a, b, event in self._out if _overlap(start, end, a, b)]
+            self._out = _cut(self._out, start, end)
+            carved = own.carve(self._buffers[0].data[start:end])
+            job = functools.partial(self._fill, layer, carved, overlapping[-1] if overlapping else None)
+            self._pending.append(_Fill(layer, start, end, carved, self._copier.submit(job)))
+            self._head = end
 
-    def _fill(self, layer: StagedLayer, buffer: int, last_copy_out) -> None:
-        """On the copier: wait until the buffer's previous copy to the device landed, then fill it."""
+    def _fill(self, layer: StagedLayer, carved: dict[torch.dtype, torch.Tensor], last_copy_out) -> None:
+        """On the copier: wait until the last copy out of these bytes landed, then fill them."""
         self._device.host_waits(last_copy_out)
-        layer.host.copy_host_bytes(self._carved[buffer])
+        layer.host.copy_host_bytes(carved)
         self.fills += 1

@@ -208,3 +208,14 @@ def test_a_plan_re_predicted_from_measured_compute_keeps_its_decisions_and_shows
     assert plan.changes_from(plan) == ()
     # The leanest plan: non-layer weights and two slots, whatever the compute.
     assert memory_floor_bytes(zero) == memory_floor_bytes(measured) == 512 + 2 * 1024
+
+
+def test_a_layerwise_plan_explains_its_prefetch_window_in_bytes_and_layers(real_facts):
+    memory = plan_pipeline(sized(real_facts, 24), PerformanceMode.MEMORY)
+    streamed = [c for c in memory.components if c.strategy is Strategy.LAYERWISE]
+    assert streamed
+    for c in streamed:
+        p = c.prediction
+        fewest, most = p.window_layers
+        assert p.window_bytes > 0 and 1 <= fewest <= most
+        assert f"prefetch window {p.window_bytes / GiB:.2f} GiB in bytes: {fewest}-{most} layers" in c.explain()

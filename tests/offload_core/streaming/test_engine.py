@@ -6,6 +6,7 @@ import torch
 
 from offload_core.host.tier import HostingTier
 from offload_core.layout import (
+    RegionMap,
     align_up,
     declared_layer_groups,
     resolve_layer_group,
@@ -52,11 +53,43 @@ def test_streamed_output_is_bitwise_equal_over_two_requests(case, depth, residen
     assert streamer.meter.current_bytes == streamer.non_layer_bytes
 
 
-def _expected_window(streamer, layer_key: str, depth: int) -> set[str]:
-    streamed = [layer.key for layer in streamer.layers if not layer.resident]
-    resident = {layer.key for layer in streamer.layers if layer.resident}
-    k, n = streamed.index(layer_key), len(streamed)
-    return resident | {streamed[(k + j) % n] for j in range(min(depth + 1, n))}
+class _Window:
+    """The prefetch window as the engine is meant to fill it, replayed independently: each layer's
+    bytes after the last placed (at 0 if they do not fit before the end), never over a held layer,
+    in order; an emptied window starts again at 0."""
+
+    def __init__(self, streamer, depth: int):
+        streamed = [layer for layer in streamer.layers if not layer.resident]
+        self.keys = [layer.key for layer in streamed]
+        self.sizes = [RegionMap.covering([layer.layout]).nbytes for layer in streamed]
+        self.size = min(depth + 1, len(streamed)) * RegionMap.covering(layer.layout for layer in streamed).nbytes
+        self.head, self.held = 0, {}
+
+    def _place(self, p: int) -> bool:
+        start = self.head if self.head + self.sizes[p] <= self.size else 0
+        end = start + self.sizes[p]
+        if any(start < b and a < end for a, b in self.held.values()):
+            return False
+        self.held[p], self.head = (start, end), end
+        return True
+
+    def enter(self, k: int) -> None:
+        if k not in self.held:
+            self.held, self.head = {}, 0
+            self._place(k)
+
+    def exit(self, k: int) -> None:
+        del self.held[k]
+        if not self.held:
+            self.head = 0
+        n = len(self.sizes)
+        for step in range(n):
+            p = (k + 1 + step) % n
+            if p not in self.held and not self._place(p):
+                return
+
+    def materialized(self) -> set[str]:
+        return {self.keys[p] for p in self.held}
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -64,13 +97,18 @@ def _expected_window(streamer, layer_key: str, depth: int) -> set[str]:
 def test_at_each_hook_exactly_the_expected_layers_are_materialized(case, depth, remove_after):
     model, inputs = case.build(), case.inputs()
     streamer = remove_after(apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=depth, resident=1)))
+    resident = {layer.key for layer in streamer.layers if layer.resident}
+    window = _Window(streamer, depth)
     seen = []
 
     def check(layer_key, phase):
-        materialized = _materialized_keys(streamer)
-        window = _expected_window(streamer, layer_key, depth)
-        expected = window if phase == "pre" else window - {layer_key}
+        k = window.keys.index(layer_key)
+        # pre: the layer is there (copied now on a cold start); post: the engine's post-hook freed
+        # its bytes and issued the layers after it, as far as the window holds them
+        window.enter(k) if phase == "pre" else window.exit(k)
+        expected = resident | window.materialized()
         seen.append((layer_key, phase))
+        materialized = _materialized_keys(streamer)
         assert materialized == expected, f"{phase}-hook of {layer_key}: {sorted(materialized)} != {sorted(expected)}"
 
     for layer in streamer.layers:
@@ -82,6 +120,7 @@ def test_at_each_hook_exactly_the_expected_layers_are_materialized(case, depth, 
     case.run(model, inputs)  # the second step starts from the wrapped prefetch
     n_streamed = sum(1 for layer in streamer.layers if not layer.resident)
     assert len(seen) == 2 * 2 * n_streamed
+    assert len(window.held) > 1, "the wrapped prefetch holds more than the next layer"
 
 
 def test_flux_layers_run_across_groups_in_group_order(remove_after):
@@ -165,8 +204,9 @@ def test_bytes_copied_counts_every_layer_copy_of_a_request(remove_after):
     layer_bytes = streamer.layers[0].nbytes  # Wan blocks are all the same size
     streamer.prepare_for_use()
     WAN.run(model, inputs)
-    # 1 resident + 3 streamed + 1 wrapped prefetch of the next step's first streamed layer
-    assert streamer.bytes_copied == 5 * layer_bytes
+    # 1 resident + 3 streamed + the wrapped prefetch of the next step's first 2 streamed layers
+    # (the window holds 2; the last layer's exit issues both, its place freed)
+    assert streamer.bytes_copied == 6 * layer_bytes
     streamer.reset_counters()
     assert streamer.bytes_copied == 0
 
@@ -180,7 +220,8 @@ def test_keep_resident_keeps_resident_layers_across_requests(remove_after):
     assert _materialized_keys(streamer) == {"blocks.0", "blocks.1"}
     streamer.reset_counters()
     assert torch.equal(WAN.run(model, inputs), expected)
-    assert streamer.bytes_copied == 3 * streamer.layers[0].nbytes, "resident layers were copied again"
+    # the 2 streamed layers, then both again wrapped for the next step: resident ones not at all
+    assert streamer.bytes_copied == 4 * streamer.layers[0].nbytes, "resident layers were copied again"
     streamer.finish_use(keep_resident=False)
     assert _materialized_keys(streamer) == set()
 

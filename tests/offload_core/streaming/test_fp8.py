@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from offload_core.host.tier import HostingTier
-from offload_core.layout import FP8_HOST_DTYPE, LayoutError, declared_layer_groups, resolve_layer_group
+from offload_core.layout import (
+    FP8_HOST_DTYPE,
+    LayoutError,
+    declared_layer_groups,
+    resolve_layer_group,
+)
 from offload_core.quant import (
     WeightFormat,
     dequantize_fp8,
@@ -85,12 +90,16 @@ def test_layers_are_hosted_and_copied_at_their_8bit_size(case, remove_after):
         assert elements <= fp8 < elements + len(layer.layout.quantized) * 2 * 64 + 512 + 4 * sum(
             q.rows for q in layer.layout.quantized)
     streamer.reset_counters()
+    streamer.prepare_for_use()  # as a request does: the plan's copies are counted from it
     case.run(model, case.inputs())
     streamer.finish_use()
     n, slots = len(streamer.layers), streamer.ring.n_slots
-    # One use copies every layer once and prefetches the next use's first slots - 1 (wrapped).
-    wrapped = sum(layer.layout.host_nbytes for layer in streamer.layers[:slots - 1])
-    assert n > slots and streamer.bytes_copied == hosted + wrapped
+    # One use copies every layer once, and the exits prefetch the layers the window holds from the
+    # first (wrapped; placed by their device bytes, copied at their 8-bit size).
+    wrapped = streamer.ring.copies_per_request(1) - n
+    assert wrapped >= 1 and streamer.bytes_copied == hosted + sum(
+        layer.layout.host_nbytes for layer in streamer.layers[:wrapped])
+    assert n > slots
 
 
 def test_landing_buffer_is_the_largest_fp8_buffer_and_counted_in_the_peak(remove_after):

@@ -68,14 +68,14 @@ def test_a_kernel_that_reads_a_buffer_before_its_copy_landed_is_a_hazard():
     sim = SimDevice(LINK)
     _, dst = _copy(sim, 25 * MB, HostingTier.PINNED)
     with pytest.raises(StreamHazardError, match="missing wait"):
-        sim.launch_kernel(1e-4, reads=[dst.untyped_storage().data_ptr()])
+        sim.launch_kernel(1e-4, reads=[dst])
 
 
 def test_a_copy_over_a_buffer_a_queued_kernel_still_reads_is_a_hazard():
     sim = SimDevice(LINK)
     _, dst = _copy(sim, 25 * MB, HostingTier.PINNED)
     sim.compute_waits(sim.record_copy())
-    sim.launch_kernel(5e-3, reads=[dst.untyped_storage().data_ptr()])
+    sim.launch_kernel(5e-3, reads=[dst])
     src = torch.zeros(25 * MB, dtype=torch.uint8)
     sim.register_host_memory([src], HostingTier.PINNED)
     with pytest.raises(StreamHazardError, match="overwrites a buffer still in use"), sim.on_copy_stream():
