@@ -13,6 +13,10 @@ and reports ``overhead_ratio = streamed / (resident + copy)`` (target <= 1.05: t
 bookkeeping cost at most 5 %; thread CPU time, median of per-repeat ratios), and ``peak_ratio = measured peak / (non-layer + resident + slots)``
 from the meter, audited against a walk over the parameters (target exactly 1.0).
 
+``copier_cpu_s_per_forward``: the staging copier's CPU seconds per streamed forward (its thread's
+CPU time; on CPU the copies run inline in the launch thread) and per staged GB: bounded by the
+host memcpy itself, since its waits on copy events block instead of spinning.
+
 Then ``hook_us_per_layer`` (``bench/hook_cost.py``): the host time of every layer's hooks as the
 service runs them (engine, meter, residency sampler; host copies excluded) on the tiny zoo and on
 Wan2.1-14B's structure at a tiny width (target <= 50 us on both). The last line printed is one JSON object.
@@ -91,6 +95,8 @@ class Measured:
     peak_bytes: int
     predicted_peak_bytes: int
     formula: str  # "non-layer N + resident R + slots S"
+    copier_cpu_s: tuple[float, ...]  # the staging copier's CPU seconds in each streamed forward
+    staged_bytes: int  # of streamed_bytes, those the copier moves (PAGEABLE and MAPPED layers)
 
 
 def measure(args: argparse.Namespace, device: torch.device, repeats: int) -> Measured:
@@ -135,12 +141,14 @@ def measure(args: argparse.Namespace, device: torch.device, repeats: int) -> Mea
         assert streamer.meter.current_bytes == streamer.meter.walk(), "the meter disagrees with its audit"
         peak, predicted = streamer.meter.peak_bytes, streamer.predicted_peak_bytes()
         streamed_model(**inputs)  # warm-up: arms the ring; from now each forward copies each layer once
-        resident_s, copy_s, streamed_s, copied = [], [], [], []
+        resident_s, copy_s, streamed_s, copied, copier_s = [], [], [], [], []
         for _ in range(repeats):
             resident_s.append(timed(lambda: plain(**inputs), device))
             copy_s.append(timed(copy_once, device))
             streamer.reset_counters()
+            copier_before = staging.copier_cpu_s if staging is not None else 0.0
             streamed_s.append(timed(lambda: streamed_model(**inputs), device))
+            copier_s.append((staging.copier_cpu_s if staging is not None else 0.0) - copier_before)
             copied.append(streamer.bytes_copied)
         streamer.finish_use()
     # Staged layers (and pinned ones) copy their flat layout; an unstaged MAPPED one its tensors.
@@ -149,8 +157,9 @@ def measure(args: argparse.Namespace, device: torch.device, repeats: int) -> Mea
     assert set(copied) == {expected_copy}, f"a steady-state forward copied {copied}, not {expected_copy} B"
     formula = (f"non-layer {streamer.non_layer_bytes} + resident {streamer.resident_bytes} "
                f"+ slots {streamer.ring.slot_bytes}")
+    staged_bytes = sum(layer.nbytes for layer in layers if staging is not None and staging.stages(layer))
     return Measured(len(layers), expected_copy, tuple(resident_s), tuple(copy_s), tuple(streamed_s),
-                    peak, predicted, formula)
+                    peak, predicted, formula, tuple(copier_s), staged_bytes)
 
 
 def report(args: argparse.Namespace, device: torch.device, m: Measured) -> dict:
@@ -176,6 +185,10 @@ def report(args: argparse.Namespace, device: torch.device, m: Measured) -> dict:
     print(f"  copy bandwidth            {m.streamed_bytes / best['copy'] / 1e9:8.2f} GB/s")
     print(f"overhead_ratio = streamed / (resident + copy) = {overhead_ratio:.4f} ({clock} time, median of "
           f"{len(paired)} paired repeats; target <= 1.05); from minima {min_ratio:.4f}; wall minima {wall_ratio:.4f}")
+    copier = statistics.median(m.copier_cpu_s)
+    copier_per_gb = copier / (m.staged_bytes / 1e9) if m.staged_bytes else 0.0
+    print(f"copier: {copier * 1e3:.1f} ms CPU per forward (median) for {m.staged_bytes / 1e6:.1f} MB staged = "
+          f"{copier_per_gb:.3f} s per GB ({'in the launch thread: CPU copies run inline' if device.type == 'cpu' else 'its own thread; waits block, not spin'})")
     peak_ratio = m.peak_bytes / m.predicted_peak_bytes
     print(f"peak_ratio = measured {m.peak_bytes} B / predicted {m.predicted_peak_bytes} B = {peak_ratio:.6f} "
           f"(target 1.0; {m.formula})")
@@ -186,7 +199,9 @@ def report(args: argparse.Namespace, device: torch.device, m: Measured) -> dict:
             "overhead_ratio": round(overhead_ratio, 4), "overhead_ratio_of_minima": round(min_ratio, 4),
             "wall_overhead_ratio": round(wall_ratio, 4),
             "peak_bytes": m.peak_bytes,
-            "predicted_peak_bytes": m.predicted_peak_bytes, "peak_ratio": peak_ratio}
+            "predicted_peak_bytes": m.predicted_peak_bytes, "peak_ratio": peak_ratio,
+            "copier_cpu_s_per_forward": round(copier, 6), "copier_cpu_s_per_staged_GB": round(copier_per_gb, 4),
+            "staged_bytes_per_forward": m.staged_bytes}
 
 
 def main() -> None:
