@@ -17,8 +17,8 @@ Byte figures follow the engine exactly, so predictions equal what its meter and 
 Times: every copy to the device is from pinned memory on a side stream and overlaps compute; PAGEABLE
 and MAPPED layers add a host memcpy into staging, on its own thread, that overlaps both. A use takes
 the slowest of compute, the DMA (all streamed bytes at the pinned rate) and the memcpy (staged
-bytes at the pageable rate: the driver's pageable copy, measured, is itself a memcpy into its own
-staging overlapped with a DMA, so its rate bounds ours from below).
+bytes at the measured staged rate, ``LinkFacts.rate``; unmeasured, the pageable rate: the
+driver's pageable copy is itself a memcpy into its own staging overlapped with a DMA).
 """
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def predict(profile: ComponentProfile, plan: ComponentPlan, link: LinkFacts, par
         moved[tier] += nbytes
     per_use_dma = sum(copy_bytes(l, tiers[l.key]) for l in streamed) / link.pinned_Bps
     per_use_memcpy = sum(copy_bytes(l, tiers[l.key]) for l in streamed
-                         if tiers[l.key] in STAGED_TIERS) / link.pageable_Bps
+                         if tiers[l.key] in STAGED_TIERS) / link.rate(HostingTier.PAGEABLE)
     per_use = max(profile.compute_s_per_use, per_use_dma, per_use_memcpy)
     transfer = restore / link.pageable_Bps + sum(_seconds(n, t, link) for t, n in moved.items())
     # A batch shares every copy: each request pays its share (1 unless the stage batches).
@@ -146,4 +146,4 @@ def predict(profile: ComponentProfile, plan: ComponentPlan, link: LinkFacts, par
 
 
 def _seconds(nbytes: int, tier: HostingTier, link: LinkFacts) -> float:
-    return nbytes / (link.pinned_Bps if tier is HostingTier.PINNED else link.pageable_Bps)
+    return nbytes / link.rate(tier)  # each tier at its own measured rate (staged for PAGEABLE/MAPPED)

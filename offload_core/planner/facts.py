@@ -15,6 +15,7 @@ from typing import Sequence
 
 from torch import nn
 
+from offload_core.host.tier import HostingTier
 from offload_core.layout import (
     LayerLayout,
     LayoutError,
@@ -115,15 +116,31 @@ class Stage:
 
 @dataclass(frozen=True)
 class LinkFacts:
-    """Host->device bandwidth, bytes per second, for each kind of host memory."""
+    """Host->device bandwidth, bytes per second, for each way a tier's bytes reach the device."""
 
-    pinned_Bps: float
-    pageable_Bps: float
+    pinned_Bps: float  # DMA from page-locked memory (PINNED layers)
+    pageable_Bps: float  # the driver's own copy from pageable memory (model offload, parked weights, unstaged)
     measured: bool = False  # True when measured on this device, False when configured
+    # Host memcpy into a pinned staging buffer pipelined with the DMA out of it (PAGEABLE and MAPPED
+    # layers, staged); 0: not measured, priced at the pageable rate (what the driver's copy, itself
+    # a memcpy into its staging overlapped with a DMA, reaches).
+    staged_Bps: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.pinned_Bps <= 0 or self.pageable_Bps <= 0:
-            raise ValueError(f"bandwidths must be > 0, got pinned={self.pinned_Bps} pageable={self.pageable_Bps}")
+        if self.pinned_Bps <= 0 or self.pageable_Bps <= 0 or self.staged_Bps < 0:
+            raise ValueError(f"bandwidths must be > 0, got pinned={self.pinned_Bps} pageable={self.pageable_Bps} "
+                             f"staged={self.staged_Bps}")
+
+    def rate(self, tier: HostingTier) -> float:
+        """Bytes per second a layer hosted in ``tier`` reaches the device at (staged for PAGEABLE, MAPPED)."""
+        if tier is HostingTier.PINNED:
+            return self.pinned_Bps
+        return self.staged_Bps or self.pageable_Bps
+
+    def explain(self) -> str:
+        staged = f"{self.staged_Bps / 1e9:.1f} GB/s" if self.staged_Bps else "as pageable"
+        return (f"link ({'measured' if self.measured else 'configured'}): pinned {self.pinned_Bps / 1e9:.1f} GB/s, "
+                f"pageable {self.pageable_Bps / 1e9:.1f} GB/s, staged {staged}")
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,8 @@ class PipelinePlan:
                 f"moved and {self.time_s_per_request:.2f} s per request ({self.compute_s_per_request:.2f} s compute, "
                 f"{self.transfer_s_per_request:.2f} s transfer); {_gib(self.pinned_bytes)} pinned "
                 f"({_gib(self.staging_bytes)} of it staging)")
-        return (head, *(c.explain() for c in self.components), *self.notes)
+        link = (self.facts.link.explain(),) if self.facts is not None else ()
+        return (head, *link, *(c.explain() for c in self.components), *self.notes)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: enums as their values."""

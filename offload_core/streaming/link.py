@@ -1,4 +1,10 @@
-"""The host->device link, measured on the device: pinned and pageable bandwidth, once per process.
+"""The host->device link, measured on the device: pinned, pageable and staged bandwidth, once per process.
+
+Three rates, one per way a tier's bytes reach the device: PINNED layers by DMA from page-locked
+memory; model offload, parked weights and unstaged copies by the driver's pageable copy, timed
+from memory that was written first (never-touched pages all map the one zero page, which the
+driver copies faster than any real buffer); PAGEABLE and MAPPED layers staged, a host memcpy
+into two pinned chunks pipelined with the DMA out of them, as the engine's staging ring does.
 
 Runtime, not planning: it allocates device memory and page-locks host memory, so it lives beside
 the device, and the planner only reads its result (:class:`~offload_core.planner.facts.LinkFacts`).
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import torch
 
@@ -37,28 +44,69 @@ def measure_link(device: torch.device | str, nbytes: int = LINK_PROBE_BYTES, rep
     return _measured(device, int(nbytes), int(repeats))
 
 
+# 32 MiB chunks: a few ms of memcpy each, long against one copy's ~10 us issue cost, and two of
+# them (the pinned memory the staged probe locks) are small beside any replica's staging ring.
+STAGE_CHUNK_BYTES = 32 * 1024 * 1024
+
+
 @functools.lru_cache(maxsize=None)
 def _measured(device: torch.device, nbytes: int, repeats: int) -> LinkFacts:
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     pinned = allocate_host_buffer(nbytes, pin=True, device=device)
+    chunks = [allocate_host_buffer(min(STAGE_CHUNK_BYTES, nbytes), pin=True, device=device) for _ in range(2)]
     try:
         pageable = torch.empty(nbytes, dtype=torch.uint8)
+        pageable.fill_(1)  # written: real pages, not the zero page
         pageable_Bps = _bandwidth(dst, pageable, device, repeats, non_blocking=False)
-        if pinned.page_locked:
+        if pinned.page_locked and all(chunk.page_locked for chunk in chunks):
+            pinned.data.fill_(1)
             pinned_Bps = _bandwidth(dst, pinned.data, device, repeats, non_blocking=True)
+            staged_Bps = _staged_bandwidth(dst, pageable, [chunk.data for chunk in chunks], device, repeats)
         else:
-            # The driver refused to lock the probe: pinned copies are not available to this
-            # process, so the planner must not count on them.
-            logger.info("link %s: %s; pinned bandwidth taken as the pageable figure",
-                        device, pinned.refusal.explain())
-            pinned_Bps = pageable_Bps
+            # The driver refused to lock the probe: pinned copies (and so staging) are not
+            # available to this process, so the planner must not count on them.
+            refusal = next(b.refusal for b in (pinned, *chunks) if b.refusal is not None)
+            logger.info("link %s: %s; pinned and staged bandwidth taken as the pageable figure",
+                        device, refusal.explain())
+            pinned_Bps = staged_Bps = pageable_Bps
     finally:
-        free_host_buffer(pinned)  # synchronises the device, then unlocks
+        for buffer in (pinned, *chunks):
+            free_host_buffer(buffer)  # synchronises the device, then unlocks
         del dst
         torch.cuda.empty_cache()
-    logger.info("link %s: pinned %.1f GB/s, pageable %.1f GB/s (measured, %d MiB x %d; probe buffers freed)",
-                device, pinned_Bps / GB, pageable_Bps / GB, nbytes >> 20, repeats)
-    return LinkFacts(pinned_Bps, pageable_Bps, measured=True)
+    logger.info("link %s: pinned %.1f GB/s, pageable %.1f GB/s (written memory), staged %.1f GB/s (memcpy into "
+                "2 x %d MiB pinned chunks pipelined with the DMA) measured, %d MiB x %d; probe buffers freed",
+                device, pinned_Bps / GB, pageable_Bps / GB, staged_Bps / GB, STAGE_CHUNK_BYTES >> 20,
+                nbytes >> 20, repeats)
+    return LinkFacts(pinned_Bps, pageable_Bps, measured=True, staged_Bps=staged_Bps)
+
+
+def _staged_bandwidth(dst: torch.Tensor, src: torch.Tensor, chunks: list[torch.Tensor], device: torch.device,
+                      repeats: int) -> float:
+    """``src`` to ``dst`` through the pinned ``chunks`` in turn: memcpy into one while the other's DMA runs."""
+    copy_stream = torch.cuda.Stream(device=device)
+    done: list[torch.cuda.Event | None] = [None] * len(chunks)
+
+    def once() -> None:
+        for index, offset in enumerate(range(0, src.numel(), chunks[0].numel())):
+            chunk = chunks[index % len(chunks)]
+            if done[index % len(chunks)] is not None:
+                done[index % len(chunks)].synchronize()  # its last DMA landed (a blocking event: no spin)
+            n = min(chunk.numel(), src.numel() - offset)
+            chunk[:n].copy_(src[offset:offset + n])
+            with torch.cuda.stream(copy_stream):
+                dst[offset:offset + n].copy_(chunk[:n], non_blocking=True)
+                event = torch.cuda.Event(blocking=True)
+                event.record(copy_stream)
+            done[index % len(chunks)] = event
+
+    once()  # warm-up
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        once()
+    torch.cuda.synchronize(device)
+    return dst.numel() * repeats / (time.perf_counter() - start)
 
 
 def _bandwidth(dst: torch.Tensor, src: torch.Tensor, device: torch.device, repeats: int, *,

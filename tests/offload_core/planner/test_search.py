@@ -219,3 +219,19 @@ def test_a_layerwise_plan_explains_its_prefetch_window_in_bytes_and_layers(real_
         fewest, most = p.window_layers
         assert p.window_bytes > 0 and 1 <= fewest <= most
         assert f"prefetch window {p.window_bytes / GiB:.2f} GiB in bytes: {fewest}-{most} layers" in c.explain()
+
+
+def test_each_tier_is_priced_at_its_own_measured_rate_and_the_plan_shows_the_rates():
+    # The same all-PAGEABLE plan (no host lease): its staged memcpy per use is 10 KiB at the staged
+    # rate when one was measured (204.8 B/s: 50 s), at the pageable rate when not (102.4 B/s: 100 s).
+    slow = plan_pipeline(one_component(capacity=4_096, lease=0, compute_s=1.0), PerformanceMode.MEMORY)
+    staged_link = LinkFacts(pinned_Bps=512.0, pageable_Bps=102.4, measured=True, staged_Bps=204.8)
+    fast = plan_pipeline(one_component(capacity=4_096, link=staged_link, lease=0, compute_s=1.0), PerformanceMode.MEMORY)
+    assert {tier for _, tier in fast.component("dit").hosting} == {HostingTier.PAGEABLE}
+    p_slow, p_fast = slow.component("dit").prediction, fast.component("dit").prediction
+    once = 512 / 102.4 if p_fast.parked else 0.0  # parked weights come back by the pageable copy
+    assert p_fast.time_s == pytest.approx(once + 10 * 10 * 1024 / 204.8)
+    assert p_slow.time_s == pytest.approx(once + 10 * 10 * 1024 / 102.4)
+    assert staged_link.rate(HostingTier.PINNED) == 512.0 and staged_link.rate(HostingTier.MAPPED) == 204.8
+    assert "link (measured): pinned 0.0 GB/s" in fast.explain()[1] and "staged 0.0 GB/s" in fast.explain()[1]
+    assert "staged as pageable" in slow.explain()[1]
