@@ -9,13 +9,15 @@
 - group offload: diffusers' ``apply_group_offloading(block_level, 1 block per group, use_stream=True)``,
   the peer implementation;
 on (a) the zoo's medium Wan denoiser and (b) real-size Wan2.1-1.3B blocks with random weights,
-plus measured pinned and pageable host->device bandwidth. Each streamed way is also put over its
-bound ``max(speed step, streamed bytes / measured pinned bandwidth)``: 1.0 is copy fully hidden
-behind compute (or compute behind copy). Peak memory is ``torch.cuda.max_memory_allocated``
+plus measured pinned, pageable and staged host->device bandwidth. Each streamed way is also put
+over its tier's bound ``max(speed step, streamed bytes / that tier's measured rate)`` (pinned for
+pinned layers and group offload, staged for pageable and mapped, pageable for unstaged): 1.0 is
+copy fully hidden behind compute (or compute behind copy). Peak memory is ``torch.cuda.max_memory_allocated``
 (weights and activations). At the end, on CUDA, the engine's CUDA-only tests run
 (``pytest tests/offload_core -k cuda``), and the activation model's CUDA calibration
 (``bench/gpu_activations.py``: each zoo stage calibrated on two shapes with ``max_memory_allocated``,
-predicting a held-out third), so one device run covers them. Without CUDA the script
+predicting a held-out third), then ``bench/hook_cost.py --device cuda`` (the hooks' host time
+with a real copy stream), so one device run covers them. Without CUDA the script
 still runs end to end on CPU with a cut-down real-size model (``--real-blocks``), skipping what
 needs CUDA and saying so. Last line: one JSON object; exit 1 if a CUDA test failed.
 """
@@ -121,7 +123,15 @@ LAYERWISE = {"layerwise": (HostingTier.PINNED, True), "layerwise_pageable": (Hos
              "layerwise_pageable_unstaged": (HostingTier.PAGEABLE, False)}
 
 
-def run_case(name: str, build, shape, steps: int, device, pinned_Bps: float | None, mapped: bool = False) -> dict:
+def tier_rate(way: str, link: dict) -> float | None:
+    """The measured rate a way's bytes reach the device at: pinned, staged (pageable and mapped
+    through staging) or pageable (unstaged, and diffusers' group offload from pinned CPU copies)."""
+    key = {"layerwise": "pinned_GBps", "layerwise_pageable": "staged_GBps", "layerwise_mapped": "staged_GBps",
+           "layerwise_pageable_unstaged": "pageable_GBps", "group_offload": "pinned_GBps"}.get(way)
+    return link[key] * 1e9 if key in link else None
+
+
+def run_case(name: str, build, shape, steps: int, device, link: dict, mapped: bool = False) -> dict:
     dtype = torch.bfloat16 if CUDA else torch.float32
     rows, reference, streamed = {}, None, None
     for way in ("speed", *LAYERWISE, "group_offload"):
@@ -162,13 +172,14 @@ def run_case(name: str, build, shape, steps: int, device, pinned_Bps: float | No
         if CUDA:
             torch.cuda.empty_cache()
     base = rows["speed"]
-    bound = max(base["step_s"], streamed / pinned_Bps) if pinned_Bps else None
     for way, row in rows.items():
         if "step_s" in row:
             row["step_vs_speed"] = round(row["step_s"] / base["step_s"], 3)
             if CUDA:
                 row["peak_vs_speed"] = round(row["peak_allocated_bytes"] / base["peak_allocated_bytes"], 3)
-            if bound is not None and way != "speed":
+            rate = tier_rate(way, link)
+            if rate is not None:  # per tier: over max(speed step, bytes / that tier's measured rate)
+                bound = max(base["step_s"], streamed / rate)
                 row["bound_s"] = round(bound, 4)
                 row["step_vs_bound"] = round(row["step_s"] / bound, 3)
     return {"case": name, "input_shape": list(shape), "streamed_bytes_per_step": streamed, "rows": rows}
@@ -245,7 +256,26 @@ def bandwidth() -> dict:
     from offload_core.streaming.link import measure_link
 
     link = measure_link(torch.device("cuda"))
-    return {"pinned_GBps": round(link.pinned_Bps / 1e9, 2), "pageable_GBps": round(link.pageable_Bps / 1e9, 2)}
+    return {"pinned_GBps": round(link.pinned_Bps / 1e9, 2), "pageable_GBps": round(link.pageable_Bps / 1e9, 2),
+            "staged_GBps": round(link.staged_Bps / 1e9, 2)}
+
+
+def hook_cost(timeout_s: int) -> dict:
+    """bench/hook_cost.py --device cuda (the hooks' host time with a real copy stream and events)."""
+    if not CUDA:
+        return {"skipped": "bench/streaming.py --quick measures the hooks on CPU"}
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    try:
+        done = subprocess.run([sys.executable, "bench/hook_cost.py", "--device", "cuda"], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"returncode": 124, "summary": f"timed out after {timeout_s} s"}
+    lines = done.stdout.strip().splitlines()
+    print("\n" + "\n".join(lines[:-1]), done.stderr[-2000:] if done.returncode else "", sep="\n", flush=True)
+    if done.returncode or not lines:
+        return {"returncode": done.returncode, "summary": done.stderr.strip().splitlines()[-1:]}
+    return {"returncode": 0, **json.loads(lines[-1])}
 
 
 def main() -> None:
@@ -260,6 +290,8 @@ def main() -> None:
                         help="seconds for the activation model's CUDA calibration, after the tests (0: skip)")
     parser.add_argument("--widen-timeout", type=int, default=60,
                         help="seconds for FP8 widening's cost on a Wan2.1-14B block, last (0: skip)")
+    parser.add_argument("--hook-cost-timeout", type=int, default=60,
+                        help="seconds for bench/hook_cost.py --device cuda, after the calibration (0: skip)")
     args = parser.parse_args()
     if args.require_cuda and not CUDA:
         parser.exit(2, "gpu_check: --require-cuda given but torch sees no CUDA device\n")
@@ -273,12 +305,11 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name() if CUDA else 'cpu (CUDA-only parts skipped)'}", flush=True)
     link = bandwidth()
     print(f"host->device bandwidth: {link}", flush=True)
-    pinned_Bps = link["pinned_GBps"] * 1e9 if "pinned_GBps" in link else None
     results = []
     for name, build, shape, mapped in (
             ("medium-wan-denoiser", medium_denoiser, medium_shape, True),
             ("wan2.1-1.3b-random", lambda dt: real_denoiser(dt, args.real_blocks), real_shape, False)):
-        result = run_case(name, build, shape, args.steps, device, pinned_Bps, mapped)
+        result = run_case(name, build, shape, args.steps, device, link, mapped)
         results.append(result)
         print(f"\n{name} {shape}: streams {result['streamed_bytes_per_step'] / MiB:.1f} MiB per step")
         print(f"  {'way':27} {'step s':>9} {'vs speed':>8} {'vs bound':>8} {'peak MiB':>10} {'vs speed':>8}  bitwise")
@@ -297,6 +328,9 @@ def main() -> None:
     widen = widen_cost(args.widen_timeout) if args.widen_timeout else {"skipped": "--widen-timeout 0"}
     print("\n" + json.dumps({"bench": "gpu_check", "cuda": CUDA, "bandwidth": link, "results": results,
                              "activations": calibration, "cuda_tests": tests, "widen": widen}))
+    hooks = hook_cost(args.hook_cost_timeout) if args.hook_cost_timeout else {"skipped": "--hook-cost-timeout 0"}
+    print("\n" + json.dumps({"bench": "gpu_check", "cuda": CUDA, "bandwidth": link, "results": results,
+                             "activations": calibration, "hook_cost": hooks, "cuda_tests": tests}))
     if tests.get("returncode", 0) != 0:
         sys.exit(1)
 
