@@ -56,7 +56,8 @@ def internal_error(request_id: str, exc: BaseException) -> JSONResponse:
 
 
 def overload_or_failure(failure: Failure, retry_after_s: int, request_id: str) -> JSONResponse:
-    """4xx for request-caused stage errors, 503 + Retry-After for overload and lost replicas; 500
+    """4xx for request-caused stage errors, 503 + Retry-After for overload, lost replicas and failed
+    weight copies (the engine's CopyFailed / FillTimeout: the replica gave everything back); 500
     (logged with the request id) for anything else."""
     retry = {"Retry-After": str(retry_after_s)}
     cause, kind = failure.cause, failure.kind
@@ -78,4 +79,9 @@ def overload_or_failure(failure: Failure, retry_after_s: int, request_id: str) -
                     request_id, type(cause).__name__, retry_after_s)
         return error_json(503, "a stage replica was lost mid-request and is being replaced; retry",
                           None, "replica_unavailable", "overloaded", retry)
+    if kind is FailureKind.COPY_FAILED:
+        logger.warning("request %s failed copying weights to the device (%s: %s); 503, retry after %d s",
+                       request_id, type(cause).__name__, cause, retry_after_s)
+        return error_json(503, f"the replica could not copy weights to the device ({type(cause).__name__}); "
+                          "it is usable again, retry", None, "copy_failed", "overloaded", retry)
     return internal_error(request_id, cause)

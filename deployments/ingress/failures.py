@@ -11,6 +11,7 @@ from ray.serve import exceptions as serve_errors
 from cluster.replica.ledger_view import DeviceBusy
 from deployments.wire.failures import Failure, FailureKind, causes
 from deployments.wire.spec import RankLost, RequestRejected
+from offload_core.streaming.copier import CopyFailed
 
 # Gone or going replicas: Serve replaces them; the client should retry.
 _UNAVAILABLE = (ray_errors.RayActorError, ray_errors.ActorDiedError, ray_errors.ActorUnavailableError,
@@ -30,4 +31,6 @@ def sort_failure(exc: BaseException) -> Failure:
             return Failure(FailureKind.DEVICE_BUSY, cause, cause.retry_after_s)
         if isinstance(cause, _UNAVAILABLE):
             return Failure(FailureKind.LOST_REPLICA, cause)
+        if isinstance(cause, CopyFailed):
+            return Failure(FailureKind.COPY_FAILED, cause)
     return Failure(FailureKind.OTHER, exc)

@@ -15,6 +15,9 @@ class FailureKind(enum.Enum):
     QUEUE_FULL = "queue_full"  # a stage's queue was full: try later
     DEVICE_BUSY = "device_busy"  # the device lease was not granted in time: try later
     LOST_REPLICA = "lost_replica"  # the replica or actor died or went away mid-call: rerun elsewhere
+    # The replica's engine could not copy a layer to the device (an I/O error, a fill past its bounded
+    # wait): its slots and buffers were given back, it stays usable; the client may retry.
+    COPY_FAILED = "copy_failed"
     OTHER = "other"  # anything else: a fault, not worth a rerun
 
     @property

@@ -11,6 +11,7 @@ from cluster.replica.ledger_view import DeviceBusy
 from deployments.api import errors
 from deployments.ingress.failures import sort_failure
 from offload_core.host.budget import Refusal
+from offload_core.streaming.copier import CopyFailed, FillTimeout
 
 
 def _body(response) -> dict:
@@ -48,3 +49,13 @@ def test_a_dead_replica_is_a_503_and_anything_else_a_logged_500():
     assert died.status_code == 503 and _body(died)["error"]["code"] == "replica_unavailable"
     other = errors.overload_or_failure(sort_failure(RuntimeError("bug")), retry_after_s=1, request_id="r4")
     assert other.status_code == 500 and "r4" in _body(other)["error"]["message"]
+
+
+def test_a_failed_or_timed_out_weight_copy_in_a_ray_task_error_is_a_503_with_retry_after():
+    for error in (CopyFailed("copying streamed layer blocks.3 to cuda:0 failed: OSError: EIO"),
+                  FillTimeout("staging fill of layer blocks.3 not done after 30.0 s (fill_timeout_s)")):
+        wrapped = ray_errors.RayTaskError("denoise", "traceback", error)
+        response = errors.overload_or_failure(sort_failure(wrapped), retry_after_s=2, request_id="r1")
+        assert response.status_code == 503 and response.headers["retry-after"] == "2"
+        body = _body(response)["error"]
+        assert body["code"] == "copy_failed" and type(error).__name__ in body["message"]
