@@ -6,7 +6,8 @@ For each hosting tier (pinned, pageable, mapped) x prefetch depth (1, 2) x model
 balanced, compute-bound), streams a stack of even layers on :class:`SimDevice` (PCIe Gen4: 25 GB/s
 pinned, 10 GB/s pageable and mapped, 12 GB/s host memcpy), then the named cases: ``uneven``
 (FLUX-like: the first third of the layers twice the bytes of the rest, balanced, every tier and
-depth) and ``slow-copier`` (pageable, balanced: the copier at half speed for a quarter of the
+depth; with ``--uneven-uniform-compute`` every layer computes alike while the bytes differ, so the
+window must bank the double blocks' copy deficit ahead) and ``slow-copier`` (pageable, balanced: the copier at half speed for a quarter of the
 measured step). Every case also pays what a GPU charges besides bandwidth, scaled to the mean
 layer's pinned DMA time ``t`` (a Wan2.1-1.3B block: 58 MB, t = 2.3 ms): ``copy_latency`` 0.5 % t
 per copy (~10 us), ``launch`` 2 % t per layer (~46 us: ~10 kernels), and the copier's memcpy
@@ -94,6 +95,7 @@ class Case:
     model: str
     staging: bool = True
     shape: str = "even"  # "even", "uneven" (FLUX-like) or "slow-copier"
+    uniform_compute: bool = False  # uneven: every layer computes the mean copy stage (bytes differ, compute not)
 
     @property
     def name(self) -> str:
@@ -155,6 +157,9 @@ def run_case(case: Case, layers: int, dim: int, steps: int, base: SimLink) -> Ou
     device.register_streamer(streamer)
     stages = {layer.key: copy_stage(layer.layout, case.tier, link) for layer in streamer.layers}
     compute = {key: MODELS[case.model] * seconds for key, (seconds, _) in stages.items()}
+    if case.uniform_compute:
+        mean = sum(seconds for seconds, _ in stages.values()) / len(stages)
+        compute = {key: MODELS[case.model] * mean for key in stages}
     device.charge_layer_compute(streamer, compute)
     sum_copy = sum(seconds for seconds, _ in stages.values())
     ideal = max(sum_copy, sum(compute.values()))
@@ -180,9 +185,10 @@ def run_case(case: Case, layers: int, dim: int, steps: int, base: SimLink) -> Ou
                    device.blocked_s - blocked, device.copier_wait_s - waited)
 
 
-def cases() -> list[Case]:
+def cases(uniform_compute: bool = False) -> list[Case]:
     grid = [Case(tier, depth, model) for tier in TIERS for depth in DEPTHS for model in MODELS]
-    uneven = [Case(tier, depth, "balanced", shape="uneven") for tier in TIERS for depth in DEPTHS]
+    uneven = [Case(tier, depth, "balanced", shape="uneven", uniform_compute=uniform_compute)
+              for tier in TIERS for depth in DEPTHS]
     return [*grid, *uneven, Case(HostingTier.PAGEABLE, 2, "balanced", shape="slow-copier")]
 
 
@@ -192,6 +198,9 @@ def main() -> None:
     parser.add_argument("--pinned-GBps", type=float, default=25.0)
     parser.add_argument("--pageable-GBps", type=float, default=10.0)
     parser.add_argument("--host-memcpy-GBps", type=float, default=12.0)
+    parser.add_argument("--uneven-uniform-compute", action="store_true",
+                        help="uneven cases: every layer computes alike while bytes differ (the window must "
+                             "bank the double blocks' copy deficit)")
     args = parser.parse_args()
     layers, dim, steps = (40, 128, 3) if args.quick else (60, 256, 4)
     link = SimLink(pinned_Bps=args.pinned_GBps * 1e9, pageable_Bps=args.pageable_GBps * 1e9,
@@ -201,7 +210,7 @@ def main() -> None:
     print(f"{'case':42} {'step us':>9} {'bound us':>9} {'ratio':>6} {'copy bound by':14} {'blocked us':>10} "
           f"{'copier wait us':>14} bitwise peak=pred")
     outcomes = []
-    for case in cases():
+    for case in cases(args.uneven_uniform_compute):
         o = run_case(case, layers, dim, steps, link)
         outcomes.append(o)
         print(f"{case.name:42} {o.step_s * 1e6:>9.3f} {o.bound_s * 1e6:>9.3f} {o.ratio:>6.3f} {o.copy_bound_by:14} "
@@ -211,6 +220,7 @@ def main() -> None:
     print(f"negative control (balanced, pageable, depth 1, staging off): ratio {control.ratio:.3f}")
     print(json.dumps({
         "bench": "sim_overlap", "quick": args.quick, "layers": layers, "link": dataclasses.asdict(link),
+        "uneven_uniform_compute": args.uneven_uniform_compute,
         "overheads_per_layer_dma": {"copy_latency": COPY_LATENCY_T, "launch": LAUNCH_T, "copier_jitter": JITTER},
         "cases": [{"name": o.case.name, "shape": o.case.shape, "tier": o.case.tier.value, "depth": o.case.depth,
                    "model": o.case.model, "ratio": round(o.ratio, 4), "step_s": o.step_s, "bound_s": o.bound_s,

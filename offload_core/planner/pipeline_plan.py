@@ -198,7 +198,7 @@ class PipelinePlan:
                 f"{self.transfer_s_per_request:.2f} s transfer); {_gib(self.pinned_bytes)} pinned "
                 f"({_gib(self.staging_bytes)} of it staging)")
         link = (self.facts.link.explain(),) if self.facts is not None else ()
-        return (head, *link, *(c.explain() for c in self.components), *self.notes)
+        return (head, *(c.explain() for c in self.components), *link, *self.notes)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: enums as their values."""
