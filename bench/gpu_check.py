@@ -325,12 +325,10 @@ def main() -> None:
     tests = cuda_tests(args.cuda_tests_timeout) if args.cuda_tests_timeout else {"skipped": "--cuda-tests-timeout 0"}
     calibration = (activation_comparison(args.activations_timeout) if args.activations_timeout
                    else {"skipped": "--activations-timeout 0"})
+    hooks = hook_cost(args.hook_cost_timeout) if args.hook_cost_timeout else {"skipped": "--hook-cost-timeout 0"}
     widen = widen_cost(args.widen_timeout) if args.widen_timeout else {"skipped": "--widen-timeout 0"}
     print("\n" + json.dumps({"bench": "gpu_check", "cuda": CUDA, "bandwidth": link, "results": results,
-                             "activations": calibration, "cuda_tests": tests, "widen": widen}))
-    hooks = hook_cost(args.hook_cost_timeout) if args.hook_cost_timeout else {"skipped": "--hook-cost-timeout 0"}
-    print("\n" + json.dumps({"bench": "gpu_check", "cuda": CUDA, "bandwidth": link, "results": results,
-                             "activations": calibration, "hook_cost": hooks, "cuda_tests": tests}))
+                             "activations": calibration, "hook_cost": hooks, "cuda_tests": tests, "widen": widen}))
     if tests.get("returncode", 0) != 0:
         sys.exit(1)
 

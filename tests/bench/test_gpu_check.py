@@ -24,6 +24,7 @@ def test_gpu_check_runs_in_cpu_mode_and_streams_bitwise_equal():
     assert "need CUDA" in report["cuda_tests"]["skipped"]
     assert "needs CUDA" in report["activations"]["skipped"]
     assert "needs CUDA" in report["widen"]["skipped"]
+    assert "skipped" in report["hook_cost"], "the prepared device run includes hook_cost --device cuda"
     for result in report["results"]:
         rows = result["rows"]
         assert result["streamed_bytes_per_step"] > 0
