@@ -296,6 +296,8 @@ class WindowPlacer:
         span = self.held.pop(position)
         if not self.held:
             self.head = 0  # an empty window starts again at 0: every request places alike
+        elif span[1] == self.head:
+            self.head = span[0]  # the last one placed (a copy dropped unrun): its bytes are next again
         return span
 
 

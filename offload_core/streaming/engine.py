@@ -251,7 +251,7 @@ class LayerStreamer:
             return
         try:
             if not layer.resident:
-                self.ring.exit(layer.position)
+                self.ring.exit(layer.position, prefetch=not self._restart_pending)
         finally:
             with self._running_lock:
                 self._running = None

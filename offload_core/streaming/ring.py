@@ -216,23 +216,27 @@ class PrefetchRing:
         """The running use enters no more layers (a step cache skips them): the window moves to the
         next use's first layers now. In-flight copies of layers that will not run are released (their
         bytes were moved for nothing: at most ``n_slots - 1`` layers, those already prefetched) and the
-        freed slots fetch the next use's first layers. Returns how many copies were wasted."""
+        freed bytes fetch the next use's first layers. Returns how many copies were wasted."""
         if not self._layers:
             return 0
-        window = {step % len(self._layers) for step in range(self.n_slots)}
-        wasted = [held for held in self._in_flight if held not in window]
-        for held in wasted:
+        # The next use's first window (what prefetch(0) holds from an empty window): held layers
+        # in it are kept, the others were copied for nothing; released newest first, so the bytes
+        # they took are the next ones placed.
+        first = window_copies(self._placer.sizes, self.window_bytes, 0)
+        wasted = [held for held in self._in_flight if held >= first]
+        for held in reversed(wasted):
             self._release(held)
         self.skipped_restarts += 1
         self.wasted_copies += len(wasted)
         self.prefetch(0)
         return len(wasted)
 
-    def exit(self, position: int) -> None:
-        """After streamed layer ``position``'s kernels were launched: free its place, prefetch the next."""
+    def exit(self, position: int, prefetch: bool = True) -> None:
+        """After streamed layer ``position``'s kernels were launched: free its place, prefetch the next
+        (not when the rest of the use is skipped: ``restart`` fetches the next use's layers instead)."""
         if position in self._in_flight:
             self._release(position)
-        if self._allocated and self._layers:
+        if prefetch and self._allocated and self._layers:
             self.prefetch((position + 1) % len(self._layers))
 
     def release_all(self) -> None:
