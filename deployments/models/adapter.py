@@ -95,6 +95,21 @@ def step_callback(spec: GenerationSpec, on_step: Callable[[DenoiseProgress], Non
     return step_end
 
 
+def pipeline_images(pipe, spec: GenerationSpec, **knobs) -> torch.Tensor:
+    """An image pipeline's in-process result for ``spec`` as one-frame videos (the bitwise reference);
+    ``knobs`` are the family's own (negative prompt, guidance)."""
+    return torch.from_numpy(pipe(
+        prompt=spec.prompt, height=spec.height, width=spec.width, num_inference_steps=spec.steps,
+        num_images_per_prompt=spec.n, generator=generator_for(spec), output_type="np", **knobs).images).unsqueeze(1)
+
+
+def decoded_images(pipe, latents: torch.Tensor) -> torch.Tensor:
+    """The image VAE's decode of final, unscaled latents, post-processed as the pipeline does, as
+    one-frame videos."""
+    image = pipe.vae.decode(latents, return_dict=False)[0]
+    return torch.from_numpy(pipe.image_processor.postprocess(image, output_type="np")).unsqueeze(1)
+
+
 class FamilyAdapter:
     """One family's declarations and stage calls. Subclasses set the class attributes and implement
     the ``NotImplementedError`` methods; the loading code here is shared."""
@@ -194,6 +209,11 @@ class FamilyAdapter:
         """Forward passes per request of each of the stage's components (what the planner weighs bytes by).
         ``batched``: the Denoiser's step batching runs guidance's two branches in one forward."""
         raise NotImplementedError
+
+    def uses_by_stage(self, facts: FamilyFacts, stage: PipelineStage, *, encode: int, denoise: int) -> dict[str, int]:
+        """``uses_per_request``'s answer when every component of a stage runs equally often (decode once)."""
+        per_stage = {PipelineStage.ENCODE: encode, PipelineStage.DENOISE: denoise, PipelineStage.DECODE: 1}
+        return {name: per_stage[PipelineStage(stage)] for name in self.modules(facts, stage)}
 
     def phases(self, facts: FamilyFacts, stage: PipelineStage) -> tuple[tuple[str, ...], ...]:
         """The stage's components grouped by what runs at once; the planner holds one group's working

@@ -18,7 +18,9 @@ from deployments.models.adapter import (
     ENCODE,
     FamilyAdapter,
     FamilyFacts,
+    decoded_images,
     generator_for,
+    pipeline_images,
     read_json,
     step_callback,
 )
@@ -111,22 +113,17 @@ class FluxAdapter(FamilyAdapter):
         vae = pipe.vae  # the tail of FluxPipeline.__call__
         latents = pipe._unpack_latents(latents, spec.height, spec.width, pipe.vae_scale_factor)
         latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
-        image = vae.decode(latents.to(device), return_dict=False)[0]
-        return torch.from_numpy(pipe.image_processor.postprocess(image, output_type="np")).unsqueeze(1)
+        return decoded_images(pipe, latents.to(device))
 
     def stepper(self, pipe, facts, device) -> FluxStepper:
         return FluxStepper(pipe, facts, device)
 
     def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
-        return torch.from_numpy(pipe(
-            prompt=spec.prompt, negative_prompt=spec.negative_prompt, height=spec.height, width=spec.width,
-            num_inference_steps=spec.steps, guidance_scale=spec.guidance_scale, num_images_per_prompt=spec.n,
-            generator=generator_for(spec), output_type="np").images).unsqueeze(1)
+        return pipeline_images(pipe, spec, negative_prompt=spec.negative_prompt, guidance_scale=spec.guidance_scale)
 
     def uses_per_request(self, facts, stage, steps, guidance_scale, batched=False) -> dict[str, int]:
         # Guidance-distilled: one pass per step and one per encoder, whatever the scale.
-        per_stage = {ENCODE: 1, DENOISE: steps, DECODE: 1}
-        return {name: per_stage[PipelineStage(stage)] for name in self.modules(facts, stage)}
+        return self.uses_by_stage(facts, stage, encode=1, denoise=steps)
 
     def activation_input(self, pipe, facts, stage, spec):
         stage = PipelineStage(stage)

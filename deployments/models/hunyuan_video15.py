@@ -144,11 +144,11 @@ class HunyuanVideo15Adapter(FamilyAdapter):
                            int(vae.get("temporal_compression_ratio", 4)), True, True, guidance,
                            pipeline_class=index["_class_name"], modalities=self.serves, max_n=1)
 
-    def load_stage_pipeline(self, facts, stage, dtype):
+    def load_stage_pipeline(self, facts, stage, dtype, loaded=None):
         """The base loading, except that a stage without the VAE gets it on the meta device for the
         pipeline's ``__init__`` (which reads its config) and then none."""
         if "vae" in self.modules(facts, stage):
-            return super().load_stage_pipeline(facts, stage, dtype)
+            return super().load_stage_pipeline(facts, stage, dtype, loaded)
         from diffusers import AutoencoderKLHunyuanVideo15
 
         with torch.device("meta"):
@@ -158,7 +158,8 @@ class HunyuanVideo15Adapter(FamilyAdapter):
         index = read_json(pathlib.Path(facts.folder) / "model_index.json")
         skipped = {name: None for name, spec in index.items()
                    if isinstance(spec, list) and spec[0] is not None and name not in keep | {"vae"}}
-        pipe = cls.from_pretrained(facts.folder, use_safetensors=True, dtype=dtype, vae=stand_in, **skipped)
+        pipe = cls.from_pretrained(facts.folder, use_safetensors=True, dtype=dtype, vae=stand_in, **skipped,
+                                   **(loaded or {}))
         pipe.register_modules(vae=None)
         pipe.set_progress_bar_config(disable=True)
         logger.info("stage %s loaded %s from %s: components %s, skipped %s (the VAE only as a meta-device "
@@ -228,8 +229,7 @@ class HunyuanVideo15Adapter(FamilyAdapter):
         # Guided: both encoders run for the negative prompt too, and the pipeline's guider runs a
         # second transformer forward per step (step batching joins both branches in one).
         cfg = 2 if _guided(guidance_scale) else 1
-        per_stage = {ENCODE: cfg, DENOISE: steps * (1 if batched else cfg), DECODE: 1}
-        return {name: per_stage[PipelineStage(stage)] for name in self.modules(facts, stage)}
+        return self.uses_by_stage(facts, stage, encode=cfg, denoise=steps * (1 if batched else cfg))
 
     def activation_input(self, pipe, facts, stage, spec):
         stage = PipelineStage(stage)

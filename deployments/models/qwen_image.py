@@ -27,6 +27,7 @@ from deployments.models.adapter import (
     FamilyAdapter,
     FamilyFacts,
     generator_for,
+    pipeline_images,
     read_json,
     step_callback,
 )
@@ -210,17 +211,13 @@ class QwenImageAdapter(FamilyAdapter):
 
     def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
         negative = _negative(spec) if _true_cfg(spec) and not _distilled(pipe) else None
-        return torch.from_numpy(pipe(
-            prompt=spec.prompt, negative_prompt=negative, height=spec.height, width=spec.width,
-            num_inference_steps=spec.steps, num_images_per_prompt=spec.n, generator=generator_for(spec),
-            output_type="np", **self._knobs(pipe, spec)).images).unsqueeze(1)
+        return pipeline_images(pipe, spec, negative_prompt=negative, **self._knobs(pipe, spec))
 
     def uses_per_request(self, facts, stage, steps, guidance_scale, batched=False) -> dict[str, int]:
         # True CFG: the encoder runs for the negative prompt too, and the pipeline's loop runs a
         # second transformer forward per step (step batching joins both branches in one).
         cfg = 2 if guidance_scale > 1.0 else 1
-        per_stage = {ENCODE: cfg, DENOISE: steps * (1 if batched else cfg), DECODE: 1}
-        return {name: per_stage[PipelineStage(stage)] for name in self.modules(facts, stage)}
+        return self.uses_by_stage(facts, stage, encode=cfg, denoise=steps * (1 if batched else cfg))
 
     def activation_input(self, pipe, facts, stage, spec):
         stage = PipelineStage(stage)

@@ -22,7 +22,9 @@ from deployments.models.adapter import (
     ENCODE,
     FamilyAdapter,
     FamilyFacts,
+    decoded_images,
     generator_for,
+    pipeline_images,
     read_json,
     step_callback,
 )
@@ -145,23 +147,18 @@ class SD3Adapter(FamilyAdapter):
     def decode(self, pipe, facts, latents, spec, device) -> torch.Tensor:
         vae = pipe.vae  # the tail of StableDiffusion3Pipeline.__call__
         latents = (latents.to(device) / vae.config.scaling_factor) + vae.config.shift_factor
-        image = vae.decode(latents, return_dict=False)[0]
-        return torch.from_numpy(pipe.image_processor.postprocess(image, output_type="np")).unsqueeze(1)
+        return decoded_images(pipe, latents)
 
     def stepper(self, pipe, facts, device) -> SD3Stepper:
         return SD3Stepper(pipe, facts, device)
 
     def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
-        return torch.from_numpy(pipe(
-            prompt=spec.prompt, negative_prompt=spec.negative_prompt, height=spec.height, width=spec.width,
-            num_inference_steps=spec.steps, guidance_scale=spec.guidance_scale, num_images_per_prompt=spec.n,
-            generator=generator_for(spec), output_type="np").images).unsqueeze(1)
+        return pipeline_images(pipe, spec, negative_prompt=spec.negative_prompt, guidance_scale=spec.guidance_scale)
 
     def uses_per_request(self, facts, stage, steps, guidance_scale, batched=False) -> dict[str, int]:
         # Guided: each encoder runs for the prompt and the negative prompt; the pipeline's own loop
         # already runs both branches in one transformer forward, so a step is one pass either way.
-        per_stage = {ENCODE: 2 if guidance_scale > 1.0 else 1, DENOISE: steps, DECODE: 1}
-        return {name: per_stage[PipelineStage(stage)] for name in self.modules(facts, stage)}
+        return self.uses_by_stage(facts, stage, encode=2 if guidance_scale > 1.0 else 1, denoise=steps)
 
     def activation_input(self, pipe, facts, stage, spec):
         stage = PipelineStage(stage)
