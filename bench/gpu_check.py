@@ -193,12 +193,33 @@ def layer_bytes(model) -> int:
                for g in declared_layer_groups(model) for i, layer in enumerate(resolve_layer_group(model, g).layers))
 
 
+def _repo_env() -> tuple[Path, dict]:
+    """The repository root and an environment whose PYTHONPATH finds the project from a subprocess."""
+    root = Path(__file__).resolve().parents[1]
+    return root, {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+
+
+def _bench_json(args: list[str], timeout_s: int) -> dict:
+    """One bench script in a subprocess: its table printed here, its last line (one JSON object) returned
+    with returncode 0, or the returncode and the error's last line."""
+    root, env = _repo_env()
+    try:
+        done = subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"returncode": 124, "summary": f"timed out after {timeout_s} s"}
+    lines = done.stdout.strip().splitlines()
+    print("\n" + "\n".join(lines[:-1]), done.stderr[-2000:] if done.returncode else "", sep="\n", flush=True)
+    if done.returncode or not lines:
+        return {"returncode": done.returncode, "summary": done.stderr.strip().splitlines()[-1:]}
+    return {"returncode": 0, **json.loads(lines[-1])}
+
+
 def cuda_tests(timeout_s: int) -> dict:
     """The engine's CUDA-only tests (stream safety, staging on a real GPU), in a subprocess."""
     if not CUDA:
         return {"skipped": "the CUDA-only tests need CUDA"}
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    root, env = _repo_env()
     try:
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
                                "tests/offload_core", "-k", "cuda"], cwd=root, env=env, capture_output=True,
@@ -216,18 +237,9 @@ def activation_comparison(timeout_s: int) -> dict:
     table printed here, its JSON returned. On CPU the tests pin the same comparison."""
     if not CUDA:
         return {"skipped": "the CUDA calibration needs CUDA (tests/deployments/models/test_activation_features.py pins the CPU one)"}
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    try:
-        done = subprocess.run([sys.executable, "bench/gpu_activations.py"], cwd=root, env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"returncode": 124, "summary": f"timed out after {timeout_s} s"}
-    lines = done.stdout.strip().splitlines()
-    print("\n" + "\n".join(lines[:-1]), done.stderr[-2000:] if done.returncode else "", sep="\n", flush=True)
-    if done.returncode or not lines:
-        return {"returncode": done.returncode, "summary": done.stderr.strip().splitlines()[-1:]}
-    report = json.loads(lines[-1])
+    report = _bench_json(["bench/gpu_activations.py"], timeout_s)
+    if report["returncode"]:
+        return report
     return {"returncode": 0, "max_abs_error": report["max_abs_error"], "rows": report["rows"]}
 
 
@@ -236,18 +248,7 @@ def widen_cost(timeout_s: int) -> dict:
     beside the copy it saves (issue 23 item 4). On CPU the bench runs on its own (README figures)."""
     if not CUDA:
         return {"skipped": "the widen's cost beside the pinned copy needs CUDA (bench/widen_cost.py runs on CPU alone)"}
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    try:
-        done = subprocess.run([sys.executable, "bench/widen_cost.py", "--device", "cuda"], cwd=root, env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"returncode": 124, "summary": f"timed out after {timeout_s} s"}
-    lines = done.stdout.strip().splitlines()
-    print("\n" + "\n".join(lines[:-1]), done.stderr[-2000:] if done.returncode else "", sep="\n", flush=True)
-    if done.returncode or not lines:
-        return {"returncode": done.returncode, "summary": done.stderr.strip().splitlines()[-1:]}
-    return {"returncode": 0, **json.loads(lines[-1])}
+    return _bench_json(["bench/widen_cost.py", "--device", "cuda"], timeout_s)
 
 
 def bandwidth() -> dict:
@@ -264,18 +265,7 @@ def hook_cost(timeout_s: int) -> dict:
     """bench/hook_cost.py --device cuda (the hooks' host time with a real copy stream and events)."""
     if not CUDA:
         return {"skipped": "bench/streaming.py --quick measures the hooks on CPU"}
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    try:
-        done = subprocess.run([sys.executable, "bench/hook_cost.py", "--device", "cuda"], cwd=root, env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"returncode": 124, "summary": f"timed out after {timeout_s} s"}
-    lines = done.stdout.strip().splitlines()
-    print("\n" + "\n".join(lines[:-1]), done.stderr[-2000:] if done.returncode else "", sep="\n", flush=True)
-    if done.returncode or not lines:
-        return {"returncode": done.returncode, "summary": done.stderr.strip().splitlines()[-1:]}
-    return {"returncode": 0, **json.loads(lines[-1])}
+    return _bench_json(["bench/hook_cost.py", "--device", "cuda"], timeout_s)
 
 
 def main() -> None:
