@@ -56,6 +56,7 @@ CASES = [
     Case("wan2.2-a14b", wan22.ensure_tiny_wan22_a14b, steps=4),  # 999, 900 high noise; 750, 500 low
     Case("wan2.2-ti2v-5b", wan22.ensure_tiny_wan22_ti2v),
     Case("wan2.2-i2v-a14b", wan22.ensure_tiny_wan22_i2v, steps=4),
+    Case("wan2.1-i2v", wan22.ensure_tiny_wan21_i2v),
     Case("sd3.5", tiny_families.ensure_tiny_sd3),
     Case("z-image", tiny_families.ensure_tiny_zimage),
     Case("qwen-image", tiny_families.ensure_tiny_qwen_image),
