@@ -41,6 +41,8 @@ class ReferenceImage(str, enum.Enum):
 
     NONE = "none"  # text-only: a reference image is a 400 naming the field
     REQUIRED = "required"  # image-to-video: a request without one is a 400 naming the field
+    # Text- or image-to-video (Wan2.2 TI2V-5B): a video request may carry one; an image request may not.
+    OPTIONAL = "optional"
 
 
 @dataclass(frozen=True)

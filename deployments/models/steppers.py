@@ -58,6 +58,9 @@ class StepRequest:
     waited_s: float = 0.0  # queued before it joined a batch
     # Its step cache state: threshold (0: off), residuals per transformer, steps skipped.
     cache: CachedRequest = field(default_factory=CachedRequest)
+    # The family's last touch on the final latents, after the last step (Wan2.2 TI2V-5B's
+    # image-to-video puts the reference frame's latents back, as its pipeline does); None: as stepped.
+    finish: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def rows(self) -> int:
@@ -72,6 +75,8 @@ class StepRequest:
         t = self.timesteps[self.step]
         self.latents = self.scheduler.step(noise_pred, t, self.latents, return_dict=False)[0]
         self.step += 1
+        if self.done and self.finish is not None:
+            self.latents = self.finish(self.latents)
         if self.on_step is not None:
             self.on_step(DenoiseProgress(self.spec.request_id, self.step, len(self.timesteps)))
 

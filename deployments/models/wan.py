@@ -171,6 +171,10 @@ class WanAdapter(FamilyAdapter):
     stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
     serves = ("image", "video")
 
+    def recognises(self, index) -> bool:
+        # A WanPipeline folder with expanded timesteps (TI2V-5B) is deployments.models.wan_ti2v's.
+        return super().recognises(index) and not index.get("expand_timesteps")
+
     def facts(self, folder, index) -> FamilyFacts:
         return wan_facts(self, folder, index)
 

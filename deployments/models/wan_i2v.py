@@ -16,7 +16,7 @@ repeats them once per prompt, not per video, so ``num_videos_per_prompt`` = 2 fa
 transformer (a batch of 1 image row against 2 text rows): the family makes one video per request.
 
 Refused with a message: a WanImageToVideoPipeline folder with ``expand_timesteps`` (the TI2V-5B
-image conditioning is served from its own ``WanPipeline`` folder by ``deployments.models.wan``).
+image conditioning is served from its own ``WanPipeline`` folder by ``deployments.models.wan_ti2v``).
 diffusers' I2V pipeline calls ``ftfy`` on every prompt, so the family requires it.
 Run by the stage replicas; :meth:`WanI2VAdapter.facts` by the ingress (json only).
 """
@@ -70,6 +70,46 @@ def with_stand_in_image(spec: GenerationSpec) -> GenerationSpec:
     return dataclasses.replace(spec, reference_image=out.getvalue())
 
 
+@torch.no_grad()
+def image_latents(pipe, spec: GenerationSpec, device: torch.device, frames: int) -> torch.Tensor:
+    """The VAE's normalised latents of the reference image as the first of ``frames`` (zeros after),
+    ``spec.n`` rows, float32: WanImageToVideoPipeline.prepare_latents' ``latent_condition``."""
+    from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
+
+    vae = pipe.vae
+    image = pipe.video_processor.preprocess(reference_image(spec), height=spec.height, width=spec.width)
+    image = image.to(device, dtype=torch.float32).unsqueeze(2)
+    video = torch.cat([image, image.new_zeros(image.shape[0], image.shape[1], frames - 1, spec.height, spec.width)],
+                      dim=2).to(device=device, dtype=vae.dtype)
+    latent = retrieve_latents(vae.encode(video), sample_mode="argmax").repeat(spec.n, 1, 1, 1, 1)
+    latent = latent.to(device=device, dtype=torch.float32)
+    mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(device, torch.float32)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(device, torch.float32)
+    return (latent - mean) * inv_std
+
+
+@torch.no_grad()
+def denoise_alone(stepper: WanStepper, encoded: EncodedPrompt, spec: GenerationSpec, on_step=None) -> torch.Tensor:
+    """WanImageToVideoPipeline's loop for one request (cond and uncond as separate forwards, as it
+    runs them), its condition given: the latents ``pipe(..., output_type="latent")`` returns."""
+    pipe = stepper.pipe
+    request = stepper.start(encoded, spec, on_step)
+    while not request.done:
+        t = request.timesteps[request.step]
+        model = getattr(pipe, expert_for(pipe, t))
+        x, timestep = stepper.model_input(request), stepper.timestep(request)
+        image = stepper.image_inputs([request], guided=False)
+        noise = model(hidden_states=x, timestep=timestep, encoder_hidden_states=request.cond["encoder_hidden_states"],
+                      return_dict=False, **image)[0]
+        if request.uncond is not None:
+            uncond = model(hidden_states=x, timestep=timestep,
+                           encoder_hidden_states=request.uncond["encoder_hidden_states"], return_dict=False,
+                           **image)[0]
+            noise = uncond + spec.guidance_scale * (noise - uncond)
+        request.advance(noise)
+    return request.latents.to(CPU)
+
+
 class WanI2VStepper(WanStepper):
     """WanStepper with the image condition joined to each request's latents on the channel axis."""
 
@@ -118,7 +158,7 @@ class WanI2VAdapter(WanAdapter):
     serves = ("image-to-video",)
 
     def recognises(self, index) -> bool:
-        return super().recognises(index) and not has_image_encoder(index)
+        return index.get("_class_name") in self.pipeline_classes and not has_image_encoder(index)
 
     def unsupported_variant(self, index, folder) -> str | None:
         if index.get("expand_timesteps"):
@@ -132,18 +172,8 @@ class WanI2VAdapter(WanAdapter):
     def condition(self, pipe, facts, spec, device) -> torch.Tensor:
         """WanImageToVideoPipeline.prepare_latents' condition (diffusers 0.42), without the noise:
         mask of the given frame + the VAE's latents of the image followed by zero frames."""
-        from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
-
-        vae, frames = pipe.vae, wan_frames(pipe, spec)
-        image = pipe.video_processor.preprocess(reference_image(spec), height=spec.height, width=spec.width)
-        image = image.to(device, dtype=torch.float32).unsqueeze(2)
-        video = torch.cat([image, image.new_zeros(image.shape[0], image.shape[1], frames - 1, spec.height, spec.width)],
-                          dim=2).to(device=device, dtype=vae.dtype)
-        latent = retrieve_latents(vae.encode(video), sample_mode="argmax").repeat(spec.n, 1, 1, 1, 1)
-        latent = latent.to(device=device, dtype=torch.float32)
-        mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(device, torch.float32)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(device, torch.float32)
-        latent = (latent - mean) * inv_std
+        frames = wan_frames(pipe, spec)
+        latent = image_latents(pipe, spec, device, frames)
         factor, (h, w) = pipe.vae_scale_factor_temporal, latent.shape[-2:]
         mask = torch.ones(spec.n, 1, frames, h, w)
         mask[:, :, list(range(1, frames))] = 0
@@ -151,26 +181,8 @@ class WanI2VAdapter(WanAdapter):
         mask = torch.concat([first, mask[:, :, 1:, :]], dim=2).view(spec.n, -1, factor, h, w).transpose(1, 2)
         return torch.concat([mask.to(latent.device), latent], dim=1).to(CPU)
 
-    @torch.no_grad()
     def denoise(self, pipe, facts, encoded, spec, device, on_step=None) -> torch.Tensor:
-        """WanImageToVideoPipeline's loop for one request (cond and uncond as separate forwards, as it
-        runs them), its condition given: the latents ``pipe(..., output_type="latent")`` returns."""
-        stepper = WanI2VStepper(pipe, facts, device)
-        request = stepper.start(encoded, spec, on_step)
-        while not request.done:
-            t = request.timesteps[request.step]
-            model = getattr(pipe, expert_for(pipe, t))
-            x, timestep = stepper.model_input(request), stepper.timestep(request)
-            image = stepper.image_inputs([request], guided=False)
-            noise = model(hidden_states=x, timestep=timestep, encoder_hidden_states=request.cond["encoder_hidden_states"],
-                          return_dict=False, **image)[0]
-            if request.uncond is not None:
-                uncond = model(hidden_states=x, timestep=timestep,
-                               encoder_hidden_states=request.uncond["encoder_hidden_states"], return_dict=False,
-                               **image)[0]
-                noise = uncond + spec.guidance_scale * (noise - uncond)
-            request.advance(noise)
-        return request.latents.to(CPU)
+        return denoise_alone(WanI2VStepper(pipe, facts, device), encoded, spec, on_step)
 
     def stepper(self, pipe, facts, device) -> WanI2VStepper:
         return WanI2VStepper(pipe, facts, device)

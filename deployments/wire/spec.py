@@ -23,6 +23,9 @@ class Family(enum.Enum):
     # The same pipeline in the Wan2.1 I2V layout: a CLIP image encoder's hidden states join the text
     # in every block's cross-attention, besides the VAE's image latents.
     WAN21_I2V = "wan2.1-i2v"
+    # diffusers WanPipeline with expand_timesteps (Wan2.2 TI2V-5B): text-to-video, and image-to-video
+    # with a reference image in the first latent frame (as WanImageToVideoPipeline runs the folder).
+    WAN_TI2V = "wan2.2-ti2v"
     # diffusers StableDiffusion3Pipeline (SD3.5): CLIP-L + CLIP-G + T5-XXL, SD3Transformer2DModel, AutoencoderKL.
     SD3 = "sd3"
     # diffusers ZImagePipeline: Qwen3 text model, ZImageTransformer2DModel (single stream), AutoencoderKL.
