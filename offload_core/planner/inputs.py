@@ -25,7 +25,7 @@ from offload_core.layout import (
     declared_layer_groups,
     resolve_layer_group,
 )
-from offload_core.planner import facts_cache, gpus, real_models
+from offload_core.planner import facts_cache, gpus, real_models, skeletons
 from offload_core.planner.facts import (
     ComponentProfile,
     LinkFacts,
@@ -292,7 +292,11 @@ def _facts(pipeline, load, defaults, gpu: GpuSpec, host_ram: int, working_set: i
 
         def build(name=name, class_name=class_name, config=config, dtype=dtype, groups=groups, uses=uses):
             built_notes: list[str] = []
-            module = real_models.build_meta(class_name, config, dtype)
+            # A committed skeleton (same shapes, no library import) where one matches; tensor-parallel
+            # plans read the real class's config and modules.
+            module = skeletons.skeleton_module(class_name, config, dtype) if tp_size == 1 else None
+            if module is None:
+                module = real_models.build_meta(class_name, config, dtype)
             return _profile(name, module, tp_size, built_notes, uses_per_request=uses, tables=tables,
                             layer_groups=_groups(module, groups, built_notes, name)), built_notes
 
