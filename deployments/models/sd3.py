@@ -28,13 +28,16 @@ from deployments.models.adapter import (
     read_json,
     step_callback,
 )
-from deployments.models.steppers import BatchKey, StepRequest, guided_noise, rows_of, split_noise, uncached
+from deployments.models.step_cache import BlockForm, BlockOutput
+from deployments.models.steppers import BatchKey, StepRequest, cached, guided_noise, rows_of, split_noise
 from deployments.wire.prompt_tensors import PromptTensors
 from deployments.wire.spec import Family, PipelineStage
 
 SD3_GUIDANCE = 7.0  # StableDiffusion3Pipeline.__call__'s default (SD3.5 Large's card suggests 3.5)
 T5_TOKENS = 256  # the pipeline's max_sequence_length default
 CLIP_TOKENS = 77
+# JointTransformerBlock returns (encoder, hidden); the last one (context_pre_only) (None, hidden).
+SD3_BLOCKS = BlockForm(BlockOutput.ENCODER_HIDDEN)
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,6 @@ class SD3Stepper:
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step)
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
-        uncached(batch, self.family)
         latents = torch.cat([r.latents for r in batch])
         timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch])
         text, pooled = rows_of(batch, "encoder_hidden_states", "cond"), rows_of(batch, "pooled_projections", "cond")
@@ -97,8 +99,9 @@ class SD3Stepper:
             latents, timestep = torch.cat([latents, latents]), torch.cat([timestep, timestep])
             text = torch.cat([rows_of(batch, "encoder_hidden_states", "uncond"), text])
             pooled = torch.cat([rows_of(batch, "pooled_projections", "uncond"), pooled])
-        noise = self.pipe.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=text,
-                                      pooled_projections=pooled, return_dict=False)[0]
+        with cached(self.pipe.transformer, batch, guided, SD3_BLOCKS):
+            noise = self.pipe.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=text,
+                                          pooled_projections=pooled, return_dict=False)[0]
         if guided:
             uncond, cond = noise.chunk(2)
             return guided_noise(batch, cond, uncond)

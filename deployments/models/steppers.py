@@ -19,7 +19,7 @@ import torch
 
 from deployments.models.adapter import FamilyFacts
 from deployments.models.cancel import CancelFlag
-from deployments.models.step_cache import CachedRequest, step_cache_for
+from deployments.models.step_cache import BlockForm, CachedRequest, step_cache_for
 from deployments.wire.spec import DenoiseProgress, EncodedPrompt, GenerationSpec
 
 logger = logging.getLogger(__name__)
@@ -117,11 +117,13 @@ def request_rows(batch: list[StepRequest], guided: bool) -> list[list[int]]:
     return rows
 
 
-def cached(transformer, batch: list[StepRequest], guided: bool):
-    """The step cache around one transformer call of ``batch`` (the plain call when every threshold is 0)."""
+def cached(transformer, batch: list[StepRequest], guided: bool, form: BlockForm | None = None):
+    """The step cache around one transformer call of ``batch`` (the plain call when every threshold is 0).
+    ``guided``: each request's rows are in both halves of the batch (cond and uncond, in either order);
+    ``form``: the family's transformer block (None: Wan's or Flux's, told by the block signature)."""
     if not any(r.cache.threshold > 0 for r in batch):
         return contextlib.nullcontext()
-    return step_cache_for(transformer).active([r.cache for r in batch], request_rows(batch, guided))
+    return step_cache_for(transformer, form).active([r.cache for r in batch], request_rows(batch, guided))
 
 
 def uncached(batch: list[StepRequest], family: str) -> None:
