@@ -283,10 +283,13 @@ class WindowPlacer:
 
     def fits(self, position: int) -> int | None:
         """Where ``position`` would go now, or None while a held layer is in the way."""
-        size = self.sizes[position]
-        start = self.head if self.head + size <= self.window else 0
-        if any(start < b and a < start + size for a, b in self.held.values()):
-            return None
+        end = self.head + self.sizes[position]
+        start = self.head
+        if end > self.window:
+            start, end = 0, self.sizes[position]
+        for a, b in self.held.values():  # a loop, not any(genexpr): called at every copy, in the hooks
+            if start < b and a < end:
+                return None
         return start
 
     def take(self, position: int, start: int) -> tuple[int, int]:
