@@ -37,7 +37,7 @@ from deployments.models.adapter import (
     read_json,
 )
 from deployments.models.step_cache import BlockForm, BlockOutput
-from deployments.models.steppers import BatchKey, StepRequest, cached, guided_noise, split_noise
+from deployments.models.steppers import BatchKey, StepRequest, TransformerStepper, cached, guided_noise, split_noise
 from deployments.wire.prompt_tensors import PromptTensors
 from deployments.wire.spec import DenoiseProgress, Family, PipelineStage
 
@@ -79,14 +79,10 @@ HUNYUAN15_BLOCKS = BlockForm(BlockOutput.HIDDEN_ENCODER, ("hidden_states", "enco
                                                           "attention_mask"))
 
 
-class HunyuanVideo15Stepper:
+class HunyuanVideo15Stepper(TransformerStepper):
     """HunyuanVideo15Pipeline's loop (diffusers 0.42), one step for a batch; both guidance branches in one forward."""
 
     family = Family.HUNYUAN_VIDEO15.value
-
-    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
-        self.pipe, self.device = pipe, device
-        self.dtype = pipe.transformer.dtype  # read once: ModelMixin.dtype walks the parameters
 
     def start(self, encoded: HunyuanPrompt, spec, on_step=None) -> StepRequest:
         import numpy as np

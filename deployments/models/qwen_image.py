@@ -33,7 +33,7 @@ from deployments.models.adapter import (
     step_callback,
 )
 from deployments.models.step_cache import BlockForm, BlockOutput
-from deployments.models.steppers import BatchKey, StepRequest, cached, uncached
+from deployments.models.steppers import BatchKey, StepRequest, TransformerStepper, cached, uncached
 from deployments.wire.prompt_tensors import PromptTensors
 from deployments.wire.spec import Family, PipelineStage
 
@@ -93,15 +93,14 @@ QWEN_BLOCKS = BlockForm(BlockOutput.ENCODER_HIDDEN,
                         ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb"))
 
 
-class QwenImageStepper:
+class QwenImageStepper(TransformerStepper):
     """QwenImagePipeline's loop (diffusers 0.42), one step for a batch: both guidance branches of every
     request in one forward (prompts of other lengths zero-padded and masked)."""
 
     family = Family.QWEN_IMAGE.value
 
     def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
-        self.pipe, self.device = pipe, device
-        self.dtype = pipe.transformer.dtype  # read once: ModelMixin.dtype walks the parameters
+        super().__init__(pipe, facts, device)
         # zero_cond_t (the edit variants) doubles temb's rows and adds a per-token modulate_index: a
         # sub-batch cannot be sliced by row, so those variants run every block.
         self.cacheable = not getattr(pipe.transformer.config, "zero_cond_t", False)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import torch
 
@@ -88,6 +88,18 @@ class Stepper(Protocol):
               on_step: Callable[[DenoiseProgress], None] | None = None) -> StepRequest: ...
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]: ...
+
+
+class TransformerStepper:
+    """The shared start of a one-transformer family's stepper: its pipeline, its device, and the
+    transformer's dtype read once (ModelMixin.dtype walks the parameters: a quarter of the tiny Wan's
+    step time when read per forward). ``family``: the name its log lines give."""
+
+    family: ClassVar[str] = ""
+
+    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
+        self.pipe, self.device = pipe, device
+        self.dtype = pipe.transformer.dtype
 
 
 def rows_of(batch: list[StepRequest], name: str, branch: str) -> torch.Tensor:
