@@ -50,6 +50,7 @@ from offload_core.streaming.config import (  # noqa: F401 (the engine's public n
     choose_resident,
 )
 from offload_core.streaming.copier import CopyFailed
+from offload_core.streaming.copy_log import CopyLog
 from offload_core.streaming.device import Device, get_device
 from offload_core.streaming.host_layer import HostLayer
 from offload_core.streaming.meter import DeviceWeightMeter
@@ -95,6 +96,7 @@ class LayerStreamer:
         self._handles: list = []
         self._running: tuple[int, StreamedLayer] | None = None  # (thread id, layer) inside a forward
         self._running_lock = threading.Lock()
+        self.copy_log: CopyLog | None = None  # see trace_copies
 
     def _start(self, layers: tuple[StreamedLayer, ...]) -> None:
         self.layers = layers
@@ -113,6 +115,16 @@ class LayerStreamer:
         # Every layer is on its placeholder and the rest on the device: one walk counts the
         # non-layer bytes; from here on bind/release keep the count (no walk at any hook).
         self.meter.rebase()
+
+    def trace_copies(self, log: CopyLog | None) -> None:
+        """Log every layer copy (its start and end on the copy stream) into ``log``; None stops.
+
+        A warm-up's measured pass draws them beside its compute; a request never logs."""
+        self.copy_log = log
+        if self.ring is not None:
+            self.ring.copy_log = log
+        if self.staging is not None:
+            self.staging.copy_log = log
 
     @property
     def resident_bytes(self) -> int:
@@ -293,11 +305,15 @@ class LayerStreamer:
             self.device.copy_waits_for_compute()
             with self.device.on_copy_stream():
                 for layer, carved in targets:
+                    if self.copy_log is not None:
+                        self.copy_log.begin()
                     if self.staging is not None and self.staging.stages(layer):
                         self._resident_copied += self.staging.copy_to(layer, carved)
                     else:
                         self._resident_copied += layer.host.copy_to(carved)
                     self._resident_events[layer.key] = self.device.record_copy()
+                    if self.copy_log is not None:
+                        self.copy_log.end(layer.key)
         except BaseException as error:
             if self.staging is not None:
                 self.staging.stop()

@@ -27,6 +27,7 @@ import torch
 
 from offload_core.layout import FP8_HOST_DTYPE, LayerLayout, RegionMap, WindowPlacer, slot_count, window_copies
 from offload_core.streaming.copier import CopyFailed, FillTimeout
+from offload_core.streaming.copy_log import CopyLog
 from offload_core.streaming.device import Device
 from offload_core.streaming.host_layer import HostLayer
 from offload_core.streaming.staging import StagingRing
@@ -106,6 +107,7 @@ class PrefetchRing:
         self.wasted_copies = 0  # layers copied for a use that then skipped them
         self.out_of_order_entries = 0  # entries that found their layer not prefetched (after a cold start)
         self.failed_prefetches = 0
+        self.copy_log: CopyLog | None = None  # a warm-up's record of each copy (LayerStreamer.trace_copies)
 
     @property
     def slot_bytes(self) -> int:
@@ -296,11 +298,15 @@ class PrefetchRing:
                 if last is not None:
                     self._device.copy_waits(last)
             with self._device.on_copy_stream():
+                if self.copy_log is not None:
+                    self.copy_log.begin()
                 if self._staging is not None and self._staging.stages(layer):
                     self.bytes_copied += self._staging.copy_to(layer, place.carved)
                 else:
                     self.bytes_copied += layer.host.copy_to(place.carved)
                 event = self._device.record_copy()
+                if self.copy_log is not None:
+                    self.copy_log.end(getattr(layer, "key", str(position)))
         except BaseException as error:
             # A copy issued in part is ordered before the place's next copy (same stream), and its
             # last readers are unchanged: nothing is held. An AssertionError (the simulator's
