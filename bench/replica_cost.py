@@ -17,7 +17,9 @@ import statistics
 import sys
 import time
 
-for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
+# Ray's workers at this process's niceness (its default puts them 15 above: bench/serve.py says why).
+for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
+                      ("RAY_worker_niceness", "0")):
     os.environ.setdefault(_name, _value)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 

@@ -14,11 +14,15 @@ All four are timed in turn, request by request (medians of at least 30 each), so
 and goes on a shared machine weighs on every column alike. The figure the project owns:
 ``overhead_over_floor_ms`` = (service - in-process) - floor.
 
-Then where it goes, per hop: each stage called through its Serve handle from this process, the
-service's (the Ray hop = handle wall time - the replica's own stage time) beside the floor's (all
-hop: its stages do nothing), the replicas' own stage time beyond the in-process pipeline's, and the
-rest (HTTP, the ingress, PNG) beside the floor's. The replicas' lease figures say how many calls
-went without a ledger round trip.
+Then where it goes, per hop, from the same timed requests: every stage call says when it started
+in its replica (wall clock) and how long it ran, the service's (``stages`` in the response) and the
+floor's alike, so each request splits into in (HTTP, proxy, ingress, up to the encoder's call),
+the encoder's call, encoder -> denoiser, the denoiser's call, denoiser -> decoder, the decoder's
+call, and out (the decoder's answer to the ingress, PNG, JSON, HTTP). Over the floor: each hop's
+service median minus the floor's (out also minus the PNG encoding the in-process column pays too),
+each stage's replica median minus the same stage in process, and the offload engine in process;
+what medians do not add up to is left as ``median_arithmetic``. The replicas' lease figures say
+how many calls went without a ledger round trip.
 """
 from __future__ import annotations
 
@@ -33,8 +37,14 @@ import statistics
 import sys
 import time
 
+# Every column at the same CPU priority and intra-op threads. Ray starts its workers (the Serve
+# proxy, the replicas) at its worker_niceness of 15 above the raylet's, which runs at this driver's:
+# under `nice -n 5` the service ran at nice 19 and the in-process columns at 5; at load 8-10 the
+# encoder's call took 138 ms in its replica at nice 19 and 100 ms at nice 5 (in the same minutes,
+# 70-89 ms in process). 0 puts Ray's workers at this process's niceness. Ray gives an actor
+# of num_cpus 0 (the bench's replicas) one OpenMP thread; the in-process columns get the same.
 for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"),
-                      ("TRANSFORMERS_OFFLINE", "1")):
+                      ("TRANSFORMERS_OFFLINE", "1"), ("RAY_worker_niceness", "0"), ("OMP_NUM_THREADS", "1")):
     os.environ.setdefault(_name, _value)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -112,11 +122,15 @@ def in_process_offloaded(facts, spec: GenerationSpec, mode: PerformanceMode):
         encoded = timed(PipelineStage.ENCODE, lambda p: families.encode(p, facts, spec, cpu))
         latents = timed(PipelineStage.DENOISE, lambda p: families.denoise(p, facts, encoded, spec, cpu))
         frames = timed(PipelineStage.DECODE, lambda p: families.decode(p, facts, latents, spec, cpu))
-        payloads[:] = [_nbytes(encoded), _nbytes(latents), _nbytes(frames)]
-        return [media.png_bytes(f[0]) for f in frames]
+        # What the service hands on: the encoder replica sends its embeddings packed (no zero padding).
+        payloads[:] = [_nbytes(encoded.packed()), _nbytes(latents), _nbytes(frames)]
+        start = time.perf_counter()
+        images = [media.png_bytes(f[0]) for f in frames]
+        stage_s.setdefault("png", []).append(time.perf_counter() - start)  # the service's ingress does it too
+        return images
 
     once()
-    once.stage_s = stage_s  # seconds per stage call, in process: what each replica's own time is compared with
+    once.stage_s = stage_s  # seconds per stage call (and PNG), in process: what each replica's own time is compared with
     return once, tuple(payloads)
 
 
@@ -138,68 +152,71 @@ def start_service(model_path: str, mode: PerformanceMode):
     return f"http://127.0.0.1:{port}", time.perf_counter() - started
 
 
-def side_by_side(plain, offloaded, client, body: dict, repeats: int) -> tuple[tuple[float, ...], dict[str, float]]:
+# A request's timeline, from the stage calls' (started_at, seconds) in the response: hops and stages in turn.
+HOPS = ("in", "encode_to_denoise", "denoise_to_decode", "out")
+STAGES = ("encode", "denoise", "decode")
+
+
+def timeline(sent_at: float, received_at: float, stages: list[dict]) -> dict[str, float]:
+    """Seconds of each hop and stage of one request (wall clock of this machine, one clock for all)."""
+    (enc, den, dec) = ((s["started_at"], s["started_at"] + s["seconds"]) for s in stages)
+    return {"in": enc[0] - sent_at, "encode": enc[1] - enc[0], "encode_to_denoise": den[0] - enc[1],
+            "denoise": den[1] - den[0], "denoise_to_decode": dec[0] - den[1], "decode": dec[1] - dec[0],
+            "out": received_at - dec[1]}
+
+
+def side_by_side(plain, offloaded, client, body: dict, repeats: int
+                 ) -> tuple[tuple[float, ...], dict[str, float], dict[str, float]]:
     """Median seconds of the in-process pipeline, in-process offloaded, the service and the floor, timed in
-    turn; and per stage, the median of the replicas' own seconds in those same service requests."""
-    replica_s: dict[str, list[float]] = {}
+    turn; and the median of each hop and stage of those same requests, the service's and the floor's."""
+    parts: dict[str, dict[str, list[float]]] = {"service": {}, "floor": {}}
+
+    def post(column: str, path: str, json: dict) -> None:
+        sent_at = time.time()
+        response = client.post(path, json=json)
+        received_at = time.time()
+        assert response.status_code == 200, response.text
+        for name, seconds in timeline(sent_at, received_at, response.json()["stages"]).items():
+            parts[column].setdefault(name, []).append(seconds)
 
     def served():
-        response = client.post("/v1/images/generations", json=body)
-        assert response.status_code == 200, response.text
-        for stage in response.json()["stages"]:
-            replica_s.setdefault(stage["stage"], []).append(stage["seconds"])
+        post("service", "/v1/images/generations", body)
 
     def floor():
-        response = client.post(f"{FLOOR_PREFIX}/generate", json={"prompt": body["prompt"]})
-        assert response.status_code == 200, response.text
+        post("floor", f"{FLOOR_PREFIX}/generate", {"prompt": body["prompt"]})
 
     fns = (plain, offloaded, served, floor)
     for fn in fns:  # warm-up: first-call allocations and lazy imports are not the steady state
         fn()
     times = {fn: [] for fn in fns}
-    replica_s.clear()
+    for column in parts.values():
+        column.clear()
     for _ in range(repeats):
         for fn in fns:
             start = time.perf_counter()
             fn()
             times[fn].append(time.perf_counter() - start)
-    return tuple(statistics.median(times[fn]) for fn in fns), {k: statistics.median(v) for k, v in replica_s.items()}
+    medians = ({k: statistics.median(v) for k, v in column.items()} for column in parts.values())
+    return tuple(statistics.median(times[fn]) for fn in fns), *medians
 
 
-def hops(app: str, spec: GenerationSpec, repeats: int) -> dict[str, tuple[float, float, float]]:
-    """Per stage, each called through its Serve handle from this process, the service's and the floor's
-    in turn: (median service handle wall time, median stage time in its replica, median floor wall time)."""
-    from ray import serve
-
-    def handles(app_name: str, names: tuple[str, str, str]):
-        return [serve.get_deployment_handle(name, app_name) for name in names]
-
-    encoder, denoiser, decoder = handles(app, ("TextEncoder", "Denoiser", "VaeDecoder"))
-    noop_encoder, noop_denoiser, noop_decoder = handles(FLOOR_APP, ("NoopEncoder", "NoopDenoiser", "NoopDecoder"))
-    calls = {
-        "encode": (lambda: encoder.encode.remote(spec).result(),
-                   lambda: noop_encoder.encode.remote(spec.prompt).result()),
-        # No progress events, as the service asks for a plain (not streamed) request.
-        "denoise": (lambda: list(denoiser.options(stream=True).denoise.remote(encoded, spec, False))[-1],
-                    lambda: list(noop_denoiser.options(stream=True).denoise.remote(noop_encoded, spec.steps))[-1]),
-        "decode": (lambda: decoder.decode.remote(latents, spec).result(),
-                   lambda: noop_decoder.decode.remote(noop_latents).result()),
-    }
-    encoded, noop_encoded = (call() for call in calls["encode"])
-    latents, noop_latents = (call() for call in calls["denoise"])
-    out = {}
-    for stage, (service_call, floor_call) in calls.items():
-        walls, inside, floor = [], [], []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            result = service_call()
-            walls.append(time.perf_counter() - start)
-            inside.append(result.stats.seconds)
-            start = time.perf_counter()
-            floor_call()
-            floor.append(time.perf_counter() - start)
-        out[stage] = (statistics.median(walls), statistics.median(inside), statistics.median(floor))
-    return out
+def where_it_goes(service: dict[str, float], floor: dict[str, float], in_process: dict[str, float],
+                  offload_s: float, over_floor_s: float) -> tuple[dict[str, dict], dict[str, float]]:
+    """Per hop and stage: the medians (ms) of the service, the floor, and for a stage the same call in
+    process; and what each adds over the floor (ms): a hop the service's minus the floor's (out also
+    minus the PNG encoding the in-process column pays too), a stage its replica's minus in process."""
+    rows, over = {}, {}
+    for name in ("in", "encode", "encode_to_denoise", "denoise", "denoise_to_decode", "decode", "out"):
+        row = {"service": round(service[name] * 1e3, 2), "floor": round(floor[name] * 1e3, 2)}
+        if name in STAGES:
+            row["in_process"] = round(in_process[name] * 1e3, 2)
+            extra = service[name] - floor[name] - in_process[name]
+        else:
+            extra = service[name] - floor[name] - (in_process["png"] if name == "out" else 0.0)
+        rows[name], over[name] = row, round(extra * 1e3, 2)
+    over["offload_in_process"] = round(offload_s * 1e3, 2)
+    over["median_arithmetic"] = round(over_floor_s * 1e3 - sum(over.values()), 2)  # medians do not add up
+    return rows, over
 
 
 def lease_figures(client) -> tuple[dict[str, dict], dict[str, str]]:
@@ -261,9 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
         cloudpickle.register_pickle_by_value(serve_floor)  # the replicas need not import bench/
         serve.run(serve_floor.floor_app(payloads), name=FLOOR_APP, route_prefix=FLOOR_PREFIX)
         with httpx.Client(base_url=base, timeout=600) as client:
-            (plain_s, offloaded_s, service_s, floor_s), replica_s = side_by_side(
+            (plain_s, offloaded_s, service_s, floor_s), service_parts, floor_parts = side_by_side(
                 plain, offloaded, client, body, repeats)
-            per_stage = hops("bench", dataclasses.replace(spec, request_id="hops"), repeats)
             rates = {c: throughput(client, body, c, per_level) for c in CONCURRENCY}
             leases, plans = lease_figures(client)
     finally:
@@ -281,23 +297,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"service overhead vs in-process: {(service_s - plain_s) * 1e3:.1f} ms "
           f"(of which offload: {(offloaded_s - plain_s) * 1e3:.1f} ms); Ray Serve's floor {floor_s * 1e3:.1f} ms; "
           f"over the floor: {over_floor * 1e3:.1f} ms (payloads {payloads[0]}, {payloads[1]}, {payloads[2]} B)")
-    # Where the overhead over the floor goes. The replicas' own time and the in-process stages are from
-    # the same interleaved requests; the hops from the handle calls (service and floor in turn); the
-    # rest (HTTP, the ingress, PNG, beyond the floor's) by difference.
-    breakdown, over = {}, {}
-    in_process_s = {stage: statistics.median(offloaded.stage_s[stage][-repeats:]) for stage in per_stage}
-    for stage, (wall, inside, floor_wall) in per_stage.items():
-        breakdown[f"{stage}_in_process_ms"] = round(in_process_s[stage] * 1e3, 2)
-        breakdown[f"{stage}_in_replica_ms"] = round(replica_s[stage] * 1e3, 2)
-        breakdown[f"{stage}_ray_hop_ms"] = round((wall - inside) * 1e3, 2)
-        breakdown[f"{stage}_floor_hop_ms"] = round(floor_wall * 1e3, 2)
-        over[f"{stage}_hop"] = round((wall - inside - floor_wall) * 1e3, 2)
-    over["offload_in_process"] = round((offloaded_s - plain_s) * 1e3, 2)
-    over["replicas_over_in_process"] = round((sum(replica_s.values()) - sum(in_process_s.values())) * 1e3, 2)
-    over["http_ingress_png_rest"] = round(over_floor * 1e3 - sum(over.values()), 2)
-    print(f"{'hop':28s} {'ms':>9s}")
-    for name, ms in breakdown.items():
-        print(f"{name.removesuffix('_ms').replace('_', ' '):28s} {ms:9.1f}")
+    in_process_s = {name: statistics.median(values[-repeats:]) for name, values in offloaded.stage_s.items()}
+    hops_ms, over = where_it_goes(service_parts, floor_parts, in_process_s, offloaded_s - plain_s, over_floor)
+    print(f"{'per request (medians)':28s} {'service ms':>10s} {'floor ms':>9s} {'in process ms':>14s} {'over ms':>8s}")
+    for name, row in hops_ms.items():
+        print(f"{name.replace('_', ' '):28s} {row['service']:10.2f} {row['floor']:9.2f} "
+              f"{row.get('in_process', float('nan')):14.2f} {over[name]:8.2f}")
     print("over the floor: " + ", ".join(f"{name.replace('_', ' ')} {ms:.1f} ms" for name, ms in over.items()))
     for stage, plan in sorted(plans.items()):
         print(f"{stage} plan: {plan}")
@@ -311,7 +316,10 @@ def main(argv: list[str] | None = None) -> dict:
               "overhead_ms": round((service_s - plain_s) * 1e3, 2), "floor_ms": round(floor_s * 1e3, 2),
               "overhead_over_floor_ms": round(over_floor * 1e3, 2), "over_floor_ms": over,
               "payload_bytes": list(payloads), "repeats": repeats, "load_average": round(os.getloadavg()[0], 2),
-              "hops_ms": breakdown,
+              "niceness": os.getpriority(os.PRIO_PROCESS, 0),
+              "ray_worker_niceness": int(os.environ["RAY_worker_niceness"]),
+              "omp_num_threads": int(os.environ["OMP_NUM_THREADS"]),
+              "hops_ms": hops_ms, "png_in_process_ms": round(in_process_s["png"] * 1e3, 2),
               "calls_without_round_trip": {stage: [f.get("calls_without_round_trip", 0), f.get("calls", 0)]
                                            for stage, f in sorted(leases.items())},
               "throughput_rps": {str(c): round(rates[c], 3) for c in CONCURRENCY},

@@ -44,13 +44,24 @@ def _payload(shape_or_nbytes) -> torch.Tensor:
     return torch.zeros(shape_or_nbytes)
 
 
+# Each stage hands on its payload and, like the service's StageStats, when its call started (wall
+# clock) and how long it ran, with its input's: the ingress answers the whole timeline (bench/serve.py).
+Stamps = tuple  # ((started_at, seconds), ...), in stage order
+
+
+def _stamped(payload: torch.Tensor, upstream: Stamps = ()) -> tuple[torch.Tensor, Stamps]:
+    started_at, start = time.time(), time.perf_counter()
+    out = payload.clone()
+    return out, (*upstream, (started_at, time.perf_counter() - start))
+
+
 @serve.deployment(max_ongoing_requests=1)
 class NoopEncoder:
     def __init__(self, payload=EMBEDDINGS):
         self.payload = _payload(payload)
 
-    def encode(self, prompt: str) -> torch.Tensor:
-        return self.payload.clone()
+    def encode(self, prompt: str) -> tuple[torch.Tensor, Stamps]:
+        return _stamped(self.payload)
 
 
 @serve.deployment(max_ongoing_requests=4)
@@ -58,8 +69,8 @@ class NoopDenoiser:
     def __init__(self, payload=LATENTS):
         self.payload = _payload(payload)
 
-    async def denoise(self, encoded: torch.Tensor, steps: int):
-        yield self.payload.clone()  # the latents alone, as for a request that reads no progress
+    async def denoise(self, encoded: tuple[torch.Tensor, Stamps], steps: int):
+        yield _stamped(self.payload, encoded[1])  # the latents alone, as for a request that reads no progress
 
 
 @serve.deployment(max_ongoing_requests=1)
@@ -67,8 +78,8 @@ class NoopDecoder:
     def __init__(self, payload=FRAMES):
         self.payload = _payload(payload)
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.payload.clone()
+    def decode(self, latents: tuple[torch.Tensor, Stamps]) -> tuple[torch.Tensor, Stamps]:
+        return _stamped(self.payload, latents[1])
 
 
 api = FastAPI()
@@ -87,8 +98,9 @@ class FloorIngress:
         encoded = self.encoder.encode.remote(body["prompt"])
         async for latents in self.denoiser.options(stream=True).denoise.remote(encoded, 2):
             break
-        frames = await self.decoder.decode.remote(latents)
-        return {"frames": int(frames.shape[-1])}
+        frames, stamps = await self.decoder.decode.remote(latents)
+        return {"frames": int(frames.shape[-1]),
+                "stages": [{"started_at": at, "seconds": seconds} for at, seconds in stamps]}
 
 
 def _free_port() -> int:

@@ -131,6 +131,7 @@ class Service:
         return {"created": int(time.time()), "id": generated.spec.request_id, "seed": generated.spec.seed,
                 "data": data,
                 "stages": [{"stage": s.stage, "replica": s.replica, "seconds": round(s.seconds, 4),
+                            "started_at": round(s.started_at, 6),
                             "bytes_streamed": s.bytes_streamed,
                             "device_peak_bytes": s.device_peak_bytes,
                             **({"steps": s.steps, "cache_skips": s.cache_skips} if s.steps else {})}

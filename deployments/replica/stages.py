@@ -1,7 +1,8 @@
 """The three stage deployments: TextEncoder, Denoiser, VaeDecoder (names the k8s manifests use).
 
 Each wraps one :class:`deployments.replica.worker.StageWorker` (loading, planning, leases, residency) and
-returns tensors (Ray's object store carries them, never JSON).
+returns tensors (Ray's object store carries them, never JSON). The encoder's and the decoder's calls
+run on the replica's one :class:`deployments.replica.stage_thread.StageThread`, not Serve's pool.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from deployments.replica.batching import BatchingConfig, ForwardFigures, StepBat
 from deployments.replica.metrics import BatchMetrics
 from deployments.replica.rank_spec import RankIdentity
 from deployments.replica.shards import ShardGroup
+from deployments.replica.stage_thread import StageThread
 from deployments.replica.worker import StageConfig, StageWorker, replica_id
 from deployments.wire.spec import (
     DenoiseProgress,
@@ -54,11 +56,12 @@ class TextEncoder:
             self.group = ShardGroup(config, replica_id(config.stage), config.tp_size)
         else:
             self.worker = StageWorker(config)
+        self.thread = StageThread(config.stage.value)
 
-    def encode(self, spec: GenerationSpec) -> StageOutput:
+    async def encode(self, spec: GenerationSpec) -> StageOutput:
         if self.group is not None:
-            return self.group.call(encode_on, spec)
-        return encode_on(self.worker, spec)
+            return await self.thread.call(self.group.call, encode_on, spec)
+        return await self.thread.call(encode_on, self.worker, spec)
 
     def residency(self) -> ReplicaResidency:
         return self.group.reports()[0] if self.group is not None else self.worker.report()
@@ -73,6 +76,8 @@ class TextEncoder:
             self.group.check_health()
 
     def __del__(self):  # Serve calls it on graceful replica shutdown
+        if hasattr(self, "thread"):
+            self.thread.close()
         if getattr(self, "group", None) is not None:
             self.group.close()
         elif hasattr(self, "worker"):
@@ -114,7 +119,7 @@ class Denoiser:
         def put(item) -> None:  # called from the batcher's thread
             loop.call_soon_threadsafe(events.put_nowait, item)
 
-        start = time.perf_counter()
+        started_at, start = time.time(), time.perf_counter()
         self.worker.admit(spec)
         value = encoded.value.unpacked()
         if condition is not None:  # image-to-video: the reference image's condition, from the decoder
@@ -145,7 +150,7 @@ class Denoiser:
         worker = self.worker
         stats = StageStats(worker.config.stage.value, worker.replica, time.perf_counter() - start,
                            int(request.bytes_streamed), worker.residency.device_peak_bytes(), request.step,
-                           request.cache.skipped)
+                           request.cache.skipped, started_at)
         if request.cache.threshold > 0:
             logger.info("%s: request %s: step cache skipped the blocks after the first in %d of %d steps "
                         "(threshold %g); %d B streamed for it", worker.replica, spec.request_id,
@@ -199,22 +204,26 @@ class Denoiser:
 class VaeDecoder:
     def __init__(self, config: StageConfig):
         self.worker = StageWorker(config)
+        self.thread = StageThread(config.stage.value)
 
-    def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput:
+    async def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput:
         worker = self.worker
-        decoded = worker.run(
-            lambda: families.decode(worker.pipe, worker.config.facts, latents.value, spec, worker.device), spec)
+        decoded = await self.thread.call(worker.run, lambda: families.decode(
+            worker.pipe, worker.config.facts, latents.value, spec, worker.device), spec)
         return decoded.after(latents)
 
-    def condition(self, spec: GenerationSpec) -> StageOutput:
+    async def condition(self, spec: GenerationSpec) -> StageOutput:
         """Image-to-video: the reference image's conditioning, on this replica's VAE (no other stage
         loads it), for the Denoiser."""
         worker = self.worker
-        return worker.run(lambda: families.condition(worker.pipe, worker.config.facts, spec, worker.device), spec)
+        return await self.thread.call(worker.run, lambda: families.condition(
+            worker.pipe, worker.config.facts, spec, worker.device), spec)
 
     def residency(self) -> ReplicaResidency:
         return self.worker.report()
 
     def __del__(self):  # Serve calls it on graceful replica shutdown
+        if hasattr(self, "thread"):
+            self.thread.close()
         if hasattr(self, "worker"):
             self.worker.close()

@@ -183,11 +183,11 @@ class StageWorker:
     def run(self, work: Callable[[], object], spec: GenerationSpec | None = None) -> StageOutput:
         if spec is not None:
             self.admit(spec)
-        start = time.perf_counter()
+        started_at, start = time.time(), time.perf_counter()
         with self.in_use(self.activation_bytes(spec)):
             value = work()
         stats = StageStats(self.config.stage.value, self.replica, time.perf_counter() - start,
-                           self.residency.bytes_streamed(), self.residency.device_peak_bytes())
+                           self.residency.bytes_streamed(), self.residency.device_peak_bytes(), started_at=started_at)
         self.record(stats)
         return StageOutput(value, stats)
 

@@ -38,6 +38,7 @@ def _pngs(response) -> list[bytes]:
 
 
 def test_an_image_request_returns_decodable_pngs_of_the_asked_size(client):
+    sent_at = time.time()
     response = client.post(IMAGES, json={"prompt": "a red fox", "size": "32x16", "n": 2, "seed": 4})
     pngs = _pngs(response)
     assert len(pngs) == 2
@@ -47,6 +48,10 @@ def test_an_image_request_returns_decodable_pngs_of_the_asked_size(client):
     stages = [s["stage"] for s in response.json()["stages"]]
     assert stages == ["encode", "denoise", "decode"]
     assert response.json()["stages"][1]["bytes_streamed"] > 0, "the denoiser's layers were not streamed"
+    # Each stage's call on the request's timeline (bench/serve.py splits requests into hops on it):
+    # after the request was sent, each after the call whose output it takes had ended.
+    calls = [(s["started_at"], s["started_at"] + s["seconds"]) for s in response.json()["stages"]]
+    assert sent_at <= calls[0][0] and all(end <= after for (_, end), (after, _) in zip(calls, calls[1:])), calls
 
 
 def test_the_same_seed_gives_the_same_bytes_and_another_seed_does_not(client):

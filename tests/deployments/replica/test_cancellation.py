@@ -28,6 +28,7 @@ def stages():
     try:
         yield encoder, denoiser
     finally:
+        encoder.thread.close()
         encoder.worker.close()
         denoiser.worker.close()
 
@@ -57,7 +58,7 @@ async def _cancel_after_first_step(denoiser, encoded) -> tuple[int, float, float
 
 def test_a_cancelled_denoise_stops_at_the_next_step_boundary_and_frees_the_replica(stages):
     encoder, denoiser = stages
-    encoded = encoder.encode(SPEC)
+    encoded = asyncio.run(encoder.encode(SPEC))
     seen, step_s, freed_s = asyncio.run(_cancel_after_first_step(denoiser, encoded))
     flag = denoiser.last_cancelled
     assert flag is not None and flag.request_id == SPEC.request_id and flag.cancelled
@@ -79,7 +80,7 @@ def test_a_cancelled_denoise_stops_at_the_next_step_boundary_and_frees_the_repli
 def test_without_progress_the_denoiser_sends_the_latents_alone(stages):
     encoder, denoiser = stages
     spec = GenerationSpec("quiet", "a still pond", None, 32, 32, 1, 2, 1.0, 5, 1)
-    encoded = encoder.encode(spec)
+    encoded = asyncio.run(encoder.encode(spec))
 
     async def run(progress: bool):
         return [item async for item in denoiser.denoise(encoded, spec, progress)]
@@ -101,7 +102,7 @@ def test_a_flag_stops_the_loop_only_once_set():
 
 def test_a_request_joins_a_batch_only_within_the_activations_its_busy_period_leased(stages):
     encoder, denoiser = stages
-    encoded = encoder.encode(SPEC)
+    encoded = asyncio.run(encoder.encode(SPEC))
     first = denoiser.stepper.start(encoded.value, SPEC)
     second = denoiser.stepper.start(encoded.value, dataclasses.replace(SPEC, request_id="second"))
     one = denoiser.worker.activation_bytes(SPEC)

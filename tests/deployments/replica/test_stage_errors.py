@@ -1,6 +1,7 @@
 """A stage failure caused by the request reaches the ingress as a 4xx naming the field, not a 500."""
 from __future__ import annotations
 
+import asyncio
 import pickle
 
 import pytest
@@ -21,10 +22,11 @@ def test_text_the_tokenizer_cannot_take_is_refused_naming_the_prompt():
     try:
         # Validation refuses lone surrogates; this reaches the stage as a client bypassing it would.
         with pytest.raises(RequestRejected) as caught:
-            encoder.encode(GenerationSpec("r", "a \ud800 cat", None, 16, 16, 1, 2, 1.0, 0, 1))
+            asyncio.run(encoder.encode(GenerationSpec("r", "a \ud800 cat", None, 16, 16, 1, 2, 1.0, 0, 1)))
         assert (caught.value.param, caught.value.status) == ("prompt", 400)
         assert not encoder.worker.busy, "the refused call kept the replica"
     finally:
+        encoder.thread.close()
         encoder.worker.close()
 
 
