@@ -1,6 +1,6 @@
 """Latency of the split-stage service vs. the same pipeline in-process, and throughput by concurrency.
 
-    python bench/serve.py --quick      # tiny Wan, < 60 s on 2 CPUs (most of it is deploying)
+    python bench/serve.py --quick      # tiny Wan, ~3 min on 2 CPUs (one of them deploying)
     python bench/serve.py --medium     # the ~300 MB medium Wan denoiser
 
 Prints a table, then (last line) one JSON object. Four latencies side by side, same request:
@@ -48,6 +48,7 @@ for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"),
     os.environ.setdefault(_name, _value)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from bench.serve_hops import timeline, where_it_goes  # noqa: E402
 from deployments.dev import local_ray  # noqa: E402
 
 local_ray.use_token_auth()  # before Ray is imported: the driver reads its auth mode then
@@ -152,19 +153,6 @@ def start_service(model_path: str, mode: PerformanceMode):
     return f"http://127.0.0.1:{port}", time.perf_counter() - started
 
 
-# A request's timeline, from the stage calls' (started_at, seconds) in the response: hops and stages in turn.
-HOPS = ("in", "encode_to_denoise", "denoise_to_decode", "out")
-STAGES = ("encode", "denoise", "decode")
-
-
-def timeline(sent_at: float, received_at: float, stages: list[dict]) -> dict[str, float]:
-    """Seconds of each hop and stage of one request (wall clock of this machine, one clock for all)."""
-    (enc, den, dec) = ((s["started_at"], s["started_at"] + s["seconds"]) for s in stages)
-    return {"in": enc[0] - sent_at, "encode": enc[1] - enc[0], "encode_to_denoise": den[0] - enc[1],
-            "denoise": den[1] - den[0], "denoise_to_decode": dec[0] - den[1], "decode": dec[1] - dec[0],
-            "out": received_at - dec[1]}
-
-
 def side_by_side(plain, offloaded, client, body: dict, repeats: int
                  ) -> tuple[tuple[float, ...], dict[str, float], dict[str, float]]:
     """Median seconds of the in-process pipeline, in-process offloaded, the service and the floor, timed in
@@ -198,25 +186,6 @@ def side_by_side(plain, offloaded, client, body: dict, repeats: int
             times[fn].append(time.perf_counter() - start)
     medians = ({k: statistics.median(v) for k, v in column.items()} for column in parts.values())
     return tuple(statistics.median(times[fn]) for fn in fns), *medians
-
-
-def where_it_goes(service: dict[str, float], floor: dict[str, float], in_process: dict[str, float],
-                  offload_s: float, over_floor_s: float) -> tuple[dict[str, dict], dict[str, float]]:
-    """Per hop and stage: the medians (ms) of the service, the floor, and for a stage the same call in
-    process; and what each adds over the floor (ms): a hop the service's minus the floor's (out also
-    minus the PNG encoding the in-process column pays too), a stage its replica's minus in process."""
-    rows, over = {}, {}
-    for name in ("in", "encode", "encode_to_denoise", "denoise", "denoise_to_decode", "decode", "out"):
-        row = {"service": round(service[name] * 1e3, 2), "floor": round(floor[name] * 1e3, 2)}
-        if name in STAGES:
-            row["in_process"] = round(in_process[name] * 1e3, 2)
-            extra = service[name] - floor[name] - in_process[name]
-        else:
-            extra = service[name] - floor[name] - (in_process["png"] if name == "out" else 0.0)
-        rows[name], over[name] = row, round(extra * 1e3, 2)
-    over["offload_in_process"] = round(offload_s * 1e3, 2)
-    over["median_arithmetic"] = round(over_floor_s * 1e3 - sum(over.values()), 2)  # medians do not add up
-    return rows, over
 
 
 def lease_figures(client) -> tuple[dict[str, dict], dict[str, str]]:
