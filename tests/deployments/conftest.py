@@ -1,4 +1,6 @@
-"""One tiny-Wan service per test module that asks for it, on a free localhost port."""
+"""The tiny-Wan service on a free localhost port: one app for the session's modules that serve it as
+configured here (ingress/test_service.py, ingress/test_video_jobs_service.py), which run one after
+another and leave it as they found it; a module that changes the config deploys an app of its own."""
 from __future__ import annotations
 
 import atexit
@@ -61,20 +63,84 @@ def tiny_args(**overrides):
     return AppArgs(**base)
 
 
-@pytest.fixture(scope="module")
-def service(ray_cluster):
-    """(base url, auth headers) of the tiny Wan app; deleted when the module is done."""
+# The shared app's video jobs: a 10 s lease (a loaded 2-core machine can stall a replica's loop for
+# seconds); queued jobs are picked up within 0.2 s and a job whose replica died is rerun after 3 s.
+SHARED_JOBS = dict(lease_s=10.0, poll_after_ms=100, poll_interval_s=0.2, replica_retry_delay_s=3.0)
+
+
+def shared_args():
+    """The shared app's arguments: :func:`tiny_args` with :data:`SHARED_JOBS`."""
+    from deployments.jobs.queue import JobsArgs
+
+    return tiny_args(video_jobs=JobsArgs(directory=jobs_directory(), **SHARED_JOBS))
+
+
+def deploy_shared() -> None:
+    """(Re)deploy the shared app: what a restart of the whole application deploys again."""
     from ray import serve
 
     from deployments.app import build_app
 
-    os.environ[TOKEN_ENV] = TOKEN
-    base = serve_base_url(ray_cluster)
-    serve.run(build_app(tiny_args()), name=APP, route_prefix=PREFIX)
-    try:
-        yield base + PREFIX, {"Authorization": f"Bearer {TOKEN}"}
-    finally:
-        from deployments.jobs.actor import drop_job_queue
+    serve.run(build_app(shared_args()), name=APP, route_prefix=PREFIX)
 
-        serve.delete(APP)
-        drop_job_queue(APP)  # detached (it outlives replicas by design): the module's app is done
+
+_SHARED = {"deployed": False}
+
+
+def ensure_shared() -> None:
+    """Deploy the shared app unless it runs (at its first user, or after :func:`delete_shared`)."""
+    if not _SHARED["deployed"]:
+        deploy_shared()
+        _SHARED["deployed"] = True
+
+
+def delete_shared() -> None:
+    """Delete the shared app and its job queue (detached: it outlives replicas by design)."""
+    if not _SHARED["deployed"]:
+        return
+    from ray import serve
+
+    from deployments.jobs.actor import drop_job_queue
+
+    _SHARED["deployed"] = False
+    serve.delete(APP)
+    drop_job_queue(APP)
+
+
+@pytest.fixture(scope="session")
+def shared_service(ray_cluster):
+    """(base url, auth headers) of the shared tiny-Wan app; deleted after its last user
+    (:func:`pytest_runtest_teardown`), at the latest when the session ends."""
+    os.environ[TOKEN_ENV] = TOKEN
+    try:
+        yield serve_base_url(ray_cluster) + PREFIX, {"Authorization": f"Bearer {TOKEN}"}
+    finally:
+        delete_shared()
+
+
+@pytest.fixture(scope="module")
+def service(shared_service):
+    """(base url, auth headers) of the shared tiny-Wan app, deployed if it is not running."""
+    ensure_shared()
+    return shared_service
+
+
+def _uses_shared(item) -> bool:
+    return "shared_service" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(items):
+    """The modules of the shared app run one after another, from where the first one stood (every other
+    test keeps its order): the app is deployed once, not once per module, and is idle for no other test."""
+    users = [item for item in items if _uses_shared(item)]
+    if not users:
+        return
+    first = items.index(users[0])
+    others = [item for item in items if not _uses_shared(item)]
+    items[:] = others[:first] + users + others[first:]
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """After the shared app's last user: delete it (its replicas would idle through every later test)."""
+    if _uses_shared(item) and (nextitem is None or not _uses_shared(nextitem)):
+        delete_shared()

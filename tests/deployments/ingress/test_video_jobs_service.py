@@ -1,14 +1,15 @@
-"""The Videos API on real Ray Serve, driven by the official openai client: one app for the module.
+"""The Videos API on real Ray Serve, driven by the official openai client, on the session's shared
+tiny-Wan app (tests/deployments/conftest.py: its video jobs are configured for these tests).
 
 Create, poll, download (the mp4 decodes to the asked frames and size and equals the synchronous
 route's bytes), restarts of the ingress and of the job queue mid-job, cancellation freeing the
-Denoiser, 20 concurrent jobs, and a Denoiser killed mid-job (last: its replacement reloads).
+Denoiser, 20 concurrent jobs, a Denoiser killed mid-job, and a restart of the whole application
+(last: each leaves the app running as it found it).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import io
-import os
 import pathlib
 import re
 import time
@@ -20,48 +21,21 @@ import pytest
 import ray
 from PIL import Image
 
-from deployments.capacity.request_limits import Limits
 from deployments.jobs.actor import drop_job_queue, queue_name
-from deployments.jobs.queue import JobsArgs
-from tests.deployments.conftest import TOKEN, TOKEN_ENV, serve_base_url, tiny_args
+from tests.deployments.conftest import APP, TOKEN, deploy_shared
 
-APP, PREFIX = "jobs-test", "/jobs"
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
-# Up to 200 steps so a job runs long enough (seconds at 64x64, 9 frames) to be caught mid-way.
-LIMITS = Limits(max_width=64, max_height=64, max_steps=200, max_n=2, max_prompt_chars=200, max_frames=9,
-                default_size="16x16", default_steps=2, default_frames=5, default_fps=4)
+# Up to 200 steps (the shared app's max_steps) so a job runs long enough (seconds at 64x64, 9 frames)
+# to be caught mid-way.
 SHORT = {"seed": 1, "num_inference_steps": 2}
 LONG = {"seed": 2, "num_inference_steps": 200}
 
 
 @pytest.fixture(scope="module")
-def app_args(tmp_path_factory):
-    # A 10 s lease: a loaded 2-core machine can stall a replica's loop for seconds.
-    jobs = JobsArgs(directory=str(tmp_path_factory.mktemp("jobs")), lease_s=10.0, poll_after_ms=100,
-                    poll_interval_s=0.2, replica_retry_delay_s=3.0)
-    return tiny_args(app_name=APP, limits=LIMITS, video_jobs=jobs)
-
-
-def _deploy(app_args) -> None:
-    from ray import serve
-
-    from deployments.app import build_app
-
-    serve.run(build_app(app_args), name=APP, route_prefix=PREFIX)
-
-
-@pytest.fixture(scope="module")
-def service(ray_cluster, app_args):
-    from ray import serve
-
-    os.environ[TOKEN_ENV] = TOKEN
-    base = serve_base_url(ray_cluster)
-    _deploy(app_args)
-    try:
-        yield base + PREFIX
-    finally:
-        serve.delete(APP)
-        drop_job_queue(APP)
+def service(service):
+    """The shared app's base url."""
+    base, _ = service
+    return base
 
 
 @pytest.fixture(scope="module")
@@ -164,25 +138,27 @@ def test_a_job_survives_restarts_of_the_ingress_and_the_job_queue_mid_run(client
 
 
 def _cancel_metrics(ray_cluster) -> dict[str, float]:
-    """The Denoiser's cancellation series for this app, scraped from every node's metrics agent."""
-    found = {}
+    """The Denoiser's cancellation series for this app, scraped from every node's metrics agent: the
+    cancels summed over its replicas (the shared app's earlier ones count too), the most steps run after one."""
+    found: dict[str, float] = {}
     for node in ray_cluster.list_all_nodes():
         for line in httpx.get(f"http://127.0.0.1:{node.metrics_export_port}/metrics", timeout=10).text.splitlines():
-            for name in ("cancelled_requests_total", "steps_after_cancel"):
+            for name, merge in (("cancelled_requests_total", sum), ("steps_after_cancel", max)):
                 if line.startswith(f"ray_offload_serve_{name}{{") and f'application="{APP}"' in line \
                         and 'stage="denoise"' in line:
-                    found[name] = float(line.rsplit(" ", 1)[1])
+                    found[name] = merge((found.get(name, 0.0), float(line.rsplit(" ", 1)[1])))
     return found
 
 
 def test_deleting_a_running_job_stops_the_denoiser_within_a_step(client, ray_cluster):
+    before = _cancel_metrics(ray_cluster).get("cancelled_requests_total", 0)
     doomed = client.videos.create(prompt="a storm", size="64x64", seconds="2", extra_body=LONG)
     _wait_progress(client, doomed.id)
     assert client.videos.delete(doomed.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.videos.retrieve(doomed.id)
     deadline, found = time.monotonic() + 90, {}  # Ray's metrics agent exports every ~10 s
-    while found.get("cancelled_requests_total", 0) < 1:
+    while found.get("cancelled_requests_total", 0) < before + 1:
         assert time.monotonic() < deadline, f"the Denoiser reported {found}: the deleted job's call ran on"
         time.sleep(1)
         found = _cancel_metrics(ray_cluster)
@@ -215,7 +191,7 @@ def test_a_denoiser_killed_mid_job_reruns_it_once_and_no_job_stays_in_progress(c
     assert _frames(client.videos.download_content(video.id).content).shape == (5, 64, 64, 3)
 
 
-def test_jobs_survive_a_restart_of_the_whole_application(client, app_args):
+def test_jobs_survive_a_restart_of_the_whole_application(client):
     """Last: everything stops (stages, ingress, store), as when serve run is stopped, and starts again."""
     from ray import serve
 
@@ -224,7 +200,7 @@ def test_jobs_survive_a_restart_of_the_whole_application(client, app_args):
     _wait_progress(client, running.id)
     serve.delete(APP)
     assert drop_job_queue(APP)
-    _deploy(app_args)
+    deploy_shared()
     assert client.videos.retrieve(done.id).status == "completed"
     assert _frames(client.videos.download_content(done.id).content).shape == (5, 16, 16, 3)
     rerun = _wait(client, running.id, timeout_s=240)
