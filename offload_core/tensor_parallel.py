@@ -1,8 +1,19 @@
 """Tensor-parallel plans for the model classes we serve, and loading one rank's slice of a model.
 
-Runs in each rank worker of a tensor-parallel stage replica (``load_rank``) and in the planner
-CLI (``shard_meta``, on ``meta`` with a fake process group). transformers is imported inside the
-functions only: offload_core stays importable with torch alone.
+Runs in each rank worker of a tensor-parallel stage replica (``load_rank``, ``shard_dit``) and in
+the planner CLI (``shard_planned``, on ``meta`` with a fake process group). transformers and
+diffusers are imported inside the functions only: offload_core stays importable with torch alone.
+
+The DiTs diffusers ships a plan for (``_tp_plan`` on FluxTransformer2DModel and
+QwenImageTransformer2DModel, diffusers 0.42.1: attention q/k/v and the FFN's input colwise, their
+outputs rowwise, Flux's single-block ``proj_out`` packed rowwise; the adaLN modulation and norms
+replicated) are sharded by :func:`shard_dit` with diffusers' own checks (``TensorParallelConfig``,
+``_check_tp_supported``, ``resolve_tp_shard_specs``) and styles, one ``parallelize_module`` per
+block, which is what diffusers' ``apply_tensor_parallel`` runs. Not through ``enable_parallelism``:
+in 0.42.1 it works on cuda/neuron/tpu/xpu only (on CPU it fails computing ``rank %
+torch.accelerator.device_count()``, then refuses a ``cpu`` mesh), while the styles are torch DTensor
+code that runs on gloo too: the tiny Flux over 2 gloo ranks matches the unsharded one within 2.4e-7
+(fp32). The attention processors reshape by ``head_dim``, so each rank runs its heads unchanged.
 
 UMT5/T5 ship no ``base_model_tp_plan`` (transformers 5.24), so the plan is ours:
 
@@ -64,17 +75,24 @@ KNOWN_TP_PLANS: Mapping[str, Callable[[Any], tuple[tuple[str, str], ...]]] = {
 }
 
 
+# DiTs sharded with the plan diffusers ships on their class (see the module docstring).
+DIFFUSERS_TP_CLASSES = frozenset({"FluxTransformer2DModel", "QwenImageTransformer2DModel"})
+
+
 def classes_with_plans() -> tuple[str, ...]:
-    return tuple(sorted(KNOWN_TP_PLANS))
+    return tuple(sorted({*KNOWN_TP_PLANS, *DIFFUSERS_TP_CLASSES}))
 
 
 def has_plan(class_name: str) -> bool:
-    return class_name in KNOWN_TP_PLANS
+    return class_name in KNOWN_TP_PLANS or class_name in DIFFUSERS_TP_CLASSES
 
 
 def tp_plan_for(class_name: str, config: Any) -> TensorParallelPlan:
     """The plan of ``class_name``; a class without one raises, naming the classes that have one."""
     rules = KNOWN_TP_PLANS.get(class_name)
+    if rules is None and class_name in DIFFUSERS_TP_CLASSES:
+        raise NoTensorParallelPlan(f"{class_name} is sharded with the plan diffusers ships (shard_dit), "
+                                   "not a transformers plan")
     if rules is None:
         raise NoTensorParallelPlan(
             f"{class_name} has no tensor-parallel plan; tp_size > 1 is supported for {list(classes_with_plans())}")
@@ -194,6 +212,48 @@ def shard_in_place(model: nn.Module, mesh, plan: TensorParallelPlan) -> int:
     return len(made)
 
 
+def shard_dit(model: nn.Module, mesh) -> int:
+    """Shard a diffusers DiT over ``mesh`` with the plan diffusers ships on its class; returns how many
+    parameters became DTensors. Every rank must hold the same weights first (loaded from one folder):
+    each keeps its slice, the rest is freed."""
+    from diffusers import TensorParallelConfig
+    from diffusers.hooks.tensor_parallel import (
+        _check_tp_supported,
+        _resolve_tp_plan,
+        _styles,
+        resolve_tp_shard_specs,
+    )
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    name = type(model).__name__
+    plan = getattr(type(model), "_tp_plan", None)
+    if name not in DIFFUSERS_TP_CLASSES or not plan:
+        raise NoTensorParallelPlan(f"{name} has no diffusers tensor-parallel plan here; DiTs with one: "
+                                   f"{sorted(DIFFUSERS_TP_CLASSES)}")
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+    # diffusers' refusals: heads that do not divide, a quantized, offloaded or adapter-wrapped model.
+    _check_tp_supported(name, plan, heads, TensorParallelConfig(tp_degree=mesh.size()), model=model)
+    resolve_tp_shard_specs(model, plan, mesh.size())  # every planned split divides, before anything is sharded
+    blocks = _resolve_tp_plan(model, plan)
+    for block, relative in blocks:
+        parallelize_module(block, mesh, _styles(relative))
+    freed = own_shards(model) if not any(p.is_meta for p in model.parameters()) else 0
+    count = len(sharded_parameters(model))
+    logger.info("tensor parallel %s rank %d/%d: diffusers' plan (%d rules) over %d blocks, %d parameters sharded, "
+                "%d heads per rank, %d B of whole tensors freed", name, mesh.get_local_rank(), mesh.size(), len(plan),
+                len(blocks), count, (heads or 0) // mesh.size(), freed)
+    return count
+
+
+def shard_planned(model: nn.Module, mesh) -> int:
+    """``model`` sharded over ``mesh`` by its class's plan (ours for the T5 family, diffusers' for DiTs);
+    for the planner, on ``meta``."""
+    name = type(model).__name__
+    if name in DIFFUSERS_TP_CLASSES:
+        return shard_dit(model, mesh)
+    return shard_in_place(model, mesh, tp_plan_for(name, model.config))
+
+
 @contextlib.contextmanager
 def planning_world(tp_size: int) -> Iterator[object]:
     """A fake process group of ``tp_size`` ranks in this process, as rank 0; yields its CPU mesh.
@@ -215,6 +275,7 @@ def planning_world(tp_size: int) -> Iterator[object]:
 
 
 __all__ = [
-    "KNOWN_TP_PLANS", "NoTensorParallelPlan", "TensorParallelPlan", "classes_with_plans", "divide_attention_heads",
-    "has_plan", "load_rank", "own_shards", "planning_world", "shard_in_place", "tp_plan_for",
+    "DIFFUSERS_TP_CLASSES", "KNOWN_TP_PLANS", "NoTensorParallelPlan", "TensorParallelPlan", "classes_with_plans",
+    "divide_attention_heads", "has_plan", "load_rank", "own_shards", "planning_world", "shard_dit", "shard_in_place",
+    "shard_planned", "tp_plan_for",
 ]

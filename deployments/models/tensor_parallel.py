@@ -2,7 +2,9 @@
 
 Runs in ``build_app`` (the deploy-time refusal, reading only the folder's ``model_index.json``) and
 in each rank actor of a tensor-parallel stage replica (``rank_components``). The plans themselves
-are offload_core's (``offload_core.tensor_parallel``): today the T5-family text encoders.
+are offload_core's (``offload_core.tensor_parallel``): the T5-family text encoders (ours, loaded
+sharded by transformers) and the DiTs diffusers ships a plan for (FLUX.1's and Qwen-Image's
+transformer: loaded whole on each rank from the folder, then sharded by ``shard_dit``).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 from deployments.models.families import FamilyFacts, stage_component_names
 from deployments.wire.spec import PipelineStage
-from offload_core.tensor_parallel import classes_with_plans, has_plan, load_rank
+from offload_core.tensor_parallel import classes_with_plans, has_plan, load_rank, shard_dit
 
 logger = logging.getLogger(__name__)
 
@@ -39,20 +41,35 @@ def check_tp(facts: FamilyFacts, stage: PipelineStage, tp_size: int) -> None:
         raise NoStagePlan(
             f"tp_size {tp_size} for the {stage.value} stage of {facts.family.value}: "
             f"{', '.join(f'{n} ({c})' for n, c in missing.items())} has no tensor-parallel plan; "
-            f"plans exist for {list(classes_with_plans())} (the text encoder of Wan), every other stage runs at "
-            "tp_size 1")
+            f"plans exist for {list(classes_with_plans())} (T5-family text encoders, and the DiTs diffusers "
+            "ships a plan for), every other stage runs at tp_size 1")
 
 
 def rank_components(facts: FamilyFacts, stage: PipelineStage, dtype: torch.dtype, tp_size: int,
                     rank: int) -> dict[str, torch.nn.Module]:
     """This rank's slice of each of the stage's components, to hand to the pipeline's ``from_pretrained``."""
     check_tp(facts, stage, tp_size)
-    import transformers
-
     loaded = {}
     for name, (library, cls) in stage_classes(facts, stage).items():
-        assert library == "transformers", f"{name}: plans exist for transformers classes only, got {library}"
+        if library == "diffusers":
+            loaded[name] = _dit_rank(cls, facts.folder, name, dtype, tp_size)
+            continue
+        assert library == "transformers", f"{name}: plans exist for transformers and diffusers classes, got {library}"
+        import transformers
+
         loaded[name] = load_rank(getattr(transformers, cls), facts.folder, tp_size, rank, subfolder=name,
                                  torch_dtype=dtype)
     logger.info("rank %d/%d of the %s stage: %s loaded sharded", rank, tp_size, stage.value, sorted(loaded))
     return loaded
+
+
+def _dit_rank(cls: str, folder: str, name: str, dtype: torch.dtype, tp_size: int) -> torch.nn.Module:
+    """The DiT loaded whole from the folder (every rank the same weights), then sharded over this replica's
+    group; the other ranks' slices are freed. The mesh is on the rank's device: cuda (NCCL) or cpu (gloo)."""
+    import diffusers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = getattr(diffusers, cls).from_pretrained(folder, subfolder=name, torch_dtype=dtype).eval()
+    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (tp_size,))
+    shard_dit(model, mesh)
+    return model

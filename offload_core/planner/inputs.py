@@ -36,7 +36,7 @@ from offload_core.planner.facts import (
 )
 from offload_core.sharded import local_nbytes, sharded_parameters
 from offload_core.tables import HostTablesConfig
-from offload_core.tensor_parallel import classes_with_plans, has_plan, planning_world, shard_in_place, tp_plan_for
+from offload_core.tensor_parallel import classes_with_plans, has_plan, planning_world, shard_planned
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def _profile(name: str, module: nn.Module, tp_size: int, notes: list[str], **kwa
         return profile_component(name, module, **kwargs)
     whole = sum(p.numel() * p.element_size() for p in module.parameters())
     with planning_world(tp_size) as mesh:
-        shard_in_place(module, mesh, tp_plan_for(type(module).__name__, module.config))
+        shard_planned(module, mesh)
         profile = profile_component(name, module, **kwargs)
         local = sum(local_nbytes(p) for p in module.parameters())
         kept = sum(local_nbytes(p) for _, p in sharded_parameters(module))

@@ -30,7 +30,8 @@ ANY_SIZE = HostTablesConfig(min_bytes=0)
 
 def test_a_class_without_a_plan_is_refused_naming_the_classes_with_plans():
     with pytest.raises(NoTensorParallelPlan, match=r"CLIPTextModel has no tensor-parallel plan.*"
-                                                   r"\['T5EncoderModel', 'UMT5EncoderModel'\]"):
+                                                   r"\['FluxTransformer2DModel', 'QwenImageTransformer2DModel', "
+                                                   r"'T5EncoderModel', 'UMT5EncoderModel'\]"):
         tp_plan_for("CLIPTextModel", None)
 
 

@@ -31,7 +31,8 @@ TP_ENCODER = StageArgs(tp_size=2, host_tables_min_bytes=0)
 def test_a_stage_without_a_plan_refuses_tp_size_2_naming_what_has_plans(monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     with pytest.raises(NoStagePlan, match=r"transformer \(WanTransformer3DModel\) has no tensor-parallel plan; "
-                                          r"plans exist for \['T5EncoderModel', 'UMT5EncoderModel'\]"):
+                                          r"plans exist for \['FluxTransformer2DModel', 'QwenImageTransformer2DModel', "
+                                          r"'T5EncoderModel', 'UMT5EncoderModel'\]"):
         build_app(tiny_args(app_name=APP, denoiser=StageArgs(tp_size=2)))
 
 

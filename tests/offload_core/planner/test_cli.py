@@ -78,10 +78,20 @@ def test_tp_2_plans_the_umt5_xxl_encoder_as_one_rank_holds_it(capsys):
     assert any("tensor-parallel over 2 ranks; rank 0 holds 10.58 of 21.16 GiB" in n for n in plan["notes"])
 
 
+def test_tp_2_plans_the_flux_dit_with_diffusers_plan_as_one_rank_holds_it(capsys):
+    code, out = run(capsys, "--model", "flux.1-dev", "--gpu", "L4", "--host-ram", "64GiB", "--json", "--tp", "2")
+    plan = json.loads(out)
+    # The denoiser only: the encode stage's CLIP has no plan. Attention and FFN are split, the adaLN
+    # modulation and norms are whole on every rank: 0.638 of the 22.17 GiB.
+    assert code == 0 and [c["name"] for c in plan["components"]] == ["transformer"]
+    assert any("transformer: tensor-parallel over 2 ranks; rank 0 holds 14.15 of 22.17 GiB (0.638)" in n
+               for n in plan["notes"]), plan["notes"]
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "flux.1-dev", "--gpu", "L4", "--host-ram", "64GiB", "--tp", "2"],
-     "no stage of FluxPipeline has a tensor-parallel plan for --tp 2; classes with plans: ['T5EncoderModel', "
-     "'UMT5EncoderModel']"),
+    (["--model", "z-image-turbo", "--gpu", "L4", "--host-ram", "64GiB", "--tp", "2"],
+     "no stage of ZImagePipeline has a tensor-parallel plan for --tp 2; classes with plans: "
+     "['FluxTransformer2DModel', 'QwenImageTransformer2DModel', 'T5EncoderModel', 'UMT5EncoderModel']"),
     (["--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "64GiB", "--tp", "0"], "--tp must be >= 1"),
     (["--model", "wan2.1-t2v-14b", "--gpu", "TPU", "--host-ram", "64GiB"], "unknown GPU 'TPU'"),
     (["--model", "sd-9", "--gpu", "L4", "--host-ram", "64GiB"], "unknown model 'sd-9'"),
