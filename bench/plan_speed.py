@@ -2,9 +2,14 @@
 
 Each figure is a fresh process, timed from outside (wall, and CPU = user + sys of the child):
 - ``torch_import``: ``python -c "import torch"``, the floor every plan pays;
-- ``plan_cold``: ``python -m offload_core.plan --model wan2.1-t2v-14b --gpu L4 --host-ram 64GiB`` with
-  an empty facts cache (builds the three components on ``meta``: imports diffusers and transformers);
-- ``plan_warm``: the same command again (profiles from the cache: neither library imported).
+- ``plan_cold``: ``python -m offload_core.plan --model wan2.1-t2v-14b --gpu L4 --host-ram 64GiB`` as the
+  first plan after a clone: an empty facts cache (``$OFFLOAD_SERVE_CACHE``, a fresh folder) and none of
+  the project's own bytecode (``offload_core/**/__pycache__`` removed first; the libraries' bytecode is
+  written when pip installs them, so a fresh machine has it). The components are rebuilt on ``meta``
+  from the committed skeletons (offload_core/planner/skeletons.py);
+- ``plan_warm``: the same command again (profiles from the facts cache, bytecode written);
+- ``plan_libraries``: the cold plan with the skeletons ignored (``OFFLOAD_SERVE_PLAN_SKELETONS=0``):
+  the components built by diffusers and transformers, as before the skeletons.
 ``*_beyond_torch`` subtract the median torch import. Runs alternate (torch, cold, warm) so load on
 a shared machine falls on all three alike. Medians of ``--repeats``; the load average is printed.
 The last line is one JSON object.
@@ -17,6 +22,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,30 +44,43 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def drop_project_bytecode() -> None:
+    """Remove offload_core's compiled bytecode, as a fresh clone has none."""
+    for folder in (REPO / "offload_core").rglob("__pycache__"):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    runs: dict[str, list[tuple[float, float]]] = {"torch_import": [], "plan_cold": [], "plan_warm": []}
+    runs: dict[str, list[tuple[float, float]]] = {"torch_import": [], "plan_cold": [], "plan_warm": [],
+                                                  "plan_libraries": []}
     load = os.getloadavg()[0]
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "OFFLOAD_SERVE_CACHE": cache, "OFFLOAD_SERVE_PLAN_CACHE": "1",
                    "OMP_NUM_THREADS": "1"}
             runs["torch_import"].append(timed([sys.executable, "-c", "import torch"], env))
+            drop_project_bytecode()
             runs["plan_cold"].append(timed(PLAN, env))
             runs["plan_warm"].append(timed(PLAN, env))
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "OFFLOAD_SERVE_CACHE": cache, "OFFLOAD_SERVE_PLAN_CACHE": "1",
+                   "OFFLOAD_SERVE_PLAN_SKELETONS": "0", "OMP_NUM_THREADS": "1"}
+            drop_project_bytecode()
+            runs["plan_libraries"].append(timed(PLAN, env))
     out: dict[str, float] = {}
     for name, pairs in runs.items():
         out[f"{name}_wall_s"] = round(statistics.median(w for w, _ in pairs), 3)
         out[f"{name}_cpu_s"] = round(statistics.median(c for _, c in pairs), 3)
-    for name in ("plan_cold", "plan_warm"):
+    for name in ("plan_cold", "plan_warm", "plan_libraries"):
         for unit in ("wall", "cpu"):
             out[f"{name}_beyond_torch_{unit}_s"] = round(out[f"{name}_{unit}_s"] - out[f"torch_import_{unit}_s"], 3)
     out["load_average"] = round((load + os.getloadavg()[0]) / 2, 2)
     out["repeats"] = args.repeats
     for name, pairs in runs.items():
-        print(f"{name:13s} wall {', '.join(f'{w:.2f}' for w, _ in pairs)} s; cpu {', '.join(f'{c:.2f}' for _, c in pairs)} s")
+        print(f"{name:14s} wall {', '.join(f'{w:.2f}' for w, _ in pairs)} s; cpu {', '.join(f'{c:.2f}' for _, c in pairs)} s")
     print(json.dumps(out))
 
 

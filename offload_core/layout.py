@@ -46,6 +46,7 @@ KNOWN_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = {
     # The token refiner's 2 blocks (of 54 + 2) stay with the non-layer weights.
     "HunyuanVideo15Transformer3DModel": ("transformer_blocks",),
     "CLIPTextModelWithProjection": ("text_model.encoder.layers",),  # SD3.5's CLIP-L and CLIP-G
+    "CLIPVisionModel": ("encoder.layers",),  # Wan2.1 image-to-video's image encoder (ViT-H/14)
     "Qwen3Model": ("layers",),  # Z-Image's text encoder
     "Qwen2_5_VLTextModel": ("layers",),  # HunyuanVideo 1.5's text encoder
     # Qwen-Image's text encoder: text-to-image never runs the vision tower (it stays non-layer).
@@ -57,6 +58,7 @@ KNOWN_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = {
 # does not resolve (transformers 4.x: CLIPTextModel.text_model.encoder.layers).
 LEGACY_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = {
     "CLIPTextModel": ("text_model.encoder.layers",),
+    "CLIPVisionModel": ("vision_model.encoder.layers",),
 }
 
 
@@ -281,10 +283,13 @@ class WindowPlacer:
 
     def fits(self, position: int) -> int | None:
         """Where ``position`` would go now, or None while a held layer is in the way."""
-        size = self.sizes[position]
-        start = self.head if self.head + size <= self.window else 0
-        if any(start < b and a < start + size for a, b in self.held.values()):
-            return None
+        end = self.head + self.sizes[position]
+        start = self.head
+        if end > self.window:
+            start, end = 0, self.sizes[position]
+        for a, b in self.held.values():  # a loop, not any(genexpr): called at every copy, in the hooks
+            if start < b and a < end:
+                return None
         return start
 
     def take(self, position: int, start: int) -> tuple[int, int]:

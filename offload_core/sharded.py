@@ -16,8 +16,8 @@ parameters. Two traps, measured with torch 2.13:
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
+import sys
 from typing import Iterable, Iterator
 
 import torch
@@ -26,13 +26,15 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=1)
 def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor  # absent from torch builds without distributed
-    except ImportError:
-        return None
-    return DTensor
+    """DTensor, once something has imported it; None before (then no tensor can be one).
+
+    Importing torch.distributed.tensor costs 0.8 s of CPU (its op registrations pull in sympy and
+    the symbolic-shapes machinery), most of what planning a real model from its skeleton took the
+    first time: a test for "is this a DTensor" must not pay it when no DTensor exists. Importing any
+    of its submodules (DTensor lives in ``torch.distributed.tensor._api``) imports the package first.
+    """
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
 def is_sharded(tensor: object) -> bool:

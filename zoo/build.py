@@ -12,7 +12,7 @@ from pathlib import Path
 
 from zoo.tiny import ensure_medium_wan, ensure_tiny_flux, ensure_tiny_wan
 from zoo.tiny_families import ensure_tiny_hunyuan15, ensure_tiny_qwen_image, ensure_tiny_sd3, ensure_tiny_zimage
-from zoo.wan22 import ensure_tiny_wan22_a14b, ensure_tiny_wan22_i2v, ensure_tiny_wan22_ti2v
+from zoo.wan22 import ensure_tiny_wan21_i2v, ensure_tiny_wan22_a14b, ensure_tiny_wan22_i2v, ensure_tiny_wan22_ti2v
 
 BUILDERS: dict[str, Callable[[], Path]] = {
     "tiny-wan": ensure_tiny_wan,
@@ -25,6 +25,7 @@ BUILDERS: dict[str, Callable[[], Path]] = {
     "tiny-wan22-a14b": ensure_tiny_wan22_a14b,
     "tiny-wan22-ti2v": ensure_tiny_wan22_ti2v,
     "tiny-wan22-i2v": ensure_tiny_wan22_i2v,
+    "tiny-wan21-i2v": ensure_tiny_wan21_i2v,
 }
 
 

@@ -107,15 +107,19 @@ def wan_text_encoder(sizes: WanSizes) -> UMT5EncoderModel:
     ).eval()
 
 
-def wan_transformer(sizes: WanSizes, seed_offset: int = 2, channels: tuple[int, int] = (16, 16)) -> WanTransformer3DModel:
+def wan_transformer(sizes: WanSizes, seed_offset: int = 2, channels: tuple[int, int] = (16, 16),
+                    image_dim: int | None = None) -> WanTransformer3DModel:
     """A tiny WanTransformer3DModel; ``channels`` = (in, out): 16/16 for Wan2.1 and the A14B experts,
-    36/16 for image-to-video (noise + mask + image latents), 48/48 for TI2V-5B's 48-channel VAE."""
+    36/16 for image-to-video (noise + mask + image latents), 48/48 for TI2V-5B's 48-channel VAE.
+    ``image_dim``: Wan2.1 image-to-video's CLIP width (its blocks get image key/value projections of
+    the model width, as the published folders' ``added_kv_proj_dim``)."""
     _seeded(seed_offset)
     return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=sizes.heads, attention_head_dim=sizes.head_dim,
         in_channels=channels[0], out_channels=channels[1], text_dim=sizes.text_width, freq_dim=32,
         ffn_dim=sizes.ffn_dim, num_layers=sizes.blocks, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32, image_dim=image_dim,
+        added_kv_proj_dim=None if image_dim is None else sizes.heads * sizes.head_dim,
     ).eval()
 
 

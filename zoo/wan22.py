@@ -8,7 +8,10 @@ keeps umT5's full token table), arranged as each published Wan2.2 folder is:
 - ``tiny-wan22-ti2v``: ``WanPipeline`` with ``expand_timesteps`` and a 48-channel residual VAE
   (16x spatial, so sizes are multiples of 32), as Wan-AI/Wan2.2-TI2V-5B-Diffusers;
 - ``tiny-wan22-i2v``: ``WanImageToVideoPipeline`` with two 36-channel experts (noise + mask +
-  image latents) switched at 0.9 and no CLIP image encoder, as Wan-AI/Wan2.2-I2V-A14B-Diffusers.
+  image latents) switched at 0.9 and no CLIP image encoder, as Wan-AI/Wan2.2-I2V-A14B-Diffusers;
+- ``tiny-wan21-i2v``: ``WanImageToVideoPipeline`` with one 36-channel transformer that also attends
+  to a CLIP image encoder's penultimate hidden states (``image_encoder`` + ``image_processor``), as
+  Wan-AI/Wan2.1-I2V-14B-480P-Diffusers (and 720P: the same layout, flow_shift 5.0).
 
 Built on first call (a few seconds each) and cached under :func:`zoo.paths.zoo_root`.
 """
@@ -18,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
+from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
 from zoo.cache import ensure_built
 from zoo.paths import zoo_root
@@ -84,6 +88,37 @@ def build_wan22_i2v(folder: Path, sizes: WanSizes = TINY) -> None:
     pipe.save_pretrained(folder, safe_serialization=True)
 
 
+# The tiny CLIP ViT: 32x32 images in 8x8 patches, 16 patch tokens + the class token = 17 image tokens
+# (Wan2.1 I2V's ViT-H/14 at 224: 257 tokens of width 1280).
+CLIP_IMAGE_SIDE, CLIP_PATCH, CLIP_WIDTH = 32, 8, 32
+# OpenAI CLIP's normalisation, as the published image_processor/preprocessor_config.json.
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+
+
+def clip_image_encoder() -> CLIPVisionModel:
+    """The tiny CLIP vision tower (seed offset 6), the class Wan2.1 I2V's folders name."""
+    _seeded(6)
+    return CLIPVisionModel(CLIPVisionConfig(
+        hidden_size=CLIP_WIDTH, intermediate_size=2 * CLIP_WIDTH, num_hidden_layers=3, num_attention_heads=4,
+        image_size=CLIP_IMAGE_SIDE, patch_size=CLIP_PATCH, projection_dim=CLIP_WIDTH, hidden_act="gelu",
+    )).eval()
+
+
+def clip_image_processor() -> CLIPImageProcessor:
+    return CLIPImageProcessor(size={"shortest_edge": CLIP_IMAGE_SIDE},
+                              crop_size={"height": CLIP_IMAGE_SIDE, "width": CLIP_IMAGE_SIDE},
+                              image_mean=CLIP_MEAN, image_std=CLIP_STD)
+
+
+def build_wan21_i2v(folder: Path, sizes: WanSizes = TINY) -> None:
+    pipe = WanImageToVideoPipeline(
+        tokenizer=t5_tokenizer(model_max_length=512), text_encoder=wan_text_encoder(sizes), vae=wan_vae(sizes),
+        scheduler=wan_scheduler(), transformer=wan_transformer(sizes, channels=(36, 16), image_dim=CLIP_WIDTH),
+        image_encoder=clip_image_encoder(), image_processor=clip_image_processor(),
+    )
+    pipe.save_pretrained(folder, safe_serialization=True)
+
+
 def _ensure(name: str, build) -> Path:
     sizes = replace(TINY)
     return ensure_built(zoo_root(), name, _spec(name, sizes), lambda d: build(d, sizes))
@@ -102,3 +137,8 @@ def ensure_tiny_wan22_ti2v() -> Path:
 def ensure_tiny_wan22_i2v() -> Path:
     """A two-expert WanImageToVideoPipeline folder (boundary 0.9)."""
     return _ensure("tiny-wan22-i2v", build_wan22_i2v)
+
+
+def ensure_tiny_wan21_i2v() -> Path:
+    """A WanImageToVideoPipeline folder with a CLIP image encoder (the Wan2.1 I2V layout)."""
+    return _ensure("tiny-wan21-i2v", build_wan21_i2v)

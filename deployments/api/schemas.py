@@ -122,6 +122,9 @@ def image_spec(req: ImageRequest, facts: FamilyFacts, limits: Limits, model_id: 
         raise FieldError("model", f"the {facts.family.value} model family makes {', '.join(facts.modalities)} only; "
                                   "use POST /v1/videos")
     _check_reference(facts, reference)
+    if reference is not None and facts.reference_image is ReferenceImage.OPTIONAL:
+        raise FieldError("input_reference", f"the {facts.family.value} model family takes a reference image for "
+                                            "videos only (POST /v1/videos); an image is made from text")
     if req.response_format != "b64_json":
         raise FieldError("response_format", f"{req.response_format!r} is not supported; use 'b64_json' "
                                             "(this server keeps no files to serve by url)")

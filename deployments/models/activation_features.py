@@ -127,8 +127,8 @@ def run_stage(pipe, facts: FamilyFacts, stage: PipelineStage, spec: GenerationSp
     """The stage's own call (as the deployments make it) on ``value`` from :func:`stage_input`."""
     from deployments.models import families
 
-    if stage is PipelineStage.ENCODE:
-        return families.encode(pipe, facts, spec, device)
+    if stage is PipelineStage.ENCODE:  # the request itself (an adapter may give it a stand-in reference image)
+        return families.encode(pipe, facts, value if isinstance(value, GenerationSpec) else spec, device)
     if stage is PipelineStage.DENOISE:
         return families.denoise(pipe, facts, value, spec, device)
     return families.decode(pipe, facts, value, spec, device)

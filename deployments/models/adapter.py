@@ -41,6 +41,8 @@ class ReferenceImage(str, enum.Enum):
 
     NONE = "none"  # text-only: a reference image is a 400 naming the field
     REQUIRED = "required"  # image-to-video: a request without one is a 400 naming the field
+    # Text- or image-to-video (Wan2.2 TI2V-5B): a video request may carry one; an image request may not.
+    OPTIONAL = "optional"
 
 
 @dataclass(frozen=True)
@@ -227,3 +229,50 @@ class FamilyAdapter:
     def activation_input(self, pipe, facts: FamilyFacts, stage: PipelineStage, spec: GenerationSpec):
         """A stand-in for the stage's input at ``spec``'s shape (zeros: activations depend on shapes)."""
         raise NotImplementedError
+
+
+def kl_vae_scale(folder: str | pathlib.Path) -> int:
+    """An AutoencoderKL's spatial factor, from its config: 2 ** (levels - 1) (8 for FLUX.1, SD3.5, Z-Image)."""
+    vae = read_json(pathlib.Path(folder) / "vae" / "config.json")
+    return 2 ** (len(vae["block_out_channels"]) - 1)
+
+
+class KLImageAdapter(FamilyAdapter):
+    """The shared shape of the image families on an AutoencoderKL (FLUX.1, SD3.5, Z-Image): the VAE's
+    scale factor from its config, decode = the family pipeline's tail (:meth:`vae_input`) then the VAE
+    and the image processor, the pipeline's ``output_type="np"`` images as the reference, and
+    activation stand-ins of the latents' shape. A family implements :meth:`vae_input` and
+    :meth:`prompt_input` (and :meth:`latent_input` if its latents are packed)."""
+
+    serves = ("image",)
+
+    def restore_scale_factors(self, pipe, facts: FamilyFacts) -> None:
+        pipe.vae_scale_factor = kl_vae_scale(facts.folder)
+
+    @torch.no_grad()
+    def decode(self, pipe, facts, latents, spec, device) -> torch.Tensor:
+        return decoded_images(pipe, self.vae_input(pipe, latents, spec, device))
+
+    def vae_input(self, pipe, latents: torch.Tensor, spec: GenerationSpec, device: torch.device) -> torch.Tensor:
+        """The family pipeline's tail before ``vae.decode``: the final latents unscaled, on ``device``,
+        with the pipeline's own order of casts and operations (so the result stays bitwise)."""
+        raise NotImplementedError
+
+    def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
+        return pipeline_images(pipe, spec, negative_prompt=spec.negative_prompt, guidance_scale=spec.guidance_scale)
+
+    def activation_input(self, pipe, facts, stage, spec):
+        stage = PipelineStage(stage)
+        if stage is ENCODE:
+            return None
+        return self.prompt_input(pipe, spec) if stage is DENOISE else self.latent_input(pipe, spec)
+
+    def prompt_input(self, pipe, spec: GenerationSpec):
+        """Zero embeddings at the shapes the encoder stage sends the Denoiser for ``spec``."""
+        raise NotImplementedError
+
+    def latent_input(self, pipe, spec: GenerationSpec) -> torch.Tensor:
+        """Zero final latents at ``spec``'s shape, as the Denoiser sends the decoder."""
+        scale = pipe.vae_scale_factor
+        return torch.zeros(spec.n, pipe.vae.config.latent_channels, spec.height // scale, spec.width // scale)
+

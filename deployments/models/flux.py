@@ -7,7 +7,6 @@ Run by the stage replicas; :meth:`FluxAdapter.facts` by the ingress (json only).
 from __future__ import annotations
 
 import copy
-import pathlib
 
 import torch
 
@@ -16,27 +15,23 @@ from deployments.models.adapter import (
     DECODE,
     DENOISE,
     ENCODE,
-    FamilyAdapter,
     FamilyFacts,
-    decoded_images,
+    KLImageAdapter,
     generator_for,
-    pipeline_images,
-    read_json,
+    kl_vae_scale,
     step_callback,
 )
-from deployments.models.steppers import BatchKey, StepRequest, cached, rows_of, split_noise
-from deployments.wire.spec import EncodedPrompt, Family, PipelineStage
+from deployments.models.steppers import BatchKey, StepRequest, TransformerStepper, cached, rows_of, split_noise
+from deployments.wire.spec import EncodedPrompt, Family
 
 FLUX_GUIDANCE = 3.5  # FluxPipeline.__call__'s default
 TEXT_TOKENS = 512  # encode pads every prompt to max_sequence_length=512
 
 
-class FluxStepper:
+class FluxStepper(TransformerStepper):
     """FluxPipeline's loop (diffusers 0.42), one step for a batch; guidance is an embedding, one branch."""
 
-    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
-        self.pipe, self.device = pipe, device
-        self.dtype = pipe.transformer.dtype  # read once, as WanStepper's
+    family = Family.FLUX.value
 
     def start(self, encoded, spec, on_step=None) -> StepRequest:
         import numpy as np
@@ -74,23 +69,16 @@ class FluxStepper:
         return split_noise(batch, noise)
 
 
-class FluxAdapter(FamilyAdapter):
+class FluxAdapter(KLImageAdapter):
     family = Family.FLUX
     pipeline_classes = ("FluxPipeline",)
     stage_modules = {ENCODE: ("text_encoder", "text_encoder_2"), DENOISE: ("transformer",), DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer", "tokenizer_2"), DENOISE: ("scheduler",), DECODE: ()}
-    serves = ("image",)
 
     def facts(self, folder, index) -> FamilyFacts:
-        vae = read_json(folder / "vae" / "config.json")
-        vae_scale = 2 ** (len(vae["block_out_channels"]) - 1)
         # x2: the transformer packs 2x2 latent patches into one token.
-        return FamilyFacts(self.family, str(folder), vae_scale * 2, 1, False, False, FLUX_GUIDANCE,
+        return FamilyFacts(self.family, str(folder), kl_vae_scale(folder) * 2, 1, False, False, FLUX_GUIDANCE,
                            pipeline_class=index["_class_name"], modalities=self.serves)
-
-    def restore_scale_factors(self, pipe, facts) -> None:
-        vae = read_json(pathlib.Path(facts.folder) / "vae" / "config.json")
-        pipe.vae_scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
 
     @torch.no_grad()
     def encode(self, pipe, facts, spec, device) -> EncodedPrompt:
@@ -108,31 +96,24 @@ class FluxAdapter(FamilyAdapter):
                    callback_on_step_end_tensor_inputs=[])
         return out.images.to(CPU)
 
-    @torch.no_grad()
-    def decode(self, pipe, facts, latents, spec, device) -> torch.Tensor:
+    def vae_input(self, pipe, latents, spec, device) -> torch.Tensor:
         vae = pipe.vae  # the tail of FluxPipeline.__call__
         latents = pipe._unpack_latents(latents, spec.height, spec.width, pipe.vae_scale_factor)
-        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
-        return decoded_images(pipe, latents.to(device))
+        return ((latents / vae.config.scaling_factor) + vae.config.shift_factor).to(device)
 
     def stepper(self, pipe, facts, device) -> FluxStepper:
         return FluxStepper(pipe, facts, device)
-
-    def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
-        return pipeline_images(pipe, spec, negative_prompt=spec.negative_prompt, guidance_scale=spec.guidance_scale)
 
     def uses_per_request(self, facts, stage, steps, guidance_scale, batched=False) -> dict[str, int]:
         # Guidance-distilled: one pass per step and one per encoder, whatever the scale.
         return self.uses_by_stage(facts, stage, encode=1, denoise=steps)
 
-    def activation_input(self, pipe, facts, stage, spec):
-        stage = PipelineStage(stage)
-        if stage is ENCODE:
-            return None
-        if stage is DENOISE:
-            config = pipe.transformer.config
-            return EncodedPrompt(torch.zeros(spec.n, TEXT_TOKENS, config.joint_attention_dim),
-                                 pooled_prompt_embeds=torch.zeros(spec.n, config.pooled_projection_dim))
+    def prompt_input(self, pipe, spec) -> EncodedPrompt:
+        config = pipe.transformer.config
+        return EncodedPrompt(torch.zeros(spec.n, TEXT_TOKENS, config.joint_attention_dim),
+                             pooled_prompt_embeds=torch.zeros(spec.n, config.pooled_projection_dim))
+
+    def latent_input(self, pipe, spec) -> torch.Tensor:
         side = pipe.vae_scale_factor * 2  # Flux packs 2x2 latent patches into one token
         return torch.zeros(spec.n, (spec.height // side) * (spec.width // side), pipe.vae.config.latent_channels * 4)
 

@@ -36,7 +36,8 @@ from deployments.models.adapter import (
     generator_for,
     read_json,
 )
-from deployments.models.steppers import BatchKey, StepRequest, guided_noise, split_noise, uncached
+from deployments.models.step_cache import BlockForm, BlockOutput
+from deployments.models.steppers import BatchKey, StepRequest, TransformerStepper, cached, guided_noise, split_noise
 from deployments.wire.prompt_tensors import PromptTensors
 from deployments.wire.spec import DenoiseProgress, Family, PipelineStage
 
@@ -73,14 +74,15 @@ def _guided(scale: float) -> bool:
     return not math.isclose(scale, 1.0)  # ClassifierFreeGuidance._is_cfg_enabled (default formulation)
 
 
-class HunyuanVideo15Stepper:
+# HunyuanVideo15TransformerBlock returns (hidden, encoder) and takes the joint text mask per row.
+HUNYUAN15_BLOCKS = BlockForm(BlockOutput.HIDDEN_ENCODER, ("hidden_states", "encoder_hidden_states", "temb",
+                                                          "attention_mask"))
+
+
+class HunyuanVideo15Stepper(TransformerStepper):
     """HunyuanVideo15Pipeline's loop (diffusers 0.42), one step for a batch; both guidance branches in one forward."""
 
     family = Family.HUNYUAN_VIDEO15.value
-
-    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
-        self.pipe, self.device = pipe, device
-        self.dtype = pipe.transformer.dtype  # read once: ModelMixin.dtype walks the parameters
 
     def start(self, encoded: HunyuanPrompt, spec, on_step=None) -> StepRequest:
         import numpy as np
@@ -99,7 +101,6 @@ class HunyuanVideo15Stepper:
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step)
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
-        uncached(batch, self.family)
         latents = torch.cat([r.latents for r in batch])
         # Text-to-video: no condition latents, no mask, zero image embeddings (prepare_cond_latents_and_mask).
         zeros = latents.new_zeros(latents.shape[0], latents.shape[1] + 1, *latents.shape[2:])
@@ -113,8 +114,9 @@ class HunyuanVideo15Stepper:
         inputs = {name: torch.cat([b[name] for rows in branches for b in rows]) for name in INPUTS}
         image_embeds = model_input.new_zeros(model_input.shape[0], VISION_TOKENS,
                                              self.pipe.transformer.config.image_embed_dim)
-        noise = self.pipe.transformer(hidden_states=model_input, image_embeds=image_embeds, timestep=timestep,
-                                      return_dict=False, **inputs)[0]
+        with cached(self.pipe.transformer, batch, guided, HUNYUAN15_BLOCKS):
+            noise = self.pipe.transformer(hidden_states=model_input, image_embeds=image_embeds, timestep=timestep,
+                                          return_dict=False, **inputs)[0]
         if guided:
             cond, uncond = noise.chunk(2)
             return guided_noise(batch, cond, uncond)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import pathlib
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,8 @@ from deployments.models.adapter import (
     read_json,
     step_callback,
 )
-from deployments.models.steppers import BatchKey, StepRequest, uncached
+from deployments.models.step_cache import BlockForm, BlockOutput
+from deployments.models.steppers import BatchKey, StepRequest, TransformerStepper, cached, uncached
 from deployments.wire.prompt_tensors import PromptTensors
 from deployments.wire.spec import Family, PipelineStage
 
@@ -86,15 +88,22 @@ def _pad(parts: list[torch.Tensor], masks: list[torch.Tensor | None]) -> tuple[t
     return text, mask
 
 
-class QwenImageStepper:
+# QwenImageTransformerBlock returns (encoder, hidden) and takes the text mask per row.
+QWEN_BLOCKS = BlockForm(BlockOutput.ENCODER_HIDDEN,
+                        ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb"))
+
+
+class QwenImageStepper(TransformerStepper):
     """QwenImagePipeline's loop (diffusers 0.42), one step for a batch: both guidance branches of every
     request in one forward (prompts of other lengths zero-padded and masked)."""
 
     family = Family.QWEN_IMAGE.value
 
     def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
-        self.pipe, self.device = pipe, device
-        self.dtype = pipe.transformer.dtype  # read once: ModelMixin.dtype walks the parameters
+        super().__init__(pipe, facts, device)
+        # zero_cond_t (the edit variants) doubles temb's rows and adds a per-token modulate_index: a
+        # sub-batch cannot be sliced by row, so those variants run every block.
+        self.cacheable = not getattr(pipe.transformer.config, "zero_cond_t", False)
 
     def start(self, encoded: QwenImagePrompt, spec, on_step=None) -> StepRequest:
         import numpy as np
@@ -125,7 +134,6 @@ class QwenImageStepper:
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step, shared)
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
-        uncached(batch, self.family)
         latents = torch.cat([r.latents for r in batch])
         timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch]).to(latents.dtype)
         branches = [r.cond for r in batch]
@@ -135,10 +143,14 @@ class QwenImageStepper:
             latents, timestep = torch.cat([latents, latents]), torch.cat([timestep, timestep])
         text, mask = _pad([b["text"] for b in branches], [b["mask"] for b in branches])
         guidance = torch.cat([r.cond["guidance"] for r in batch]) if "guidance" in batch[0].cond else None
-        noise = self.pipe.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=guidance,
-                                      encoder_hidden_states_mask=mask, encoder_hidden_states=text,
-                                      img_shapes=[[batch[0].shared["img_shape"]]] * latents.shape[0],
-                                      return_dict=False)[0]
+        if not self.cacheable:
+            uncached(batch, self.family)
+        step_cache = cached(self.pipe.transformer, batch, guided, QWEN_BLOCKS) if self.cacheable else nullcontext()
+        with step_cache:
+            noise = self.pipe.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=guidance,
+                                          encoder_hidden_states_mask=mask, encoder_hidden_states=text,
+                                          img_shapes=[[batch[0].shared["img_shape"]]] * latents.shape[0],
+                                          return_dict=False)[0]
         out, start, rows = [], 0, sum(r.latents.shape[0] for r in batch)
         for r in batch:
             n = r.latents.shape[0]

@@ -10,7 +10,6 @@ Run by the stage replicas; :meth:`SD3Adapter.facts` by the ingress (json only).
 from __future__ import annotations
 
 import copy
-import pathlib
 from dataclasses import dataclass
 
 import torch
@@ -20,21 +19,31 @@ from deployments.models.adapter import (
     DECODE,
     DENOISE,
     ENCODE,
-    FamilyAdapter,
     FamilyFacts,
-    decoded_images,
+    KLImageAdapter,
     generator_for,
-    pipeline_images,
+    kl_vae_scale,
     read_json,
     step_callback,
 )
-from deployments.models.steppers import BatchKey, StepRequest, guided_noise, rows_of, split_noise, uncached
+from deployments.models.step_cache import BlockForm, BlockOutput
+from deployments.models.steppers import (
+    BatchKey,
+    StepRequest,
+    TransformerStepper,
+    cached,
+    guided_noise,
+    rows_of,
+    split_noise,
+)
 from deployments.wire.prompt_tensors import PromptTensors
-from deployments.wire.spec import Family, PipelineStage
+from deployments.wire.spec import Family
 
 SD3_GUIDANCE = 7.0  # StableDiffusion3Pipeline.__call__'s default (SD3.5 Large's card suggests 3.5)
 T5_TOKENS = 256  # the pipeline's max_sequence_length default
 CLIP_TOKENS = 77
+# JointTransformerBlock returns (encoder, hidden); the last one (context_pre_only) (None, hidden).
+SD3_BLOCKS = BlockForm(BlockOutput.ENCODER_HIDDEN)
 
 
 @dataclass(frozen=True)
@@ -51,14 +60,10 @@ def _guided(spec) -> bool:
     return spec.guidance_scale > 1.0  # StableDiffusion3Pipeline.do_classifier_free_guidance
 
 
-class SD3Stepper:
+class SD3Stepper(TransformerStepper):
     """StableDiffusion3Pipeline's loop (diffusers 0.42), one step for a batch of requests."""
 
     family = Family.SD3.value
-
-    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
-        self.pipe, self.device = pipe, device
-        self.dtype = pipe.transformer.dtype  # read once: ModelMixin.dtype walks the parameters
 
     def start(self, encoded: SD3Prompt, spec, on_step=None) -> StepRequest:
         from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
@@ -88,7 +93,6 @@ class SD3Stepper:
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step)
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
-        uncached(batch, self.family)
         latents = torch.cat([r.latents for r in batch])
         timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch])
         text, pooled = rows_of(batch, "encoder_hidden_states", "cond"), rows_of(batch, "pooled_projections", "cond")
@@ -97,33 +101,27 @@ class SD3Stepper:
             latents, timestep = torch.cat([latents, latents]), torch.cat([timestep, timestep])
             text = torch.cat([rows_of(batch, "encoder_hidden_states", "uncond"), text])
             pooled = torch.cat([rows_of(batch, "pooled_projections", "uncond"), pooled])
-        noise = self.pipe.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=text,
-                                      pooled_projections=pooled, return_dict=False)[0]
+        with cached(self.pipe.transformer, batch, guided, SD3_BLOCKS):
+            noise = self.pipe.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=text,
+                                          pooled_projections=pooled, return_dict=False)[0]
         if guided:
             uncond, cond = noise.chunk(2)
             return guided_noise(batch, cond, uncond)
         return split_noise(batch, noise)
 
 
-class SD3Adapter(FamilyAdapter):
+class SD3Adapter(KLImageAdapter):
     family = Family.SD3
     pipeline_classes = ("StableDiffusion3Pipeline",)
     stage_modules = {ENCODE: ("text_encoder", "text_encoder_2", "text_encoder_3"), DENOISE: ("transformer",),
                      DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer", "tokenizer_2", "tokenizer_3"), DENOISE: ("scheduler",), DECODE: ()}
-    serves = ("image",)
 
     def facts(self, folder, index) -> FamilyFacts:
-        vae = read_json(folder / "vae" / "config.json")
         patch = int(read_json(folder / "transformer" / "config.json").get("patch_size", 2))
         # StableDiffusion3Pipeline.check_inputs: sides are multiples of vae_scale_factor x patch_size.
-        multiple = 2 ** (len(vae["block_out_channels"]) - 1) * patch
-        return FamilyFacts(self.family, str(folder), multiple, 1, False, True, SD3_GUIDANCE,
+        return FamilyFacts(self.family, str(folder), kl_vae_scale(folder) * patch, 1, False, True, SD3_GUIDANCE,
                            pipeline_class=index["_class_name"], modalities=self.serves)
-
-    def restore_scale_factors(self, pipe, facts) -> None:
-        vae = read_json(pathlib.Path(facts.folder) / "vae" / "config.json")
-        pipe.vae_scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
 
     @torch.no_grad()
     def encode(self, pipe, facts, spec, device) -> SD3Prompt:
@@ -143,36 +141,25 @@ class SD3Adapter(FamilyAdapter):
                    callback_on_step_end_tensor_inputs=[])
         return out.images.to(CPU)
 
-    @torch.no_grad()
-    def decode(self, pipe, facts, latents, spec, device) -> torch.Tensor:
+    def vae_input(self, pipe, latents, spec, device) -> torch.Tensor:
         vae = pipe.vae  # the tail of StableDiffusion3Pipeline.__call__
-        latents = (latents.to(device) / vae.config.scaling_factor) + vae.config.shift_factor
-        return decoded_images(pipe, latents)
+        return (latents.to(device) / vae.config.scaling_factor) + vae.config.shift_factor
 
     def stepper(self, pipe, facts, device) -> SD3Stepper:
         return SD3Stepper(pipe, facts, device)
-
-    def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
-        return pipeline_images(pipe, spec, negative_prompt=spec.negative_prompt, guidance_scale=spec.guidance_scale)
 
     def uses_per_request(self, facts, stage, steps, guidance_scale, batched=False) -> dict[str, int]:
         # Guided: each encoder runs for the prompt and the negative prompt; the pipeline's own loop
         # already runs both branches in one transformer forward, so a step is one pass either way.
         return self.uses_by_stage(facts, stage, encode=2 if guidance_scale > 1.0 else 1, denoise=steps)
 
-    def activation_input(self, pipe, facts, stage, spec):
-        stage = PipelineStage(stage)
-        if stage is ENCODE:
-            return None
-        if stage is DENOISE:
-            config, n = pipe.transformer.config, spec.n
-            embeds = torch.zeros(n, CLIP_TOKENS + T5_TOKENS, config.joint_attention_dim)
-            pooled = torch.zeros(n, config.pooled_projection_dim)
-            if _guided(spec):
-                return SD3Prompt(embeds, pooled, embeds.clone(), pooled.clone())
-            return SD3Prompt(embeds, pooled)
-        scale = pipe.vae_scale_factor
-        return torch.zeros(spec.n, pipe.vae.config.latent_channels, spec.height // scale, spec.width // scale)
+    def prompt_input(self, pipe, spec) -> SD3Prompt:
+        config, n = pipe.transformer.config, spec.n
+        embeds = torch.zeros(n, CLIP_TOKENS + T5_TOKENS, config.joint_attention_dim)
+        pooled = torch.zeros(n, config.pooled_projection_dim)
+        if _guided(spec):
+            return SD3Prompt(embeds, pooled, embeds.clone(), pooled.clone())
+        return SD3Prompt(embeds, pooled)
 
 
 ADAPTERS = (SD3Adapter(),)

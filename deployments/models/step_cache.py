@@ -14,6 +14,12 @@ skipped blocks are not copied, and the prefetch window moves to the next step's 
 before it fills. The copies already issued for the window ahead of the first block are wasted: at
 most ``prefetch_depth`` layers per such decision.
 
+Families: a block's output form and its per-row inputs are the family's :class:`BlockForm`,
+declared in its adapter module (Wan: hidden alone; Flux, SD3, Qwen-Image: (encoder, hidden);
+HunyuanVideo 1.5: (hidden, encoder), with its joint text mask per row; Qwen-Image's text mask per
+row). Z-Image runs no step cache: its first block refines the image tokens alone and its last runs
+on image + caption tokens, so the first block's residual has no place in the last one's output.
+
 Threshold 0 is off: a forward whose requests all have threshold 0 is the plain forward, untouched.
 The blocks' forwards are wrapped once (an instance attribute over the class's ``forward``); with no
 cached forward active the wrapper calls the original at once.
@@ -21,6 +27,7 @@ cached forward active the wrapper calls the original at once.
 from __future__ import annotations
 
 import contextlib
+import enum
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -37,6 +44,33 @@ logger = logging.getLogger(__name__)
 # embeddings, attention kwargs) are shared by every row. Wan's and Flux's blocks name them so.
 ROW_INPUTS = ("hidden_states", "encoder_hidden_states", "temb")
 CACHE_ATTRIBUTE = "_offload_step_cache"
+
+
+class BlockOutput(enum.Enum):
+    """What a transformer block returns, in order (what a skipped block must return in its place)."""
+
+    HIDDEN = "hidden"  # hidden_states alone (Wan)
+    ENCODER_HIDDEN = "encoder, hidden"  # (encoder_hidden_states, hidden_states): Flux, SD3, Qwen-Image
+    HIDDEN_ENCODER = "hidden, encoder"  # (hidden_states, encoder_hidden_states): HunyuanVideo 1.5
+
+
+@dataclass(frozen=True)
+class BlockForm:
+    """A family's transformer block, as the step cache calls it: its output form and its per-row inputs
+    (sliced to the computing rows of a batch in which some requests skip). Declared by the family's
+    adapter module (``deployments/models/<family>.py``)."""
+
+    output: BlockOutput
+    row_inputs: tuple[str, ...] = ROW_INPUTS
+
+
+def detected_form(transformer: nn.Module) -> BlockForm:
+    """Wan's or Flux's form, told apart by the block signature: Flux's blocks take image_rotary_emb and
+    return (encoder, hidden); Wan's take rotary_emb and return hidden alone."""
+    blocks = [layer for group in declared_layer_groups(transformer)
+              for layer in resolve_layer_group(transformer, group).layers]
+    pair = bool(blocks) and "image_rotary_emb" in inspect.signature(blocks[0].forward).parameters
+    return BlockForm(BlockOutput.ENCODER_HIDDEN if pair else BlockOutput.HIDDEN)
 
 
 @dataclass
@@ -75,8 +109,9 @@ class _Forward:
 class StepCache:
     """Wraps one transformer's blocks; ``active(...)`` makes one forward a cached one."""
 
-    def __init__(self, transformer: nn.Module):
+    def __init__(self, transformer: nn.Module, form: BlockForm | None = None):
         self.transformer = transformer
+        self.form = form or detected_form(transformer)
         self.blocks = tuple(layer for group in declared_layer_groups(transformer)
                             for layer in resolve_layer_group(transformer, group).layers)
         self._active: _Forward | None = None
@@ -108,14 +143,14 @@ class StepCache:
         bound = signature.bind(*args, **kwargs)
         if index == 0:
             out = original(*args, **kwargs)
-            forward.first = _hidden(out)
+            forward.first = self._hidden(out)
             self._decide(forward, forward.first - bound.arguments["hidden_states"])
         elif not any(forward.skip):
             out = original(*args, **kwargs)
         elif all(forward.skip):
-            out = _passthrough(bound)
+            out = self._passthrough(bound)
         else:
-            out = _on_rows(original, bound, forward.computing)
+            out = self._on_rows(original, bound, forward.computing)
         if index == len(self.blocks) - 1:
             out = self._finish(forward, out)
         return out
@@ -142,7 +177,7 @@ class StepCache:
                          len(self.blocks) - 1)
 
     def _finish(self, forward: _Forward, out):
-        hidden = _hidden(out)
+        hidden = self._hidden(out)
         result = hidden.clone() if any(forward.skip) else hidden
         for request, rows, skip in zip(forward.requests, forward.rows, forward.skip):
             state = request.states[forward.transformer]
@@ -152,49 +187,54 @@ class StepCache:
                 request.skipped += 1
             else:
                 state.tail_residual = hidden.index_select(0, rows) - first
-        return (out[0], result) if isinstance(out, tuple) else result
+        return self._with_hidden(out, result)
+
+    # -- the block's form ---------------------------------------------------------------------------
+    def _hidden(self, out) -> torch.Tensor:
+        """A block's hidden-states output."""
+        output = self.form.output
+        return out if output is BlockOutput.HIDDEN else out[1 if output is BlockOutput.ENCODER_HIDDEN else 0]
+
+    def _with_hidden(self, out, hidden: torch.Tensor):
+        output = self.form.output
+        if output is BlockOutput.HIDDEN:
+            return hidden
+        return (out[0], hidden) if output is BlockOutput.ENCODER_HIDDEN else (hidden, out[1])
+
+    def _passthrough(self, bound: inspect.BoundArguments):
+        """What a skipped block returns: its inputs, in its output's form."""
+        hidden, encoder = bound.arguments["hidden_states"], bound.arguments.get("encoder_hidden_states")
+        return {BlockOutput.HIDDEN: hidden, BlockOutput.ENCODER_HIDDEN: (encoder, hidden),
+                BlockOutput.HIDDEN_ENCODER: (hidden, encoder)}[self.form.output]
+
+    def _on_rows(self, original: Callable, bound: inspect.BoundArguments, rows: torch.Tensor):
+        """Run the block on ``rows`` of the batch; the other rows pass through unchanged."""
+        sliced = dict(bound.arguments)
+        for name in self.form.row_inputs:
+            if isinstance(sliced.get(name), torch.Tensor):
+                sliced[name] = sliced[name].index_select(0, rows)
+        out = original(**sliced)
+        whole = self._passthrough(bound)
+        if not isinstance(out, tuple):
+            hidden = whole.clone()
+            hidden.index_copy_(0, rows, out)
+            return hidden
+        merged = []
+        for mine, computed in zip(whole, out):
+            if computed is None:  # SD3's last block returns no encoder stream (context_pre_only)
+                merged.append(None)
+                continue
+            value = mine.clone()
+            value.index_copy_(0, rows, computed)
+            merged.append(value)
+        return tuple(merged)
 
 
-def step_cache_for(transformer: nn.Module) -> StepCache:
-    """The transformer's one step cache, made (its blocks wrapped) at the first cached forward."""
+def step_cache_for(transformer: nn.Module, form: BlockForm | None = None) -> StepCache:
+    """The transformer's one step cache, made (its blocks wrapped) at the first cached forward;
+    ``form``: the family's block form (None: Wan's or Flux's, told by the signature)."""
     cache = getattr(transformer, CACHE_ATTRIBUTE, None)
     if cache is None:
-        cache = StepCache(transformer)
+        cache = StepCache(transformer, form)
         setattr(transformer, CACHE_ATTRIBUTE, cache)
     return cache
-
-
-def _hidden(out) -> torch.Tensor:
-    """A block's hidden-states output: the tensor (Wan), or the second of (encoder, hidden) (Flux)."""
-    return out[1] if isinstance(out, tuple) else out
-
-
-def _passthrough(bound: inspect.BoundArguments):
-    """What a skipped block returns: its inputs, in its output's form."""
-    hidden = bound.arguments["hidden_states"]
-    encoder = bound.arguments.get("encoder_hidden_states")
-    return (encoder, hidden) if _returns_pair(bound) else hidden
-
-
-def _returns_pair(bound: inspect.BoundArguments) -> bool:
-    # Flux's blocks take image_rotary_emb and return (encoder_hidden_states, hidden_states); Wan's
-    # take rotary_emb and return hidden_states alone.
-    return "image_rotary_emb" in bound.signature.parameters
-
-
-def _on_rows(original: Callable, bound: inspect.BoundArguments, rows: torch.Tensor):
-    """Run the block on ``rows`` of the batch; the other rows pass through unchanged."""
-    sliced = dict(bound.arguments)
-    for name in ROW_INPUTS:
-        if isinstance(sliced.get(name), torch.Tensor):
-            sliced[name] = sliced[name].index_select(0, rows)
-    out = original(**sliced)
-    whole = _passthrough(bound)
-    if isinstance(out, tuple):
-        encoder, hidden = (t.clone() for t in whole)
-        encoder.index_copy_(0, rows, out[0])
-        hidden.index_copy_(0, rows, out[1])
-        return encoder, hidden
-    hidden = whole.clone()
-    hidden.index_copy_(0, rows, out)
-    return hidden

@@ -13,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import torch
 
 from deployments.models.adapter import FamilyFacts
 from deployments.models.cancel import CancelFlag
-from deployments.models.step_cache import CachedRequest, step_cache_for
+from deployments.models.step_cache import BlockForm, CachedRequest, step_cache_for
 from deployments.wire.spec import DenoiseProgress, EncodedPrompt, GenerationSpec
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,9 @@ class StepRequest:
     waited_s: float = 0.0  # queued before it joined a batch
     # Its step cache state: threshold (0: off), residuals per transformer, steps skipped.
     cache: CachedRequest = field(default_factory=CachedRequest)
+    # The family's last touch on the final latents, after the last step (Wan2.2 TI2V-5B's
+    # image-to-video puts the reference frame's latents back, as its pipeline does); None: as stepped.
+    finish: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def rows(self) -> int:
@@ -72,6 +75,8 @@ class StepRequest:
         t = self.timesteps[self.step]
         self.latents = self.scheduler.step(noise_pred, t, self.latents, return_dict=False)[0]
         self.step += 1
+        if self.done and self.finish is not None:
+            self.latents = self.finish(self.latents)
         if self.on_step is not None:
             self.on_step(DenoiseProgress(self.spec.request_id, self.step, len(self.timesteps)))
 
@@ -83,6 +88,18 @@ class Stepper(Protocol):
               on_step: Callable[[DenoiseProgress], None] | None = None) -> StepRequest: ...
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]: ...
+
+
+class TransformerStepper:
+    """The shared start of a one-transformer family's stepper: its pipeline, its device, and the
+    transformer's dtype read once (ModelMixin.dtype walks the parameters: a quarter of the tiny Wan's
+    step time when read per forward). ``family``: the name its log lines give."""
+
+    family: ClassVar[str] = ""
+
+    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
+        self.pipe, self.device = pipe, device
+        self.dtype = pipe.transformer.dtype
 
 
 def rows_of(batch: list[StepRequest], name: str, branch: str) -> torch.Tensor:
@@ -112,11 +129,13 @@ def request_rows(batch: list[StepRequest], guided: bool) -> list[list[int]]:
     return rows
 
 
-def cached(transformer, batch: list[StepRequest], guided: bool):
-    """The step cache around one transformer call of ``batch`` (the plain call when every threshold is 0)."""
+def cached(transformer, batch: list[StepRequest], guided: bool, form: BlockForm | None = None):
+    """The step cache around one transformer call of ``batch`` (the plain call when every threshold is 0).
+    ``guided``: each request's rows are in both halves of the batch (cond and uncond, in either order);
+    ``form``: the family's transformer block (None: Wan's or Flux's, told by the block signature)."""
     if not any(r.cache.threshold > 0 for r in batch):
         return contextlib.nullcontext()
-    return step_cache_for(transformer).active([r.cache for r in batch], request_rows(batch, guided))
+    return step_cache_for(transformer, form).active([r.cache for r in batch], request_rows(batch, guided))
 
 
 def uncached(batch: list[StepRequest], family: str) -> None:

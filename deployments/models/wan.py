@@ -141,6 +141,10 @@ class WanStepper:
                 out[i] = noise
         return out
 
+    def image_inputs(self, batch: list[StepRequest], guided: bool) -> dict[str, torch.Tensor]:
+        """Transformer inputs beyond the text, for the batch's rows (Wan2.1 image-to-video's image embeddings)."""
+        return {}
+
     def expert_forward(self, expert: str, batch: list[StepRequest]) -> list[torch.Tensor]:
         self.forwards_by_expert[expert] += 1
         latents = torch.cat([self.model_input(r) for r in batch])
@@ -153,7 +157,7 @@ class WanStepper:
         transformer = getattr(self.pipe, expert)
         with cached(transformer, batch, guided):
             noise = transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=text,
-                                return_dict=False)[0]
+                                return_dict=False, **self.image_inputs(batch, guided))[0]
         if guided:
             cond, uncond = noise.chunk(2)
             return guided_noise(batch, cond, uncond)
@@ -166,6 +170,10 @@ class WanAdapter(FamilyAdapter):
     stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
     serves = ("image", "video")
+
+    def recognises(self, index) -> bool:
+        # A WanPipeline folder with expanded timesteps (TI2V-5B) is deployments.models.wan_ti2v's.
+        return super().recognises(index) and not index.get("expand_timesteps")
 
     def facts(self, folder, index) -> FamilyFacts:
         return wan_facts(self, folder, index)

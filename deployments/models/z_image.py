@@ -11,7 +11,6 @@ Run by the stage replicas; :meth:`ZImageAdapter.facts` by the ingress (json only
 from __future__ import annotations
 
 import copy
-import pathlib
 from dataclasses import dataclass
 
 import torch
@@ -21,17 +20,16 @@ from deployments.models.adapter import (
     DECODE,
     DENOISE,
     ENCODE,
-    FamilyAdapter,
     FamilyFacts,
-    decoded_images,
+    KLImageAdapter,
     generator_for,
-    pipeline_images,
+    kl_vae_scale,
     read_json,
     step_callback,
 )
-from deployments.models.steppers import BatchKey, StepRequest, uncached
+from deployments.models.steppers import BatchKey, StepRequest, TransformerStepper, uncached
 from deployments.wire.prompt_tensors import PromptTensors
-from deployments.wire.spec import Family, PipelineStage
+from deployments.wire.spec import Family
 
 Z_IMAGE_GUIDANCE = 5.0  # ZImagePipeline.__call__'s default (Turbo: 0.0)
 TEXT_TOKENS = 512  # the pipeline's max_sequence_length: the encoder's pass is this long whatever the prompt
@@ -49,15 +47,11 @@ def _guided(spec) -> bool:
     return spec.guidance_scale > 0  # ZImagePipeline.do_classifier_free_guidance
 
 
-class ZImageStepper:
+class ZImageStepper(TransformerStepper):
     """ZImagePipeline's loop (diffusers 0.42), one step for a batch of requests (both branches in one call,
     as the pipeline does, positive rows first)."""
 
     family = Family.Z_IMAGE.value
-
-    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
-        self.pipe, self.device = pipe, device
-        self.dtype = pipe.transformer.dtype  # read once: ModelMixin.dtype walks the parameters
 
     def start(self, encoded: ZImagePrompt, spec, on_step=None) -> StepRequest:
         from diffusers.pipelines.z_image.pipeline_z_image import (
@@ -110,24 +104,17 @@ class ZImageStepper:
         return noise
 
 
-class ZImageAdapter(FamilyAdapter):
+class ZImageAdapter(KLImageAdapter):
     family = Family.Z_IMAGE
     pipeline_classes = ("ZImagePipeline",)
     stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
-    serves = ("image",)
 
     def facts(self, folder, index) -> FamilyFacts:
-        vae = read_json(folder / "vae" / "config.json")
         patch = int(read_json(folder / "transformer" / "config.json").get("all_patch_size", [2])[0])
         # ZImagePipeline.__call__: sides are multiples of vae_scale_factor x 2 (the 2x2 patch).
-        multiple = 2 ** (len(vae["block_out_channels"]) - 1) * patch
-        return FamilyFacts(self.family, str(folder), multiple, 1, False, True, Z_IMAGE_GUIDANCE,
+        return FamilyFacts(self.family, str(folder), kl_vae_scale(folder) * patch, 1, False, True, Z_IMAGE_GUIDANCE,
                            pipeline_class=index["_class_name"], modalities=self.serves)
-
-    def restore_scale_factors(self, pipe, facts) -> None:
-        vae = read_json(pathlib.Path(facts.folder) / "vae" / "config.json")
-        pipe.vae_scale_factor = 2 ** (len(vae["block_out_channels"]) - 1)
 
     @torch.no_grad()
     def encode(self, pipe, facts, spec, device) -> ZImagePrompt:
@@ -146,33 +133,22 @@ class ZImageAdapter(FamilyAdapter):
                    callback_on_step_end_tensor_inputs=[], max_sequence_length=TEXT_TOKENS)
         return out.images.to(CPU)
 
-    @torch.no_grad()
-    def decode(self, pipe, facts, latents, spec, device) -> torch.Tensor:
+    def vae_input(self, pipe, latents, spec, device) -> torch.Tensor:
         vae = pipe.vae  # the tail of ZImagePipeline.__call__
-        latents = latents.to(device, vae.dtype)
-        latents = (latents / vae.config.scaling_factor) + vae.config.shift_factor
-        return decoded_images(pipe, latents)
+        return (latents.to(device, vae.dtype) / vae.config.scaling_factor) + vae.config.shift_factor
 
     def stepper(self, pipe, facts, device) -> ZImageStepper:
         return ZImageStepper(pipe, facts, device)
-
-    def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
-        return pipeline_images(pipe, spec, negative_prompt=spec.negative_prompt, guidance_scale=spec.guidance_scale)
 
     def uses_per_request(self, facts, stage, steps, guidance_scale, batched=False) -> dict[str, int]:
         # Guided: the encoder runs for the negative prompt too; the pipeline's loop already runs both
         # branches in one transformer call, so a step is one pass either way.
         return self.uses_by_stage(facts, stage, encode=2 if guidance_scale > 0 else 1, denoise=steps)
 
-    def activation_input(self, pipe, facts, stage, spec):
-        stage = PipelineStage(stage)
-        if stage is ENCODE:
-            return None
-        if stage is DENOISE:  # the longest caption the encoder gives: the safe side for shorter ones
-            caption = (torch.zeros(TEXT_TOKENS, pipe.transformer.config.cap_feat_dim),)
-            return ZImagePrompt(caption, caption if _guided(spec) else None)
-        scale = pipe.vae_scale_factor
-        return torch.zeros(spec.n, pipe.vae.config.latent_channels, spec.height // scale, spec.width // scale)
+    def prompt_input(self, pipe, spec) -> ZImagePrompt:
+        # The longest caption the encoder gives: the safe side for shorter ones.
+        caption = (torch.zeros(TEXT_TOKENS, pipe.transformer.config.cap_feat_dim),)
+        return ZImagePrompt(caption, caption if _guided(spec) else None)
 
 
 ADAPTERS = (ZImageAdapter(),)

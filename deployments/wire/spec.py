@@ -5,6 +5,7 @@ stages never see JSON and the ingress never sees model internals.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -19,6 +20,12 @@ class Family(enum.Enum):
     FLUX = "flux"
     # diffusers WanImageToVideoPipeline (Wan2.2 I2V-A14B layout): a reference image in, a video out.
     WAN_I2V = "wan-i2v"
+    # The same pipeline in the Wan2.1 I2V layout: a CLIP image encoder's hidden states join the text
+    # in every block's cross-attention, besides the VAE's image latents.
+    WAN21_I2V = "wan2.1-i2v"
+    # diffusers WanPipeline with expand_timesteps (Wan2.2 TI2V-5B): text-to-video, and image-to-video
+    # with a reference image in the first latent frame (as WanImageToVideoPipeline runs the folder).
+    WAN_TI2V = "wan2.2-ti2v"
     # diffusers StableDiffusion3Pipeline (SD3.5): CLIP-L + CLIP-G + T5-XXL, SD3Transformer2DModel, AutoencoderKL.
     SD3 = "sd3"
     # diffusers ZImagePipeline: Qwen3 text model, ZImageTransformer2DModel (single stream), AutoencoderKL.
@@ -73,13 +80,18 @@ class EncodedPrompt:
     # Image-to-video: the reference image's conditioning (mask + image latents), computed by the
     # decoder stage (it holds the VAE) and joined to the embeddings by the Denoiser; None otherwise.
     image_condition: torch.Tensor | None = None
+    # Wan2.1 image-to-video: the CLIP image encoder's penultimate hidden states of the reference
+    # image (n, 257, 1280 on the 14B), computed by the encoder stage (it holds the image encoder).
+    image_embeds: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "EncodedPrompt":
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
 
-        return EncodedPrompt(move(self.prompt_embeds), move(self.negative_prompt_embeds),
-                             move(self.pooled_prompt_embeds), self.padded_tokens, move(self.image_condition))
+        return dataclasses.replace(
+            self, prompt_embeds=move(self.prompt_embeds), negative_prompt_embeds=move(self.negative_prompt_embeds),
+            pooled_prompt_embeds=move(self.pooled_prompt_embeds), image_condition=move(self.image_condition),
+            image_embeds=move(self.image_embeds))
 
     def packed(self) -> "EncodedPrompt":
         """Without the trailing token rows that are zero in every sequence embedding, for the trip
@@ -100,8 +112,8 @@ class EncodedPrompt:
             # A clone: a pickled view would carry its whole storage, zeros and all.
             return None if t is None else t[:, :used].clone()
 
-        return EncodedPrompt(cut(self.prompt_embeds), cut(self.negative_prompt_embeds), self.pooled_prompt_embeds,
-                             tokens, self.image_condition)
+        return dataclasses.replace(self, prompt_embeds=cut(self.prompt_embeds),
+                                   negative_prompt_embeds=cut(self.negative_prompt_embeds), padded_tokens=tokens)
 
     def unpacked(self) -> "EncodedPrompt":
         """The embeddings as the encoder computed them (bit for bit), zero rows restored."""
@@ -114,8 +126,8 @@ class EncodedPrompt:
             zeros = t.new_zeros(t.shape[0], self.padded_tokens - t.shape[1], *t.shape[2:])
             return torch.cat([t, zeros], dim=1)
 
-        return EncodedPrompt(pad(self.prompt_embeds), pad(self.negative_prompt_embeds), self.pooled_prompt_embeds,
-                             None, self.image_condition)
+        return dataclasses.replace(self, prompt_embeds=pad(self.prompt_embeds),
+                                   negative_prompt_embeds=pad(self.negative_prompt_embeds), padded_tokens=None)
 
 
 def _used_tokens(embeddings: torch.Tensor) -> int:

@@ -1,8 +1,8 @@
-"""Real-size component profiles, kept on disk so planning again needs neither diffusers nor transformers.
+"""Real-size component profiles, kept on disk so planning again builds nothing.
 
-Building a 14B denoiser on ``meta`` takes a second, but importing the libraries that define it
-takes 3-8 s (diffusers pulls in torch._dynamo; measured in bench/plan_speed.py), which made a
-plan of Wan2.1-14B + UMT5-XXL take 6-7.6 s. A profile (layer keys, the engine's layouts, bytes,
+A component comes from its committed skeleton (offload_core/planner/skeletons.py) or, without
+one, from its library, whose import takes 3-8 s (diffusers pulls in torch._dynamo; measured in
+bench/plan_speed.py); laying out its layers is another 0.1-0.3 s. A profile (layer keys, the engine's layouts, bytes,
 parameter counts) is a pure function of the component's class, config, dtype, layer groups and
 table rule, of the library versions that build it and of the layout code that reads it, so it is
 cached under a digest of all of those: any change makes a new entry, never a stale hit.
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 # The code a profile is computed by: an edit to any of these is a new digest.
 _SOURCES = ("layout.py", "order.py", "tables.py", "planner/facts.py", "planner/real_models.py",
-            "planner/facts_cache.py")
+            "planner/facts_cache.py", "planner/skeletons.py")
 _ROOT = Path(__file__).resolve().parents[1]
 _LIBRARIES = ("torch", "diffusers", "transformers")
 

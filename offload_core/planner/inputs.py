@@ -25,7 +25,7 @@ from offload_core.layout import (
     declared_layer_groups,
     resolve_layer_group,
 )
-from offload_core.planner import facts_cache, gpus, real_models
+from offload_core.planner import facts_cache, gpus, real_models, skeletons
 from offload_core.planner.facts import (
     ComponentProfile,
     LinkFacts,
@@ -47,6 +47,9 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 SUSTAINED_FRACTION = 0.4
 STAGES = {
     "WanPipeline": (Stage("encode", ("text_encoder",)), Stage("denoise", ("transformer",)), Stage("decode", ("vae",))),
+    # Wan2.2 I2V-A14B's layout (no image encoder): the VAE also encodes the reference image, in the decoder stage.
+    "WanImageToVideoPipeline": (Stage("encode", ("text_encoder",)), Stage("denoise", ("transformer",)),
+                                Stage("decode", ("vae",))),
     "FluxPipeline": (Stage("encode", ("text_encoder", "text_encoder_2")), Stage("denoise", ("transformer",)),
                      Stage("decode", ("vae",))),
     "StableDiffusion3Pipeline": (Stage("encode", ("text_encoder", "text_encoder_2", "text_encoder_3")),
@@ -124,7 +127,7 @@ def _uses_and_tokens(pipeline: str, defaults: Mapping[str, Any]) -> dict[str, tu
     (``expert_steps``: the two experts' share of the steps, when there are two)."""
     steps, cfg = int(defaults["num_inference_steps"]), float(defaults.get("guidance_scale", 1.0))
     h, w, seq = int(defaults["height"]), int(defaults["width"]), int(defaults.get("max_sequence_length", 512))
-    if pipeline == "WanPipeline":
+    if pipeline in ("WanPipeline", "WanImageToVideoPipeline"):  # image-to-video: 36 input channels, same tokens
         passes = 2 if cfg > 1.0 else 1  # conditional + unconditional forward per step
         frames = (int(defaults["num_frames"]) - 1) // 4 + 1  # 4x temporal VAE compression
         # VAE spatial factor x the transformer's 2x2 patches: 8 x 2 (Wan2.1, A14B), 16 x 2 (TI2V-5B).
@@ -292,7 +295,11 @@ def _facts(pipeline, load, defaults, gpu: GpuSpec, host_ram: int, working_set: i
 
         def build(name=name, class_name=class_name, config=config, dtype=dtype, groups=groups, uses=uses):
             built_notes: list[str] = []
-            module = real_models.build_meta(class_name, config, dtype)
+            # A committed skeleton (same shapes, no library import) where one matches; tensor-parallel
+            # plans read the real class's config and modules.
+            module = skeletons.skeleton_module(class_name, config, dtype) if tp_size == 1 else None
+            if module is None:
+                module = real_models.build_meta(class_name, config, dtype)
             return _profile(name, module, tp_size, built_notes, uses_per_request=uses, tables=tables,
                             layer_groups=_groups(module, groups, built_notes, name)), built_notes
 

@@ -23,6 +23,20 @@ from offload_core.tables import HostTablesConfig
 
 
 @dataclass(frozen=True)
+class RecordedPass:
+    """A component's last pass over its layers in the warm-up, as it ran: seconds from its start (the
+    component's forward, else its first layer's hooks). Spans are (layer key, start, end)."""
+
+    compute: tuple[tuple[str, float, float], ...]  # each layer's compute, in the order they ran
+    waits: tuple[tuple[str, float, float], ...]  # in a layer's hooks outside its compute (copy waits, issues)
+    rest: tuple[tuple[float, float], ...]  # the component's forward outside its layers (non-layer compute)
+    # The copy that fed each streamed layer of the pass, on the copy stream (it may start in the pass
+    # before: < 0); resident layers and unstreamed components have none.
+    copies: tuple[tuple[str, float, float], ...]
+    pass_s: float
+
+
+@dataclass(frozen=True)
 class WarmupFigures:
     """One component's measured figures for one request."""
 
@@ -36,6 +50,7 @@ class WarmupFigures:
     # Per layer, in ``order``, seconds per use in its hooks outside its compute: a streamed layer's
     # wait for its copy (and the streamer's hook work). What the picture's measured pass shows.
     layer_wait_s: tuple[float, ...] = ()
+    last_pass: RecordedPass | None = None  # None: no layer groups (the hooks sit on its children)
 
     @property
     def rest_s(self) -> float:
@@ -50,6 +65,7 @@ class MeasuredCompute:
     layer_s: tuple[tuple[str, float], ...]  # (layer key, seconds per use)
     rest_s: float  # non-layer seconds per use
     layer_wait_s: tuple[tuple[str, float], ...] = ()  # (layer key, seconds per use outside compute)
+    last_pass: RecordedPass | None = None  # one real pass, copies included: the picture's measured timeline
 
     @property
     def per_use_s(self) -> float:
@@ -58,12 +74,13 @@ class MeasuredCompute:
     @classmethod
     def of(cls, figures: WarmupFigures) -> MeasuredCompute:
         return cls(tuple(zip(figures.order, figures.layer_s)), figures.rest_s,
-                   tuple(zip(figures.order, figures.layer_wait_s)))
+                   tuple(zip(figures.order, figures.layer_wait_s)), figures.last_pass)
 
     def scaled(self, factor: float) -> MeasuredCompute:
-        """Every figure times ``factor`` (per use as another count of uses sees it)."""
+        """Every figure times ``factor`` (per use as another count of uses sees it); the recorded pass
+        is one pass as it ran, kept as is."""
         return MeasuredCompute(tuple((k, s * factor) for k, s in self.layer_s), self.rest_s * factor,
-                               tuple((k, s * factor) for k, s in self.layer_wait_s))
+                               tuple((k, s * factor) for k, s in self.layer_wait_s), self.last_pass)
 
 
 def with_measured_compute(profile: ComponentProfile, measured: MeasuredCompute) -> ComponentProfile:

@@ -20,7 +20,14 @@ from offload_core.host.tier import HostingTier
 from offload_core.planner.measured_compute import MeasuredCompute
 from offload_core.planner.pipeline_plan import ComponentPlan, PipelinePlan
 from offload_core.planner.strategy import Strategy
-from offload_core.planner.timeline import Lane, SpanKind, Timeline, measured_timeline, predicted_timeline
+from offload_core.planner.timeline import (
+    Lane,
+    SpanKind,
+    Timeline,
+    measured_timeline,
+    predicted_timeline,
+    recorded_timeline,
+)
 from offload_core.quant import WeightFormat  # the engine's: NATIVE or FP8 (hosted and copied 8-bit)
 
 
@@ -87,8 +94,17 @@ def plan_picture(plan: PipelinePlan, measured: Mapping[str, MeasuredCompute] | N
         pictures.append(ComponentPicture(
             c.name, _summary(c), _segments(c, profile, (formats or {}).get(c.name, {})),
             predicted_timeline(profile, c, plan.facts.link),
-            measured_timeline(c.name, m.layer_s, m.layer_wait_s, m.rest_s) if m is not None else None))
+            _measured(c.name, m)))
     return PlanPicture(title or plan.explain()[0].split(":")[0], tuple(pictures))
+
+
+def _measured(name: str, m: MeasuredCompute | None) -> Timeline | None:
+    """The warm-up's recorded pass (copies included) where it kept one, else its per-use means."""
+    if m is None:
+        return None
+    if m.last_pass is not None:
+        return recorded_timeline(name, m.last_pass)
+    return measured_timeline(name, m.layer_s, m.layer_wait_s, m.rest_s)
 
 
 def _summary(c: ComponentPlan) -> str:

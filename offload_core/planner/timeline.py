@@ -9,10 +9,13 @@ MAPPED one is first copied into one of the two pinned staging buffers by the hos
 (at the pageable rate), then DMA'd. The third of three simulated passes is shown: the first pays
 ``prepare_for_use``'s burst, later ones are the steady state a long request runs in.
 
-Measured: a running replica's warm-up (``residency.compute_meter``) timed each layer's compute and the time
-the layer spent in its hooks outside compute (the streamer's wait for its copy); the measured
-pass lays those out in order on the compute stream. Copies are not timed on the copy stream, so
-the measured pass shows where compute waited, not the copies themselves.
+Measured: a running replica's warm-up (``residency.compute_meter``) keeps its last pass over each
+component's layers as it ran (:func:`recorded_timeline`): on the compute stream each layer's
+compute, the time in its hooks outside compute (the streamer's wait for its copy, or on CPU the
+synchronous copy it issues) and the non-layer compute between; on the copy stream the copy that fed
+each streamed layer, timed on the copy stream itself (CUDA timing events), so a copy that hides
+behind compute is seen to. Without a recorded pass (figures from before it was kept),
+:func:`measured_timeline` lays the per-use means out in order on the compute stream alone.
 
 Pure arithmetic on frozen facts: the planner's CLI and a replica (for ``/v1/residency/picture``)
 both run it; nothing here touches a device.
@@ -26,6 +29,7 @@ from typing import Sequence
 from offload_core.host.tier import STAGED_TIERS, HostingTier
 from offload_core.layout import slot_count
 from offload_core.planner.facts import ComponentProfile, LinkFacts
+from offload_core.planner.measured_compute import RecordedPass
 from offload_core.planner.pipeline_plan import ComponentPlan
 from offload_core.planner.strategy import Strategy
 
@@ -169,3 +173,13 @@ def measured_timeline(component: str, layer_s: Sequence[tuple[str, float]], wait
         spans.append(Span(Lane.COMPUTE, SpanKind.COMPUTE, key, t, t + seconds))
         t += seconds
     return Timeline(component, TimelineSource.MEASURED, tuple(spans), t)
+
+
+def recorded_timeline(component: str, recorded: RecordedPass) -> Timeline:
+    """A warm-up's recorded pass: compute, hook and non-layer spans on the compute stream, copies on the copy stream."""
+    spans = [Span(Lane.COMPUTE, SpanKind.REST, "", a, b) for a, b in recorded.rest]
+    spans += [Span(Lane.COMPUTE, SpanKind.WAIT, key, a, b) for key, a, b in recorded.waits]
+    spans += [Span(Lane.COMPUTE, SpanKind.COMPUTE, key, a, b) for key, a, b in recorded.compute]
+    spans += [Span(Lane.COPY, SpanKind.COPY, key, a, b) for key, a, b in recorded.copies]
+    return Timeline(component, TimelineSource.MEASURED, tuple(sorted(spans, key=lambda s: (s.lane.value, s.start_s))),
+                    recorded.pass_s)

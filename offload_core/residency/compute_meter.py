@@ -15,6 +15,11 @@ already under streaming (a service replica times its layers as applied):
 - an outer pair spans the layer with every hook on it, so the component's non-layer compute
   (total minus the spans) holds no copy wait either. A streamed layer's wait for its copy is in
   neither figure: it is transfer, which the cost model adds from the link, not compute.
+
+The last pass is also kept as it ran (:class:`RecordedPass`): each layer's compute and hook spans,
+the non-layer compute between them and, for a streamed component, the copy that fed each layer on
+the copy stream (``offload_core.streaming.copy_log``, attached to its streamer for the warm-up only).
+The plan's picture draws it beside the predicted pass.
 """
 from __future__ import annotations
 
@@ -25,9 +30,11 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from offload_core.layout import STREAMER_ATTRIBUTE
 from offload_core.order import declared_layers
 from offload_core.planner.facts import streamable_groups
-from offload_core.planner.measured_compute import WarmupFigures
+from offload_core.planner.measured_compute import RecordedPass, WarmupFigures
+from offload_core.streaming.copy_log import CopyLog, CopySpan
 
 _ENTRIES = itertools.count(1)  # a global clock of first entries: orders layers across groups
 
@@ -43,6 +50,7 @@ class _Timer:
     def __init__(self, sync: Callable[[], None]):
         self.sync, self.elapsed, self.calls, self._start = sync, 0.0, 0, 0.0
         self.first = 0  # when the layer first ran, on the _ENTRIES clock (0: not yet)
+        self.last: tuple[float, float] | None = None  # the last call's (start, end), perf_counter seconds
 
     def pre(self, *_):
         self.sync()
@@ -51,8 +59,10 @@ class _Timer:
 
     def post(self, *_):
         self.sync()
-        self.elapsed += time.perf_counter() - self._start
+        end = time.perf_counter()
+        self.elapsed += end - self._start
         self.calls += 1
+        self.last = (self._start, end)
 
 
 def _hook(module: nn.Module, inner: _Timer, outer: _Timer) -> list:
@@ -72,8 +82,12 @@ def measure_warmup(components: Mapping[str, nn.Module], run: Callable[[], object
     available, as for a plain model on the GPU).
     """
     sync = compute_sync(device)
-    handles, timers = [], {}
+    handles, timers, logs = [], {}, {}
     for name, model in components.items():
+        streamer = getattr(model, STREAMER_ATTRIBUTE, None)
+        if streamer is not None:  # its copies, for the measured pass's copy lane
+            logs[name] = CopyLog(streamer.device.device)
+            streamer.trace_copies(logs[name])
         layers = declared_layers(model, streamable_groups(model, (layer_groups or {}).get(name)))
         pairs = [(layer.key, _Timer(sync), _Timer(sync)) for layer in layers]
         timers[name] = (pairs, _Timer(sync))
@@ -90,6 +104,8 @@ def measure_warmup(components: Mapping[str, nn.Module], run: Callable[[], object
     finally:
         for handle in handles:
             handle.remove()
+        for name in logs:
+            getattr(components[name], STREAMER_ATTRIBUTE).trace_copies(None)
     out = {}
     for name, (pairs, root) in timers.items():
         never = [key for key, t, _ in pairs if not t.calls]
@@ -99,6 +115,34 @@ def measure_warmup(components: Mapping[str, nn.Module], run: Callable[[], object
         uses = ran[0][1].calls if ran else root.calls
         per_layer = tuple(t.elapsed / max(uses, 1) for _, t, _ in ran)
         waits = tuple(max(o.elapsed - t.elapsed, 0.0) / max(uses, 1) for _, t, o in ran)
+        copies = logs[name].spans() if name in logs else ()
         out[name] = WarmupFigures(uses, tuple(key for key, _, _ in ran), per_layer, root.elapsed,
-                                  sum(o.elapsed for _, _, o in ran), waits)
+                                  sum(o.elapsed for _, _, o in ran), waits,
+                                  _last_pass(ran, root, copies) if ran else None)
     return out
+
+
+def _last_pass(ran: Sequence[tuple[str, _Timer, _Timer]], root: _Timer, copies: Sequence[CopySpan]) -> RecordedPass:
+    """The last pass over the layers as it ran: from the last entry of the first layer to run, the
+    layers entered since (a layer a step cache skipped in it is not drawn), and the copy that fed each."""
+    begin = ran[0][2].last[0]
+    layers = sorted(((key, inner.last, outer.last) for key, inner, outer in ran if outer.last[0] >= begin),
+                    key=lambda item: item[2][0])
+    start, end = begin, max(outer[1] for _, _, outer in layers)
+    if root.last is not None and root.last[0] <= start and root.last[1] >= end:
+        start, end = root.last  # the component's forward around them: its non-layer compute too
+    rest, cursor = [], start
+    for _, _, (a, b) in layers + [("", (end, end), (end, end))]:
+        if a > cursor:
+            rest.append((cursor - start, a - start))
+        cursor = max(cursor, b)
+    waits = [(key, a - start, b - start) for key, inner, outer in layers
+             for a, b in ((outer[0], inner[0]), (inner[1], outer[1])) if b > a]
+    fed = []
+    for key, inner, _ in layers:
+        # The latest copy of the layer issued before it computed, within a pass's length of this one.
+        feeding = [c for c in copies if c.key == key and c.start_s <= inner[0] and c.end_s >= 2 * start - end]
+        if feeding:
+            fed.append((key, feeding[-1].start_s - start, feeding[-1].end_s - start))
+    return RecordedPass(tuple((key, inner[0] - start, inner[1] - start) for key, inner, _ in layers), tuple(waits),
+                        tuple(rest), tuple(fed), end - start)

@@ -50,6 +50,7 @@ from offload_core.streaming.config import (  # noqa: F401 (the engine's public n
     choose_resident,
 )
 from offload_core.streaming.copier import CopyFailed
+from offload_core.streaming.copy_log import CopyLog
 from offload_core.streaming.device import Device, get_device
 from offload_core.streaming.host_layer import HostLayer
 from offload_core.streaming.meter import DeviceWeightMeter
@@ -95,6 +96,7 @@ class LayerStreamer:
         self._handles: list = []
         self._running: tuple[int, StreamedLayer] | None = None  # (thread id, layer) inside a forward
         self._running_lock = threading.Lock()
+        self.copy_log: CopyLog | None = None  # see trace_copies
 
     def _start(self, layers: tuple[StreamedLayer, ...]) -> None:
         self.layers = layers
@@ -107,14 +109,22 @@ class LayerStreamer:
                                        self.config.staging_buffers, self.config.fill_timeout_s)
         self.ring = PrefetchRing(self.device, streamed, self.config.prefetch_depth, self.staging,
                                  self.config.neighbour_wait_s, landing_bytes(layer.layout for layer in layers))
-        for layer in layers:
-            self._handles.append(layer.module.register_forward_pre_hook(
-                lambda _module, _args, layer=layer: layer.pre_forward()))
-            self._handles.append(layer.module.register_forward_hook(
-                lambda _module, _args, _output, layer=layer: layer.post_forward(), always_call=True))
+        for layer in layers:  # the layer's own methods are the hooks: one call each, no lambda between
+            self._handles.append(layer.module.register_forward_pre_hook(layer.pre_forward))
+            self._handles.append(layer.module.register_forward_hook(layer.post_forward, always_call=True))
         # Every layer is on its placeholder and the rest on the device: one walk counts the
         # non-layer bytes; from here on bind/release keep the count (no walk at any hook).
         self.meter.rebase()
+
+    def trace_copies(self, log: CopyLog | None) -> None:
+        """Log every layer copy (its start and end on the copy stream) into ``log``; None stops.
+
+        A warm-up's measured pass draws them beside its compute; a request never logs."""
+        self.copy_log = log
+        if self.ring is not None:
+            self.ring.copy_log = log
+        if self.staging is not None:
+            self.staging.copy_log = log
 
     @property
     def resident_bytes(self) -> int:
@@ -234,7 +244,8 @@ class LayerStreamer:
                 return  # a skipped layer: its module's forward does not read its weights
             self._skipping = False
         self._claim(layer)
-        self._arm()
+        if not self._armed:
+            self._arm()
         if layer.resident:
             event = self._resident_events.pop(layer.key, None)
             if event is not None:  # its first entry this use waits for its own copy, not the others'
@@ -243,18 +254,17 @@ class LayerStreamer:
             self.ring.enter(layer.position)
 
     def after_layer(self, layer: StreamedLayer) -> None:
-        with self._running_lock:
-            # The forward hook also runs (always_call) when this thread's pre-hook was refused:
-            # then the layer belongs to another thread's forward and must be left alone.
-            owned = self._running == (threading.get_ident(), layer)
-        if not owned:
+        # No lock: reading or replacing the one reference is atomic; the lock only makes _claim's
+        # check-and-set one step. The forward hook also runs (always_call) when this thread's
+        # pre-hook was refused: then the layer belongs to another thread's forward, left alone.
+        running = self._running
+        if running is None or running[1] is not layer or running[0] != threading.get_ident():
             return
         try:
             if not layer.resident:
                 self.ring.exit(layer.position, prefetch=not self._restart_pending)
         finally:
-            with self._running_lock:
-                self._running = None
+            self._running = None
         if self._restart_pending:  # a step cache skipped the rest of this use from inside this layer
             self._restart_pending = False
             self.ring.restart()
@@ -295,11 +305,15 @@ class LayerStreamer:
             self.device.copy_waits_for_compute()
             with self.device.on_copy_stream():
                 for layer, carved in targets:
+                    if self.copy_log is not None:
+                        self.copy_log.begin()
                     if self.staging is not None and self.staging.stages(layer):
                         self._resident_copied += self.staging.copy_to(layer, carved)
                     else:
                         self._resident_copied += layer.host.copy_to(carved)
                     self._resident_events[layer.key] = self.device.record_copy()
+                    if self.copy_log is not None:
+                        self.copy_log.end(layer.key)
         except BaseException as error:
             if self.staging is not None:
                 self.staging.stop()

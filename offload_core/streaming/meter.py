@@ -86,18 +86,30 @@ class DeviceWeightMeter:
     # -- events (O(1) each) ---------------------------------------------------------------------
     def bind(self, owner: Hashable, witness: torch.Tensor) -> None:
         """``owner``'s parameters now view the storage behind ``witness`` (any one of them, non-empty)."""
-        if owner in self._owners:
-            self.release(owner)
-        if witness.device != self._device:
+        storage = self.storage_of(witness)
+        if storage is None:
+            if owner in self._owners:
+                self.release(owner)
             return
+        self.bind_storage(owner, *storage)
+
+    def storage_of(self, witness: torch.Tensor) -> tuple[int, int] | None:
+        """The key and bytes :meth:`bind_storage` counts ``witness``'s storage by (None: not on this device)."""
+        if witness.device != self._device:
+            return None
         base = witness._base
         if base is not None and base._base is None and base.dtype is torch.uint8:
             # A view of one uint8 allocation (a slot, a resident buffer): the allocation's tensor is
             # the key and its length the bytes, with no storage object made (~2 us saved per bind).
-            key, nbytes = id(base), base.numel()
-        else:
-            storage = witness.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
+            return id(base), base.numel()
+        storage = witness.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+
+    def bind_storage(self, owner: Hashable, key: int, nbytes: int) -> None:
+        """``owner``'s parameters now view one allocation of ``nbytes``, known as ``key`` to every bind
+        into it (the engine's window: the key of its tensor, given at each bind without a look at the views)."""
+        if owner in self._owners:
+            self.release(owner)
         held = self._storages.get(key)
         if held is None:
             self._storages[key] = [nbytes, 1]

@@ -21,12 +21,13 @@ the layer's own entry, which copies it again (and raises if it fails again).
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 
 from offload_core.layout import FP8_HOST_DTYPE, LayerLayout, RegionMap, WindowPlacer, slot_count, window_copies
 from offload_core.streaming.copier import CopyFailed, FillTimeout
+from offload_core.streaming.copy_log import CopyLog
 from offload_core.streaming.device import Device
 from offload_core.streaming.host_layer import HostLayer
 from offload_core.streaming.staging import StagingRing
@@ -59,9 +60,17 @@ class RingLayer(Protocol):
 
     def views(self, regions: Mapping[torch.dtype, torch.Tensor]) -> tuple[torch.Tensor, ...]: ...
 
-    def bind(self, views: tuple[torch.Tensor, ...]) -> None: ...
+    def bind(self, views: tuple[torch.Tensor, ...], storage: tuple[int, int] | None = None) -> None: ...
 
     def release(self) -> None: ...
+
+
+class _Place(NamedTuple):
+    """A layer's copy at one byte offset of the window, made once: what each issue there needs."""
+
+    carved: dict[torch.dtype, torch.Tensor]  # the copy's target regions
+    views: tuple[torch.Tensor, ...]  # its parameters' views
+    end: int  # its bytes are [start, end)
 
 
 class PrefetchRing:
@@ -79,24 +88,26 @@ class PrefetchRing:
         self.window_bytes = self.n_slots * self.regions.nbytes
         self._own = [RegionMap.covering([layer.layout]) for layer in self._layers]
         self._placer = WindowPlacer([own.nbytes for own in self._own], self.window_bytes)
+        self._next = tuple((position + 1) % len(self._layers) for position in range(len(self._layers)))
         # Bytes layers were released from: (start, end, the compute event after their last reader).
         self._out: list[tuple[int, int, object]] = []
         # Sized by the engine over resident and streamed layers alike: resident FP8 layers land here too.
         self.landing_bytes = int(landing_bytes)
         self.landing: torch.Tensor | None = None
         self._buffer: torch.Tensor | None = None
+        self._window_key: tuple[int, int] | None = None
         self._allocated = False
         self._in_flight: dict[int, object | None] = {}  # position -> its copy's event (None once waited)
         # Regions and parameter views per (layer, place), made once: a view costs ~2.5 us per
         # parameter (slice, dtype view, as_strided), paid at every entry otherwise. A layer takes
         # a few places at most (equal layers: depth + 1), so the cache stays small.
-        self._carved: dict[tuple[int, int], dict[torch.dtype, torch.Tensor]] = {}
-        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self._places: dict[tuple[int, int], _Place] = {}
         self.bytes_copied = 0
         self.skipped_restarts = 0  # uses cut short by restart() (a step cache skipped their rest)
         self.wasted_copies = 0  # layers copied for a use that then skipped them
         self.out_of_order_entries = 0  # entries that found their layer not prefetched (after a cold start)
         self.failed_prefetches = 0
+        self.copy_log: CopyLog | None = None  # a warm-up's record of each copy (LayerStreamer.trace_copies)
 
     @property
     def slot_bytes(self) -> int:
@@ -140,6 +151,9 @@ class PrefetchRing:
                 owned.untyped_storage().resize_(owned.numel())
         else:
             self._buffer = torch.empty(self.window_bytes, dtype=torch.uint8, device=self._device.device)
+            # The meter counts the window once, keyed by its tensor (stable: its storage is emptied
+            # and refilled, never replaced), whichever layer's views are bound into it.
+            self._window_key = (id(self._buffer), self.window_bytes)
             if self.landing_bytes:
                 self.landing = torch.empty(self.landing_bytes, dtype=torch.uint8, device=self._device.device)
         self._allocated = True
@@ -171,27 +185,49 @@ class PrefetchRing:
         A copy that fails here is not this layer's: logged, and the layer copied again when it
         is entered. A fill timeout is raised (the copier was stuck: waiting more would not help).
         """
-        self.allocate()
-        n = len(self._layers)
-        for step in range(n):
-            ahead = (position + step) % n
-            if ahead in self._in_flight:
-                continue
-            if self._placer.fits(ahead) is None:
-                return  # a held layer is in the way: the next exit frees it
-            try:
-                self._issue(ahead)
-            except FillTimeout:
-                raise
-            except CopyFailed as error:
-                self.failed_prefetches += 1
-                logger.warning("ring: prefetch of streamed layer %d failed (%s); copied again when entered",
-                               ahead, error)
-                return
+        if not self._allocated:
+            self.allocate()
+        in_flight, fits, ahead = self._in_flight, self._placer.fits, position
+        for _ in self._next:  # at most every layer once
+            if ahead not in in_flight:
+                start = fits(ahead)
+                if start is None:
+                    return  # a held layer is in the way: the next exit frees it
+                try:
+                    self._issue(ahead, start)
+                except FillTimeout:
+                    raise
+                except CopyFailed as error:
+                    self.failed_prefetches += 1
+                    logger.warning("ring: prefetch of streamed layer %d failed (%s); copied again when entered",
+                                   ahead, error)
+                    return
+            ahead = self._next[ahead]
 
     def enter(self, position: int) -> None:
         """Before streamed layer ``position`` runs: have it on the device and make the compute wait for it."""
-        self.allocate()
+        if not self._allocated:
+            self.allocate()
+        in_flight = self._in_flight
+        if position not in in_flight or not self._held_from(position):
+            self._enter_out_of_order(position)
+        event = in_flight[position]
+        if event is not None:
+            self._device.compute_waits(event)
+            in_flight[position] = None
+
+    def _held_from(self, position: int) -> bool:
+        """Whether the layers held are ``position`` and the ones right after it (none held stale):
+        k distinct layers all less than k after it are exactly those k."""
+        n, k = len(self._layers), len(self._in_flight)
+        for held in self._in_flight:
+            if (held - position) % n >= k:
+                return False
+        return True
+
+    def _enter_out_of_order(self, position: int) -> None:
+        """An entry the ring did not prefetch for (a cold start, layers run out of order): release
+        the stale copies, copy this layer now."""
         run, n = {position}, len(self._layers)
         while position in self._in_flight and len(run) < n and (position + len(run)) % n in self._in_flight:
             run.add((position + len(run)) % n)
@@ -209,8 +245,6 @@ class PrefetchRing:
                 self._release(held)
         if position not in self._in_flight:
             self._issue(position)  # a cold start: the layers after it follow at its exit
-        self._device.compute_waits(self._in_flight[position])
-        self._in_flight[position] = None
 
     def restart(self) -> int:
         """The running use enters no more layers (a step cache skips them): the window moves to the
@@ -236,37 +270,43 @@ class PrefetchRing:
         (not when the rest of the use is skipped: ``restart`` fetches the next use's layers instead)."""
         if position in self._in_flight:
             self._release(position)
-        if prefetch and self._allocated and self._layers:
-            self.prefetch((position + 1) % len(self._layers))
+        if prefetch and self._allocated:
+            self.prefetch(self._next[position])
 
     def release_all(self) -> None:
         for position in list(self._in_flight):
             self._release(position)
 
-    def _issue(self, position: int) -> None:
+    def _issue(self, position: int, start: int | None = None) -> None:
+        """Copy streamed layer ``position`` into the window at ``start`` (where it fits now) and bind it."""
         layer = self._layers[position]
-        start = self._placer.fits(position)
-        assert start is not None, f"streamed layer {position} issued over a held one"
-        place = (position, start)
-        carved = self._carved.get(place)
-        if carved is None:
-            own = self._own[position]
-            carved = self._carved[place] = own.carve(self._buffer[start:start + own.nbytes])
-            if self.landing is not None:
-                carved[FP8_HOST_DTYPE] = self.landing
-        end = start + self._own[position].nbytes
+        if start is None:
+            start = self._placer.fits(position)
+            assert start is not None, f"streamed layer {position} issued over a held one"
+        place = self._places.get((position, start))
+        if place is None:
+            place = self._place(position, start)
+        end = place.end
         try:
-            # Layers released from these bytes may still be read by queued kernels: copy only after
-            # them (the compute stream runs in order, so the last one's event covers the others).
-            last = [event for a, b, event in self._out if a < end and start < b]
-            if last:
-                self._device.copy_waits(last[-1])
+            if self._out:
+                # Layers released from these bytes may still be read by queued kernels: copy only
+                # after them (the compute stream runs in order, so the last one's event covers the others).
+                last = None
+                for a, b, event in self._out:
+                    if a < end and start < b:
+                        last = event
+                if last is not None:
+                    self._device.copy_waits(last)
             with self._device.on_copy_stream():
+                if self.copy_log is not None:
+                    self.copy_log.begin()
                 if self._staging is not None and self._staging.stages(layer):
-                    self.bytes_copied += self._staging.copy_to(layer, carved)
+                    self.bytes_copied += self._staging.copy_to(layer, place.carved)
                 else:
-                    self.bytes_copied += layer.host.copy_to(carved)
+                    self.bytes_copied += layer.host.copy_to(place.carved)
                 event = self._device.record_copy()
+                if self.copy_log is not None:
+                    self.copy_log.end(getattr(layer, "key", str(position)))
         except BaseException as error:
             # A copy issued in part is ordered before the place's next copy (same stream), and its
             # last readers are unchanged: nothing is held. An AssertionError (the simulator's
@@ -276,15 +316,25 @@ class PrefetchRing:
             raise CopyFailed(f"copying streamed layer {getattr(layer, 'key', position)} to {self._device.device} "
                              f"failed: {type(error).__name__}: {error}") from error
         self._placer.take(position, start)
-        self._out = _cut(self._out, start, end)
-        views = self._views.get(place)
-        if views is None:
-            views = self._views[place] = layer.views(carved)
-        layer.bind(views)
+        if self._out:
+            self._out = _cut(self._out, start, end)
+        layer.bind(place.views, self._window_key)
         self._in_flight[position] = event
+
+    def _place(self, position: int, start: int) -> _Place:
+        """Make (once) the regions and parameter views of layer ``position`` at byte ``start``."""
+        own = self._own[position]
+        carved = own.carve(self._buffer[start:start + own.nbytes])
+        if self.landing is not None:
+            carved[FP8_HOST_DTYPE] = self.landing
+        place = self._places[(position, start)] = _Place(carved, self._layers[position].views(carved),
+                                                         start + own.nbytes)
+        return place
 
     def _release(self, position: int) -> None:
         del self._in_flight[position]
         self._layers[position].release()
         start, end = self._placer.free(position)
-        self._out.append((start, end, self._device.record_compute()))
+        event = self._device.record_compute()
+        if event is not None:  # None: the device runs in order (CPU), no reader to wait for
+            self._out.append((start, end, event))

@@ -39,6 +39,7 @@ import torch
 from offload_core.host.pinned import HostBuffer, PinRefusal
 from offload_core.layout import DEFAULT_STAGING_BUFFERS, LayerLayout, RegionMap
 from offload_core.streaming.copier import CopyJob, FillTimeout, HostCopier
+from offload_core.streaming.copy_log import CopyLog
 from offload_core.streaming.device import Device
 from offload_core.streaming.host_layer import HostLayer
 
@@ -112,6 +113,7 @@ class StagingRing:
         self.unstaged_copies = 0  # staged layers copied directly: every buffer was out (a hung fill)
         self.dropped_failures = 0  # fills made ahead that failed and were dropped unasked (logged)
         self._retired_cpu_s = 0.0  # CPU seconds of copiers replaced after a timeout
+        self.copy_log: CopyLog | None = None  # a warm-up's record of each copy (LayerStreamer.trace_copies)
 
     @property
     def staging_bytes(self) -> int:
@@ -193,6 +195,8 @@ class StagingRing:
             return layer.host.copy_to(regions)
         fill = self._pending.popleft()
         self._wait(fill)  # the launch thread waits for the host copier only when it fell behind
+        if self.copy_log is not None:
+            self.copy_log.begin()  # the DMA starts now: the wait for the fill is the copier's, not the copy's
         staged = fill.carved
         copied = 0
         try:

@@ -68,11 +68,19 @@ class StreamedLayer:
         """Each parameter's view of the device ``regions`` (shape and strides as the original)."""
         return tuple(tensor_view(regions[meta.dtype], meta) for meta in self.layout.tensors)
 
-    def bind(self, views: tuple[torch.Tensor, ...]) -> None:
-        """Point every parameter at its device view (from :meth:`views`)."""
+    def bind(self, views: tuple[torch.Tensor, ...], storage: tuple[int, int] | None = None) -> None:
+        """Point every parameter at its device view (from :meth:`views`).
+
+        ``storage``: the meter's key and bytes for the one allocation the views are of, when the
+        caller owns it (the ring's window), so the meter does not look at the tensors at each bind.
+        """
         for param, view in zip(self.params, views):
             param.data = view
-        if self._witness is not None:
+        if self._witness is None:
+            return  # no data: it counts nothing
+        if storage is not None:
+            self._streamer.meter.bind_storage(self, *storage)
+        else:
             self._streamer.meter.bind(self, views[self._witness])
 
     def release(self) -> None:
@@ -81,7 +89,8 @@ class StreamedLayer:
             param.data = empty
         self._streamer.meter.release(self)
 
-    def pre_forward(self) -> None:
+    def pre_forward(self, *_hook_args) -> None:
+        """The layer module's forward pre-hook (``_hook_args``: the module and its inputs, unused)."""
         if torch.is_inference_mode_enabled():
             # A slot allocated (or a view made) inside a caller's inference_mode would be an
             # inference tensor, and the next copy into it from a forward under plain no_grad would
@@ -92,5 +101,6 @@ class StreamedLayer:
         else:
             self._streamer.before_layer(self)
 
-    def post_forward(self) -> None:
-        self._streamer.after_layer(self)  # only rebinds placeholders and records events
+    def post_forward(self, *_hook_args) -> None:
+        """The layer module's forward hook (``_hook_args``: the module, inputs and output, unused)."""
+        self._streamer.after_layer(self)  # releases, records events, issues the next copies

@@ -57,7 +57,8 @@ def locked_head():
 def test_a_driver_without_the_token_is_refused_on_the_non_loopback_address(locked_head):
     address, _, env, *_ = locked_head
     stranger = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
-    stranger.update(RAY_AUTH_MODE="disabled", HOME=tempfile.mkdtemp(prefix="stranger"))
+    # Two connection attempts, not Ray's 20 (one a second): a refusal is final, and 20 took 20 s here.
+    stranger.update(RAY_AUTH_MODE="disabled", HOME=tempfile.mkdtemp(prefix="stranger"), RAY_NUM_REDIS_GET_RETRIES="2")
     refused = _driver(address, stranger)
     assert refused.returncode != 0 and "ANSWER" not in refused.stdout, refused.stdout[-2000:]
     assert "authenticat" in (refused.stdout + refused.stderr).lower(), refused.stderr[-2000:]

@@ -48,6 +48,7 @@ class Case:
     name: str
     folder: Callable[[], Path]
     steps: int = 2
+    image: bool = False  # requests carry a reference image (always, for a family that requires one)
 
 
 CASES = [
@@ -55,7 +56,9 @@ CASES = [
     Case("flux", tiny.ensure_tiny_flux),
     Case("wan2.2-a14b", wan22.ensure_tiny_wan22_a14b, steps=4),  # 999, 900 high noise; 750, 500 low
     Case("wan2.2-ti2v-5b", wan22.ensure_tiny_wan22_ti2v),
+    Case("wan2.2-ti2v-5b+image", wan22.ensure_tiny_wan22_ti2v, image=True),
     Case("wan2.2-i2v-a14b", wan22.ensure_tiny_wan22_i2v, steps=4),
+    Case("wan2.1-i2v", wan22.ensure_tiny_wan21_i2v),
     Case("sd3.5", tiny_families.ensure_tiny_sd3),
     Case("z-image", tiny_families.ensure_tiny_zimage),
     Case("qwen-image", tiny_families.ensure_tiny_qwen_image),
@@ -83,7 +86,7 @@ class Family:
         n = min(n, facts.max_n or n)  # a family that makes one output per request (max_n) gets 1
         side = side or facts.size_multiple
         frames = frames or (1 + facts.temporal_factor if facts.supports_video else 1)
-        image = reference_png(side) if facts.reference_image is ReferenceImage.REQUIRED else None
+        image = reference_png(side) if facts.reference_image is ReferenceImage.REQUIRED or self.case.image else None
         guidance = facts.default_guidance if guidance is None else guidance
         return GenerationSpec(rid, prompt, "blurry" if facts.supports_negative_prompt else None, side, side, frames,
                               self.case.steps, guidance, seed, n, image)
@@ -215,7 +218,12 @@ def test_family_specific_bad_input_is_a_400_naming_the_field(family):
             else:
                 video_spec(VideoRequest(prompt="a cat"), facts, limits, "m", reference)
         assert refused.value.param == "input_reference" and facts.family.value in refused.value.message
-    else:
+    elif facts.reference_image is ReferenceImage.REQUIRED:
         with pytest.raises(FieldError) as refused:
             video_spec(VideoRequest(prompt="a cat"), facts, limits, "m")
         assert refused.value.param == "input_reference" and "required" in refused.value.message
+    else:  # optional: a video may start from one, an image may not
+        with pytest.raises(FieldError) as refused:
+            image_spec(ImageRequest(prompt="a cat"), facts, limits, "m", reference)
+        assert refused.value.param == "input_reference" and "videos only" in refused.value.message
+        assert video_spec(VideoRequest(prompt="a cat"), facts, limits, "m", reference).reference_image == reference

@@ -34,14 +34,21 @@ def test_a_pipeline_with_no_adapter_fails_build_app_naming_the_supported_familie
 
 
 def test_a_variant_the_adapter_does_not_run_is_refused_with_why_and_the_supported_families(tmp_path):
-    # Wan2.1 I2V: the same pipeline class with a CLIP image encoder, which the wan-i2v adapter does not run.
-    folder = tmp_path / "wan21-i2v"
+    # The image-to-video pipeline class with TI2V-5B's expanded timesteps: served from TI2V's own
+    # WanPipeline folder, not from an image-to-video folder.
+    folder = tmp_path / "i2v-expanded"
     shutil.copytree(wan22.ensure_tiny_wan22_i2v(), folder)
     index = json.loads((folder / "model_index.json").read_text())
-    index["image_encoder"] = ["transformers", "CLIPVisionModelWithProjection"]
+    index["expand_timesteps"] = True
     (folder / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(UnsupportedModelFolder, match="CLIP image_encoder .* not handled.*supported families: .*wan-i2v"):
+    with pytest.raises(UnsupportedModelFolder, match="expand_timesteps .* not handled.*supported families: .*wan-i2v"):
         read_family_facts(folder)
+
+
+def test_the_clip_image_encoder_layout_is_wan21_i2v_and_the_clip_less_one_wan22_i2v():
+    wan21, wan22_i2v = read_family_facts(wan22.ensure_tiny_wan21_i2v()), read_family_facts(wan22.ensure_tiny_wan22_i2v())
+    assert (wan21.family, wan22_i2v.family) == (Family.WAN21_I2V, Family.WAN_I2V)
+    assert wan21.max_n == 1 and wan21.experts == ("transformer",)
 
 
 def test_a_family_whose_pipeline_needs_a_missing_package_is_refused_naming_it(monkeypatch):

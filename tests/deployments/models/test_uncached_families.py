@@ -9,7 +9,7 @@ import torch
 from deployments.models import families
 from deployments.replica.batching import BatchingConfig, StepBatch
 from deployments.wire.spec import GenerationSpec, PipelineStage
-from zoo.tiny_families import ensure_tiny_sd3
+from zoo.tiny_families import ensure_tiny_zimage
 
 CPU, F32 = torch.device("cpu"), torch.float32
 
@@ -25,8 +25,11 @@ def _denoise(stepper, encoded, spec, threshold):
 
 
 def test_a_cache_threshold_on_a_family_without_a_step_cache_is_logged_once_and_every_block_runs(caplog):
-    facts = families.read_family_facts(ensure_tiny_sd3())
-    spec = GenerationSpec("r", "a red fox", None, 16, 16, 1, 3, 7.0, 1, 1)
+    # Z-Image: its first block refines the image tokens alone and its last runs on image + caption tokens,
+    # so the first block's residual has no place in the last block's output: every block runs.
+    facts = families.read_family_facts(ensure_tiny_zimage())
+    side = facts.size_multiple
+    spec = GenerationSpec("r", "a red fox", None, side, side, 1, 3, 5.0, 1, 1)
     encoded = families.encode(families.load_stage_pipeline(facts, PipelineStage.ENCODE, F32), facts, spec, CPU)
     stepper = families.adapter_for(facts).stepper(families.load_stage_pipeline(facts, PipelineStage.DENOISE, F32),
                                                   facts, CPU)
@@ -35,5 +38,5 @@ def test_a_cache_threshold_on_a_family_without_a_step_cache_is_logged_once_and_e
         asked = _denoise(stepper, encoded, spec, 0.5)
     assert torch.equal(asked, plain)
     lines = [r.getMessage() for r in caplog.records if "cache_threshold" in r.getMessage()]
-    assert lines == ["request r: cache_threshold 0.5 ignored: the step cache is not implemented for the sd3 family; "
+    assert lines == ["request r: cache_threshold 0.5 ignored: the step cache is not implemented for the z-image family; "
                      "every block runs each step"]

@@ -13,15 +13,25 @@ from deployments.replica.batching import BatchingConfig, StepBatch
 from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core import StreamingConfig, apply_layer_streaming
 from zoo.tiny import ensure_tiny_flux, ensure_tiny_wan
+from zoo.tiny_families import ensure_tiny_hunyuan15, ensure_tiny_qwen_image, ensure_tiny_sd3
 
 F32, CPU = torch.float32, torch.device("cpu")
 STEPS = 6
 
 
-def _specs(guided: bool):
+def _specs(guided: bool, folder=ensure_tiny_wan):
+    facts = families.read_family_facts(folder())
+    side, frames = facts.size_multiple, 1 + facts.temporal_factor if facts.supports_video else 1
     scale = 5.0 if guided else 3.5
-    return [GenerationSpec("a", "a red fox", None, 16, 16, 1, STEPS, scale, 1, 1),
-            GenerationSpec("b", "a blue bird", None, 16, 16, 1, STEPS, scale, 2, 1)]
+    return [GenerationSpec("a", "a red fox", None, side, side, frames, STEPS, scale, 1, 1),
+            GenerationSpec("b", "a blue bird", None, side, side, frames, STEPS, scale, 2, 1)]
+
+
+# Every family whose stepper runs the step cache (Z-Image does not: tests/deployments/models/test_uncached_families.py),
+# guided where the family guides with two branches in one forward (Flux is distilled: one).
+CACHED_FAMILIES = [(ensure_tiny_wan, True), (ensure_tiny_flux, False), (ensure_tiny_sd3, True),
+                   (ensure_tiny_qwen_image, True), (ensure_tiny_hunyuan15, True)]
+CACHED_IDS = ["wan", "flux", "sd3", "qwen-image", "hunyuan-video-1.5"]
 
 
 def _run(folder, specs, thresholds, remove_after):
@@ -44,20 +54,20 @@ def _run(folder, specs, thresholds, remove_after):
     return {r.spec.request_id: f.result() for r, f in requests}, [r for r, _ in requests], streamer, denoiser
 
 
-@pytest.mark.parametrize("folder, guided", [(ensure_tiny_wan, True), (ensure_tiny_flux, False)], ids=["wan", "flux"])
+@pytest.mark.parametrize("folder, guided", CACHED_FAMILIES, ids=CACHED_IDS)
 def test_threshold_zero_leaves_the_forward_alone_and_equal_bitwise(folder, guided, remove_after):
-    plain, _, _, denoiser = _run(folder(), _specs(guided), (0.0, 0.0), remove_after)
+    plain, _, _, denoiser = _run(folder(), _specs(guided, folder), (0.0, 0.0), remove_after)
     assert getattr(denoiser.transformer, CACHE_ATTRIBUTE, None) is None, "no block wrapped while the cache is off"
-    again, requests, _, _ = _run(folder(), _specs(guided), (0.0, 0.0), remove_after)
+    again, requests, _, _ = _run(folder(), _specs(guided, folder), (0.0, 0.0), remove_after)
     assert all(torch.equal(again[k], plain[k]) for k in plain)
     assert [r.cache.skipped for r in requests] == [0, 0]
 
 
-@pytest.mark.parametrize("folder, guided", [(ensure_tiny_wan, True), (ensure_tiny_flux, False)], ids=["wan", "flux"])
+@pytest.mark.parametrize("folder, guided", CACHED_FAMILIES, ids=CACHED_IDS)
 def test_one_request_skips_while_the_other_computes_on_the_sub_batch(folder, guided, remove_after):
-    plain, _, _, _ = _run(folder(), _specs(guided), (0.0, 0.0), remove_after)
+    plain, _, _, _ = _run(folder(), _specs(guided, folder), (0.0, 0.0), remove_after)
     # 1e9: every step after the first two (a residual to compare, a tail to reuse) skips.
-    cached, requests, _, _ = _run(folder(), _specs(guided), (1e9, 0.0), remove_after)
+    cached, requests, _, _ = _run(folder(), _specs(guided, folder), (1e9, 0.0), remove_after)
     skipper, computer = requests
     assert skipper.cache.skipped == STEPS - 1 and computer.cache.skipped == 0
     assert skipper.cache.decided == STEPS

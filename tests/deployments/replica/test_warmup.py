@@ -18,6 +18,7 @@ from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core.planner.facts import profile_component
 from offload_core.planner.search import PerformanceMode
 from offload_core.planner.strategy import Strategy
+from offload_core.planner.timeline import Lane
 from tests.deployments.conftest import tiny_args
 from zoo import tiny
 
@@ -122,6 +123,11 @@ def test_a_replan_that_keeps_the_plan_keeps_the_applied_residency_and_shows_the_
     assert plan.component("transformer").strategy is Strategy.LAYERWISE
     assert plan.compute_s_per_request > 0 and plan.facts.working_set_bytes > 0
     assert worker.leases.figures().standing_bytes == worker.residency.kept_bytes()
+    # The picture's measured pass is the warm-up's last pass as it ran: its copies beside its compute.
+    transformer = next(c for c in worker.report().picture.components if c.name == "transformer")
+    streamed = [key for key, _ in plan.component("transformer").hosting][plan.component("transformer").resident_layers:]
+    copied = [s.layer for s in transformer.measured.lane(Lane.COPY)]
+    assert copied == streamed and all(s.end_s > s.start_s for s in transformer.measured.lane(Lane.COPY))
     # Re-predicted, the same decisions predict the same bytes: the ring's slots are still in the peak.
     encoded = families.encode(families.load_stage_pipeline(facts, PipelineStage.ENCODE, torch.float32), facts,
                               SPEC, CPU)

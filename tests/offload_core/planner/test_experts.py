@@ -27,6 +27,18 @@ def test_each_expert_is_used_for_its_share_of_the_steps_at_the_sampling_shift(l4
     assert any("flow_shift 12" in n and "says 3: 13/27" in n for n in notes)
 
 
+def test_the_image_to_video_a14b_plans_its_36_channel_experts_at_its_own_boundary_and_shift():
+    facts, notes = real_model_facts("wan2.2-i2v-a14b", gpu_spec("L4"), 64 * GiB)
+    uses = {c.name: c.uses_per_request for c in facts.components}
+    # 40 steps at Wan2.2 I2V's sampling shift 5.0: 15 at t >= 900 on the high-noise expert; two passes (guidance 3.5).
+    assert (uses["transformer"], uses["transformer_2"]) == (30, 50)
+    assert any("timesteps >= 0.9 x 1000 at flow_shift 5" in n and "says 3: 11/29" in n for n in notes)
+    t2v, _ = real_model_facts(A14B, gpu_spec("L4"), 64 * GiB)
+    # The patch embedding takes 36 input channels (16 noise + 4 mask + 16 image latents), not 16.
+    assert ({c.name: c.non_layer_bytes for c in facts.components}["transformer"]
+            > {c.name: c.non_layer_bytes for c in t2v.components}["transformer"])
+
+
 def test_the_peak_holds_one_experts_working_set_while_the_other_is_idle(l4_facts):
     facts, _ = l4_facts
     assert [s.name for s in facts.stages] == ["encode", "denoise:transformer", "denoise:transformer_2", "decode"]

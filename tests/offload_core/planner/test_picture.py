@@ -10,6 +10,7 @@ from offload_core.planner.facts import LinkFacts, PipelineFacts, Stage
 from offload_core.planner.measured_compute import MeasuredCompute
 from offload_core.planner.picture import Placement, WeightFormat, plan_picture, render
 from offload_core.planner.search import ComponentOverride, PerformanceMode, plan_pipeline
+from offload_core.planner.timeline import Lane
 from tests.offload_core.planner.test_timeline import profile
 
 LINK = LinkFacts(pinned_Bps=512.0, pageable_Bps=102.4)
@@ -61,6 +62,22 @@ def test_svg_and_png_are_drawn_and_the_same_plan_draws_the_same_svg():
         assert text in svg, text
     assert svg == render(plan_picture(plan, measured), "svg"), "no date or random ids in the file"
     assert render(plan_picture(plan), "png").startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_a_recorded_warmup_pass_draws_its_copy_stream_beside_the_predicted_one():
+    from offload_core.planner.measured_compute import RecordedPass
+
+    plan = plan_pipeline(facts(), PerformanceMode.MEMORY)
+    compute = tuple((f"blocks.{i}", 0.2 + i * 0.3, 0.45 + i * 0.3) for i in range(6))
+    copies = tuple((f"blocks.{i}", i * 0.3 - 0.25, i * 0.3 + 0.15) for i in range(6))
+    recorded = RecordedPass(compute, (), ((0.0, 0.2),), copies, 1.95)
+    measured = {"dit": MeasuredCompute(tuple((k, b - a) for k, a, b in compute), 0.2, (), recorded)}
+    picture = plan_picture(plan, measured)
+    dit = next(c for c in picture.components if c.name == "dit")
+    assert [s.layer for s in dit.measured.lane(Lane.COPY)] == [k for k, _, _ in copies]
+    assert [s.layer for s in dit.predicted.lane(Lane.COPY)], "side by side: both passes have a copy stream"
+    svg = render(picture, "svg")
+    assert b"dit, measured (warm-up): one pass 1.95 s, compute 1.70 s, copies 2.40 s" in svg
 
 
 def test_an_unknown_format_and_a_plan_without_facts_are_refused():

@@ -114,3 +114,21 @@ def test_a_measured_pass_lays_out_each_layer_s_wait_then_its_compute_in_the_orde
     assert [(s.kind, s.layer) for s in t.spans] == [(SpanKind.REST, ""), (SpanKind.WAIT, "blocks.1"),
                                                     (SpanKind.COMPUTE, "blocks.1"), (SpanKind.COMPUTE, "blocks.0")]
     assert t.pass_s == pytest.approx(0.65)
+
+
+def test_a_recorded_pass_puts_its_copies_on_the_copy_stream_beside_the_compute():
+    from offload_core.planner.measured_compute import RecordedPass
+    from offload_core.planner.timeline import recorded_timeline
+
+    recorded = RecordedPass(compute=(("blocks.0", 0.1, 0.3), ("blocks.1", 0.35, 0.5)),
+                            waits=(("blocks.1", 0.3, 0.35),), rest=((0.0, 0.1), (0.5, 0.6)),
+                            copies=(("blocks.0", -0.2, 0.05), ("blocks.1", 0.12, 0.34)), pass_s=0.6)
+    t = recorded_timeline("dit", recorded)
+    assert t.source is TimelineSource.MEASURED and t.pass_s == 0.6
+    assert [(s.layer, s.start_s, s.end_s) for s in t.lane(Lane.COPY)] == [("blocks.0", -0.2, 0.05),
+                                                                          ("blocks.1", 0.12, 0.34)]
+    assert {s.kind for s in t.lane(Lane.COPY)} == {SpanKind.COPY}
+    assert [(s.kind, s.layer) for s in t.lane(Lane.COMPUTE)] == [
+        (SpanKind.REST, ""), (SpanKind.COMPUTE, "blocks.0"), (SpanKind.WAIT, "blocks.1"),
+        (SpanKind.COMPUTE, "blocks.1"), (SpanKind.REST, "")]
+    assert t.busy_s(Lane.COPY) == pytest.approx(0.25 + 0.22)

@@ -99,3 +99,92 @@ def test_on_cuda_the_warmup_sync_does_not_wait_for_work_on_another_stream():
     still_running = not side.query()
     side.synchronize()
     assert still_running, "the compute-stream sync waited for the other stream's work"
+
+
+def _streamed_wan(resident: int = 0):
+    from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
+    from tests.offload_core.tiny_models import WAN
+
+    model, inputs = WAN.build(), WAN.inputs()
+    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(prefetch_depth=1, resident=resident,
+                                                                   keep_resident=resident > 0))
+    return model, inputs, streamer
+
+
+def test_the_last_pass_is_kept_as_it_ran_with_the_copy_that_fed_each_streamed_layer():
+    from tests.offload_core.tiny_models import WAN
+
+    model, inputs, streamer = _streamed_wan()
+    try:
+        def two_steps():
+            for _ in range(2):
+                streamer.prepare_for_use()
+                WAN.run(model, inputs)
+                streamer.finish_use()
+
+        figures = measure_warmup({"dit": model}, two_steps)["dit"]
+        keys = [layer.key for layer in streamer.layers]
+        assert streamer.copy_log is None and streamer.ring.copy_log is None, "the warm-up stops logging copies"
+    finally:
+        streamer.remove()
+    recorded = figures.last_pass
+    assert [key for key, _, _ in recorded.compute] == keys == list(figures.order)
+    ends = 0.0
+    for _, start, end in recorded.compute:  # in order, one after another, inside the pass
+        assert ends <= start < end <= recorded.pass_s
+        ends = end
+    copies = {key: (start, end) for key, start, end in recorded.copies}
+    assert list(copies) == keys, "every streamed layer's copy, in the order the layers ran"
+    for key, start, _ in recorded.compute:
+        assert copies[key][1] <= start, f"{key} computed before its copy landed"
+    # Copies on CPU are synchronous, inside the hooks: each lies in a layer's hook time (or in the pass
+    # before, for the copies issued at its end), never over a layer's compute.
+    for key, (a, b) in copies.items():
+        assert not any(a < c_end and c_start < b for _, c_start, c_end in recorded.compute), key
+    assert sum(b - a for _, a, b in recorded.waits) >= sum(b - a for a, b in copies.values() if a >= 0)
+
+
+def test_a_pass_without_streaming_has_no_copy_lane_and_kept_resident_layers_no_copy():
+    from tests.offload_core.tiny_models import WAN
+
+    plain, inputs = WAN.build(), WAN.inputs()
+    figures = measure_warmup({"dit": plain}, lambda: WAN.run(plain, inputs))["dit"]
+    assert figures.last_pass.copies == () and len(figures.last_pass.compute) == len(figures.order)
+    model, inputs, streamer = _streamed_wan(resident=1)
+    try:
+        def step():
+            streamer.prepare_for_use()
+            WAN.run(model, inputs)
+            streamer.finish_use()
+
+        step()  # the resident layer is copied here, and kept
+        recorded = measure_warmup({"dit": model}, step)["dit"].last_pass
+        streamed = [layer.key for layer in streamer.layers if not layer.resident]
+    finally:
+        streamer.remove()
+    assert len(streamed) == len(recorded.compute) - 1
+    assert [key for key, _, _ in recorded.copies] == streamed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="copies on a CUDA copy stream, timed by its events")
+def test_on_cuda_each_layer_computes_after_its_copy_landed_on_the_copy_stream():
+    from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
+    from tests.offload_core.tiny_models import WAN
+
+    model, inputs = WAN.build(), {k: v.cuda() if torch.is_tensor(v) else v for k, v in WAN.inputs().items()}
+    # Hosted PAGEABLE by default: staged through the copier thread, whose fill wait is not the copy's.
+    streamer = apply_layer_streaming(model, "cuda", StreamingConfig(prefetch_depth=1))
+    try:
+        def two_steps():
+            for _ in range(2):
+                streamer.prepare_for_use()
+                WAN.run(model, inputs)
+                streamer.finish_use()
+
+        recorded = measure_warmup({"dit": model}, two_steps, device=torch.device("cuda"))["dit"].last_pass
+    finally:
+        streamer.remove()
+    copies = {key: (start, end) for key, start, end in recorded.copies}
+    assert list(copies) == [key for key, _, _ in recorded.compute]
+    for key, start, _ in recorded.compute:  # the compute stream waited for the copy's event (1 ms: the clocks' join)
+        assert copies[key][0] < copies[key][1] <= start + 1e-3, key
