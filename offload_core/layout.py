@@ -46,7 +46,8 @@ KNOWN_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = {
     # The token refiner's 2 blocks (of 54 + 2) stay with the non-layer weights.
     "HunyuanVideo15Transformer3DModel": ("transformer_blocks",),
     "CLIPTextModelWithProjection": ("text_model.encoder.layers",),  # SD3.5's CLIP-L and CLIP-G
-    "CLIPVisionModel": ("encoder.layers",),  # Wan2.1 image-to-video's image encoder (ViT-H/14)
+    "CLIPVisionModel": ("encoder.layers",),
+    "CLIPVisionModelWithProjection": ("vision_model.encoder.layers",),  # Wan2.1 I2V's image encoder (ViT-H/14)
     "Qwen3Model": ("layers",),  # Z-Image's text encoder
     "Qwen2_5_VLTextModel": ("layers",),  # HunyuanVideo 1.5's text encoder
     # Qwen-Image's text encoder: text-to-image never runs the vision tower (it stays non-layer).

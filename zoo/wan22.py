@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanPipeline
-from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
 from zoo.cache import ensure_built
 from zoo.paths import zoo_root
@@ -95,10 +95,11 @@ CLIP_IMAGE_SIDE, CLIP_PATCH, CLIP_WIDTH = 32, 8, 32
 CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 
 
-def clip_image_encoder() -> CLIPVisionModel:
-    """The tiny CLIP vision tower (seed offset 6), the class Wan2.1 I2V's folders name."""
+def clip_image_encoder() -> CLIPVisionModelWithProjection:
+    """The tiny CLIP vision tower (seed offset 6), the class Wan2.1 I2V's folders name (the pipeline reads
+    its penultimate hidden states; the projection is never run)."""
     _seeded(6)
-    return CLIPVisionModel(CLIPVisionConfig(
+    return CLIPVisionModelWithProjection(CLIPVisionConfig(
         hidden_size=CLIP_WIDTH, intermediate_size=2 * CLIP_WIDTH, num_hidden_layers=3, num_attention_heads=4,
         image_size=CLIP_IMAGE_SIDE, patch_size=CLIP_PATCH, projection_dim=CLIP_WIDTH, hidden_act="gelu",
     )).eval()
@@ -119,9 +120,10 @@ def build_wan21_i2v(folder: Path, sizes: WanSizes = TINY) -> None:
     pipe.save_pretrained(folder, safe_serialization=True)
 
 
-def _ensure(name: str, build) -> Path:
+def _ensure(name: str, build, **recipe) -> Path:
+    """``recipe``: what else the build depends on, stamped with the sizes (a change rebuilds the folder)."""
     sizes = replace(TINY)
-    return ensure_built(zoo_root(), name, _spec(name, sizes), lambda d: build(d, sizes))
+    return ensure_built(zoo_root(), name, {**_spec(name, sizes), **recipe}, lambda d: build(d, sizes))
 
 
 def ensure_tiny_wan22_a14b() -> Path:
@@ -141,4 +143,5 @@ def ensure_tiny_wan22_i2v() -> Path:
 
 def ensure_tiny_wan21_i2v() -> Path:
     """A WanImageToVideoPipeline folder with a CLIP image encoder (the Wan2.1 I2V layout)."""
-    return _ensure("tiny-wan21-i2v", build_wan21_i2v)
+    return _ensure("tiny-wan21-i2v", build_wan21_i2v, image_encoder="CLIPVisionModelWithProjection",
+                   clip=[CLIP_IMAGE_SIDE, CLIP_PATCH, CLIP_WIDTH])

@@ -60,6 +60,8 @@ STAGES = {
     "HunyuanVideo15Pipeline": (Stage("encode", ("text_encoder", "text_encoder_2")), Stage("denoise", ("transformer",)),
                                Stage("decode", ("vae",))),
 }
+# Wan2.1 image-to-video's CLIP ViT-H/14 at 224 x 224: (224 / 14)^2 patches + the class token.
+CLIP_IMAGE_TOKENS = 257
 # Z-Image and Qwen-Image feed the transformer the prompt's own tokens (no padding): a typical prompt
 # after their chat templates, for compute estimates only.
 PROMPT_TOKENS = 128
@@ -103,10 +105,14 @@ def _stages(pipeline: str, components) -> tuple[Stage, ...]:
     """The pipeline's stages; with two experts (Wan2.2 A14B) each is its own phase of denoising: one
     runs per step, so the plan's peak holds one expert's working set while the other is idle
     (parked, streamed or resident, as the plan decides), and the switch is where residency changes."""
+    stages = STAGES[pipeline]
+    if "image_encoder" in components:  # Wan2.1 image-to-video: the CLIP image encoder runs beside the text encoder
+        encode, *rest = stages
+        stages = (Stage(encode.name, (*encode.components, "image_encoder")), *rest)
     experts = tuple(e for e in EXPERTS if e in components)
     if len(experts) < 2:
-        return STAGES[pipeline]
-    encode, _, decode = STAGES[pipeline]
+        return stages
+    encode, _, decode = stages
     return (encode, *(Stage(f"denoise:{e}", (e,)) for e in experts), decode)
 
 
@@ -136,6 +142,8 @@ def _uses_and_tokens(pipeline: str, defaults: Mapping[str, Any]) -> dict[str, tu
         high, low = defaults.get("expert_steps", (steps, 0))
         return {"text_encoder": (passes, seq), "transformer": (high * passes, tokens),
                 "transformer_2": (low * passes, tokens),
+                # Wan2.1 image-to-video: CLIP ViT-H/14 once on the reference, 16 x 16 patches + the class token
+                "image_encoder": (1, CLIP_IMAGE_TOKENS),
                 # the Wan VAE decodes one latent frame per decoder pass
                 "vae": (frames, (h // 4) * (w // 4))}
     if pipeline in _IMAGE_PIPELINES:

@@ -25,8 +25,8 @@ from torch import nn
 # Found from this file (offload_core/real_models.py), not from zoo: offload_core imports no sibling package.
 CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "models" / "real_model_configs.json"
 # transformer_2: Wan2.2 A14B's low-noise expert (the same class as the high-noise ``transformer``);
-# text_encoder_3: SD3.5's T5-XXL (after its two CLIPs).
-COMPONENTS = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3", "vae")
+# text_encoder_3: SD3.5's T5-XXL (after its two CLIPs); image_encoder: Wan2.1 image-to-video's CLIP vision tower.
+COMPONENTS = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "vae")
 # Classes the json or a local folder may name, by library; anything else is a typo or an unreviewed model.
 _DIFFUSERS_CLASSES = frozenset({
     "WanTransformer3DModel", "FluxTransformer2DModel", "AutoencoderKLWan", "AutoencoderKL",
@@ -35,7 +35,7 @@ _DIFFUSERS_CLASSES = frozenset({
 })
 _TRANSFORMERS_CLASSES = frozenset({
     "UMT5EncoderModel", "T5EncoderModel", "CLIPTextModel", "CLIPTextModelWithProjection", "Qwen3Model",
-    "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLTextModel",
+    "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLTextModel", "CLIPVisionModelWithProjection",
 })
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
