@@ -15,14 +15,16 @@ from typing import Callable
 
 
 class Throttled:
-    """``poke()`` after a change: ``send()`` runs within ``interval_s`` in this object's thread, at
-    most once per ``interval_s``; pokes while a send is pending fold into it."""
+    """``poke()`` after a change: ``send()`` runs within ``interval_s`` (+ ``settle_s``) in this object's
+    thread, at most once per ``interval_s``; pokes while a send is pending fold into it."""
 
     def __init__(self, send: Callable[[], None], interval_s: float, name: str, sent_now: bool = False,
-                 keepalive_s: float | None = None):
+                 keepalive_s: float | None = None, settle_s: float = 0.0):
         """``keepalive_s``: also send when nothing changed for that long (a receiver that restarted
-        empty gets the state back without waiting for a change)."""
-        self._send, self._interval_s = send, interval_s
+        empty gets the state back without waiting for a change). ``settle_s``: a send waits at least
+        this long after the poke that scheduled it (a stage call pokes just before its answer leaves
+        the process: the send would take the GIL and the CPU from that answer)."""
+        self._send, self._interval_s, self._settle_s = send, interval_s, settle_s
         self._executor = concurrent.futures.ThreadPoolExecutor(1, name)
         self._pending = threading.Event()
         # sent_now: the caller has just sent the current state itself (the next send waits a whole interval).
@@ -44,7 +46,7 @@ class Throttled:
         if self._pending.is_set():
             return
         self._pending.set()
-        delay_s = max(0.0, self._sent_at + self._interval_s - time.monotonic())
+        delay_s = max(self._settle_s, self._sent_at + self._interval_s - time.monotonic())
         self._executor.submit(self._later, delay_s)
 
     def _later(self, delay_s: float) -> None:

@@ -59,8 +59,15 @@ from offload_core.tables import HostTablesConfig
 
 logger = logging.getLogger(__name__)
 
-# Residency reports reach the board at most this often per replica (and always within it).
+# Residency reports reach the board at most this often per replica (and always within it + the settle).
 PUBLISH_INTERVAL_S = 1.0
+# A call pokes the report's publisher just before its answer leaves the replica; a send that went at once
+# built its report (9-17 ms of CPU at load 9-14, holding the GIL) while the answer was on its way.
+# With no reports at all, the tiny Wan's hops encoder -> denoiser, denoiser -> decoder and decoder
+# -> response took 1.2, 1.2 and 2.1 ms less (medians of 60 requests each, bench/serve.py's split; two
+# runs minutes apart, load 9.1 and 6.5: suggestive, not proven). 0.1 s is 10x those hops (7-10 ms)
+# and a tenth of the interval.
+PUBLISH_SETTLE_S = 0.1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -159,13 +166,13 @@ class StageWorker:
         self._last = StageStats(config.stage.value, self.replica, 0.0, 0, 0)
         self._batch = None if config.batching is None else BatchState(0, 0.0, config.batching.max_batch)
         self._board = None
-        # Reports are built after the response is on its way: one reads /proc/self/maps and walks
-        # every tensor (2.5-6.6 ms of CPU per report on the tiny zoo, more on a 14B model), taken
-        # from the next stage of the same request on a 2-core node, three times per request.
+        # Reports are built after the response is on its way (PUBLISH_SETTLE_S after the call): one
+        # reads /proc/self/maps and walks every tensor (2.5-17 ms of CPU per report on the tiny zoo,
+        # more on a 14B model), taken from the next stage of the same request on a 2-core node.
         # Sent again after REPUBLISH_S without a change too: a board that restarted (empty) learns an
         # idle replica's report within that time.
         self._publisher = Throttled(self.publish, PUBLISH_INTERVAL_S, f"publish-{config.stage.value}", sent_now=True,
-                                    keepalive_s=REPUBLISH_S)
+                                    keepalive_s=REPUBLISH_S, settle_s=PUBLISH_SETTLE_S)
         # The batch size goes on its own (no lock, no walk of the weights): a busy period holds the
         # call lock for as long as its batch runs, and a report waits for that lock.
         self._batch_sender = Throttled(self._send_batch, PUBLISH_INTERVAL_S, f"batch-{config.stage.value}")

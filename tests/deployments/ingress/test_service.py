@@ -310,12 +310,13 @@ def _lease_figures(client, calls_at_least: dict | None = None) -> dict:
 
 def _settled_lease_figures(client) -> dict:
     """Each stage's lease figures once its reports stop changing: a replica publishes at most once
-    per PUBLISH_INTERVAL_S and always publishes its last state within it (+0.5 s for the board)."""
-    from deployments.replica.worker import PUBLISH_INTERVAL_S
+    per PUBLISH_INTERVAL_S and always publishes its last state within it and the settle (+0.5 s for
+    the board)."""
+    from deployments.replica.worker import PUBLISH_INTERVAL_S, PUBLISH_SETTLE_S
 
     deadline, last = time.monotonic() + 30, _lease_figures(client)
     while True:
-        time.sleep(PUBLISH_INTERVAL_S + 0.5)
+        time.sleep(PUBLISH_INTERVAL_S + PUBLISH_SETTLE_S + 0.5)
         now = _lease_figures(client)
         if now == last:
             return now

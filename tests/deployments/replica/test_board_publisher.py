@@ -59,3 +59,19 @@ def test_with_a_keepalive_the_state_is_sent_again_without_a_change_until_closed(
     time.sleep(0.2)
     assert 3 <= count <= 6, f"{count} sends in 0.55 s with a 0.1 s keep-alive"
     assert len(sent) == count, "sent after close"
+
+
+def test_with_a_settle_the_send_waits_that_long_after_the_poke_and_later_pokes_fold_into_it():
+    """A stage call pokes just before its answer leaves: the report must not be built alongside it."""
+    sent = []
+    throttled = Throttled(lambda: sent.append(time.monotonic()), 0.05, "settle-test", settle_s=0.3)
+    try:
+        poked_at = time.monotonic()
+        throttled.poke()
+        time.sleep(0.1)
+        throttled.poke()
+        assert sent == [], "sent before the settle"
+        time.sleep(0.5)
+    finally:
+        throttled.close()
+    assert len(sent) == 1 and sent[0] - poked_at >= 0.3
