@@ -5,9 +5,10 @@
 For each hosting tier (pinned, pageable, mapped) x prefetch depth (1, 2) x model (copy-bound,
 balanced, compute-bound), streams a stack of even layers on :class:`SimDevice` (PCIe Gen4: 25 GB/s
 pinned, 10 GB/s pageable and mapped, 12 GB/s host memcpy), then the named cases: ``uneven``
-(FLUX-like: the first third of the layers twice the bytes of the rest, balanced, every tier and
-depth; with ``--uneven-uniform-compute`` every layer computes alike while the bytes differ, so the
-window must bank the double blocks' copy deficit ahead) and ``slow-copier`` (pageable, balanced: the copier at half speed for a quarter of the
+(FLUX-like: the first third of the layers twice the bytes of the rest, balanced, every tier, at
+the depth the planner picks for it, ``offload_core.planner.window.choose_window``, the rule its
+search sizes windows by; with ``--uneven-uniform-compute`` every layer computes alike while the
+bytes differ, so the window must bank the double blocks' copy deficit ahead) and ``slow-copier`` (pageable, balanced: the copier at half speed for a quarter of the
 measured step). Every case also pays what a GPU charges besides bandwidth, scaled to the mean
 layer's pinned DMA time ``t`` (a Wan2.1-1.3B block: 58 MB, t = 2.3 ms): ``copy_latency`` 0.5 % t
 per copy (~10 us), ``launch`` 2 % t per layer (~46 us: ~10 kernels), and the copier's memcpy
@@ -43,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload_core.host.tier import HostingTier  # noqa: E402
 from offload_core.layout import LayerLayout  # noqa: E402
+from offload_core.planner.facts import LinkFacts, profile_component  # noqa: E402
+from offload_core.planner.window import choose_window  # noqa: E402
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming  # noqa: E402
 from offload_core.streaming.sim import SimDevice, SimLink, SlowStretch  # noqa: E402
 
@@ -91,7 +94,7 @@ class Stack(nn.Module):
 @dataclass(frozen=True)
 class Case:
     tier: HostingTier
-    depth: int
+    depth: int | None  # None: the planner's window for the stack (choose_window)
     model: str
     staging: bool = True
     shape: str = "even"  # "even", "uneven" (FLUX-like) or "slow-copier"
@@ -100,12 +103,13 @@ class Case:
     @property
     def name(self) -> str:
         prefix = "" if self.shape == "even" else f"{self.shape} "
-        return f"{prefix}{self.tier.value} depth {self.depth} {self.model}"
+        return f"{prefix}{self.tier.value} depth {self.depth or 'planned'} {self.model}"
 
 
 @dataclass(frozen=True)
 class Outcome:
     case: Case
+    depth: int  # the depth run (the planner's, for a planned case)
     step_s: float
     bound_s: float
     copy_bound_by: str  # "dma" or "host_memcpy": the slowest stage of the copy pipeline
@@ -133,9 +137,16 @@ def copy_stage(layout: LayerLayout, tier: HostingTier, link: SimLink) -> tuple[f
     return (memcpy, "host_memcpy") if memcpy >= dma else (dma, "dma")
 
 
-def config_for(case: Case, keys: list[str]) -> StreamingConfig:
-    return StreamingConfig(prefetch_depth=case.depth, hosting={k: case.tier for k in keys},
-                           staged_copies=case.staging)
+def config_for(case: Case, keys: list[str], depth: int) -> StreamingConfig:
+    return StreamingConfig(prefetch_depth=depth, hosting={k: case.tier for k in keys}, staged_copies=case.staging)
+
+
+def planned_depth(model: nn.Module, tier: HostingTier, link: SimLink, compute: dict[str, float]) -> int:
+    """The planner's window for the stack: its facts read from the model, the simulated link's rates."""
+    profile = profile_component("stack", model, uses_per_request=1)
+    facts = LinkFacts(pinned_Bps=link.pinned_Bps, pageable_Bps=link.pageable_Bps, staged_Bps=link.host_memcpy_Bps)
+    return choose_window(profile.layers, {layer.key: tier for layer in profile.layers}, facts,
+                         [compute[layer.key] for layer in profile.layers]).depth
 
 
 def with_overheads(link: SimLink, model: nn.Module, streamer) -> SimLink:
@@ -152,14 +163,16 @@ def run_case(case: Case, layers: int, dim: int, steps: int, base: SimLink) -> Ou
         expected = model(x)
     device = SimDevice(base)
     keys = [f"blocks.{i}" for i in range(layers)]
-    streamer = apply_layer_streaming(model, device, config_for(case, keys))
-    link = device.link = with_overheads(base, model, streamer)
-    device.register_streamer(streamer)
-    stages = {layer.key: copy_stage(layer.layout, case.tier, link) for layer in streamer.layers}
+    layouts = {layer.key: layer.layout for layer in profile_component("stack", model, uses_per_request=1).layers}
+    stages = {key: copy_stage(layout, case.tier, base) for key, layout in layouts.items()}
     compute = {key: MODELS[case.model] * seconds for key, (seconds, _) in stages.items()}
     if case.uniform_compute:
         mean = sum(seconds for seconds, _ in stages.values()) / len(stages)
         compute = {key: MODELS[case.model] * mean for key in stages}
+    depth = case.depth or planned_depth(model, case.tier, base, compute)
+    streamer = apply_layer_streaming(model, device, config_for(case, keys, depth))
+    link = device.link = with_overheads(base, model, streamer)
+    device.register_streamer(streamer)
     device.charge_layer_compute(streamer, compute)
     sum_copy = sum(seconds for seconds, _ in stages.values())
     ideal = max(sum_copy, sum(compute.values()))
@@ -181,14 +194,13 @@ def run_case(case: Case, layers: int, dim: int, steps: int, base: SimLink) -> Ou
     streamer.remove()
     bound = max(sum_copy, sum(compute.values())) + max(seconds for seconds, _ in stages.values())
     by = sorted({stage for _, stage in stages.values()})
-    return Outcome(case, ends[-1] - ends[-2], bound, "+".join(by), equal, peak_ok,
+    return Outcome(case, depth, ends[-1] - ends[-2], bound, "+".join(by), equal, peak_ok,
                    device.blocked_s - blocked, device.copier_wait_s - waited)
 
 
 def cases(uniform_compute: bool = False) -> list[Case]:
     grid = [Case(tier, depth, model) for tier in TIERS for depth in DEPTHS for model in MODELS]
-    uneven = [Case(tier, depth, "balanced", shape="uneven", uniform_compute=uniform_compute)
-              for tier in TIERS for depth in DEPTHS]
+    uneven = [Case(tier, None, "balanced", shape="uneven", uniform_compute=uniform_compute) for tier in TIERS]
     return [*grid, *uneven, Case(HostingTier.PAGEABLE, 2, "balanced", shape="slow-copier")]
 
 
@@ -213,7 +225,7 @@ def main() -> None:
     for case in cases(args.uneven_uniform_compute):
         o = run_case(case, layers, dim, steps, link)
         outcomes.append(o)
-        print(f"{case.name:42} {o.step_s * 1e6:>9.3f} {o.bound_s * 1e6:>9.3f} {o.ratio:>6.3f} {o.copy_bound_by:14} "
+        print(f"{case.name.replace('planned', f'{o.depth} (planned)'):42} {o.step_s * 1e6:>9.3f} {o.bound_s * 1e6:>9.3f} {o.ratio:>6.3f} {o.copy_bound_by:14} "
               f"{o.blocked_s * 1e6:>10.3f} {o.copier_wait_s * 1e6:>14.3f} {o.bitwise_equal!s:7} {o.peak_predicted}",
               flush=True)
     control = run_case(Case(HostingTier.PAGEABLE, 1, "balanced", staging=False), layers, dim, steps, link)
@@ -222,7 +234,8 @@ def main() -> None:
         "bench": "sim_overlap", "quick": args.quick, "layers": layers, "link": dataclasses.asdict(link),
         "uneven_uniform_compute": args.uneven_uniform_compute,
         "overheads_per_layer_dma": {"copy_latency": COPY_LATENCY_T, "launch": LAUNCH_T, "copier_jitter": JITTER},
-        "cases": [{"name": o.case.name, "shape": o.case.shape, "tier": o.case.tier.value, "depth": o.case.depth,
+        "cases": [{"name": o.case.name, "shape": o.case.shape, "tier": o.case.tier.value, "depth": o.depth,
+                   "depth_planned": o.case.depth is None,
                    "model": o.case.model, "ratio": round(o.ratio, 4), "step_s": o.step_s, "bound_s": o.bound_s,
                    "copy_bound_by": o.copy_bound_by, "blocked_s": o.blocked_s, "copier_wait_s": o.copier_wait_s,
                    "bitwise_equal": o.bitwise_equal, "peak_equals_prediction": o.peak_predicted}

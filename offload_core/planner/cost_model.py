@@ -18,7 +18,9 @@ Times: every copy to the device is from pinned memory on a side stream and overl
 and MAPPED layers add a host memcpy into staging, on its own thread, that overlaps both. A use takes
 the slowest of compute, the DMA (all streamed bytes at the pinned rate) and the memcpy (staged
 bytes at the measured staged rate, ``LinkFacts.rate``; unmeasured, the pageable rate: the
-driver's pageable copy is itself a memcpy into its own staging overlapped with a DMA).
+driver's pageable copy is itself a memcpy into its own staging overlapped with a DMA), plus what
+the plan's window makes it wait beyond that (``planner.window``: the ring replayed on the layers'
+copy and compute times; none for equal layers, some for an uneven stack in too narrow a window).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from offload_core.layout import RegionMap, landing_bytes, slot_count, staging_by
 from offload_core.planner.facts import ComponentProfile, LayerProfile, LinkFacts
 from offload_core.planner.pipeline_plan import ComponentPlan, ComponentPrediction
 from offload_core.planner.strategy import Strategy
+from offload_core.planner.window import window_wait_s
 
 
 def copy_bytes(layer: LayerProfile, tier: HostingTier) -> int:
@@ -130,7 +133,12 @@ def predict(profile: ComponentProfile, plan: ComponentPlan, link: LinkFacts, par
     per_use_dma = sum(copy_bytes(l, tiers[l.key]) for l in streamed) / link.pinned_Bps
     per_use_memcpy = sum(copy_bytes(l, tiers[l.key]) for l in streamed
                          if tiers[l.key] in STAGED_TIERS) / link.rate(HostingTier.PAGEABLE)
-    per_use = max(profile.compute_s_per_use, per_use_dma, per_use_memcpy)
+    compute_s = profile.compute_s_per_layer[len(resident):]
+    wait = window_wait_s(streamed, tiers, link, compute_s, plan.prefetch_depth, profile.compute_s_rest)
+    shallow = (wait if plan.prefetch_depth == 1 else
+               window_wait_s(streamed, tiers, link, compute_s, 1, profile.compute_s_rest))
+    bound = max(profile.compute_s_per_use, per_use_dma, per_use_memcpy)
+    per_use = bound + wait
     transfer = restore / link.pageable_Bps + sum(_seconds(n, t, link) for t, n in moved.items())
     # A batch shares every copy: each request pays its share (1 unless the stage batches).
     share = profile.expected_batch
@@ -142,7 +150,8 @@ def predict(profile: ComponentProfile, plan: ComponentPlan, link: LinkFacts, par
                                component_staging_bytes(profile, plan),
                                sum(layer.host_bytes for layer in profile.layers),
                                sum(layer.nbytes for layer in profile.layers),
-                               window_bytes=window, window_layers=layers_held)
+                               window_bytes=window, window_layers=layers_held, window_wait_s=wait,
+                               window_shallow_wait_s=shallow, window_bound_s=bound)
 
 
 def _seconds(nbytes: int, tier: HostingTier, link: LinkFacts) -> float:

@@ -13,6 +13,7 @@ from typing import Any
 from offload_core.host.tier import HostingTier
 from offload_core.planner.facts import PipelineFacts, Stage
 from offload_core.planner.strategy import Strategy
+from offload_core.planner.window import WINDOW_TOLERANCE
 from offload_core.quant import WeightFormat
 
 GiB = 1024**3
@@ -67,6 +68,11 @@ class ComponentPrediction:
     # The prefetch window (layerwise): its device bytes and the fewest/most streamed layers it holds.
     window_bytes: int = 0
     window_layers: tuple[int, int] = (0, 0)
+    # Per use, what the window makes compute wait beyond max(copy, compute) (planner.window's replay),
+    # and what depth 1 would: above 0 for an uneven stack the window cannot bank copies ahead for.
+    window_wait_s: float = 0.0
+    window_shallow_wait_s: float = 0.0
+    window_bound_s: float = 0.0  # the use's bound: max(its copies, its compute)
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,12 @@ class ComponentPlan:
             fewest, most = p.window_layers
             line += (f" | prefetch window {_gib(p.window_bytes)} in bytes: {fewest}-{most} layers, the next "
                      "issued as each layer's kernels launch")
+            if p.window_wait_s > WINDOW_TOLERANCE * p.window_bound_s:
+                line += (f"; too narrow for its uneven layers: each use waits {p.window_wait_s:.4f} s for copies "
+                         "it could not bank ahead")
+            elif p.window_shallow_wait_s > WINDOW_TOLERANCE * p.window_bound_s and self.prefetch_depth > 1:
+                line += (f"; depth {self.prefetch_depth} banks the copy-bound layers' copies ahead during the "
+                         f"compute-bound ones (at depth 1 each use would wait {p.window_shallow_wait_s:.4f} s)")
         if p is not None:
             line += (f" | device {_gib(p.in_use_bytes)} in use, {_gib(p.idle_bytes)} idle | moves "
                      f"{_gib(p.bytes_moved)}/request in {p.transfer_s:.3f} s | {p.time_s:.3f} s "

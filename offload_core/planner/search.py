@@ -8,7 +8,10 @@
   per-component strategies is tried; in each, resident layers are added greedily (best time
   saved per device byte first) while streaming is not yet hidden behind compute, and stop at
   the first addition that no longer fits. The greedy path does not depend on the capacity, so
-  a bigger device only ever extends it: more memory never plans slower.
+  a bigger device only ever extends it: more memory never plans slower. Then each streamed
+  component's prefetch window is widened to the least depth that stays ahead of its layers
+  (``planner.window.choose_window``: depth 1 for equal layers; more for an uneven stack such
+  as FLUX's double then single blocks), or as wide towards it as still fits.
 - BALANCED: the fastest plan within max(half the weight budget, the memory plan's peak).
 Ties go to fewer bytes moved, then to the smaller peak. Overrides pin any field by hand.
 """
@@ -32,6 +35,7 @@ from offload_core.planner.pipeline_plan import (  # noqa: F401 (re-exported)
     PipelinePlan,
 )
 from offload_core.planner.strategy import Strategy
+from offload_core.planner.window import choose_window
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +233,30 @@ def _fill_residents(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str
     return current
 
 
+def _fit_windows(facts: PipelineFacts, mode: PerformanceMode, current: PipelinePlan,
+                 overrides: Mapping[str, ComponentOverride], budget: int, cache: dict) -> PipelinePlan:
+    """Each streamed component's window widened to the depth that stays ahead of its layers, or the
+    widest towards it that fits and is faster (a depth pinned by an override is kept)."""
+    plans = {c.name: dataclasses.replace(c, prediction=None) for c in current.components}
+    for profile in facts.components:
+        plan = plans[profile.name]
+        if (plan.strategy is not Strategy.LAYERWISE
+                or overrides.get(profile.name, ComponentOverride()).prefetch_depth is not None):
+            continue
+        r = min(plan.resident_layers, len(profile.layers))
+        choice = choose_window(profile.layers[r:], dict(plan.hosting), facts.link, profile.compute_s_per_layer[r:],
+                               profile.compute_s_rest)
+        for depth in range(choice.depth, plan.prefetch_depth, -1):
+            trial = _evaluate(facts, mode, {**plans, profile.name: dataclasses.replace(plan, prefetch_depth=depth)},
+                              overrides, budget, cache)
+            if trial.feasible and _key(trial) < _key(current):
+                logger.debug("plan: %s window depth %d (%d B): %.4f s per use beyond the bound at depth 1",
+                             profile.name, depth, choice.window_bytes, choice.shallow_wait_s)
+                current, plans[profile.name] = trial, dataclasses.replace(plan, prefetch_depth=depth)
+                break
+    return current
+
+
 def _key(plan: PipelinePlan):
     # Equal predicted times: fewer bytes moved first (the compute estimate is a floor, so a plan
     # that copies less is the safer bet, and host memory bandwidth is shared), then the smaller peak.
@@ -253,7 +281,8 @@ def _search(facts: PipelineFacts, mode: PerformanceMode, overrides, budget: int)
     best, cache = None, {}
     for combo in itertools.product(*options):
         plans = {p.name: plan for p, plan in zip(facts.components, combo)}
-        candidate = _fill_residents(facts, mode, plans, overrides, budget, cache)
+        candidate = _fit_windows(facts, mode, _fill_residents(facts, mode, plans, overrides, budget, cache),
+                                 overrides, budget, cache)
         if best is None or _key(candidate) < _key(best):
             best = candidate
     return best

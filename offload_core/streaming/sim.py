@@ -193,7 +193,8 @@ class _SimJob:
             raise self._error
 
     def done(self) -> bool:
-        return True  # ran at once, in program order
+        """Whether it ended by the asking thread's clock (its data was copied at once, in program order)."""
+        return self.done_at <= self._sim._clocks[self._sim._thread]
 
     def cancel(self) -> bool:
         return False

@@ -179,6 +179,11 @@ class StagingRing:
         self._prologue.clear()
         self._next = 0
 
+    def ready(self, layer: StagedLayer) -> bool:
+        """Whether :meth:`copy_to` of ``layer`` would not wait for the copier: its fill, next in line,
+        is done (a layer not next in line is refilled by ``copy_to``, which waits: True, as asked)."""
+        return not self._pending or self._pending[0].layer is not layer or self._pending[0].job.done()
+
     def copy_to(self, layer: StagedLayer, regions: Mapping[torch.dtype, torch.Tensor]) -> int:
         """Inside the copy-stream context: copy ``layer`` to device ``regions`` from its staging buffer.
 
