@@ -16,6 +16,7 @@ os.environ.setdefault("OFFLOAD_SERVE_PLAN_CACHE", "0")
 
 # 200 MiB per node: tensors between stages are small for the tiny zoo, and several nodes share 24 GiB.
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
+METRICS_REPORT_MS = 1000
 
 
 def free_port() -> int:
@@ -67,6 +68,9 @@ def ray_cluster():
             "num_cpus": 2,
             "include_dashboard": False,
             "object_store_memory": OBJECT_STORE_BYTES,
+            # Workers report metrics every second, not Ray's 10: a test that waits for a counter
+            # (a cancel, a stage's first series) waited 5 s on average for the next report.
+            "_system_config": {"metrics_report_interval_ms": METRICS_REPORT_MS},
         },
     )
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)

@@ -63,7 +63,7 @@ def _cancel_metrics(ray_cluster) -> dict[str, float]:
 
 
 def _wait_for_cancels(ray_cluster, count: int) -> dict[str, float]:
-    deadline, found = time.monotonic() + 90, {}  # Ray's metrics agent exports every ~10 s
+    deadline, found = time.monotonic() + 90, {}  # workers report every 1 s (tests/conftest.py)
     while time.monotonic() < deadline:
         found = _cancel_metrics(ray_cluster)
         if found.get("cancelled_requests_total", 0) >= count:

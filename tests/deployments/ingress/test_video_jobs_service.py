@@ -22,13 +22,15 @@ import ray
 from PIL import Image
 
 from deployments.jobs.actor import drop_job_queue, queue_name
-from tests.deployments.conftest import APP, TOKEN, deploy_shared
+from tests.deployments.conftest import APP, MAX_STEPS, TOKEN, deploy_shared, shared_args
+from tests.deployments.ingress.test_service import IMAGES, VIDEOS, replica_name, response_pngs, sse_events
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 # Up to 200 steps (the shared app's max_steps) so a job runs long enough (seconds at 64x64, 9 frames)
 # to be caught mid-way.
 SHORT = {"seed": 1, "num_inference_steps": 2}
 LONG = {"seed": 2, "num_inference_steps": 200}
+LIMITS = shared_args().limits
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +159,7 @@ def test_deleting_a_running_job_stops_the_denoiser_within_a_step(client, ray_clu
     assert client.videos.delete(doomed.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.videos.retrieve(doomed.id)
-    deadline, found = time.monotonic() + 90, {}  # Ray's metrics agent exports every ~10 s
+    deadline, found = time.monotonic() + 90, {}  # workers report every 1 s (tests/conftest.py)
     while found.get("cancelled_requests_total", 0) < before + 1:
         assert time.monotonic() < deadline, f"the Denoiser reported {found}: the deleted job's call ran on"
         time.sleep(1)
@@ -181,14 +183,53 @@ def test_twenty_concurrent_jobs_all_complete_and_none_is_lost(client):
         assert _frames(client.videos.download_content(video_id).content).shape == (5, 16, 16, 3)
 
 
-def test_a_denoiser_killed_mid_job_reruns_it_once_and_no_job_stays_in_progress(client):
-    """Last in the module: the replacement replica reloads its stage."""
-    video = client.videos.create(prompt="after the storm", size="64x64", extra_body=LONG)
-    _wait_progress(client, video.id)
-    ray.kill(_replica_actor("Denoiser"), no_restart=True)
-    done = _wait(client, video.id, timeout_s=240)
-    assert done.status == "completed", done.error
-    assert _frames(client.videos.download_content(video.id).content).shape == (5, 64, 64, 3)
+def test_a_denoiser_killed_mid_work_fails_the_request_with_503_reruns_the_job_once_and_is_replaced(client, service):
+    """One kill for both callers (each replacement reloads the stage, ~10 s here): a synchronous request
+    streaming its steps gets a 503 error event, a video job in the same batch is rerun on the replacement."""
+    victim = replica_name("Denoiser")
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    body = {"prompt": "after the storm", "seed": 8, "num_inference_steps": 4, "size": "64x64"}
+    with httpx.Client(base_url=service, headers=headers, timeout=120) as http:
+        expected = response_pngs(http.post(IMAGES, json=body))
+        video = client.videos.create(prompt="after the storm", size="64x64", extra_body=LONG)
+        _wait_progress(client, video.id)
+        # A synchronous video of the job's shape and prompt joins the job's batch (a request of another
+        # shape would wait for the job to finish). The kill is sent once its step 1 has been reported:
+        # the victim is then denoising both, the job with most of its steps to go.
+        long = {"prompt": "after the storm", "seed": 9, "num_inference_steps": MAX_STEPS, "size": "64x64",
+                "num_frames": LIMITS.default_frames, "stream": True}
+        with http.stream("POST", VIDEOS, json=long) as response:
+            events = sse_events(response)
+            seen = []
+            for name, data in events:
+                seen.append((name, data))
+                if name == "progress":
+                    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+                    break
+            seen.extend(events)
+        names = [name for name, _ in seen]
+        assert names[:2] == ["accepted", "progress"], names
+        assert names[-1] == "error", f"the kill did not land mid-request: {names[-3:]}"
+        assert set(names[1:-1]) == {"progress"} and names.count("progress") < MAX_STEPS, "the denoiser finished"
+        error = seen[-1][1]
+        assert (error["status"], error["error"]["code"]) == (503, "replica_unavailable"), error
+        done = _wait(client, video.id, timeout_s=240)
+        assert done.status == "completed", done.error
+        assert _frames(client.videos.download_content(video.id).content).shape == (LIMITS.default_frames, 64, 64, 3)
+        store = ray.get_actor(queue_name(APP), namespace="serve")
+        assert ray.get(store.get.remote(video.id)).attempts == 2, "rerun from the start once: its one retry"
+        deadline, later = time.monotonic() + 90, None
+        while time.monotonic() < deadline:
+            later = http.post(IMAGES, json=body)
+            if later.status_code == 200:
+                break
+            assert later.status_code == 503 and "retry-after" in later.headers, later.text
+            time.sleep(1)
+        assert response_pngs(later) == expected
+        replacement = replica_name("Denoiser")
+        assert replacement != victim
+        listed = {r["replica"] for r in http.get("/v1/residency").json()["replicas"]}
+    assert replacement in listed and victim not in listed, "residency must list live replicas only"
 
 
 def test_jobs_survive_a_restart_of_the_whole_application(client):
