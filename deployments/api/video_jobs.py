@@ -31,7 +31,7 @@ from deployments.capacity.admission import StageAdmission, memory_refusal
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.jobs.queue import JobQueue, JobsArgs
 from deployments.jobs.records import JobStatus, ListOrder, VideoJob, new_job, new_job_id
-from deployments.jobs.results import ResultStore, Variant
+from deployments.jobs.results import ResultFolder, Variant
 from deployments.jobs.runner import Generate, JobRunner, params_spec
 from deployments.models.families import FamilyFacts
 from deployments.wire.failures import FailureKind, FailureSorter
@@ -65,7 +65,7 @@ class JobsBackend:
     """What the jobs API runs on: the application's queue, the results location, this runner's id."""
 
     queue: JobQueue
-    results: ResultStore
+    results: ResultFolder
     owner: str  # the ingress replica, as the queue records who holds a job's lease
     # The pipeline for one video's frames; None: the ingress's own encode -> denoise -> decode.
     generate: Generate | None = None
@@ -74,7 +74,7 @@ class JobsBackend:
 class VideoJobs:
     """One ingress replica's side of the jobs API: the queue, the results, and this replica's runner."""
 
-    def __init__(self, config: VideoJobsConfig, queue: JobQueue, results: ResultStore, runner: JobRunner,
+    def __init__(self, config: VideoJobsConfig, queue: JobQueue, results: ResultFolder, runner: JobRunner,
                  failures: FailureSorter, clock: Callable[[], float] = time.time, admissions: Admissions | None = None):
         """``admissions``: what the stage replicas admit now (a job none can hold is refused at once)."""
         self.config, self.queue, self.results, self.runner = config, queue, results, runner

@@ -26,7 +26,7 @@ from deployments.ingress.failures import sort_failure
 from deployments.ingress.watch import AppWatch
 from deployments.jobs.actor import get_job_queue
 from deployments.jobs.queue import JobsArgs
-from deployments.jobs.results import ResultStore
+from deployments.jobs.results import ResultFolder
 from deployments.replica.board import get_board, live_replicas
 from deployments.wire.failures import Failure
 from deployments.wire.spec import DenoiseProgress, GenerationSpec, StageOutput
@@ -81,7 +81,7 @@ def serve_backend(app_name: str, args: JobsArgs) -> JobsBackend:
         owner = serve.get_replica_context().replica_id.to_full_id_str()
     except Exception:  # outside a replica (a script building the app by hand)
         owner = f"local-ingress-{os.getpid()}"
-    return JobsBackend(get_job_queue(app_name, args), ResultStore(args.results_location(app_name)), owner)
+    return JobsBackend(get_job_queue(app_name, args), ResultFolder(args.results_location(app_name)), owner)
 
 
 @serve.deployment(name="Ingress")

@@ -15,7 +15,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.jobs.records import JobError, JobPage, ListOrder, SqliteJobQueue, VideoJob
-from deployments.jobs.results import ResultStore
+from deployments.jobs.results import ResultFolder
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class JobQueueService:
 
     def __init__(self, app_name: str, args: JobsArgs):
         self.jobs = SqliteJobQueue(args.db_path(app_name), args.expire_after_s, args.lease_s)
-        self.results = ResultStore(args.results_location(app_name))
+        self.results = ResultFolder(args.results_location(app_name))
         logger.info("job queue for %s: %s, results in %s, expiry %g s, lease %g s", app_name, self.jobs.path,
                     self.results.url, args.expire_after_s, args.lease_s)
 

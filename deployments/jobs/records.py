@@ -143,7 +143,7 @@ class SqliteJobQueue:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.expire_after_s, self.lease_s, self.clock = expire_after_s, lease_s, clock
         # One connection, used under one lock: the actor runs one call at a time anyway, and an
-        # in-process store (tests, a single process) may be called from several threads.
+        # in-process queue (tests, a single process) may be called from several threads.
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")  # a crash mid-write leaves the last commit intact

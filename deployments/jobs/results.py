@@ -2,7 +2,7 @@
 
 The runner (an ingress replica) writes a job's mp4 and thumbnail here; any ingress replica serves
 them back; the job queue deletes them when the job is deleted or expires. So the location must be
-one every ingress replica and the store reach: on one machine a directory, on a cluster shared
+one every ingress replica and the job queue reach: on one machine a directory, on a cluster shared
 storage or object storage (with its fsspec driver installed, e.g. s3fs).
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def result_key(job_id: str, attempt: int) -> str:
     return key
 
 
-class ResultStore:
+class ResultFolder:
     """Bytes in, bytes out, by key and variant; writes land whole (temporary name, then a rename)."""
 
     def __init__(self, url: str):

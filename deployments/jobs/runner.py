@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 
 from deployments.jobs.queue import JobQueue, JobsArgs
 from deployments.jobs.records import JobError, JobParams, VideoJob
-from deployments.jobs.results import ResultStore, Variant, result_key
+from deployments.jobs.results import ResultFolder, Variant, result_key
 from deployments.wire import media
 from deployments.wire.failures import FailureKind, FailureSorter
 from deployments.wire.spec import DenoiseProgress, GenerationSpec
@@ -59,7 +59,7 @@ def encode_video(frames, fps: int) -> tuple[bytes, bytes]:
 
 
 class JobRunner:
-    def __init__(self, queue: JobQueue, results: ResultStore, generate: Generate, owner: str, args: JobsArgs,
+    def __init__(self, queue: JobQueue, results: ResultFolder, generate: Generate, owner: str, args: JobsArgs,
                  retry_after_s: float, failures: FailureSorter):
         """``failures`` sorts a failed generation (overload: put back; lost replica: one retry; else fail)."""
         self.queue, self.results, self.generate = queue, results, generate

@@ -1,4 +1,4 @@
-"""The Videos API's routes, store and runner in-process (fake stages): the job lifecycle end to end."""
+"""The Videos API's routes, job queue and runner in-process (fake stages): the job lifecycle end to end."""
 from __future__ import annotations
 
 import asyncio
@@ -185,7 +185,7 @@ def test_a_job_deleted_through_another_replica_stops_at_its_next_step(tmp_path):
             await h.wait_for(video_id, statuses=("in_progress",))
             while pipeline.steps_run == 0:
                 await asyncio.sleep(0.005)
-            assert h.service.delete(video_id) is not None  # the store, as another replica's DELETE reaches it
+            assert h.service.delete(video_id) is not None  # the queue, as another replica's DELETE reaches it
             at_delete = pipeline.steps_run
             await asyncio.sleep(0.2)
             assert pipeline.steps_run <= at_delete + 1

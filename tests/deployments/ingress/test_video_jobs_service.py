@@ -124,7 +124,7 @@ def test_a_job_survives_restarts_of_the_ingress_and_the_job_queue_mid_run(client
     video = client.videos.create(prompt="a lighthouse", size="64x64", seconds="2", extra_body=LONG)
     _wait_progress(client, video.id)
     ray.kill(_replica_actor("Ingress"), no_restart=True)  # Serve starts a new ingress replica
-    ray.kill(ray.get_actor(queue_name(APP), namespace="serve"), no_restart=False)  # Ray restarts the store
+    ray.kill(ray.get_actor(queue_name(APP), namespace="serve"), no_restart=False)  # Ray restarts the queue
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -135,8 +135,8 @@ def test_a_job_survives_restarts_of_the_ingress_and_the_job_queue_mid_run(client
             time.sleep(0.5)
     assert done.status == "completed", done.error
     assert _frames(client.videos.download_content(video.id).content).shape == (9, 64, 64, 3)
-    store = ray.get_actor(queue_name(APP), namespace="serve")
-    assert ray.get(store.get.remote(video.id)).attempts == 2, "rerun from the start once: its one retry"
+    queue = ray.get_actor(queue_name(APP), namespace="serve")
+    assert ray.get(queue.get.remote(video.id)).attempts == 2, "rerun from the start once: its one retry"
 
 
 def _cancel_metrics(ray_cluster) -> dict[str, float]:
@@ -216,8 +216,8 @@ def test_a_denoiser_killed_mid_work_fails_the_request_with_503_reruns_the_job_on
         done = _wait(client, video.id, timeout_s=240)
         assert done.status == "completed", done.error
         assert _frames(client.videos.download_content(video.id).content).shape == (LIMITS.default_frames, 64, 64, 3)
-        store = ray.get_actor(queue_name(APP), namespace="serve")
-        assert ray.get(store.get.remote(video.id)).attempts == 2, "rerun from the start once: its one retry"
+        queue = ray.get_actor(queue_name(APP), namespace="serve")
+        assert ray.get(queue.get.remote(video.id)).attempts == 2, "rerun from the start once: its one retry"
         deadline, later = time.monotonic() + 90, None
         while time.monotonic() < deadline:
             later = http.post(IMAGES, json=body)
@@ -233,7 +233,7 @@ def test_a_denoiser_killed_mid_work_fails_the_request_with_503_reruns_the_job_on
 
 
 def test_jobs_survive_a_restart_of_the_whole_application(client):
-    """Last: everything stops (stages, ingress, store), as when serve run is stopped, and starts again."""
+    """Last: everything stops (stages, ingress, job queue), as when serve run is stopped, and starts again."""
     from ray import serve
 
     done = _wait(client, client.videos.create(prompt="before the restart", extra_body=SHORT).id)
@@ -246,5 +246,5 @@ def test_jobs_survive_a_restart_of_the_whole_application(client):
     assert _frames(client.videos.download_content(done.id).content).shape == (5, 16, 16, 3)
     rerun = _wait(client, running.id, timeout_s=240)
     assert rerun.status == "completed", rerun.error
-    store = ray.get_actor(queue_name(APP), namespace="serve")
-    assert ray.get(store.get.remote(running.id)).attempts == 2, "queued again and rerun from the start: its retry"
+    queue = ray.get_actor(queue_name(APP), namespace="serve")
+    assert ray.get(queue.get.remote(running.id)).attempts == 2, "queued again and rerun from the start: its retry"
