@@ -4,7 +4,8 @@
 them: each rank its own GPU, its slice kept on it.
 
 Plans a real-size model from configs/models/real_model_configs.json (``--model``) or a local
-diffusers folder (``--model-dir``), built on torch's meta device, and prints a readable table, or
+diffusers folder of any family the service serves (``--model-dir FOLDER`` or just ``FOLDER``; its
+requests at its flagship's published defaults, offload_core/planner/folders.py), built on torch's meta device, and prints a readable table, or
 one JSON object with ``--json``. Bad arguments exit with status 2 and a message naming them.
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ import re
 import sys
 from pathlib import Path
 
-from offload_core.planner.inputs import folder_facts, gpu_spec, real_model_facts
+from offload_core.planner.folders import folder_facts
+from offload_core.planner.inputs import gpu_spec, real_model_facts
 from offload_core.planner.pipeline_plan import PerformanceMode, PipelinePlan
 from offload_core.planner.search import plan_pipeline
 
@@ -35,7 +37,9 @@ def _parser(prog: str = "python -m offload_core.plan") -> argparse.ArgumentParse
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a real model in configs/models/real_model_configs.json, e.g. wan2.1-t2v-14b")
-    source.add_argument("--model-dir", type=Path, help="a local diffusers pipeline folder")
+    source.add_argument("--model-dir", type=Path, help="a local diffusers pipeline folder (of a family the service "
+                        "serves), planned at its flagship's published defaults")
+    source.add_argument("folder", nargs="?", type=Path, help="the same as --model-dir FOLDER")
     p.add_argument("--gpu", required=True, help="a GPU in the config file's 'gpus', e.g. L4, H100")
     p.add_argument("--host-ram", required=True, type=parse_bytes, help="host RAM of the node, e.g. 64GiB")
     p.add_argument("--mode", default="auto", choices=[m.value for m in PerformanceMode])
@@ -45,7 +49,8 @@ def _parser(prog: str = "python -m offload_core.plan") -> argparse.ArgumentParse
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per stage replica: plans the stages with a TP plan as one rank holds them")
     p.add_argument("--shift", type=float, help="a two-expert model's timestep shift, which decides each expert's "
-                   "steps (default: the model's published sampling shift, 12.0 for wan2.2-t2v-a14b)")
+                   "steps (default: the model's published sampling shift, 12.0 for wan2.2-t2v-a14b; a folder's: its "
+                   "scheduler's, which the service runs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--picture", type=_picture_path, metavar="PATH.svg|PATH.png",
                    help="also draw the plan: per component its weights by where they live, and one pass "
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m offload_core.plan
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.tp < 1:
         parser.error(f"--tp must be >= 1, got {args.tp}")
+    args.model_dir = args.model_dir or args.folder
     if args.tp > 1 and args.model_dir:
         parser.error("--tp plans a real model (--model); a folder's stages are planned at tp 1")
     try:
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m offload_core.plan
             if not (args.model_dir / "model_index.json").is_file():
                 raise ValueError(f"--model-dir {args.model_dir} has no model_index.json: not a diffusers folder")
             facts, notes = folder_facts(args.model_dir, gpu, args.host_ram, working_set=args.working_set,
-                                        steps=args.steps)
+                                        steps=args.steps, flow_shift=args.shift)
     except ValueError as error:
         parser.error(str(error))
     plan = plan_pipeline(facts, PerformanceMode(args.mode))

@@ -2,21 +2,18 @@
 
 Shapes and dtypes are all the byte figures need, so components are built under
 ``torch.device("meta")`` (by :mod:`offload_core.planner.real_models`) from published configs
-(configs/models/real_model_configs.json) or from a folder's own config files: a 14B model plans
-on a laptop.
+(configs/models/real_model_configs.json) or from a folder's own config files
+(:mod:`offload_core.planner.folders`): a 14B model plans on a laptop.
 
 Uses per request and tokens per use follow the pipelines' defaults; per-layer compute is
 estimated from FLOPs at a sustained fraction of the GPU's dense BF16 rate.
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
-import torch
 from torch import nn
 
 from offload_core.host.ram import default_reserve
@@ -41,8 +38,6 @@ from offload_core.tensor_parallel import classes_with_plans, has_plan, planning_
 logger = logging.getLogger(__name__)
 
 GiB = 1024**3
-# safetensors header dtype names of the floating types a folder's weights may be stored in.
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # Diffusion transformers sustain ~40 % of peak in practice (attention, norms, launch gaps).
 SUSTAINED_FRACTION = 0.4
 STAGES = {
@@ -101,7 +96,7 @@ def _groups(model: nn.Module, declared: tuple[str, ...] | None, notes: list[str]
 EXPERTS = ("transformer", "transformer_2")
 
 
-def _stages(pipeline: str, components) -> tuple[Stage, ...]:
+def pipeline_stages(pipeline: str, components) -> tuple[Stage, ...]:
     """The pipeline's stages; with two experts (Wan2.2 A14B) each is its own phase of denoising: one
     runs per step, so the plan's peak holds one expert's working set while the other is idle
     (parked, streamed or resident, as the plan decides), and the switch is where residency changes."""
@@ -143,7 +138,7 @@ def _uses_and_tokens(pipeline: str, defaults: Mapping[str, Any]) -> dict[str, tu
         return {"text_encoder": (passes, seq), "transformer": (high * passes, tokens),
                 "transformer_2": (low * passes, tokens),
                 # Wan2.1 image-to-video: CLIP ViT-H/14 once on the reference, 16 x 16 patches + the class token
-                "image_encoder": (1, CLIP_IMAGE_TOKENS),
+                "image_encoder": (1, int(defaults.get("image_tokens", CLIP_IMAGE_TOKENS))),
                 # the Wan VAE decodes one latent frame per decoder pass
                 "vae": (frames, (h // 4) * (w // 4))}
     if pipeline in _IMAGE_PIPELINES:
@@ -203,7 +198,7 @@ def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_se
         raise ValueError(f"--shift applies to a two-expert model; {model_name} has one transformer")
     # An empty layer_groups (none declared) lets _groups fall back to the model's own declaration.
     load = {s.component: (s.class_name, s.config, s.dtype, s.layer_groups) for s in specs}
-    facts, more = _facts(pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables, tp_size)
+    facts, more = pipeline_facts(pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables, tp_size)
     return facts, notes + more
 
 
@@ -220,54 +215,11 @@ def _experts(model_name: str, defaults: dict[str, Any], flow_shift: float | None
             f"{folder_shift:g}: {other[0]}/{other[1]}); one expert runs per step")
 
 
-def folder_facts(folder: Path, gpu: GpuSpec, host_ram: int, *, working_set: int = 3 * GiB,
-                 pageable_Bps: float | None = None, steps: int | None = None,
-                 tables: HostTablesConfig = HostTablesConfig()) -> tuple[PipelineFacts, list[str]]:
-    """Facts for a local diffusers folder: each component built on meta from its own config file."""
-    index = json.loads((folder / "model_index.json").read_text())
-    pipeline = index["_class_name"]
-    if pipeline not in STAGES:
-        raise ValueError(f"{folder}: pipeline {pipeline!r} is not one the planner knows ({sorted(STAGES)})")
-    load, names = {}, [n for s in STAGES[pipeline] for n in s.components]
-    if isinstance(index.get("transformer_2"), list) and index["transformer_2"][0] is not None:
-        names.insert(names.index("transformer") + 1, "transformer_2")
-    for name in names:
-        config_path = folder / name / "config.json"
-        config = {k: v for k, v in json.loads(config_path.read_text()).items() if not k.startswith("_")}
-        class_name = index[name][1]
-        load[name] = (class_name, config, _folder_dtype(folder / name), None)
-    defaults = {"WanPipeline": {"height": 480, "width": 832, "num_frames": 81, "num_inference_steps": 50,
-                                "guidance_scale": 5.0, "max_sequence_length": 512},
-                "FluxPipeline": {"height": 1024, "width": 1024, "num_inference_steps": 28,
-                                 "max_sequence_length": 512}}[pipeline]
-    if steps is not None:
-        defaults["num_inference_steps"] = steps
-    if "transformer_2" in load:
-        scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
-        scheduler = {"class": scheduler["_class_name"], "config": {k: v for k, v in scheduler.items() if k[0] != "_"}}
-        defaults["expert_steps"] = expert_steps(defaults["num_inference_steps"], scheduler, index["boundary_ratio"],
-                                                scheduler["config"]["flow_shift"])
-    return _facts(pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables)
-
-
-def _folder_dtype(component_dir: Path) -> torch.dtype:
-    """The dtype of the first floating tensor in the component's safetensors files (header only)."""
-    from safetensors import safe_open
-
-    for path in sorted(component_dir.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            for key in f.keys():
-                dtype = _SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
-                if dtype is not None:
-                    return dtype
-    raise ValueError(f"{component_dir}: no floating-point safetensors weights found")
-
-
 def _tp_stages(pipeline: str, load: Mapping[str, tuple], tp_size: int) -> tuple[Stage, ...]:
     """The pipeline's stages, or with ``tp_size > 1`` those whose components all have a tensor-parallel plan."""
     if tp_size == 1:
-        return _stages(pipeline, load)
-    stages = tuple(s for s in _stages(pipeline, load) if all(has_plan(load[c][0]) for c in s.components))
+        return pipeline_stages(pipeline, load)
+    stages = tuple(s for s in pipeline_stages(pipeline, load) if all(has_plan(load[c][0]) for c in s.components))
     if not stages:
         raise ValueError(f"no stage of {pipeline} has a tensor-parallel plan for --tp {tp_size}; "
                          f"classes with plans: {list(classes_with_plans())}")
@@ -289,11 +241,15 @@ def _profile(name: str, module: nn.Module, tp_size: int, notes: list[str], **kwa
     return profile
 
 
-def _facts(pipeline, load, defaults, gpu: GpuSpec, host_ram: int, working_set: int, pageable_Bps: float,
+def pipeline_facts(pipeline, load, defaults, gpu: GpuSpec, host_ram: int, working_set: int, pageable_Bps: float,
            tables: HostTablesConfig, tp_size: int = 1) -> tuple[PipelineFacts, list[str]]:
     notes: list[str] = []
     if "vae" in load:  # a Wan2.2 VAE compresses 16x, not 8x: a quarter of the transformer's tokens
         defaults = {**defaults, "vae_spatial": load["vae"][1].get("scale_factor_spatial") or 8}
+    if "image_encoder" in load:  # the CLIP ViT's own patches + the class token (a tiny folder's are not 257)
+        vision = load["image_encoder"][1]
+        if "image_size" in vision and "patch_size" in vision:
+            defaults = {**defaults, "image_tokens": (vision["image_size"] // vision["patch_size"]) ** 2 + 1}
     work = _uses_and_tokens(pipeline, defaults)
     stages = _tp_stages(pipeline, load, tp_size)
     profiles: list[ComponentProfile] = []

@@ -59,7 +59,7 @@ def _parameters(model_name: str, component: str) -> int:
 
 
 def test_wan21_i2v_is_the_t2v_14b_plus_its_image_conditioning_and_a_vit_h_image_encoder():
-    from offload_core.planner.inputs import _stages
+    from offload_core.planner.inputs import pipeline_stages
 
     # Per block: image key and value projections (5120 x 5120 + bias) and the key's RMSNorm; 20 more input
     # channels in the 1x2x2 patch embedding; the image embedder (LayerNorm 1280, 1280 -> 1280 -> 5120, LayerNorm 5120).
@@ -67,5 +67,5 @@ def test_wan21_i2v_is_the_t2v_14b_plus_its_image_conditioning_and_a_vit_h_image_
     assert _parameters("wan2.1-i2v-14b-480p", "transformer") == _parameters("wan2.1-t2v-14b", "transformer") + image
     # OpenCLIP ViT-H/14's vision tower: 632M parameters.
     assert abs(_parameters("wan2.1-i2v-14b-480p", "image_encoder") - 632e6) / 632e6 < 0.03
-    stages = _stages(pipeline_class("wan2.1-i2v-14b-480p"), component_names("wan2.1-i2v-14b-480p"))
+    stages = pipeline_stages(pipeline_class("wan2.1-i2v-14b-480p"), component_names("wan2.1-i2v-14b-480p"))
     assert [s.components for s in stages] == [("text_encoder", "image_encoder"), ("transformer",), ("vae",)]
