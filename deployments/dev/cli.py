@@ -1,6 +1,7 @@
 """``offload-serve``: the one command (a console script from pyproject.toml), run in the user's shell.
 
     offload-serve plan --model wan2.1-t2v-14b --gpu L4 --host-ram 64GiB [--picture plan.svg]
+    offload-serve plan path/to/diffusers-folder --gpu L4 --host-ram 64GiB   # a local folder of a served family
     offload-serve serve configs/local.yaml      # loopback Ray head with token auth + the app; Ctrl-C stops both
     offload-serve demo                          # what `make demo` does
     offload-serve residency http://127.0.0.1:8000 [--token T | $OFFLOAD_SERVE_TOKEN] [--json]

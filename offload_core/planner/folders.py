@@ -116,6 +116,9 @@ def folder_facts(folder: Path, gpu: GpuSpec, host_ram: int, *, working_set: int 
     index = json.loads((folder / "model_index.json").read_text())
     kind = folder_kind(index, folder)
     named = named_components(index)
+    if "transformer_2" in named and index.get("boundary_ratio") is None:  # which steps run which expert
+        raise UnsupportedFolder(f"{folder}: {kind.pipeline} names two experts but no boundary_ratio in "
+                                f"model_index.json: the steps cannot be split between them")
     load = {}
     for stage in pipeline_stages(kind.pipeline, named):
         for name in stage.components:

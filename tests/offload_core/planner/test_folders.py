@@ -85,6 +85,8 @@ def _folder(tmp_path: Path, index: dict) -> Path:
     ({"_class_name": "WanImageToVideoPipeline", "expand_timesteps": True, "transformer": ["diffusers", "X"],
       "transformer_2": [None, None], "image_encoder": [None, None]},
      "a WanImageToVideoPipeline folder with none of ['transformer_2', 'image_encoder'] is not a variant"),
+    ({"_class_name": "WanPipeline", "transformer": ["diffusers", "X"], "transformer_2": ["diffusers", "X"]},
+     "WanPipeline names two experts but no boundary_ratio in model_index.json"),
     ({"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"]},
      "FluxPipeline's encode stage needs 'text_encoder', which model_index.json does not name"),
 ])
