@@ -31,24 +31,11 @@ def stage_classes(facts: FamilyFacts, stage: PipelineStage) -> dict[str, tuple[s
     return {name: tuple(index[name]) for name in stage_component_names(facts, stage)}
 
 
-# The deployments that fan a call out to ranks (deployments/replica/stages.py: the TextEncoder's ShardGroup).
-# The Denoiser's step batching runs each shared forward in its one process: no ranks yet, so a DiT's
-# plan is used by rank_components (tested over gloo) but a Denoiser replica cannot run it.
-RANKED_STAGES = frozenset({PipelineStage.ENCODE})
-
-
 def check_tp(facts: FamilyFacts, stage: PipelineStage, tp_size: int) -> None:
-    """Refuse ``tp_size > 1`` for a stage unless its deployment runs ranks and every component it loads
-    has a plan, naming what has one."""
-    if tp_size == 1:
-        return
+    """Refuse ``tp_size > 1`` for a stage unless every component it loads has a plan, naming what has one.
+    The encoder's and the denoiser's deployments run ranks (deployments/replica/stages.py); the decoder's
+    components (VAEs) have no plan, so its refusal is the plans'."""
     check_plans(facts, stage, tp_size)
-    if stage not in RANKED_STAGES:
-        classes = ", ".join(f"{n} ({c})" for n, (_, c) in stage_classes(facts, stage).items())
-        raise NoStagePlan(
-            f"tp_size {tp_size} for the {stage.value} stage of {facts.family.value}: {classes} has a tensor-parallel "
-            f"plan, but the {stage.value} deployment does not run ranks yet (its step batching runs every shared "
-            f"forward in one process); tp_size > 1 runs on the {', '.join(s.value for s in RANKED_STAGES)} stage")
 
 
 def check_plans(facts: FamilyFacts, stage: PipelineStage, tp_size: int) -> None:

@@ -21,6 +21,7 @@ from deployments.models.steppers import StepRequest, stepper_for
 from deployments.replica.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
 from deployments.replica.metrics import BatchMetrics
 from deployments.replica.rank_spec import RankIdentity
+from deployments.replica.ranked_denoiser import RankedStageWorker, refuse_cached_request, refuse_step_cache
 from deployments.replica.shards import ShardGroup
 from deployments.replica.stage_thread import StageThread
 from deployments.replica.worker import StageConfig, StageWorker, replica_id
@@ -94,7 +95,15 @@ class Denoiser:
     weights per step boundary serves them all); each keeps its own scheduler, seed and progress."""
 
     def __init__(self, config: StageConfig):
-        self.worker = StageWorker(config)
+        """At ``tp_size > 1`` the ranks hold the transformer and run its forwards
+        (deployments/replica/ranked_denoiser.py); the batching stays here."""
+        self.group: ShardGroup | None = None
+        if config.tp_size > 1:
+            refuse_step_cache(config)  # before any rank starts
+            self.group = ShardGroup(config, replica_id(config.stage), config.tp_size)
+            self.worker = RankedStageWorker(config, self.group, self.group.replica, self.group.close)
+        else:
+            self.worker = StageWorker(config)
         self.stepper = stepper_for(self.worker.pipe, config.facts, self.worker.device)
         self.batch_metrics = BatchMetrics()
         batch = StepBatch(self.stepper, config.batching or BatchingConfig(), fits=self._fits,
@@ -120,6 +129,7 @@ class Denoiser:
             loop.call_soon_threadsafe(events.put_nowait, item)
 
         started_at, start = time.time(), time.perf_counter()
+        refuse_cached_request(self.worker.config, spec)
         self.worker.admit(spec)
         value = encoded.value.unpacked()
         if condition is not None:  # image-to-video: the reference image's condition, from the decoder
@@ -192,6 +202,15 @@ class Denoiser:
 
     def residency(self) -> ReplicaResidency:
         return self.worker.report()
+
+    def ranks(self) -> list[RankIdentity]:
+        """Where each rank runs (pid, node, GPU); empty at tp_size 1."""
+        return list(self.group.identities) if self.group is not None else []
+
+    def check_health(self) -> None:
+        """Serve's health check: at tp_size > 1 every rank must answer (a broken group fails it for good)."""
+        if self.group is not None:
+            self.group.check_health()
 
     def __del__(self):  # Serve calls it on graceful replica shutdown
         if hasattr(self, "batcher"):

@@ -1,6 +1,6 @@
 """Tensor-parallel DiTs: FLUX.1's and Qwen-Image's transformer over 2 gloo ranks with the plan diffusers
 ships, loaded as a rank loads a stage's components (rank_components), against the unsharded model; and
-the deploy-time refusal while the Denoiser deployment runs no ranks."""
+the deploy-time check (a Denoiser of theirs at tp_size 2 is accepted, a CLIP encoder refused)."""
 from __future__ import annotations
 
 import datetime
@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from deployments.models import families
-from deployments.models.tensor_parallel import NoStagePlan, check_plans, check_tp, rank_components
+from deployments.models.tensor_parallel import NoStagePlan, check_tp, rank_components
 from deployments.wire.spec import PipelineStage
 from zoo.tiny import ensure_tiny_flux
 from zoo.tiny_families import ensure_tiny_qwen_image
@@ -84,14 +84,9 @@ def test_the_dits_over_2_gloo_ranks_with_diffusers_plan_answer_what_the_unsharde
         assert count > 0 and fraction < 0.8, (family, rank, count, fraction)
 
 
-def test_a_denoiser_at_tp_2_is_refused_at_deploy_until_it_runs_ranks_and_a_clip_encoder_names_the_plans():
+def test_the_denoiser_of_flux_and_qwen_image_accepts_tp_2_and_a_clip_encoder_is_refused_naming_the_plans():
     for ensure in FOLDERS.values():
-        facts = families.read_family_facts(ensure())
-        check_plans(facts, PipelineStage.DENOISE, 2)  # the plan is there (the test above runs it)...
-        with pytest.raises(NoStagePlan, match=r"transformer \((Flux|QwenImage)Transformer2DModel\) has a "
-                                              r"tensor-parallel plan, but the denoise deployment does not run ranks "
-                                              r"yet .* tp_size > 1 runs on the encode stage"):
-            check_tp(facts, PipelineStage.DENOISE, 2)  # ...but a Denoiser replica would not use it
+        check_tp(families.read_family_facts(ensure()), PipelineStage.DENOISE, 2)
     with pytest.raises(NoStagePlan, match=r"text_encoder \(CLIPTextModel\) has no tensor-parallel plan; plans exist "
                                           r"for \['FluxTransformer2DModel', 'QwenImageTransformer2DModel', "
                                           r"'T5EncoderModel', 'UMT5EncoderModel'\]"):
