@@ -307,9 +307,10 @@ class WindowPlacer:
         return span
 
 
-def window_copies(sizes: Sequence[int], window: int, uses: int) -> int:
+def window_copies(sizes: Sequence[int], window: int, uses: int, wrap: bool = True) -> int:
     """Layer copies the ring makes in one request of ``uses`` in-order uses: the prefetch before the
-    first use, every layer at each use, the prefetch each layer's exit issues (wrapping)."""
+    first use, every layer at each use, the prefetch each layer's exit issues (wrapping into the
+    next use unless ``wrap`` is False: ``StreamingConfig.wrap_uses``)."""
     n = len(sizes)
     if not n:
         return 0
@@ -319,6 +320,8 @@ def window_copies(sizes: Sequence[int], window: int, uses: int) -> int:
         nonlocal copies
         for step in range(n):
             p = (first + step) % n
+            if p == 0 and step and not wrap:
+                return
             if p in placer.held:
                 continue
             start = placer.fits(p)
@@ -336,7 +339,8 @@ def window_copies(sizes: Sequence[int], window: int, uses: int) -> int:
                 placer.take(p, placer.fits(p))
                 copies += 1
             placer.free(p)
-            prefetch((p + 1) % n)
+            if wrap or p + 1 < n:
+                prefetch((p + 1) % n)
     return copies
 
 

@@ -55,9 +55,10 @@ def slot_region_bytes(streamed: Sequence[LayerProfile]) -> int:
 
 def layer_copies(streamed: Sequence[LayerProfile], slots: int, uses: int) -> int:
     """Layer copies the ring makes in one request: its own placement replayed (``layout.window_copies``)
-    in a window of ``slots`` x the largest streamed layer's bytes."""
+    in a window of ``slots`` x the largest streamed layer's bytes; a component used once per request
+    does not prefetch into a next use (``StreamingConfig.wrap_uses``, as the residency configures it)."""
     sizes = [RegionMap.covering([layer.layout]).nbytes for layer in streamed]
-    return window_copies(sizes, slots * slot_region_bytes(streamed), uses)
+    return window_copies(sizes, slots * slot_region_bytes(streamed), uses, wrap=uses > 1)
 
 
 def n_slots(plan: ComponentPlan, n_streamed: int) -> int:

@@ -45,7 +45,9 @@ def streaming_config(plan: ComponentPlan) -> StreamingConfig:
     return StreamingConfig(layer_groups=plan.layer_groups or None, prefetch_depth=plan.prefetch_depth,
                            resident=plan.resident_layers, resident_placement=ResidentPlacement.LEADING,
                            keep_resident=False, hosting=dict(plan.hosting),
-                           layer_order=tuple(key for key, _ in plan.hosting), weights=plan.weights)
+                           layer_order=tuple(key for key, _ in plan.hosting), weights=plan.weights,
+                           # once per request: no prefetch into a next use the request never makes
+                           wrap_uses=plan.uses_per_request > 1)
 
 
 class LifecycleError(RuntimeError):

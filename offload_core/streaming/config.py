@@ -54,6 +54,11 @@ class StreamingConfig:
     # How long the launch thread waits for one staging fill before the call fails (FillTimeout,
     # a 503 in the service) and the copier is replaced; see staging.DEFAULT_FILL_TIMEOUT_S.
     fill_timeout_s: float = 30.0
+    # The last layers' exits prefetch the next use's first layers (a denoiser's next step). False
+    # for a component used once per request (an encoder, a VAE): its next use is the next request's,
+    # after finish_use released the ring, so those copies were wasted (a window's bytes per request);
+    # prepare_for_use fetches the first window then.
+    wrap_uses: bool = True
 
     def __post_init__(self) -> None:
         if self.layer_groups is not None:

@@ -92,7 +92,8 @@ class LayerStreamer:
             self.staging = StagingRing(self.device, staged, [layer for layer in streamed if layer.tier in STAGED_TIERS],
                                        self.config.staging_buffers, self.config.fill_timeout_s)
         self.ring = PrefetchRing(self.device, streamed, self.config.prefetch_depth, self.staging,
-                                 self.config.neighbour_wait_s, landing_bytes(layer.layout for layer in layers))
+                                 self.config.neighbour_wait_s, landing_bytes(layer.layout for layer in layers),
+                                 wrap=self.config.wrap_uses)
         for layer in layers:  # the layer's own methods are the hooks: one call each, no lambda between
             self._handles.append(layer.module.register_forward_pre_hook(layer.pre_forward))
             self._handles.append(layer.module.register_forward_hook(layer.post_forward, always_call=True))

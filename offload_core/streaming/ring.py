@@ -77,7 +77,8 @@ class PrefetchRing:
     """The window and the in-flight copies for the streamed (non-resident) layers of one model."""
 
     def __init__(self, device: Device, layers: Sequence[RingLayer], depth: int,
-                 staging: StagingRing | None = None, neighbour_wait_s: float = 30.0, landing_bytes: int = 0):
+                 staging: StagingRing | None = None, neighbour_wait_s: float = 30.0, landing_bytes: int = 0,
+                 wrap: bool = True):
         self._device = device
         self._neighbour_wait_s = neighbour_wait_s
         self._staging = staging  # PAGEABLE and MAPPED layers copy through it
@@ -88,7 +89,11 @@ class PrefetchRing:
         self.window_bytes = self.n_slots * self.regions.nbytes
         self._own = [RegionMap.covering([layer.layout]) for layer in self._layers]
         self._placer = WindowPlacer([own.nbytes for own in self._own], self.window_bytes)
-        self._next = tuple((position + 1) % len(self._layers) for position in range(len(self._layers)))
+        # Where each exit's prefetch goes on: the next layer, the last one wrapping to the first (the
+        # next use's) unless the uses do not wrap (-1: stop; StreamingConfig.wrap_uses).
+        self._wrap = wrap
+        self._next = tuple(-1 if position + 1 == len(self._layers) and not wrap else (position + 1) % len(self._layers)
+                           for position in range(len(self._layers)))
         # Bytes layers were released from: (start, end, the compute event after their last reader).
         self._out: list[tuple[int, int, object]] = []
         # Sized by the engine over resident and streamed layers alike: resident FP8 layers land here too.
@@ -120,7 +125,7 @@ class PrefetchRing:
 
     def copies_per_request(self, uses: int) -> int:
         """Layer copies one request of ``uses`` in-order uses makes (the planner's own replay)."""
-        return window_copies(self._placer.sizes, self.window_bytes, uses)
+        return window_copies(self._placer.sizes, self.window_bytes, uses, self._wrap)
 
     def explain(self) -> str:
         """The window, for the plan and the log: its bytes and how many layers it holds ahead."""
@@ -211,6 +216,8 @@ class PrefetchRing:
                                    ahead, error)
                     return
             ahead = self._next[ahead]
+            if ahead < 0:
+                return  # the use's last layer: the next use is another request's
 
     def enter(self, position: int) -> None:
         """Before streamed layer ``position`` runs: have it on the device and make the compute wait for it."""
@@ -278,7 +285,7 @@ class PrefetchRing:
         (not when the rest of the use is skipped: ``restart`` fetches the next use's layers instead)."""
         if position in self._in_flight:
             self._release(position)
-        if prefetch and self._allocated:
+        if prefetch and self._allocated and self._next[position] >= 0:
             self.prefetch(self._next[position])
 
     def release_all(self) -> None:
