@@ -120,6 +120,10 @@ def start_head(port: int, object_store_bytes: int, env: dict[str, str], num_cpus
     Stop it with :func:`stop_head` (SIGTERM: ``ray start --block`` then stops its own processes,
     and no other Ray on this machine, unlike ``ray stop``)."""
     ensure_token(env)
+    # Ray 2.60's `ray start --block` drains its node on SIGTERM, up to 30 s, for Serve to move replicas
+    # elsewhere; this head is the only node and its apps are deleted before it stops, so the drain
+    # only waited out its 30 s (Ctrl-C of `offload-serve serve` took 33 s; 0 turns it off).
+    env = {**env, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": env.get("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")}
     head = HeadProcess(head_command(port, free_port(), object_store_bytes, num_cpus, temp_dir), port, temp_dir,
                        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S
