@@ -100,12 +100,6 @@ class MapsSnapshot:
             return Backing.UNMAPPED
         return self.backing_of(tensor.data_ptr())
 
-    def tensor_path(self, tensor: torch.Tensor) -> str | None:
-        """The file a mapped tensor is a view of, or None."""
-        if self.tensor_backing(tensor) is not Backing.FILE:
-            return None
-        return self.region_of(tensor.data_ptr()).path
-
     def mapped_bytes(self, tensors) -> int:
         """Bytes of ``tensors`` that are views of a file mapping (each tensor's own view size)."""
         return sum(t.numel() * t.element_size() for t in tensors if self.tensor_backing(t) is Backing.FILE)

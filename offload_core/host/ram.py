@@ -68,14 +68,6 @@ class HostRam:
     spendable: int
     bound: Bound
 
-    @property
-    def cgroup_limit(self) -> int | None:
-        return None if self.cgroup is None else self.cgroup.limit
-
-    @property
-    def cgroup_usage(self) -> int | None:
-        return None if self.cgroup is None else self.cgroup.usage
-
     def log_line(self) -> str:
         cg = ("no capped cgroup" if self.cgroup is None else
               f"cgroup v{self.cgroup.version} {self.cgroup.path}: limit {_gib(self.cgroup.limit)} "

@@ -10,10 +10,9 @@ is what the call added: the figure a device lease for the call's activations mus
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -95,10 +94,3 @@ def measure_activations(call: Callable[[], object], device: torch.device | str,
         result = call()
     return result, ActivationMeasurement(meter.peak, "cpu live tensor storages")
 
-
-@contextlib.contextmanager
-def counting_live_bytes(existing: Iterable[torch.Tensor] = ()) -> Iterator[LiveTensorBytes]:
-    """The dispatch mode as a context manager (for tests and benchmarks)."""
-    meter = LiveTensorBytes(existing)
-    with meter:
-        yield meter

@@ -30,10 +30,6 @@ class HostTables:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.device: torch.device | None = None
 
-    @property
-    def hosted_bytes(self) -> int:
-        return sum(d.nbytes for d in self.hosted)
-
     def host_tensors(self) -> tuple[torch.Tensor, ...]:
         """The host tensors backing the hosted tables, for the residency report."""
         return tuple(w.data for w in self._weights.values())

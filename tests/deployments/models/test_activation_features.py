@@ -9,7 +9,7 @@ import torch
 from deployments.models import activation_features, families
 from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core.planner.activation_model import ActivationModel, ActivationSample, CalibrationError, calibrate
-from offload_core.residency.activation_meter import counting_live_bytes, measure_activations
+from offload_core.residency.activation_meter import LiveTensorBytes, measure_activations
 from zoo import tiny
 
 CPU = torch.device("cpu")
@@ -71,7 +71,7 @@ def test_activation_peaks_are_predicted_within_10_percent_on_a_held_out_shape(mo
 
 def test_the_live_bytes_mode_counts_what_a_call_allocates_and_frees():
     weight = torch.ones(1000)
-    with counting_live_bytes([weight]) as meter:
+    with LiveTensorBytes([weight]) as meter:
         kept = weight * 2  # 4000 B, alive at the end
         for _ in range(3):
             scratch = torch.empty(10_000)  # 40 000 B, freed by the next iteration's rebinding

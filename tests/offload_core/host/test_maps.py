@@ -45,7 +45,7 @@ def test_safe_open_and_load_file_give_views_of_the_file_mapping(weights_file):
     via_load_file = load_file(str(weights_file))
     snap = MapsSnapshot.take()
     assert snap.tensor_backing(via_safe_open) is Backing.FILE
-    assert snap.tensor_path(via_safe_open) == str(weights_file)
+    assert snap.region_of(via_safe_open.data_ptr()).path == str(weights_file)
     assert all(snap.tensor_backing(t) is Backing.FILE for t in via_load_file.values())
     assert snap.mapped_bytes(via_load_file.values()) == 256 * 256 * 4 + 300 * 4
 
@@ -73,7 +73,7 @@ def test_torch_from_file_is_mapped(tmp_path, shared):
     path.write_bytes(torch.arange(4096, dtype=torch.float32).numpy().tobytes())
     t = torch.from_file(str(path), shared=shared, size=4096, dtype=torch.float32)
     snap = MapsSnapshot.take()
-    assert snap.tensor_backing(t) is Backing.FILE and snap.tensor_path(t) == str(path)
+    assert snap.tensor_backing(t) is Backing.FILE and snap.region_of(t.data_ptr()).path == str(path)
     assert torch.equal(t, torch.arange(4096, dtype=torch.float32))
 
 
@@ -94,7 +94,7 @@ def test_diffusers_from_pretrained_keeps_weights_mapped_when_the_dtype_is_kept(t
     snap = MapsSnapshot.take()
     backings = {snap.tensor_backing(p) for p in model.parameters()}
     assert backings == {Backing.FILE}
-    assert snap.tensor_path(model.blocks[0].attn1.to_q.weight).endswith("diffusion_pytorch_model.safetensors")
+    assert snap.region_of(model.blocks[0].attn1.to_q.weight.data_ptr()).path.endswith("diffusion_pytorch_model.safetensors")
 
 
 def test_diffusers_from_pretrained_copies_weights_out_when_converting_dtype(tmp_path):

@@ -51,7 +51,7 @@ def test_tightest_v2_group_along_the_chain_binds(tmp_path):
     proc, cg = _v2_tree(tmp_path, groups, "/kubepods/pod1")
     ram = host_ram_available(reserve=0, proc_root=proc, cgroup_root=cg, memory_facts=_facts(64, 40))
     assert ram.bound is Bound.CGROUP_V2
-    assert ram.cgroup_limit == 10 * GiB and ram.cgroup_usage == 8 * GiB
+    assert ram.cgroup.limit == 10 * GiB and ram.cgroup.usage == 8 * GiB
     assert ram.spendable == 2 * GiB
 
 
