@@ -7,7 +7,8 @@ balanced, compute-bound), streams a stack of even layers on :class:`SimDevice` (
 pinned, 10 GB/s pageable and mapped, 12 GB/s host memcpy), then the named cases: ``uneven``
 (FLUX-like: the first third of the layers twice the bytes of the rest, balanced, every tier, at
 the depth the planner picks for it, ``offload_core.planner.window.choose_window``, the rule its
-search sizes windows by; with ``--uneven-uniform-compute`` every layer computes alike while the
+search sizes windows by, and the staging ring ``offload_core.planner.staging_ring.choose_staging``
+picks at that depth; with ``--uneven-uniform-compute`` every layer computes alike while the
 bytes differ, so the window must bank the double blocks' copy deficit ahead) and ``slow-copier`` (pageable, balanced: the copier at half speed for a quarter of the
 measured step). Every case also pays what a GPU charges besides bandwidth, scaled to the mean
 layer's pinned DMA time ``t`` (a Wan2.1-1.3B block: 58 MB, t = 2.3 ms): ``copy_latency`` 0.5 % t
@@ -43,8 +44,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload_core.host.tier import HostingTier  # noqa: E402
-from offload_core.layout import LayerLayout  # noqa: E402
+from offload_core.layout import DEFAULT_STAGING_BUFFERS, LayerLayout  # noqa: E402
 from offload_core.planner.facts import LinkFacts, profile_component  # noqa: E402
+from offload_core.planner.staging_ring import choose_staging  # noqa: E402
 from offload_core.planner.window import choose_window  # noqa: E402
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming  # noqa: E402
 from offload_core.streaming.sim import SimDevice, SimLink, SlowStretch  # noqa: E402
@@ -117,6 +119,7 @@ class Outcome:
     peak_predicted: bool
     blocked_s: float  # launch-thread time blocked (host-blocking copies, waits for the copier) in the step
     copier_wait_s: float
+    staging_buffers: int = DEFAULT_STAGING_BUFFERS  # the ring run (the planner's, for a planned case)
 
     @property
     def ratio(self) -> float:
@@ -137,16 +140,21 @@ def copy_stage(layout: LayerLayout, tier: HostingTier, link: SimLink) -> tuple[f
     return (memcpy, "host_memcpy") if memcpy >= dma else (dma, "dma")
 
 
-def config_for(case: Case, keys: list[str], depth: int) -> StreamingConfig:
-    return StreamingConfig(prefetch_depth=depth, hosting={k: case.tier for k in keys}, staged_copies=case.staging)
+def config_for(case: Case, keys: list[str], depth: int, staging_buffers: int) -> StreamingConfig:
+    return StreamingConfig(prefetch_depth=depth, hosting={k: case.tier for k in keys}, staged_copies=case.staging,
+                           staging_buffers=staging_buffers)
 
 
-def planned_depth(model: nn.Module, tier: HostingTier, link: SimLink, compute: dict[str, float]) -> int:
-    """The planner's window for the stack: its facts read from the model, the simulated link's rates."""
+def planned(model: nn.Module, tier: HostingTier, link: SimLink, compute: dict[str, float]) -> tuple[int, int]:
+    """The planner's window and staging ring for the stack: its facts read from the model, the simulated
+    link's rates (``choose_window``, then ``choose_staging`` at that depth, as the search sizes them)."""
     profile = profile_component("stack", model, uses_per_request=1)
     facts = LinkFacts(pinned_Bps=link.pinned_Bps, pageable_Bps=link.pageable_Bps, staged_Bps=link.host_memcpy_Bps)
-    return choose_window(profile.layers, {layer.key: tier for layer in profile.layers}, facts,
-                         [compute[layer.key] for layer in profile.layers]).depth
+    tiers = {layer.key: tier for layer in profile.layers}
+    compute_s = [compute[layer.key] for layer in profile.layers]
+    depth = choose_window(profile.layers, tiers, facts, compute_s).depth
+    staging = choose_staging(profile.layers, tiers, facts, compute_s, depth)
+    return depth, staging.buffers if staging is not None else DEFAULT_STAGING_BUFFERS
 
 
 def with_overheads(link: SimLink, model: nn.Module, streamer) -> SimLink:
@@ -169,8 +177,8 @@ def run_case(case: Case, layers: int, dim: int, steps: int, base: SimLink) -> Ou
     if case.uniform_compute:
         mean = sum(seconds for seconds, _ in stages.values()) / len(stages)
         compute = {key: MODELS[case.model] * mean for key in stages}
-    depth = case.depth or planned_depth(model, case.tier, base, compute)
-    streamer = apply_layer_streaming(model, device, config_for(case, keys, depth))
+    depth, buffers = (case.depth, DEFAULT_STAGING_BUFFERS) if case.depth else planned(model, case.tier, base, compute)
+    streamer = apply_layer_streaming(model, device, config_for(case, keys, depth, buffers))
     link = device.link = with_overheads(base, model, streamer)
     device.register_streamer(streamer)
     device.charge_layer_compute(streamer, compute)
@@ -195,7 +203,7 @@ def run_case(case: Case, layers: int, dim: int, steps: int, base: SimLink) -> Ou
     bound = max(sum_copy, sum(compute.values())) + max(seconds for seconds, _ in stages.values())
     by = sorted({stage for _, stage in stages.values()})
     return Outcome(case, depth, ends[-1] - ends[-2], bound, "+".join(by), equal, peak_ok,
-                   device.blocked_s - blocked, device.copier_wait_s - waited)
+                   device.blocked_s - blocked, device.copier_wait_s - waited, buffers)
 
 
 def cases(uniform_compute: bool = False) -> list[Case]:
@@ -225,7 +233,8 @@ def main() -> None:
     for case in cases(args.uneven_uniform_compute):
         o = run_case(case, layers, dim, steps, link)
         outcomes.append(o)
-        print(f"{case.name.replace('planned', f'{o.depth} (planned)'):42} {o.step_s * 1e6:>9.3f} {o.bound_s * 1e6:>9.3f} {o.ratio:>6.3f} {o.copy_bound_by:14} "
+        planned_as = f"{o.depth} (planned, staging {o.staging_buffers})"
+        print(f"{case.name.replace('planned', planned_as):42} {o.step_s * 1e6:>9.3f} {o.bound_s * 1e6:>9.3f} {o.ratio:>6.3f} {o.copy_bound_by:14} "
               f"{o.blocked_s * 1e6:>10.3f} {o.copier_wait_s * 1e6:>14.3f} {o.bitwise_equal!s:7} {o.peak_predicted}",
               flush=True)
     control = run_case(Case(HostingTier.PAGEABLE, 1, "balanced", staging=False), layers, dim, steps, link)
@@ -235,7 +244,7 @@ def main() -> None:
         "uneven_uniform_compute": args.uneven_uniform_compute,
         "overheads_per_layer_dma": {"copy_latency": COPY_LATENCY_T, "launch": LAUNCH_T, "copier_jitter": JITTER},
         "cases": [{"name": o.case.name, "shape": o.case.shape, "tier": o.case.tier.value, "depth": o.depth,
-                   "depth_planned": o.case.depth is None,
+                   "staging_buffers": o.staging_buffers, "depth_planned": o.case.depth is None,
                    "model": o.case.model, "ratio": round(o.ratio, 4), "step_s": o.step_s, "bound_s": o.bound_s,
                    "copy_bound_by": o.copy_bound_by, "blocked_s": o.blocked_s, "copier_wait_s": o.copier_wait_s,
                    "bitwise_equal": o.bitwise_equal, "peak_equals_prediction": o.peak_predicted}

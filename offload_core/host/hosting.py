@@ -15,6 +15,8 @@ the node's RAM is shared. The rules, each pinned by a test:
 - A component with PAGEABLE or MAPPED layers also holds pinned staging buffers (the engine copies
   those layers through them, ``streaming/staging.py``): ``layout.staging_bytes`` of its staged
   layers, part of its net cost. Giving a pin back can add them; the fit recounts them each time.
+  How many: ``HostingPolicy.staging`` per component (the planner's, wider for an uneven stack),
+  else ``staging_buffers``; a short host narrows a wider ring back to the default first.
 - The plan asks the budget for ONE lease for its whole net cost: asking per tier would test each
   tier against the same free bytes and so double-charge them.
 - If the cost does not fit: demote unpinned (pageable) mapping-backed layers to MAPPED, tail of
@@ -63,6 +65,7 @@ class ComponentHosting:
     net_cost: int  # anonymous bytes this plan adds for the component (staging included)
     reason: str
     staging_bytes: int = 0  # pinned staging buffers for its PAGEABLE and MAPPED layers
+    staging_buffers: int = DEFAULT_STAGING_BUFFERS  # how many (the policy's, or the default if narrowed to fit)
 
 
     def tiers_for(self) -> dict[str, HostingTier]:
@@ -136,6 +139,9 @@ class HostingPolicy:
     # Pinned staging buffers the engine keeps per component with PAGEABLE or MAPPED layers
     # (StreamingConfig.staging_buffers); 0: the engine runs with staged_copies=False.
     staging_buffers: int = DEFAULT_STAGING_BUFFERS
+    # Per component, more staging buffers than ``staging_buffers`` (the planner's, for an uneven
+    # stack: planner.staging_ring); narrowed back to ``staging_buffers`` first when the host is short.
+    staging: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ceiling, HostingTier):
@@ -149,6 +155,14 @@ class HostingPolicy:
             raise ValueError(f"max_pinned_bytes must be >= 0, got {self.max_pinned_bytes}")
         if isinstance(self.staging_buffers, bool) or not isinstance(self.staging_buffers, int) or self.staging_buffers < 0:
             raise ValueError(f"staging_buffers must be an int >= 0, got {self.staging_buffers!r}")
+        staging = dict(self.staging or {})
+        bad = {c: n for c, n in staging.items() if isinstance(n, bool) or not isinstance(n, int) or n < 1}
+        if bad:
+            raise ValueError(f"staging buffers per component must be ints >= 1, got {bad}")
+        object.__setattr__(self, "staging", staging)
+
+    def staging_for(self, component: str) -> int:
+        return self.staging.get(component, self.staging_buffers)
 
     def best_tier(self, component: str, key: str) -> HostingTier:
         return self.wanted.get(component, {}).get(key, self.ceiling)
@@ -217,17 +231,25 @@ def _wanted(ranked: Sequence[ComponentFacts], policy: HostingPolicy) -> list[_Sl
                 pin_open = pin_open and best is not HostingTier.PINNED
                 copy_nothing = best is HostingTier.MAPPED and layer.mapped_bytes > 0 and not layer.quantized
                 tier = HostingTier.MAPPED if copy_nothing else HostingTier.PAGEABLE
-            slots.append(_Slot(comp, layer, tier, tier, policy.staging_buffers))
+            slots.append(_Slot(comp, layer, tier, tier, policy.staging_for(comp.name)))
     return slots
 
 
 def _fit(slots: list[_Slot], available: int) -> list[str]:
-    """Demote pageable mapped layers, then give pins back, tail of the pin order first.
+    """Narrow widened staging rings to the default, then demote pageable layers to mapped, then give
+    pins back, tail of the pin order first (a wider ring only shortens waits; a tier moves bytes).
 
     Each move is recounted in full: a pin given back may add its component's staging buffers.
     """
     reasons = []
     cost = _cost(slots)
+    wide = sorted({s.component.name for s in slots if s.staging_buffers > DEFAULT_STAGING_BUFFERS})
+    if cost > available and wide:
+        for slot in slots:
+            slot.staging_buffers = min(slot.staging_buffers, DEFAULT_STAGING_BUFFERS)
+        reasons.append(f"narrowed the staging rings of {', '.join(wide)} to {DEFAULT_STAGING_BUFFERS} buffers, "
+                       f"to fit {_gib(available)} free ({_gib(cost)} wanted)")
+        cost = _cost(slots)
     for from_tier in (HostingTier.PAGEABLE, HostingTier.PINNED):
         moved = 0
         for slot in reversed(slots):
@@ -252,12 +274,12 @@ def _fit(slots: list[_Slot], available: int) -> list[str]:
 def _staging(slots: Sequence[_Slot]) -> int:
     """Staging bytes of every component with a PAGEABLE or MAPPED layer (the engine's exact figure)."""
     staged: dict[str, list[tuple[tuple[str, int], ...]]] = {}
-    buffers = 0
+    buffers: dict[str, int] = {}
     for slot in slots:
         if slot.tier in STAGED_TIERS:
             staged.setdefault(slot.component.name, []).append(slot.layer.layout_bytes)
-            buffers = slot.staging_buffers
-    return sum(staging_bytes(layouts, buffers) for layouts in staged.values())
+            buffers[slot.component.name] = slot.staging_buffers
+    return sum(staging_bytes(layouts, buffers[name]) for name, layouts in staged.items())
 
 
 def _cost(slots: Sequence[_Slot]) -> int:
@@ -286,7 +308,8 @@ def _summarize(comp: ComponentFacts, rank: int, slots: list[_Slot], available: i
     staging = _staging(mine)
     return ComponentHosting(comp.name, rank, comp.priority, tuple((s.layer.key, s.tier) for s in mine),
                             by_tier[HostingTier.PINNED], by_tier[HostingTier.PAGEABLE],
-                            by_tier[HostingTier.MAPPED], sum(s.cost for s in mine) + staging, why, staging)
+                            by_tier[HostingTier.MAPPED], sum(s.cost for s in mine) + staging, why, staging,
+                            mine[0].staging_buffers if mine else DEFAULT_STAGING_BUFFERS)
 
 
 def _gib(nbytes: int) -> str:

@@ -44,8 +44,8 @@ def component_staging_bytes(profile: ComponentProfile, plan: ComponentPlan) -> i
     if plan.strategy is not Strategy.LAYERWISE:
         return 0
     tiers = _tiers(plan)
-    return staging_bytes(layer.layout.host_flat_bytes for layer in profile.layers
-                         if tiers.get(layer.key) in STAGED_TIERS)
+    return staging_bytes((layer.layout.host_flat_bytes for layer in profile.layers
+                          if tiers.get(layer.key) in STAGED_TIERS), plan.staging_buffers)
 
 
 def slot_region_bytes(streamed: Sequence[LayerProfile]) -> int:

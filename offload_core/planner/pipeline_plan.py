@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from offload_core.host.tier import HostingTier
+from offload_core.layout import DEFAULT_STAGING_BUFFERS
 from offload_core.planner.facts import PipelineFacts, Stage
 from offload_core.planner.strategy import Strategy
 from offload_core.planner.window import WINDOW_TOLERANCE
@@ -90,11 +91,16 @@ class ComponentPlan:
     prediction: ComponentPrediction | None = None
     uses_per_request: int = 1  # from the facts: ranks the component's claim on pins
     weights: WeightFormat = WeightFormat.NATIVE  # from the facts: how LAYERWISE layers are hosted and copied
+    # Staging buffers for its PAGEABLE and MAPPED layers (StreamingConfig.staging_buffers), each the
+    # largest staged layer's host bytes: more than two where an uneven stack needs them
+    # (planner.staging_ring), and why, with the numbers (empty: nothing staged or not looked at).
+    staging_buffers: int = DEFAULT_STAGING_BUFFERS
+    staging_why: str = ""
 
     def decisions(self) -> tuple:
         """What the engine is configured from (no predictions): equal decisions run the same way."""
         return (self.strategy, self.layer_groups, self.resident_layers, self.prefetch_depth, self.park,
-                self.host_tables, self.hosting, self.weights)
+                self.host_tables, self.hosting, self.weights, self.staging_buffers)
 
     def explain(self) -> str:
         p = self.prediction
@@ -122,6 +128,8 @@ class ComponentPlan:
             elif p.window_shallow_wait_s > WINDOW_TOLERANCE * p.window_bound_s and self.prefetch_depth > 1:
                 line += (f"; depth {self.prefetch_depth} banks the copy-bound layers' copies ahead during the "
                          f"compute-bound ones (at depth 1 each use would wait {p.window_shallow_wait_s:.4f} s)")
+        if self.staging_why:
+            line += f" | {self.staging_why}"
         if p is not None:
             line += (f" | device {_gib(p.in_use_bytes)} in use, {_gib(p.idle_bytes)} idle | moves "
                      f"{_gib(p.bytes_moved)}/request in {p.transfer_s:.3f} s | {p.time_s:.3f} s "

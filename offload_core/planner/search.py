@@ -11,7 +11,9 @@
   a bigger device only ever extends it: more memory never plans slower. Then each streamed
   component's prefetch window is widened to the least depth that stays ahead of its layers
   (``planner.window.choose_window``: depth 1 for equal layers; more for an uneven stack such
-  as FLUX's double then single blocks), or as wide towards it as still fits.
+  as FLUX's double then single blocks), or as wide towards it as still fits; and its staging ring
+  (PAGEABLE/MAPPED layers) to ``planner.staging_ring.choose_staging``'s buffers where the host
+  lease has the bytes beside the pins, else the default two, said in the plan.
 - BALANCED: the fastest plan within max(half the weight budget, the memory plan's peak).
 Ties go to fewer bytes moved, then to the smaller peak. Overrides pin any field by hand.
 """
@@ -34,6 +36,7 @@ from offload_core.planner.pipeline_plan import (  # noqa: F401 (re-exported)
     PerformanceMode,
     PipelinePlan,
 )
+from offload_core.planner.staging_ring import choose_staging
 from offload_core.planner.strategy import Strategy
 from offload_core.planner.window import choose_window
 
@@ -240,22 +243,66 @@ def _fit_windows(facts: PipelineFacts, mode: PerformanceMode, current: PipelineP
     plans = {c.name: dataclasses.replace(c, prediction=None) for c in current.components}
     for profile in facts.components:
         plan = plans[profile.name]
-        if (plan.strategy is not Strategy.LAYERWISE
-                or overrides.get(profile.name, ComponentOverride()).prefetch_depth is not None):
+        if plan.strategy is not Strategy.LAYERWISE:
             continue
-        r = min(plan.resident_layers, len(profile.layers))
-        choice = choose_window(profile.layers[r:], dict(plan.hosting), facts.link, profile.compute_s_per_layer[r:],
-                               profile.compute_s_rest)
-        for depth in range(choice.depth, plan.prefetch_depth, -1):
-            trial = _evaluate(facts, mode, {**plans, profile.name: dataclasses.replace(plan, prefetch_depth=depth)},
-                              overrides, budget, cache)
-            if trial.feasible and _key(trial) < _key(current):
-                logger.debug("plan: %s window depth %d (%d B): %.4f s per use beyond the bound at depth 1",
-                             profile.name, depth, choice.window_bytes, choice.shallow_wait_s)
-                current, plans[profile.name] = trial, dataclasses.replace(plan, prefetch_depth=depth)
-                break
+        if overrides.get(profile.name, ComponentOverride()).prefetch_depth is None:
+            current, plans = _widen_window(facts, mode, current, plans, profile, overrides, budget, cache)
+        current, plans = _size_staging(facts, mode, current, plans, profile, overrides, budget, cache)
     return current
 
+
+def _widen_window(facts, mode, current, plans, profile, overrides, budget, cache):
+    """``profile``'s window widened to ``choose_window``'s depth, or the widest towards it that fits and is faster."""
+    plan = plans[profile.name]
+    r = min(plan.resident_layers, len(profile.layers))
+    choice = choose_window(profile.layers[r:], dict(plan.hosting), facts.link, profile.compute_s_per_layer[r:],
+                           profile.compute_s_rest)
+    for depth in range(choice.depth, plan.prefetch_depth, -1):
+        trial = _evaluate(facts, mode, {**plans, profile.name: dataclasses.replace(plan, prefetch_depth=depth)},
+                          overrides, budget, cache)
+        if trial.feasible and _key(trial) < _key(current):
+            logger.debug("plan: %s window depth %d (%d B): %.4f s per use beyond the bound at depth 1",
+                         profile.name, depth, choice.window_bytes, choice.shallow_wait_s)
+            current, plans[profile.name] = trial, dataclasses.replace(plan, prefetch_depth=depth)
+            break
+    return current, plans
+
+
+def _size_staging(facts, mode, current, plans, profile, overrides, budget, cache):
+    """``profile``'s staging ring sized by ``choose_staging`` at its window's depth, if the host lease
+    has the bytes beside every pin (pins first: a pinned layer needs no staging at all); otherwise
+    the default ring, said in the plan."""
+    plan = plans[profile.name]
+    r = min(plan.resident_layers, len(profile.layers))
+    choice = choose_staging(profile.layers[r:], dict(plan.hosting), facts.link, profile.compute_s_per_layer[r:],
+                            plan.prefetch_depth, profile.compute_s_rest)
+    if choice is None:
+        return current, plans
+    if choice.buffers <= DEFAULT_STAGING_BUFFERS:
+        plans[profile.name] = dataclasses.replace(plan, staging_why=f"{choice.explain()}: enough")
+        return _with(current, plans[profile.name]), plans
+    wide = dataclasses.replace(plan, staging_buffers=choice.buffers)
+    trial = _evaluate(facts, mode, {**plans, profile.name: wide}, overrides, budget, cache)
+    room = facts.host_lease_bytes - current.pinned_bytes
+    extra = trial.pinned_bytes - current.pinned_bytes
+    if extra <= room:
+        why = (f"{choice.explain()}: {choice.buffers} buffers for its uneven layers, "
+               f"{extra / 2**30:.2f} GiB more pinned of the {room / 2**30:.2f} GiB the lease had left")
+        plans[profile.name] = dataclasses.replace(wide, staging_why=why)
+        logger.info("plan: %s %s", profile.name, why)
+        return _with(trial, plans[profile.name]), plans
+    why = (f"{choice.explain()}: kept at {DEFAULT_STAGING_BUFFERS} buffers, the host lease is short "
+           f"({choice.buffers} would pin {extra / 2**30:.2f} GiB more, {room / 2**30:.2f} GiB left beside the pins)")
+    plans[profile.name] = dataclasses.replace(plan, staging_why=why)
+    logger.info("plan: %s %s", profile.name, why)
+    return _with(current, plans[profile.name]), plans
+
+
+def _with(current: PipelinePlan, decided: ComponentPlan) -> PipelinePlan:
+    """``current`` with ``decided``'s staging decision (its buffers were priced in ``current`` already)."""
+    return dataclasses.replace(current, components=tuple(
+        dataclasses.replace(c, staging_buffers=decided.staging_buffers, staging_why=decided.staging_why)
+        if c.name == decided.name else c for c in current.components))
 
 def _key(plan: PipelinePlan):
     # Equal predicted times: fewer bytes moved first (the compute estimate is a floor, so a plan

@@ -18,7 +18,11 @@ bound at depth 1-2 before the planner sized the window).
 
 :func:`choose_window` picks the smallest depth whose replayed use is within ``WINDOW_TOLERANCE`` of
 the bound ``max(sum copy, sum compute)`` (or of the widest window's use, when no window reaches the
-bound); the cost model adds :func:`window_wait_s` (what the plan's window makes a use take beyond
+bound). With a :class:`StagingReplay` (``planner.staging_ring``) the host staging ring is replayed
+too, and the copies are issued at the launch thread's exits, which run ahead of the GPU: a fill
+not done with two layers banked waits for a later exit, one with fewer is waited for, and between
+uses (the caller synchronises) no exit issues anything; this reproduces the simulator's figures for
+2-4 buffers exactly (``bench/sim_overlap.py``, overheads off). The cost model adds :func:`window_wait_s` (what the plan's window makes a use take beyond
 the bound) to its predicted time, so a plan says what its window costs.
 """
 from __future__ import annotations
@@ -120,20 +124,62 @@ def _inputs(layers, tiers, link, compute_s):
     return sizes, region, copies, tuple(float(s) for s in compute_s)
 
 
+@dataclass(frozen=True)
+class StagingReplay:
+    """The host staging ring as the replay runs it (``streaming/staging.py``): a ``ring_bytes`` byte
+    ring the copier fills in order, each layer's ``fill_bytes`` contiguous after the last (at 0 if it
+    does not fit before the end), a fill waiting for the DMA out of the bytes it overwrites; the
+    layer's DMA waits for its fill. ``fill_s``: each layer's memcpy (0: not staged)."""
+
+    ring_bytes: int
+    fill_bytes: tuple[int, ...]
+    fill_s: tuple[float, ...]
+
+
+class _Copier:
+    """The replay's host copier: fills in issue order into the staging ring."""
+
+    def __init__(self, staging: StagingReplay):
+        self.staging, self.free_at, self.head = staging, 0.0, 0
+        self.out: list[tuple[int, int, float]] = []  # bytes copied out -> when that DMA lands
+
+    def fill(self, p: int, commit: bool = True) -> tuple[int, int, float]:
+        """Layer ``p``'s fill (the next in order): its bytes in the ring and when it ends."""
+        size = self.staging.fill_bytes[p]
+        start = self.head if self.head + size <= self.staging.ring_bytes else 0
+        end, begin, kept = start + size, self.free_at, []
+        for a, b, landed in self.out:
+            if a < end and start < b:
+                begin = max(begin, landed)  # the copier waits for the copy out of these bytes
+                kept += [r for r in ((a, start, landed), (end, b, landed)) if r[0] < r[1]]
+            else:
+                kept.append((a, b, landed))
+        if commit:
+            self.out, self.head = kept, end
+            self.free_at = begin + self.staging.fill_s[p]
+        return start, end, begin + self.staging.fill_s[p]
+
+
 @functools.lru_cache(maxsize=4096)  # the search asks for the same streamed set and depth again and again
 def replay_use_s(sizes: tuple[int, ...], window: int, copy_s: tuple[float, ...], compute_s: tuple[float, ...],
-                 rest_s: float = 0.0) -> float:
-    """Seconds of a steady use of layers ``sizes`` in a ``window``-byte ring (see the module docstring)."""
+                 rest_s: float = 0.0, staging: StagingReplay | None = None) -> float:
+    """Seconds of a steady use of layers ``sizes`` in a ``window``-byte ring (see the module docstring);
+    with ``staging``, staged layers' copies are the DMA alone (``copy_s``) after their fill."""
     n = len(sizes)
     placer = WindowPlacer(sizes, window)
     landed: dict[int, float] = {}  # held layer -> when its copy lands
     read: list[tuple[int, int, float]] = []  # released bytes -> when their last reader's compute ends
     engine = 0.0  # when the copy engine is free
+    copier = _Copier(staging) if staging is not None else None
 
-    def issue(p: int, start: int) -> None:
+    def issue(p: int, start: int, now: float = 0.0) -> None:
         nonlocal engine, read
         end = start + sizes[p]
-        begin = engine
+        begin = max(engine, now)
+        fill = None
+        if copier is not None and staging.fill_s[p] > 0:
+            fill = copier.fill(p)
+            begin = max(begin, fill[2])
         kept = []
         for a, b, done in read:
             if a < end and start < b:
@@ -146,21 +192,30 @@ def replay_use_s(sizes: tuple[int, ...], window: int, copy_s: tuple[float, ...],
                 kept.append((a, b, done))
         read = kept
         engine = landed[p] = begin + copy_s[p]
+        if fill is not None:
+            copier.out.append((fill[0], fill[1], engine))
         placer.take(p, start)
 
     last = -1  # the layer issued last: in order, the held layers run from the entered one to it
 
-    def prefetch(first: int) -> None:
+    def prefetch(first: int, now: float) -> float:
+        """Issue from ``first`` at ``now``; returns when the launch thread goes on (after its waits)."""
         nonlocal last
         p = (last + 1) % n if landed else first  # past the held run, as the ring's scan gets there
         for _ in range(n - len(landed)):
             start = placer.fits(p)
             if start is None:
-                return
-            issue(p, start)
+                return now
+            if copier is not None and staging.fill_s[p] > 0:
+                filled = copier.fill(p, commit=False)[2]
+                if filled > now and len(landed) > 1:
+                    return now  # ring.py: a fill not done with two layers banked is issued by a later exit
+                now = max(now, filled)  # with one banked the launch thread waits for the fill
+            issue(p, start, now)
             last, p = p, (p + 1) % n
+        return now
 
-    prefetch(0)  # prepare_for_use
+    launch = prefetch(0, 0.0)  # prepare_for_use
     t, ends = 0.0, []
     for _ in range(_USES):
         t += rest_s
@@ -171,9 +226,12 @@ def replay_use_s(sizes: tuple[int, ...], window: int, copy_s: tuple[float, ...],
                     placer.free(held)
                 issue(p, placer.fits(p))
                 last = p
-            t = max(t, landed.pop(p)) + compute_s[p]
+            t = max(t, landed.pop(p), launch) + compute_s[p]
             a, b = placer.free(p)
             read.append((a, b, t))
-            prefetch((p + 1) % n)
+            # With staging the launch thread's exits issue the copies, ahead of the GPU: a fill not
+            # done by then waits for a later exit, and none comes between uses (the caller syncs).
+            launch = prefetch((p + 1) % n, launch if copier is not None else t)
         ends.append(t)
+        launch = max(launch, t)
     return ends[-1] - ends[-2]

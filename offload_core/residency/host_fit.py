@@ -49,7 +49,9 @@ def host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget:
     if host_budget_bytes is not None:
         budget = _capped(budget, facts, streamed, owner, host_budget_bytes)
     # The plan's tiers are the ceilings: the host may only lower them.
-    policy = HostingPolicy(wanted={c.name: dict(c.hosting) for c in streamed})
+    # The plan's tiers are the ceilings, its staging rings too: the host may only lower them.
+    policy = HostingPolicy(wanted={c.name: dict(c.hosting) for c in streamed},
+                           staging={c.name: c.staging_buffers for c in streamed})
     hosting = plan_hosting(facts, budget, owner, policy)
     changed, components_ = [], []
     for c in plan.components:
@@ -59,6 +61,12 @@ def host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget:
             if moved:
                 changed.append(f"{c.name}: {len(moved)} layers re-tiered by the host budget ({hosting.component(c.name).reason})")
                 c = dataclasses.replace(c, hosting=tuple((key, tiers[key]) for key, _ in c.hosting))
+            buffers = hosting.component(c.name).staging_buffers
+            if buffers < c.staging_buffers:
+                changed.append(f"{c.name}: staging ring narrowed from {c.staging_buffers} to {buffers} buffers by the "
+                               f"host budget ({'; '.join(hosting.reasons) or 'host short'})")
+                c = dataclasses.replace(c, staging_buffers=buffers,
+                                        staging_why=f"{c.staging_why}; narrowed to {buffers} by the host budget")
         components_.append(c)
     for line in changed:
         logger.info("residency %s: %s", owner, line)
@@ -68,8 +76,12 @@ def host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget:
 
 def _repredicted(planned: PipelinePlan, plan: PipelinePlan) -> PipelinePlan:
     """``plan`` (``planned`` with tiers changed) with every prediction recomputed, if any tier changed."""
-    if [c.hosting for c in plan.components] == [c.hosting for c in planned.components]:
+    if [(c.hosting, c.staging_buffers) for c in plan.components] == [(c.hosting, c.staging_buffers)
+                                                                     for c in planned.components]:
         return plan
+    buffers = {c.name: c.staging_buffers for c in plan.components}
+    planned = dataclasses.replace(planned, components=tuple(
+        dataclasses.replace(c, staging_buffers=buffers[c.name]) for c in planned.components))
     return retier(planned, {c.name: dict(c.hosting) for c in plan.components}, plan.notes[len(planned.notes):])
 
 

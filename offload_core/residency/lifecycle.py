@@ -47,7 +47,8 @@ def streaming_config(plan: ComponentPlan) -> StreamingConfig:
                            keep_resident=False, hosting=dict(plan.hosting),
                            layer_order=tuple(key for key, _ in plan.hosting), weights=plan.weights,
                            # once per request: no prefetch into a next use the request never makes
-                           wrap_uses=plan.uses_per_request > 1)
+                           wrap_uses=plan.uses_per_request > 1,
+                           staging_buffers=plan.staging_buffers)  # the planner's (planner.staging_ring)
 
 
 class LifecycleError(RuntimeError):

@@ -326,3 +326,24 @@ def test_a_host_that_cannot_hold_even_the_staging_buffers_is_a_clear_error():
         plan_hosting([comp], InProcessLedger(19), "r")
     with pytest.raises(ValueError, match="staging_buffers"):
         HostingPolicy(staging_buffers=-1)
+
+
+def test_a_planners_wider_staging_ring_is_leased_for_its_component_only():
+    dit = ComponentFacts("dit", _mapped_layers("blocks", 4, 30), 50)
+    enc = ComponentFacts("enc", _mapped_layers("layers", 4, 10), 1)
+    plan = plan_hosting([dit, enc], InProcessLedger(1000), "r", HostingPolicy(ceiling=MAPPED, staging={"dit": 4}))
+    assert (plan.component("dit").staging_bytes, plan.component("dit").staging_buffers) == (4 * 30, 4)
+    assert (plan.component("enc").staging_bytes, plan.component("enc").staging_buffers) == (2 * 10, 2)
+    assert plan.net_cost == plan.lease.nbytes == 4 * 30 + 2 * 10
+
+
+def test_a_short_host_narrows_a_wider_staging_ring_before_it_moves_any_tier():
+    comp = ComponentFacts("dit", _mapped_layers("blocks", 4, 30), 50)
+    # Pageable layers cost 120 B and a 4-buffer ring 120 B; 200 B fit them with 2 buffers (60 B).
+    plan = plan_hosting([comp], InProcessLedger(200), "r",
+                        HostingPolicy(ceiling=PAGEABLE, staging={"dit": 4}))
+    assert set(plan.tiers_for("dit").values()) == {PAGEABLE}, "no layer demoted: the ring gave way first"
+    assert (plan.component("dit").staging_buffers, plan.net_cost) == (2, 120 + 60)
+    assert any("narrowed the staging rings of dit to 2 buffers" in reason for reason in plan.reasons)
+    with pytest.raises(ValueError, match="staging buffers per component"):
+        HostingPolicy(staging={"dit": 0})
