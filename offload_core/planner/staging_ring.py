@@ -35,7 +35,7 @@ class StagingChoice:
     buffer_bytes: int  # one buffer: the largest staged layer's host bytes
     use_s: float  # a steady use replayed with this ring
     default_use_s: float  # with DEFAULT_STAGING_BUFFERS
-    unbounded_use_s: float  # with staging never in the way (the window's own replay)
+    widest_use_s: float  # with one buffer per staged layer
 
     @property
     def staging_bytes(self) -> int:
@@ -44,7 +44,7 @@ class StagingChoice:
     def explain(self) -> str:
         return (f"staging {self.buffers} x {self.buffer_bytes / 2**20:.1f} MiB: a use replays at "
                 f"{self.use_s:.4f} s ({self.default_use_s:.4f} s with {DEFAULT_STAGING_BUFFERS} buffers, "
-                f"{self.unbounded_use_s:.4f} s with staging never in the way)")
+                f"{self.widest_use_s:.4f} s with one per staged layer)")
 
 
 def choose_staging(layers: Sequence[LayerProfile], tiers: Mapping[str, HostingTier], link: LinkFacts,
@@ -71,8 +71,8 @@ def choose_staging(layers: Sequence[LayerProfile], tiers: Mapping[str, HostingTi
 
     low = min(DEFAULT_STAGING_BUFFERS, len(staged))
     high = max(low, len(staged))
-    default = use(low)
-    enough = max(unbounded, use(high)) * (1 + WINDOW_TOLERANCE)
+    default, widest = use(low), use(high)
+    enough = max(unbounded, widest) * (1 + WINDOW_TOLERANCE)
     if default <= enough:
         high = low
     while low < high:  # more bytes never make a fill wait longer: bisect for the least that is enough
@@ -81,4 +81,4 @@ def choose_staging(layers: Sequence[LayerProfile], tiers: Mapping[str, HostingTi
             high = mid
         else:
             low = mid + 1
-    return StagingChoice(high, buffer_bytes, use(high), default, unbounded)
+    return StagingChoice(high, buffer_bytes, use(high), default, widest)
