@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,6 +83,8 @@ def served(tmp_path_factory):
     finally:
         if server.poll() is None:
             server.kill()
+        elif server.returncode == 0:  # stopped cleanly (and checked): its Ray logs are of no more use
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def test_it_serves_health_on_the_asked_port(served):
