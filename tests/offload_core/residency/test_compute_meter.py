@@ -111,18 +111,23 @@ def _streamed_wan(resident: int = 0):
     return model, inputs, streamer
 
 
-def test_the_last_pass_is_kept_as_it_ran_with_the_copy_that_fed_each_streamed_layer():
+def _steps(streamer, model, inputs, count: int = 2):
+    """A warm-up of ``count`` uses of the streamed tiny Wan (the meter keeps the last pass)."""
     from tests.offload_core.tiny_models import WAN
+
+    def run():
+        for _ in range(count):
+            streamer.prepare_for_use()
+            WAN.run(model, inputs)
+            streamer.finish_use()
+    return run
+
+
+def test_the_last_pass_is_kept_as_it_ran_with_the_copy_that_fed_each_streamed_layer():
 
     model, inputs, streamer = _streamed_wan()
     try:
-        def two_steps():
-            for _ in range(2):
-                streamer.prepare_for_use()
-                WAN.run(model, inputs)
-                streamer.finish_use()
-
-        figures = measure_warmup({"dit": model}, two_steps)["dit"]
+        figures = measure_warmup({"dit": model}, _steps(streamer, model, inputs))["dit"]
         keys = [layer.key for layer in streamer.layers]
         assert streamer.copy_log is None and streamer.ring.copy_log is None, "the warm-up stops logging copies"
     finally:
@@ -175,13 +180,7 @@ def test_on_cuda_each_layer_computes_after_its_copy_landed_on_the_copy_stream():
     # Hosted PAGEABLE by default: staged through the copier thread, whose fill wait is not the copy's.
     streamer = apply_layer_streaming(model, "cuda", StreamingConfig(prefetch_depth=1))
     try:
-        def two_steps():
-            for _ in range(2):
-                streamer.prepare_for_use()
-                WAN.run(model, inputs)
-                streamer.finish_use()
-
-        recorded = measure_warmup({"dit": model}, two_steps, device=torch.device("cuda"))["dit"].last_pass
+        recorded = measure_warmup({"dit": model}, _steps(streamer, model, inputs), device=torch.device("cuda"))["dit"].last_pass
     finally:
         streamer.remove()
     copies = {key: (start, end) for key, start, end in recorded.copies}
