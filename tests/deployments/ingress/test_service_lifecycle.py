@@ -92,9 +92,17 @@ def base(ray_cluster):
 
 def test_a_plain_http_client_that_disconnects_frees_the_denoiser_within_one_step(base, ray_cluster):
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    # LONG_STEPS take seconds here; the client gives up after 1 s (mid-denoise) and closes.
+    # The client must give up mid-denoise: a cancel while the encoder still runs is not the Denoiser's.
+    # A fixed 1 s read timeout did that alone, but not in the whole suite (the app's first request's
+    # encode took longer, and the Denoiser never counted the cancel): time a warm 2-step request of
+    # the same shape and give up twice its lead to the denoise stage, plus 0.5 s (LONG_STEPS take seconds).
+    sent = time.time()
+    warm = httpx.post(base + IMAGES, json={**LONG, "num_inference_steps": 2}, headers=headers, timeout=120)
+    assert warm.status_code == 200, warm.text
+    denoise = next(s for s in warm.json()["stages"] if s["stage"] == "denoise")
+    give_up_s = max(1.0, 2 * (denoise["started_at"] - sent) + 0.5)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base + IMAGES, json=LONG, headers=headers, timeout=httpx.Timeout(30, read=1.0))
+        httpx.post(base + IMAGES, json=LONG, headers=headers, timeout=httpx.Timeout(30, read=give_up_s))
     found = _wait_for_cancels(ray_cluster, 1)
     print(f"HTTP disconnect: replica free {found['free_seconds_after_cancel'] * 1e3:.0f} ms after the cancel, "
           f"{found['steps_after_cancel']:.0f} step(s) after the last one seen")
