@@ -39,7 +39,7 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check -q offload_core cluster deployments zoo bench tests
 	$(VENV)/bin/lint-imports --no-cache
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 tests
 
 clean-zoo:
 	rm -rf .cache/zoo

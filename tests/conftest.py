@@ -25,6 +25,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The modules that run on Ray: the session's ``ray_cluster`` (checked at collection, below) or a head of
+# their own (the serve command's). ``make test`` runs ``-n 2``: these go to one worker as one unit, in
+# collection order, since the session's one cluster, the shared app's order (tests/deployments/conftest.py)
+# and the checks that no Ray process is left all assume one Ray user at a time; the in-process tests
+# (model logic) run on the other core meanwhile.
+RAY_MODULES = frozenset({
+    "tests/cluster/ledger/test_actor.py", "tests/cluster/ledger/test_shared_stores.py",
+    "tests/cluster/replica/test_device_leases.py", "tests/cluster/replica/test_ledger_view.py",
+    "tests/cluster/replica/test_neighbours.py", "tests/cluster/replica/test_plan.py",
+    "tests/cluster/test_autoscale.py", "tests/deployments/capacity/test_limits_service.py",
+    "tests/deployments/dev/test_serve_command.py", "tests/deployments/ingress/test_families_service.py",
+    "tests/deployments/ingress/test_health_service.py", "tests/deployments/ingress/test_service.py",
+    "tests/deployments/ingress/test_service_flux.py", "tests/deployments/ingress/test_service_lifecycle.py",
+    "tests/deployments/ingress/test_service_sd3.py", "tests/deployments/ingress/test_video_jobs_service.py",
+    "tests/deployments/replica/test_shards.py", "tests/deployments/replica/test_tensor_parallel_service.py",
+    "tests/test_ray_fixture.py",
+})
+
+
+def pytest_collection_modifyitems(items):
+    """A module that uses the session's Ray cluster must be in RAY_MODULES (else two workers would each
+    start a cluster)."""
+    missing = sorted({item.nodeid.split("::")[0] for item in items if "ray_cluster" in item.fixturenames}
+                     - RAY_MODULES)
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py: add {missing} to RAY_MODULES (they use ray_cluster)")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler with every RAY_MODULES test in one unit (its ``xdist_group`` mark does not
+    group under pytest 9.2: xdist 3.8 renames ``item._nodeid``, which pytest 9 no longer reads)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayInOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray" if nodeid.split("::")[0] in RAY_MODULES else nodeid
+
+    return RayInOneWorker(config, log)
+
+
 @pytest.fixture
 def remove_after():
     """``remove_after(thing)`` returns ``thing`` and calls its ``remove()`` when the test ends, passed or
