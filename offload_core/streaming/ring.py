@@ -30,24 +30,9 @@ from offload_core.streaming.copier import CopyFailed, FillTimeout
 from offload_core.streaming.copy_log import CopyLog
 from offload_core.streaming.device import Device
 from offload_core.streaming.host_layer import HostLayer
-from offload_core.streaming.staging import StagingRing
+from offload_core.streaming.staging import StagingRing, cut_ranges
 
 logger = logging.getLogger(__name__)
-
-
-def _cut(out: list[tuple[int, int, object]], start: int, end: int) -> list[tuple[int, int, object]]:
-    """``out`` without the bytes [start, end) (a copy into them waited for their readers): the
-    ranges stay disjoint, so the list never holds more of them than the window has layers."""
-    kept = []
-    for a, b, event in out:
-        if b <= start or end <= a:
-            kept.append((a, b, event))
-            continue
-        if a < start:
-            kept.append((a, start, event))
-        if end < b:
-            kept.append((end, b, event))
-    return kept
 
 
 class RingLayer(Protocol):
@@ -332,7 +317,7 @@ class PrefetchRing:
                              f"failed: {type(error).__name__}: {error}") from error
         self._placer.take(position, start)
         if self._out:
-            self._out = _cut(self._out, start, end)
+            self._out = cut_ranges(self._out, start, end)
         layer.bind(place.views, self._window_key)
         self._in_flight[position] = event
 

@@ -71,9 +71,10 @@ def _overlap(a0: int, a1: int, b0: int, b1: int) -> bool:
     return a0 < b1 and b0 < a1
 
 
-def _cut(out: list[tuple[int, int, object]], start: int, end: int) -> list[tuple[int, int, object]]:
-    """``out`` without the bytes [start, end) (a fill waited for their copies): ranges stay disjoint,
-    so the list never holds more ranges than the ring has fills."""
+def cut_ranges(out: list[tuple[int, int, object]], start: int, end: int) -> list[tuple[int, int, object]]:
+    """``out`` (disjoint byte ranges, each with the event of the last copy out of it) without the bytes
+    [start, end), which a new copy into them has waited for. The ranges stay disjoint, so the list never
+    holds more of them than there are buffers (staging fills here, device slots in ring.py)."""
     kept = []
     for a, b, event in out:
         if not _overlap(a, b, start, end):
@@ -347,7 +348,7 @@ class StagingRing:
             end = start + own.nbytes
             # The copy stream runs in order: the last copy out of these bytes covers the earlier ones.
             overlapping = [event for a, b, event in self._out if _overlap(start, end, a, b)]
-            self._out = _cut(self._out, start, end)
+            self._out = cut_ranges(self._out, start, end)
             carved = own.carve(self._buffers[0].data[start:end])
             job = functools.partial(self._fill, layer, carved, overlapping[-1] if overlapping else None)
             self._pending.append(_Fill(layer, start, end, carved, self._copier.submit(job)))
