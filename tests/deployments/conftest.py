@@ -94,17 +94,22 @@ def ensure_shared() -> None:
         _SHARED["deployed"] = True
 
 
-def delete_shared() -> None:
-    """Delete the shared app and its job queue (detached: it outlives replicas by design)."""
-    if not _SHARED["deployed"]:
-        return
+def delete_app(name: str) -> None:
+    """Delete a test's app and its job queue (detached: it outlives the app's replicas by design)."""
     from ray import serve
 
     from deployments.jobs.actor import drop_job_queue
 
+    serve.delete(name)
+    drop_job_queue(name)
+
+
+def delete_shared() -> None:
+    """Delete the shared app (:func:`delete_app`) once it is deployed."""
+    if not _SHARED["deployed"]:
+        return
     _SHARED["deployed"] = False
-    serve.delete(APP)
-    drop_job_queue(APP)
+    delete_app(APP)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import ray
 from ray import serve
 
 from deployments.capacity.request_limits import Limits
-from tests.deployments.conftest import TOKEN, TOKEN_ENV, serve_base_url, tiny_args
+from tests.deployments.conftest import TOKEN, TOKEN_ENV, delete_app, serve_base_url, tiny_args
 from tests.waiting import wait_for
 
 APP, PREFIX = "limits-test", "/limits"
@@ -39,7 +39,6 @@ class Captured(logging.Handler):
 def gpu_app(ray_cluster):
     """(http client, the build-time warnings) of the app on a one-GPU fake node; removed afterwards."""
     from deployments.app import build_app_with
-    from deployments.jobs.actor import drop_job_queue
 
     node = ray_cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=100 * MiB,
                                 resources={"accelerator_type:RTX3060": 1, "offload_fake_ram_gb": 8})
@@ -59,8 +58,7 @@ def gpu_app(ray_cluster):
         with httpx.Client(base_url=base + PREFIX, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as client:
             yield client, captured.messages
     finally:
-        serve.delete(APP)
-        drop_job_queue(APP)
+        delete_app(APP)
         ledger = f"offload-ledger-{node.node_id}"
         if ledger in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}:
             ray.kill(ray.get_actor(ledger, namespace="offload-serve"), no_restart=True)

@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from deployments.capacity.request_limits import Limits
-from tests.deployments.conftest import TOKEN, TOKEN_ENV, serve_base_url, tiny_args
+from tests.deployments.conftest import TOKEN, TOKEN_ENV, delete_app, serve_base_url, tiny_args
 from tests.waiting import wait_for
 from zoo.wan22 import ensure_tiny_wan22_i2v
 
@@ -42,7 +42,6 @@ def app(ray_cluster, tmp_path_factory):
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.jobs.actor import drop_job_queue
     from deployments.jobs.queue import JobsArgs
 
     jobs = JobsArgs(directory=str(tmp_path_factory.mktemp("jobs")), poll_after_ms=100, poll_interval_s=0.2)
@@ -55,8 +54,7 @@ def app(ray_cluster, tmp_path_factory):
                 httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as http:
             yield client, http
     finally:
-        serve.delete(APP)
-        drop_job_queue(APP)
+        delete_app(APP)
 
 
 def _frames(mp4: bytes):

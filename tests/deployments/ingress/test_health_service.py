@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.deployments.conftest import TOKEN, TOKEN_ENV, serve_base_url, tiny_args
+from tests.deployments.conftest import TOKEN, TOKEN_ENV, delete_app, serve_base_url, tiny_args
 from tests.waiting import wait_for
 from zoo.tiny import ensure_tiny_wan
 
@@ -41,10 +41,7 @@ def broken(ray_cluster, tmp_path_factory):
         with httpx.Client(base_url=base + PREFIX, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as client:
             yield client
     finally:
-        from deployments.jobs.actor import drop_job_queue
-
-        serve.delete(APP)
-        drop_job_queue(APP)
+        delete_app(APP)
 
 
 def _down_health(client: httpx.Client, failed: bool):

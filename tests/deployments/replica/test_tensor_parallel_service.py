@@ -19,7 +19,7 @@ from deployments.app import StageArgs, build_app, build_app_with, tp_options
 from deployments.models import families
 from deployments.models.tensor_parallel import NoStagePlan
 from deployments.wire.spec import GenerationSpec
-from tests.deployments.conftest import TOKEN, TOKEN_ENV, serve_base_url, tiny_args
+from tests.deployments.conftest import TOKEN, TOKEN_ENV, delete_app, serve_base_url, tiny_args
 from zoo.tiny import ensure_tiny_wan
 
 APP, PREFIX = "tp-test", "/tp"
@@ -60,10 +60,7 @@ def tp_service(ray_cluster):
         with httpx.Client(base_url=base + PREFIX, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as c:
             yield c
     finally:
-        from deployments.jobs.actor import drop_job_queue
-
-        serve.delete(APP)
-        drop_job_queue(APP)
+        delete_app(APP)
 
 
 def _encoder():
