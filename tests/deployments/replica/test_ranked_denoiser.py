@@ -1,4 +1,5 @@
-"""A Denoiser at tp_size 2: the step batcher in this process, the FLUX.1 transformer's forwards on 2 gloo ranks.
+"""A Denoiser at tp_size 2: the step batcher in this process, the DiT's forwards on 2 gloo ranks (FLUX.1 and
+Qwen-Image, the families whose transformer diffusers ships a ``_tp_plan`` for).
 
 Each rank is a spawned process with the StageWorker a rank actor holds (its slice of the DiT, its plan,
 leases and warm-up); the group here hands every call to both ranks in one order and answers rank 0's
@@ -31,6 +32,7 @@ from deployments.wire.spec import GenerationSpec, PipelineStage, RequestRejected
 from offload_core.planner.search import PerformanceMode
 from tests.deployments.conftest import tiny_args
 from zoo.tiny import ensure_tiny_flux
+from zoo.tiny_families import ensure_tiny_qwen_image
 
 F32, CPU = torch.float32, torch.device("cpu")
 # fp32 over 2 ranks: the row-parallel layers' all-reduce sums two partial products in another order.
@@ -105,8 +107,12 @@ def _run(stepper, encoded, bytes_streamed=lambda: 0):
     return {rid: f.result() for rid, f in futures.items()}, batch
 
 
-def test_the_batched_flux_denoiser_over_2_gloo_ranks_answers_what_tp_size_1_does():
-    folder = str(ensure_tiny_flux())
+TP_FAMILIES = {"flux": ensure_tiny_flux, "qwen-image": ensure_tiny_qwen_image}
+
+
+@pytest.mark.parametrize("family", sorted(TP_FAMILIES))
+def test_the_batched_denoiser_over_2_gloo_ranks_answers_what_tp_size_1_does(family):
+    folder = str(TP_FAMILIES[family]())
     facts = families.read_family_facts(folder)
     encoder = families.load_stage_pipeline(facts, PipelineStage.ENCODE, F32)
     encoded = [families.encode(encoder, facts, s, CPU) for s in SPECS]
@@ -126,7 +132,7 @@ def test_the_batched_flux_denoiser_over_2_gloo_ranks_answers_what_tp_size_1_does
     assert batch.forwards == plain_batch.forwards == 3 and batch.request_steps == 5
     assert group.calls == 1 + 3  # the activation size, then one call per forward
     diff = max((got[s.request_id] - want[s.request_id]).abs().max().item() for s in SPECS)
-    print(f"tp 2 vs tp 1 latents: max |difference| {diff:.3g}")
+    print(f"{family}: tp 2 vs tp 1 latents: max |difference| {diff:.3g}")
     assert diff <= TP_ATOL, diff
     assert ranked.bytes_streamed_so_far() > 0  # rank 0 streamed its slice's layers (MEMORY mode)
 
