@@ -2,7 +2,8 @@
 
 Every ``WATCH_INTERVAL_S`` a thread of the ingress replica reads Serve's status of the app
 (``serve.status()``: one call to the controller) and keeps a :class:`deployments.api.serving.ServingState`
-the API answers from without a round trip per request; every ``PENDING_EVERY`` reads it also counts
+the API answers from without a round trip per request (a refusal on a "down" reading waits for one
+that began after the request came: ``AppWatch.confirm``); every ``PENDING_EVERY`` reads it also counts
 the stage replicas Ray has not placed (``capacity.unplaced``: controller + GCS) for the
 ``offload_serve_pending_replicas`` gauge. A stage is down while it has no RUNNING replica; its
 status and Serve's message say why (deploying, unhealthy, failed to deploy). A change is logged once.
@@ -29,10 +30,13 @@ REASON_CHARS = 600
 # controller ~1 ms, so the ingress's replicas add < 1 call/s to it.
 WATCH_INTERVAL_S = 2.0
 PENDING_EVERY = 5
-# A "down" reading is checked afresh before the API refuses on it, at most this often: the app may
-# have come up since the last read (a request right after serve.run returned got a 503 from a
-# reading 2 s old).
-CONFIRM_AFTER_S = 0.25  # unplaced replicas every 10 s: it also reads the GCS's placement groups and nodes
+# A "down" reading is read afresh before the API refuses on it unless the reading began after the
+# request came: the app may have come up since (a request right after serve.run returned got a 503
+# from a reading 2 s old, and once from one taken 0.1 s before the app turned RUNNING). Reads for
+# refusals start at least this far apart, and every request waiting meanwhile shares the next one,
+# so a flood while a stage is down costs the controller <= 4 reads/s per ingress replica and a
+# refusal at most 0.25 s. Unplaced replicas every 10 s: it also reads the GCS's placement groups and nodes.
+CONFIRM_AFTER_S = 0.25
 
 
 def serving_state(app_name: str, stages=STAGES) -> ServingState:
@@ -61,7 +65,10 @@ class AppWatch:
     def __init__(self, app_name: str, interval_s: float = WATCH_INTERVAL_S, stages=STAGES):
         self.app_name, self.interval_s, self.stages = app_name, interval_s, stages
         self._state = ServingState(known=False)
-        self._read_at = 0.0  # time.monotonic() of the last reading
+        self._state_from = float("-inf")  # time.monotonic() when the read that gave _state began
+        self._tried_at = float("-inf")  # when the last read began
+        self._settled_from = float("-inf")  # when the last read to end (read or unreadable) began
+        self._swap = threading.Lock()  # the thread's read and a confirming read may end in either order
         self._confirming = asyncio.Lock()
         self._gauge = PendingGauge()
         self._stop = threading.Event()
@@ -72,12 +79,17 @@ class AppWatch:
         return self._state
 
     async def confirm(self) -> ServingState:
-        """The last reading if it says the app serves; else a fresh one (at most one per CONFIRM_AFTER_S,
-        off the event loop), so nothing is refused on a reading the app has outgrown."""
+        """The last reading if it says the app serves; else one that began after this call did (off the
+        event loop, shared by the calls waiting for it, at most one per CONFIRM_AFTER_S), so nothing
+        is refused on a reading the app may have outgrown before the request came."""
+        asked = time.monotonic()
         if self._state.serving:
             return self._state
         async with self._confirming:
-            if time.monotonic() - self._read_at >= CONFIRM_AFTER_S:
+            wait = self._tried_at + CONFIRM_AFTER_S - time.monotonic()
+            if self._settled_from < asked and wait > 0:
+                await asyncio.sleep(wait)
+            if self._settled_from < asked:  # no read that began since the request came has ended
                 await asyncio.to_thread(self._read, False)
         return self._state
 
@@ -89,15 +101,21 @@ class AppWatch:
             self._stop.wait(self.interval_s)
 
     def _read(self, count_pending: bool) -> None:
+        began = self._tried_at = time.monotonic()
         try:
             state = serving_state(self.app_name, self.stages)
         except Exception as exc:  # the controller restarting: keep the last reading, say so once per change
             logger.info("app watch: Serve's status unreadable (%s: %s); keeping the last reading",
                         type(exc).__name__, exc)
+            with self._swap:
+                self._settled_from = max(self._settled_from, began)
             return
-        if state != self._state:
-            logger.info("app watch: %s", state.describe())
-        self._state, self._read_at = state, time.monotonic()
+        with self._swap:
+            if began > self._state_from:  # a read that began later and ended first is the truer one
+                if state != self._state:
+                    logger.info("app watch: %s", state.describe())
+                self._state, self._state_from = state, began
+            self._settled_from = max(self._settled_from, began)
         if count_pending:
             try:
                 pending = unplaced.pending_replicas(self.app_name)
