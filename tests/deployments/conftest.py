@@ -75,13 +75,19 @@ def shared_args():
     return tiny_args(video_jobs=JobsArgs(directory=jobs_directory(), **SHARED_JOBS))
 
 
+# Serve health-checks each replica every second, not every 10 s (its default): the controller learns
+# of a replica the video jobs tests kill (the ingress, a Denoiser) only at its next check, and that
+# wait was 7-8 s of each of those tests.
+SHARED_OPTIONS = {name: {"health_check_period_s": 1.0} for name in ("TextEncoder", "Denoiser", "VaeDecoder", "Ingress")}
+
+
 def deploy_shared() -> None:
     """(Re)deploy the shared app: what a restart of the whole application deploys again."""
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import build_app_with
 
-    serve.run(build_app(shared_args()), name=APP, route_prefix=PREFIX)
+    serve.run(build_app_with(shared_args(), SHARED_OPTIONS), name=APP, route_prefix=PREFIX)
 
 
 _SHARED = {"deployed": False}

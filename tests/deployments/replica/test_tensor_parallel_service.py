@@ -20,6 +20,7 @@ from deployments.models import families
 from deployments.models.tensor_parallel import NoStagePlan
 from deployments.wire.spec import GenerationSpec
 from tests.deployments.conftest import TOKEN, TOKEN_ENV, delete_app, serve_base_url, tiny_args
+from tests.waiting import wait_for
 from zoo.tiny import ensure_tiny_wan
 
 APP, PREFIX = "tp-test", "/tp"
@@ -69,6 +70,15 @@ def _encoder():
     return serve.get_deployment_handle("TextEncoder", app_name=APP)
 
 
+def _encoder_ongoing() -> int:
+    """Requests the TextEncoder replica holds now (Serve's own count: its router asks each replica)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP}#TextEncoder#"
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    return ray.get(ray.get_actor(name, namespace="serve").get_num_ongoing_requests.remote(), timeout=30)
+
+
 def test_the_encoder_at_tp_2_answers_the_in_process_result_with_each_rank_keeping_its_table_shard(tp_service):
     from ray import serve
 
@@ -106,11 +116,14 @@ def test_a_rank_killed_mid_call_fails_the_call_with_503_and_the_replica_is_repla
     assert expected.status_code == 200, expected.text
     ranks = _encoder().ranks.remote().result(timeout_s=30)
     victims = {r["replica"] for r in tp_service.get("/v1/residency").json()["replicas"] if r["stage"] == "encode"}
-    # Rank 1 stopped: rank 0 runs into its first collective and waits there; then rank 1 dies.
+    # Rank 1 stopped: rank 0 runs into its first collective and waits there; then rank 1 dies. The kill
+    # waits for the call to be in the replica (Serve counts it ongoing there: a fixed 3 s wait did not
+    # say so on a loaded machine), and 0.5 s more for rank 0 to reach its collective (the embedding's).
     os.kill(ranks[1].pid, signal.SIGSTOP)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(tp_service.post, IMAGES, json={**body, "seed": 4})
-        time.sleep(3.0)
+        wait_for(lambda: _encoder_ongoing() >= 1 or pending.done(), 60, "the encode call in the TP replica")
+        time.sleep(0.5)
         assert not pending.done(), "the call finished with a rank stopped"
         os.kill(ranks[1].pid, signal.SIGKILL)
         failed = pending.result(timeout=60)
@@ -122,7 +135,7 @@ def test_a_rank_killed_mid_call_fails_the_call_with_503_and_the_replica_is_repla
         if later.status_code == 200:
             break
         assert later.status_code == 503, later.text
-        time.sleep(2)
+        time.sleep(0.5)
     assert later.status_code == 200 and later.json()["data"] == expected.json()["data"]
     assert {r.pid for r in _encoder().ranks.remote().result(timeout_s=30)}.isdisjoint({r.pid for r in ranks})
     listed = {r["replica"] for r in tp_service.get("/v1/residency").json()["replicas"] if r["stage"] == "encode"}
