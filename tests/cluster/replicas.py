@@ -59,8 +59,9 @@ class LeasingReplica:
         return [self.memory.host_budget.request(nbytes, self.memory.owner, priority, "pinned:test")
                 for _ in range(count)]
 
-    def stage_call(self, nbytes: int, hold_s: float, timeout_s: float) -> tuple[str, float]:
-        """One stage call: lease the working set, 'compute' for hold_s, give it back."""
+    def stage_call(self, nbytes: int, hold_s: float, timeout_s: float, until: str | None = None) -> tuple[str, float]:
+        """One stage call: lease the working set, 'compute' for hold_s (or, given ``until``, until that
+        file exists, at most hold_s), give it back."""
         from cluster.replica.device_leases import LeaseRefused
 
         if self.call_leases is None:  # kept between calls, recalled by the ledger when a neighbour waits
@@ -68,7 +69,11 @@ class LeasingReplica:
         start = time.monotonic()
         try:
             with self.call_leases.call(nbytes, timeout_s):
-                time.sleep(hold_s)
+                if until is None:
+                    time.sleep(hold_s)
+                else:
+                    while not os.path.exists(until) and time.monotonic() - start < hold_s:
+                        time.sleep(0.02)
         except LeaseRefused as refused:
             return "busy", refused.waited_s
         return "ok", time.monotonic() - start

@@ -89,7 +89,7 @@ def test_bad_devices_are_named():
         as_device("cuda:x")
 
 
-def test_three_stage_replicas_sharing_a_12gb_gpu_never_lease_more_than_it(fleet_nodes):
+def test_three_stage_replicas_sharing_a_12gb_gpu_never_lease_more_than_it(fleet_nodes, tmp_path):
     node = fleet_nodes.small
     stages = [on_node(node.node_id, num_gpus=0.3).remote(name, FAST)
               for name in ("text_encoder", "denoiser", "vae_decoder")]
@@ -102,14 +102,19 @@ def test_three_stage_replicas_sharing_a_12gb_gpu_never_lease_more_than_it(fleet_
         assert gpu.peak_leased <= gpu.capacity < 12 * GB, "the shared 12 GB GPU was over-committed"
         assert gpu.peak_leased >= 10 * GB, "two stages should have run at once"
         assert max(waited for _, waited in outcomes) >= 0.5, "a third stage must have waited its turn"
-        # A stage that cannot wait long enough is told so (503 + Retry-After), not OOM-killed.
-        long_call = stages[0].stage_call.remote(8 * GB, 3.0, 60)
+        # A stage that cannot wait long enough is told so (503 + Retry-After), not OOM-killed. The long
+        # call holds its 8 GB until the refusal is in (a file it waits for), not for a fixed 3 s: that
+        # was idle on a quiet machine and could end before the refused call came on a loaded one.
+        done = tmp_path / "refused"
+        long_call = stages[0].stage_call.remote(8 * GB, 60.0, 60, str(done))
         ledger = node_ledger(node.node_id)
         deadline = time.monotonic() + 30
         while ray.get(ledger.state.remote()).pool("gpu:0").leased < 8 * GB and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ray.get(stages[1].stage_call.remote(8 * GB, 0.0, 0.2))[0] == "busy"
-        assert ray.get(long_call)[0] == "ok"
+        done.touch()
+        kind, held_s = ray.get(long_call)
+        assert kind == "ok" and held_s < 60, "the long call held its bytes until the refusal, then gave them back"
         wait_for(lambda: ray.get(ledger.state.remote()).pool("gpu:0").leased == 0, 10,
                  "the idle reservations to go back to the ledger")
     finally:
