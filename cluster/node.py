@@ -19,7 +19,7 @@ from typing import Mapping
 
 from offload_core.host.ram import HostRam, MemoryFacts, host_ram_available
 from offload_core.planner import gpus as gpu_table
-from offload_core.planner.real_models import UnknownModel
+from offload_core.planner.config_file import UnknownModel
 
 logger = logging.getLogger(__name__)
 

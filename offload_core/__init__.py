@@ -16,40 +16,79 @@ The public API. Everything a user needs for a model the project does not ship:
 Subpackages, one concept each: ``streaming`` (the engine), ``host`` (host memory), ``residency``
 (component lifecycle and report), ``planner`` (facts, cost model, plan; no runtime state).
 """
-from offload_core.host.budget import InProcessLedger, Lease, MemoryBudget, Refusal
-from offload_core.host.hosting import HostingError, HostingPlan, HostingPolicy, plan_hosting
-from offload_core.host.pinned import PinError
-from offload_core.host.tier import HostingTier
-from offload_core.layout import LayoutError
-from offload_core.planner.facts import (
-                                           ComponentProfile,
-                                           LinkFacts,
-                                           PipelineFacts,
-                                           profile_component,
-)
-from offload_core.planner.pipeline_plan import (
-                                           ComponentOverride,
-                                           ComponentPlan,
-                                           PerformanceMode,
-                                           PipelinePlan,
-)
-from offload_core.planner.search import plan_pipeline
-from offload_core.planner.strategy import Strategy
-from offload_core.quant import WeightFormat, fake_quantize_
-from offload_core.residency.host_tables import apply_host_tables
-from offload_core.residency.lifecycle import LifecycleError, PipelineResidency
-from offload_core.residency.report import ResidencyReport, residency_report
-from offload_core.streaming.device import DeviceFacts, get_device
-from offload_core.streaming.engine import (
-                                           AlreadyStreamedError,
-                                           ConcurrentForwardError,
-                                           LayerStreamer,
-                                           ResidentPlacement,
-                                           StreamingConfig,
-                                           apply_layer_streaming,
-)
-from offload_core.streaming.headroom import Headroom, HeadroomTimeout
-from offload_core.tables import HostTablesConfig
+# Lazy: ``offload_core.X`` imports X's module on first use (PEP 562). Each process that imports any
+# offload_core module (the node ledger actor, the residency board) runs this file; eager imports here
+# pulled torch into all of them, 1.0 s of CPU each on a quiet 2-core machine (3 s under load).
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from offload_core.host.budget import InProcessLedger, Lease, MemoryBudget, Refusal
+    from offload_core.host.hosting import HostingError, HostingPlan, HostingPolicy, plan_hosting
+    from offload_core.host.pinned import PinError
+    from offload_core.host.tier import HostingTier
+    from offload_core.layout import LayoutError
+    from offload_core.planner.facts import ComponentProfile, LinkFacts, PipelineFacts, profile_component
+    from offload_core.planner.pipeline_plan import ComponentOverride, ComponentPlan, PerformanceMode, PipelinePlan
+    from offload_core.planner.search import plan_pipeline
+    from offload_core.planner.strategy import Strategy
+    from offload_core.quant import WeightFormat, fake_quantize_
+    from offload_core.residency.host_tables import apply_host_tables
+    from offload_core.residency.lifecycle import LifecycleError, PipelineResidency
+    from offload_core.residency.report import ResidencyReport, residency_report
+    from offload_core.streaming.device import DeviceFacts, get_device
+    from offload_core.streaming.engine import (
+        AlreadyStreamedError,
+        ConcurrentForwardError,
+        LayerStreamer,
+        ResidentPlacement,
+        StreamingConfig,
+        apply_layer_streaming,
+    )
+    from offload_core.streaming.headroom import Headroom, HeadroomTimeout
+    from offload_core.tables import HostTablesConfig
+
+_HOME = {
+    "InProcessLedger": "offload_core.host.budget",
+    "Lease": "offload_core.host.budget",
+    "MemoryBudget": "offload_core.host.budget",
+    "Refusal": "offload_core.host.budget",
+    "HostingError": "offload_core.host.hosting",
+    "HostingPlan": "offload_core.host.hosting",
+    "HostingPolicy": "offload_core.host.hosting",
+    "plan_hosting": "offload_core.host.hosting",
+    "PinError": "offload_core.host.pinned",
+    "HostingTier": "offload_core.host.tier",
+    "LayoutError": "offload_core.layout",
+    "ComponentProfile": "offload_core.planner.facts",
+    "LinkFacts": "offload_core.planner.facts",
+    "PipelineFacts": "offload_core.planner.facts",
+    "profile_component": "offload_core.planner.facts",
+    "ComponentOverride": "offload_core.planner.pipeline_plan",
+    "ComponentPlan": "offload_core.planner.pipeline_plan",
+    "PerformanceMode": "offload_core.planner.pipeline_plan",
+    "PipelinePlan": "offload_core.planner.pipeline_plan",
+    "plan_pipeline": "offload_core.planner.search",
+    "Strategy": "offload_core.planner.strategy",
+    "WeightFormat": "offload_core.quant",
+    "fake_quantize_": "offload_core.quant",
+    "apply_host_tables": "offload_core.residency.host_tables",
+    "LifecycleError": "offload_core.residency.lifecycle",
+    "PipelineResidency": "offload_core.residency.lifecycle",
+    "ResidencyReport": "offload_core.residency.report",
+    "residency_report": "offload_core.residency.report",
+    "DeviceFacts": "offload_core.streaming.device",
+    "get_device": "offload_core.streaming.device",
+    "AlreadyStreamedError": "offload_core.streaming.engine",
+    "ConcurrentForwardError": "offload_core.streaming.engine",
+    "LayerStreamer": "offload_core.streaming.engine",
+    "ResidentPlacement": "offload_core.streaming.engine",
+    "StreamingConfig": "offload_core.streaming.engine",
+    "apply_layer_streaming": "offload_core.streaming.engine",
+    "Headroom": "offload_core.streaming.headroom",
+    "HeadroomTimeout": "offload_core.streaming.headroom",
+    "HostTablesConfig": "offload_core.tables",
+}
 
 __all__ = [
     # streaming
@@ -68,3 +107,16 @@ __all__ = [
     "LayoutError", "AlreadyStreamedError", "ConcurrentForwardError", "LifecycleError", "PinError",
     "HostingError",
 ]
+
+
+def __getattr__(name: str):
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'offload_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -23,7 +23,7 @@ from pathlib import Path
 from cluster.ledger.liveness import OwnerRef
 from cluster.ledger.pools import LeasePools
 from offload_core.host.budget import Lease, Refusal
-from offload_core.host.store import StoreKey, StoreRole, is_store_file, remove_store
+from offload_core.host.store_files import StoreKey, StoreRole, is_store_file, remove_store
 from offload_core.host.store_registry import (
     CREATE_WAIT_S,
     StoreAttachment,

@@ -9,19 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deployments.capacity.admission import StageAdmission
+from deployments.capacity.batch_state import BatchState
 from offload_core.planner.picture import PlanPicture
-
-
-@dataclass(frozen=True)
-class BatchState:
-    """A batching replica's batch right now: requests in the running forward, and the mean so far."""
-
-    size: int
-    mean: float
-    max: int
-
-    def to_json(self) -> dict:
-        return {"size": self.size, "mean": round(self.mean, 3), "max": self.max}
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from deployments.ingress.watch import AppWatch
 from deployments.jobs.actor import get_job_queue
 from deployments.jobs.queue import JobsArgs
 from deployments.jobs.results import ResultFolder
-from deployments.replica.board import get_board, live_replicas
+from deployments.replica.board import get_board, live_replicas, unpack
 from deployments.wire.failures import Failure
 from deployments.wire.spec import DenoiseProgress, GenerationSpec, StageOutput
 
@@ -69,7 +69,7 @@ class ResidencyBoardClient:
 
     async def residency(self) -> tuple[ReplicaResidency, ...]:
         alive = frozenset(await asyncio.to_thread(live_replicas))  # a GCS round trip: off the event loop
-        return tuple(await self.board.snapshot.remote(alive))
+        return tuple(unpack(entry) for entry in await self.board.snapshot.remote(alive))
 
     async def pending_replicas(self) -> tuple[PendingReplica, ...]:
         return await asyncio.to_thread(unplaced.pending_replicas, self.app_name)  # controller + GCS

@@ -27,14 +27,15 @@ from ray.serve.exceptions import RayServeException
 
 from cluster.replica.ledger_view import DeviceBusy
 from deployments.capacity.admission import StageAdmission, nearest_admitted, size_text
-from deployments.capacity.replica_report import REPUBLISH_S, BatchState, ReplicaResidency
+from deployments.capacity.batch_state import BatchState
+from deployments.capacity.replica_report import REPUBLISH_S, ReplicaResidency
 from deployments.models import activation_features, families
 from deployments.models.activation_features import ACTIVATION_MARGIN
 from deployments.models.families import FamilyFacts
 from deployments.models.tensor_parallel import rank_components
 from deployments.replica import warmup
 from deployments.replica.batching import BatchingConfig
-from deployments.replica.board import get_board
+from deployments.replica.board import get_board, pack
 from deployments.replica.board_publisher import Throttled
 from deployments.replica.leases import LEASE_REFUSED, open_device_leases, open_replica_memory
 from deployments.replica.metrics import ReplicaGauges, StageMetrics
@@ -352,6 +353,6 @@ class StageWorker:
             self._board = get_board(self.config.app_name)
         with self._lock:  # never while a call is moving the weights the report walks
             report = self.report()
-        self._board.publish.remote(report)  # fire and forget: a report is not worth a wait
+        self._board.publish.remote(report.replica, pack(report))  # fire and forget: a report is not worth a wait
         self.gauges.record(report.weights["totals"], report.leases["standing_bytes"], report.leases["reserved_bytes"],
                            self.memory.share_bytes, self.memory.device_budget.capacity())

@@ -22,7 +22,6 @@ job; ``cluster/ledger/shared_stores.py`` implements it over the node ledger.
 """
 from __future__ import annotations
 
-import enum
 import errno
 import fcntl
 import hashlib
@@ -37,15 +36,27 @@ from typing import Sequence
 
 import torch
 
+from offload_core.host.store_files import (  # noqa: F401 (re-exported: the store's names for them)
+    DEFAULT_STORE_DIR,
+    PREFIX,
+    STORE_DIR_ENV,
+    SUFFIX,
+    StoreKey,
+    StoreRole,
+    folder_identity,
+    is_store_file,
+    remove_if_unused,
+    remove_store,
+    store_dir,
+    sweep_orphans,
+    unlink_quietly,
+)
 from offload_core.layout import LayerLayout, extent_view
 from offload_core.progress import ByteProgress
 
 logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
-STORE_DIR_ENV = "OFFLOAD_SERVE_STORE_DIR"
-DEFAULT_STORE_DIR = "/dev/shm/offload-serve"
-PREFIX, SUFFIX = "offload-serve-", ".weights"
 MAGIC = "offload-serve weight store v1"
 # Two pages hold the JSON header (16 samples x ~70 B plus the digests: ~1.5 KB).
 HEADER_BYTES = 2 * PAGE
@@ -56,27 +67,6 @@ SAMPLED_PAGES = 16
 
 class StoreMismatch(RuntimeError):
     """A store's header or content is not what this replica expects: it refuses to compute with it."""
-
-
-class StoreRole(enum.Enum):
-    # The first replica on the node to need the copy: it writes the store, then maps it read-only.
-    CREATE = "create"
-    # A later replica: it maps the finished store and reads no checkpoint bytes for its layers.
-    ATTACH = "attach"
-
-
-def store_dir() -> Path:
-    return Path(os.environ.get(STORE_DIR_ENV, DEFAULT_STORE_DIR))
-
-
-def folder_identity(folder: str | os.PathLike) -> str:
-    """What a model folder is: its real path and every file's name, size and mtime (no bytes read)."""
-    root = Path(folder).resolve()
-    h = hashlib.sha256(str(root).encode())
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        st = path.stat()
-        h.update(f"\0{path.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:32]
 
 
 def _align_page(n: int) -> int:
@@ -125,25 +115,6 @@ class StoreLayout:
             return ()
         n = min(SAMPLED_PAGES, pages)
         return tuple(sorted({HEADER_BYTES + (i * (pages - 1) // max(1, n - 1)) * PAGE for i in range(n)}))
-
-
-@dataclass(frozen=True)
-class StoreKey:
-    """What a store holds: a model folder's component, in these dtypes, laid out this way."""
-
-    model_identity: str  # folder_identity of the component's folder
-    component: str
-    dtype: str  # e.g. "float32" or "bfloat16+float32"
-    layout_digest: str
-
-    @property
-    def digest(self) -> str:
-        text = f"{self.model_identity}|{self.component}|{self.dtype}|{self.layout_digest}"
-        return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-    @property
-    def file_name(self) -> str:
-        return f"{PREFIX}{self.digest}{SUFFIX}"
 
 
 def key_for(model_identity: str, component: str, layouts: Sequence[LayerLayout]) -> tuple[StoreKey, StoreLayout]:
@@ -200,7 +171,7 @@ class WeightStore:
             fcntl.flock(fd, fcntl.LOCK_SH)
         except BaseException:
             os.close(fd)
-            _unlink_quietly(partial)
+            unlink_quietly(partial)
             raise
         logger.info("store %s: wrote %d layers of %s (%d B in %d extents) to %s", key.digest, len(layers),
                     key.component, layout.layer_bytes, len(layout.extents), path)
@@ -318,57 +289,3 @@ def _check(mapping: mmap.mmap, path: Path, key: StoreKey, layout: StoreLayout) -
     if bad:
         raise StoreMismatch(f"store {path}: {len(bad)} of {len(samples)} sampled pages differ from what its "
                             f"creator wrote (first at byte {bad[0]}); refusing to compute with changed weights")
-
-
-def _unlink_quietly(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        logger.info("store file %s was already gone", path)
-
-
-def remove_if_unused(path: Path) -> bool:
-    """Delete a store file (and its partial writes) if no live process holds it; True if removed."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return False
-    try:
-        _unlink_quietly(path)
-    finally:
-        os.close(fd)
-    return True
-
-
-def remove_store(path: Path) -> None:
-    """Delete a store file and any partial writes of it: its registry says no replica is attached.
-
-    Processes still mapping it keep their pages (an unlinked file lives while mapped); new
-    replicas find no file and create a fresh copy, which the registry then counts.
-    """
-    _unlink_quietly(path)
-    for partial in path.parent.glob(f"{path.name}.partial-*"):
-        if remove_if_unused(partial):
-            logger.info("store %s: removed its unfinished write %s", path.name, partial.name)
-
-
-def is_store_file(path: Path) -> bool:
-    name = path.name
-    return name.startswith(PREFIX) and (name.endswith(SUFFIX) or f"{SUFFIX}.partial-" in name)
-
-
-def sweep_orphans(directory: Path | None = None) -> tuple[str, ...]:
-    """Remove store files no live process holds (left by crashed processes); returns their names."""
-    directory = directory or store_dir()
-    if not directory.is_dir():
-        return ()
-    removed = tuple(p.name for p in sorted(directory.iterdir()) if is_store_file(p) and remove_if_unused(p))
-    if removed:
-        logger.info("store sweep of %s: removed %d orphaned store file(s) no live process held: %s",
-                    directory, len(removed), ", ".join(removed))
-    return removed

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offload_core.planner.real_models import UnknownModel, config_file
+from offload_core.planner.config_file import UnknownModel, config_file
 
 GiB = 1024**3
 # Ray's accelerator_type names that differ from the table's keys.

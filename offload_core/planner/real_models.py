@@ -12,18 +12,15 @@ match the installed libraries (offload_core/planner/skeletons.py): same shapes, 
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-# Found from this file (offload_core/real_models.py), not from zoo: offload_core imports no sibling package.
-CONFIG_PATH = Path(__file__).resolve().parents[2] / "configs" / "models" / "real_model_configs.json"
+from offload_core.planner.config_file import CONFIG_PATH, UnknownModel, config_file  # noqa: F401 (re-exported)
+
 # transformer_2: Wan2.2 A14B's low-noise expert (the same class as the high-noise ``transformer``);
 # text_encoder_3: SD3.5's T5-XXL (after its two CLIPs); image_encoder: Wan2.1 image-to-video's CLIP vision tower.
 COMPONENTS = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "vae")
@@ -40,10 +37,6 @@ _TRANSFORMERS_CLASSES = frozenset({
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class UnknownModel(KeyError):
-    """A model, component or GPU name that the real-model config file does not describe."""
-
-
 @dataclass(frozen=True)
 class ComponentSpec:
     """One component of a real pipeline as published: class, dtype, full config, layer groups."""
@@ -54,13 +47,6 @@ class ComponentSpec:
     dtype: torch.dtype
     config: Mapping[str, Any]  # read-only; every published key
     layer_groups: tuple[str, ...]  # empty when the json declares none (the engine's defaults apply)
-
-
-@lru_cache(maxsize=1)
-def config_file() -> dict[str, Any]:
-    """The parsed config file (read once): the one reader of real_model_configs.json."""
-    with open(CONFIG_PATH) as f:
-        return json.load(f)
 
 
 def model_names() -> tuple[str, ...]:
