@@ -74,9 +74,12 @@ def _measured_limits(client) -> dict:
             (model,) = client.get("/v1/models").json()["data"]
         except (httpx.HTTPError, ValueError, KeyError):  # the ingress is still starting
             return None
-        return model["limits"] if model["limits"]["source"] == "measured" else None
+        # Serving too: a stage replica reports (in its constructor) before it is RUNNING, and a POST
+        # before that is a 503 (not serving); the board no longer takes seconds to import torch first.
+        serving = model["limits"]["source"] == "measured" and model["serving"]
+        return model["limits"] if serving else None
 
-    return wait_for(measured, 300, "every stage replica's report (limits measured)")
+    return wait_for(measured, 300, "every stage replica's report (limits measured) and every stage running")
 
 
 def test_build_app_warned_that_the_second_denoiser_can_never_be_placed(gpu_app):
