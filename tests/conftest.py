@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 
 import pytest
 
@@ -17,6 +19,8 @@ os.environ.setdefault("OFFLOAD_SERVE_PLAN_CACHE", "0")
 # 200 MiB per node: tensors between stages are small for the tiny zoo, and several nodes share 24 GiB.
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
 METRICS_REPORT_MS = 1000
+# A tmpfs, as the stores' default folder (/dev/shm/offload-serve); the system's temp folder where there is none.
+SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 def free_port() -> int:
@@ -26,43 +30,76 @@ def free_port() -> int:
 
 
 # The modules that run on Ray: the session's ``ray_cluster`` (checked at collection, below) or a head of
-# their own (the serve command's). ``make test`` runs ``-n 2``: these go to one worker as one unit, in
-# collection order, since the session's one cluster, the shared app's order (tests/deployments/conftest.py)
-# and the checks that no Ray process is left all assume one Ray user at a time; the in-process tests
-# (model logic) run on the other core meanwhile.
-RAY_MODULES = frozenset({
-    "tests/cluster/ledger/test_actor.py", "tests/cluster/ledger/test_shared_stores.py",
-    "tests/cluster/replica/test_device_leases.py", "tests/cluster/replica/test_ledger_view.py",
-    "tests/cluster/replica/test_neighbours.py", "tests/cluster/replica/test_plan.py",
-    "tests/cluster/test_autoscale.py", "tests/deployments/capacity/test_limits_service.py",
-    "tests/deployments/dev/test_serve_command.py", "tests/deployments/ingress/test_families_service.py",
-    "tests/deployments/ingress/test_health_service.py", "tests/deployments/ingress/test_service.py",
-    "tests/deployments/ingress/test_service_flux.py", "tests/deployments/ingress/test_service_lifecycle.py",
-    "tests/deployments/ingress/test_service_sd3.py", "tests/deployments/ingress/test_video_jobs_service.py",
-    "tests/deployments/replica/test_shards.py", "tests/deployments/replica/test_tensor_parallel_service.py",
-    "tests/test_ray_fixture.py",
-})
+# their own (the serve command's), in two groups. ``make test`` runs ``-n 2``: each group is one xdist unit,
+# the two start at once, one on each worker, and each worker starts a Ray cluster of its own (``ray_cluster``
+# is per worker process); the in-process tests (model logic) fill in around them. A module is in exactly
+# one group. The figures: each module's seconds (setup + call + teardown) in a quiet ``make test`` of main
+# 23187f0 (/work/prof-quiet-2110.xml), so both groups take about as long; move a module when they drift.
+RAY_GROUPS: dict[str, dict[str, float]] = {
+    # The fake-GPU fleet's package (tests/cluster: its three nodes are started once per cluster), and the
+    # serve command (a head of its own, with no use for this worker's cluster).
+    "ray-1": {
+        "tests/cluster/ledger/test_actor.py": 49.8, "tests/cluster/ledger/test_shared_stores.py": 26.9,
+        "tests/cluster/test_autoscale.py": 24.1, "tests/cluster/replica/test_ledger_view.py": 18.1,
+        "tests/cluster/replica/test_plan.py": 9.5, "tests/cluster/replica/test_device_leases.py": 5.6,
+        "tests/cluster/replica/test_neighbours.py": 4.8,
+        "tests/deployments/dev/test_serve_command.py": 67.5,
+        "tests/deployments/capacity/test_limits_service.py": 48.2,
+        "tests/deployments/ingress/test_health_service.py": 16.2, "tests/test_ray_fixture.py": 4.0,
+    },  # 274.7 s
+    # The service's apps; the shared app's modules (tests/deployments/conftest.py) stay in one group, else
+    # both clusters would deploy it.
+    "ray-2": {
+        "tests/deployments/ingress/test_service.py": 29.0, "tests/deployments/ingress/test_video_jobs_service.py": 57.1,
+        "tests/deployments/ingress/test_service_lifecycle.py": 51.4,
+        "tests/deployments/replica/test_tensor_parallel_service.py": 46.3,
+        "tests/deployments/ingress/test_families_service.py": 26.6, "tests/deployments/replica/test_shards.py": 21.1,
+        "tests/deployments/ingress/test_service_sd3.py": 19.7, "tests/deployments/ingress/test_service_flux.py": 17.1,
+    },  # 268.3 s
+}
+RAY_MODULES = frozenset(module for group in RAY_GROUPS.values() for module in group)
 
 
-def pytest_collection_modifyitems(items):
-    """A module that uses the session's Ray cluster must be in RAY_MODULES (else two workers would each
-    start a cluster)."""
+def ray_group(module: str) -> str | None:
+    """The Ray group of a test module (its path from the repository root), None for an in-process one."""
+    return next((name for name, modules in RAY_GROUPS.items() if module in modules), None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A module that uses the session's Ray cluster must be in one Ray group (else it would run beside the
+    groups and start a third cluster); no module is in two, and every one listed exists."""
+    twice = sorted(m for m in RAY_MODULES if sum(m in group for group in RAY_GROUPS.values()) > 1)
+    if twice:
+        raise pytest.UsageError(f"tests/conftest.py: {twice} in more than one of RAY_GROUPS")
+    gone = sorted(m for m in RAY_MODULES if not (config.rootpath / m).is_file())
+    if gone:
+        raise pytest.UsageError(f"tests/conftest.py: RAY_GROUPS lists {gone}, which do not exist")
     missing = sorted({item.nodeid.split("::")[0] for item in items if "ray_cluster" in item.fixturenames}
                      - RAY_MODULES)
     if missing:
-        raise pytest.UsageError(f"tests/conftest.py: add {missing} to RAY_MODULES (they use ray_cluster)")
+        raise pytest.UsageError(f"tests/conftest.py: add {missing} to one of RAY_GROUPS (they use ray_cluster)")
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's scheduler with every RAY_MODULES test in one unit (its ``xdist_group`` mark does not
-    group under pytest 9.2: xdist 3.8 renames ``item._nodeid``, which pytest 9 no longer reads)."""
+    """pytest-xdist's scheduler with each Ray group one unit (its ``xdist_group`` mark does not group under
+    pytest 9.2: xdist 3.8 renames ``item._nodeid``, which pytest 9 no longer reads) and each in-process test
+    a unit of its own; the groups first in the queue, the heaviest first, so they start at once on the
+    first two workers and the in-process tests fill in one by one wherever a worker is free."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class RayInOneWorker(LoadScopeScheduling):
+    class RayGroupsFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "ray" if nodeid.split("::")[0] in RAY_MODULES else nodeid
+            return ray_group(nodeid.split("::")[0]) or nodeid
 
-    return RayInOneWorker(config, log)
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "_groups_first", False):  # the queue is complete by the first assignment
+                self._groups_first = True
+                for name in sorted(RAY_GROUPS, key=lambda g: sum(RAY_GROUPS[g].values())):
+                    if name in self.workqueue:
+                        self.workqueue.move_to_end(name, last=False)
+            super()._assign_work_unit(node)
+
+    return RayGroupsFirst(config, log)
 
 
 @pytest.fixture
@@ -98,15 +135,28 @@ def ray_cluster():
 
     Tests that need nodes with fake GPUs add them with ``ray_cluster.add_node(...)`` and remove
     them when done. Serve is shut down and Ray stopped at the end of the session.
+
+    One per xdist worker, and other clusters may run on this machine meanwhile (the other worker's, a
+    helper's): every port is one the kernel picks (Ray's dashboard agent would take its fixed 52365, and
+    a second head's agent then served no HTTP), and the node weight stores (offload_core/host/store.py)
+    live in a folder of this cluster's own, since a store's file name is the digest of what it holds: two
+    clusters serving the tiny Wan would name the same file, and each one's ledger removes it when its own
+    last replica leaves.
     """
     import ray
     from ray.cluster_utils import Cluster
 
+    from offload_core.host.store import STORE_DIR_ENV
+
+    # Set before the head starts: its raylet passes its environment to every worker it starts.
+    stores = tempfile.mkdtemp(prefix="offload-serve-test-stores-", dir=SHM)
+    os.environ[STORE_DIR_ENV] = stores
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
             "num_cpus": 2,
             "include_dashboard": False,
+            "dashboard_agent_listen_port": 0,
             "object_store_memory": OBJECT_STORE_BYTES,
             # Workers report metrics every second, not Ray's 10: a test that waits for a counter
             # (a cancel, a stage's first series) waited 5 s on average for the next report.
@@ -122,3 +172,4 @@ def ray_cluster():
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(stores, ignore_errors=True)

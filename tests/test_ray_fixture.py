@@ -1,4 +1,8 @@
+from pathlib import Path
+
 import ray
+
+from offload_core.host.store import DEFAULT_STORE_DIR, store_dir
 
 
 def test_ray_cluster_runs_a_task_on_a_node_added_with_a_fake_gpu(ray_cluster):
@@ -15,3 +19,16 @@ def test_ray_cluster_runs_a_task_on_a_node_added_with_a_fake_gpu(ray_cluster):
         assert ray.get(where.remote(), timeout=60) == node.node_id
     finally:
         ray_cluster.remove_node(node)
+
+
+def test_the_clusters_workers_keep_weight_stores_in_a_folder_of_this_clusters_own(ray_cluster):
+    """make test's two workers each run a cluster, and a store's file name is the digest of what it holds:
+    in one shared folder, one cluster's ledger would remove the other's live store file when its own last
+    replica left (the ledger's detach unlinks it), and the other's later replicas would host privately."""
+    @ray.remote(num_cpus=0)
+    def worker_store_dir():
+        return str(store_dir())
+
+    folder = ray.get(worker_store_dir.remote(), timeout=60)
+    assert folder == str(store_dir()) and folder != DEFAULT_STORE_DIR, folder
+    assert Path(folder).is_dir()

@@ -1,6 +1,7 @@
 """The tiny-Wan service on a free localhost port: one app for the session's modules that serve it as
 configured here (ingress/test_service.py, ingress/test_video_jobs_service.py), which run one after
-another and leave it as they found it; a module that changes the config deploys an app of its own."""
+another, in one Ray group (tests/conftest.py), and leave it as they found it; a module that changes
+the config deploys an app of its own."""
 from __future__ import annotations
 
 import atexit
@@ -10,7 +11,7 @@ import tempfile
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, ray_group
 
 TOKEN_ENV = "OFFLOAD_SERVE_TEST_TOKEN"
 TOKEN = "test-token-1234"
@@ -146,6 +147,9 @@ def pytest_collection_modifyitems(items):
     users = [item for item in items if _uses_shared(item)]
     if not users:
         return
+    groups = {module: ray_group(module) for module in {item.nodeid.split("::")[0] for item in users}}
+    if len(set(groups.values())) > 1:
+        raise pytest.UsageError(f"tests/conftest.py: the shared app's modules must be in one Ray group, not {groups}")
     first = items.index(users[0])
     others = [item for item in items if not _uses_shared(item)]
     items[:] = others[:first] + users + others[first:]

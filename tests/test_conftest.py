@@ -1,0 +1,60 @@
+"""tests/conftest.py's xdist scheduler: the two Ray groups start at once, one per worker, and the
+in-process tests fill in around them one by one."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import RAY_GROUPS, pytest_xdist_make_scheduler
+
+# A collection as make test's: in-process tests before and after the Ray modules.
+IN_PROCESS = [f"tests/offload_core/test_model.py::test_{i}" for i in range(200)]
+RAY = [f"{module}::test_{i}" for group in RAY_GROUPS.values() for module in group for i in range(2)]
+COLLECTION = IN_PROCESS[:100] + RAY + IN_PROCESS[100:]
+
+
+class Worker:
+    def __init__(self, name: str):
+        self.gateway, self.shutting_down, self.sent = SimpleNamespace(id=name), False, []
+
+    def send_runtest_some(self, indices):
+        self.sent.append(list(indices))
+
+    def shutdown(self):
+        self.shutting_down = True
+
+
+def _started(reorder: bool):
+    """The scheduler of ``make test`` (``-n 2``) once both workers collected, and the two workers."""
+    config = SimpleNamespace(option=SimpleNamespace(loadscopereorder=reorder),
+                             getvalue=lambda name: ["2*popen"] if name == "tx" else None)
+    scheduler = pytest_xdist_make_scheduler(config, log=None)
+    scheduler.log = lambda *args: None
+    workers = [Worker("gw0"), Worker("gw1")]
+    for worker in workers:
+        scheduler.add_node(worker)
+    for worker in workers:
+        scheduler.add_node_collection(worker, COLLECTION)
+    scheduler.schedule()
+    return scheduler, workers
+
+
+def _modules(indices) -> set[str]:
+    return {COLLECTION[i].split("::")[0] for i in indices}
+
+
+# xdist orders its queue by tests per unit unless --no-loadscope-reorder, which keeps the collection's.
+@pytest.mark.parametrize("reorder", [True, False])
+def test_each_worker_starts_with_a_whole_ray_group_of_its_own(reorder):
+    _, workers = _started(reorder)
+    assert [len(worker.sent) for worker in workers] == [1, 1], "a group is enough to start with"
+    assert sorted(_modules(worker.sent[0]) for worker in workers) == sorted(set(g) for g in RAY_GROUPS.values())
+
+
+def test_a_worker_done_with_its_group_takes_in_process_tests_one_at_a_time():
+    scheduler, (first, _) = _started(reorder=True)
+    for index in first.sent[0]:
+        scheduler.mark_test_complete(first, index)
+    assert len(first.sent) > 2
+    assert all(len(unit) == 1 and COLLECTION[unit[0]] in IN_PROCESS for unit in first.sent[1:])
