@@ -121,11 +121,19 @@ def test_a_driver_with_the_token_gets_in_so_the_refusal_was_the_tokens_doing(ser
 
 
 def _ray_processes_of(scratch: str) -> list[str]:
-    """Processes whose command line names the head's temp dir (GCS, raylet, agents, workers)."""
+    """The head's processes, and only its: those whose command line or environment names its temp dir.
+
+    The environment too, since a Ray worker retitles itself (``ray::IDLE``, ``ray::ServeReplica:...``) and
+    its command line then names nothing; every process of the head inherits ``RAY_TMPDIR`` from it. Other
+    Ray clusters on this machine (make test's other worker's, a helper's) name other folders."""
     found = []
     for process in psutil.process_iter(["pid", "cmdline"]):
         line = " ".join(process.info["cmdline"] or ())
-        if scratch in line:
+        try:
+            named = scratch in line or process.environ().get("RAY_TMPDIR") == scratch
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone meanwhile, or another user's
+            continue
+        if named:
             found.append(f"{process.info['pid']}: {line[:120]}")
     return found
 
