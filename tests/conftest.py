@@ -82,16 +82,20 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's scheduler with each Ray group one unit (its ``xdist_group`` mark does not group under
-    pytest 9.2: xdist 3.8 renames ``item._nodeid``, which pytest 9 no longer reads) and each in-process test
-    a unit of its own; the groups first in the queue, the heaviest first, so they start at once on the
-    first two workers and the in-process tests fill in one by one wherever a worker is free."""
+    pytest 9.2: xdist 3.8 renames ``item._nodeid``, which pytest 9 no longer reads) and each in-process
+    module one unit (its module fixtures and the process's caches are built on one worker, not on both);
+    the groups first in the queue, the heaviest first, so they start at once on the first two workers and
+    the in-process modules fill in wherever a worker is free."""
     from xdist.scheduler import LoadScopeScheduling
 
     class RayGroupsFirst(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return ray_group(nodeid.split("::")[0]) or nodeid
+            module = nodeid.split("::")[0]
+            return ray_group(module) or module
 
         def _assign_work_unit(self, node) -> None:
+            # xdist orders its queue by tests per unit (unless --no-loadscope-reorder): an in-process
+            # module with more tests than a group would come first, and both groups then on one worker.
             if not getattr(self, "_groups_first", False):  # the queue is complete by the first assignment
                 self._groups_first = True
                 for name in sorted(RAY_GROUPS, key=lambda g: sum(RAY_GROUPS[g].values())):

@@ -1,15 +1,17 @@
 """tests/conftest.py's xdist scheduler: the two Ray groups start at once, one per worker, and the
-in-process tests fill in around them one by one."""
+in-process modules fill in around them."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import RAY_GROUPS, pytest_xdist_make_scheduler
+from tests.conftest import RAY_GROUPS, RAY_MODULES, pytest_xdist_make_scheduler
 
-# A collection as make test's: in-process tests before and after the Ray modules.
-IN_PROCESS = [f"tests/offload_core/test_model.py::test_{i}" for i in range(200)]
+# A collection as make test's: in-process tests before and after the Ray modules, one module with more
+# tests than either group.
+IN_PROCESS = [f"tests/offload_core/test_model{i // 25}.py::test_{i}" for i in range(200)] + [
+    f"tests/offload_core/test_many.py::test_{i}" for i in range(len(RAY_GROUPS) * 100)]
 RAY = [f"{module}::test_{i}" for group in RAY_GROUPS.values() for module in group for i in range(2)]
 COLLECTION = IN_PROCESS[:100] + RAY + IN_PROCESS[100:]
 
@@ -52,9 +54,16 @@ def test_each_worker_starts_with_a_whole_ray_group_of_its_own(reorder):
     assert sorted(_modules(worker.sent[0]) for worker in workers) == sorted(set(g) for g in RAY_GROUPS.values())
 
 
-def test_a_worker_done_with_its_group_takes_in_process_tests_one_at_a_time():
+def test_a_worker_done_with_its_group_takes_whole_in_process_modules():
     scheduler, (first, _) = _started(reorder=True)
-    for index in first.sent[0]:
-        scheduler.mark_test_complete(first, index)
-    assert len(first.sent) > 2
-    assert all(len(unit) == 1 and COLLECTION[unit[0]] in IN_PROCESS for unit in first.sent[1:])
+    done = 0
+    while done < sum(map(len, first.sent)):  # the first worker runs all it is sent, the second nothing
+        sent = [i for unit in first.sent for i in unit]
+        for index in sent[done:]:
+            scheduler.mark_test_complete(first, index)
+        done = len(sent)
+    units = first.sent[1:]
+    assert len(units) > 1 and all(not _modules(unit) & RAY_MODULES for unit in units)
+    for unit in units:
+        (module,) = _modules(unit)
+        assert unit == [i for i, nodeid in enumerate(COLLECTION) if nodeid.startswith(module + "::")], module
