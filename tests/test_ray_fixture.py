@@ -2,7 +2,7 @@ from pathlib import Path
 
 import ray
 
-from offload_core.host.store import DEFAULT_STORE_DIR, store_dir
+from offload_core.host.store_files import DEFAULT_STORE_DIR, store_dir
 
 
 def test_ray_cluster_runs_a_task_on_a_node_added_with_a_fake_gpu(ray_cluster):
