@@ -93,10 +93,16 @@ def free_port() -> int:
 
 def head_command(port: int, dashboard_port: int, object_store_bytes: int, num_cpus: int | None = None,
                  temp_dir: str | None = None) -> list[str]:
-    """``ray start`` for a loopback head that lives as long as this process (``--block``)."""
+    """``ray start`` for a loopback head that lives as long as this process (``--block``).
+
+    No fixed port, so it starts beside another Ray on this machine (make test runs two clusters and this
+    head at once): the dashboard agent's port is the kernel's (Ray's 52365 taken, the agent retried 3-5 s
+    before the raylet registered), and so is the Ray Client server's (Ray's 10001 taken, it exits, and
+    ``--block`` stops the whole head; 0, which would turn it off, ``ray start`` refuses)."""
     command = [ray_executable(), "start", "--head", "--block", f"--node-ip-address={LOOPBACK}", f"--port={port}",
-               f"--dashboard-host={LOOPBACK}", f"--dashboard-port={dashboard_port}",
-               f"--object-store-memory={object_store_bytes}", "--disable-usage-stats"]
+               f"--dashboard-host={LOOPBACK}", f"--dashboard-port={dashboard_port}", "--dashboard-agent-listen-port=0",
+               f"--ray-client-server-port={free_port()}", f"--object-store-memory={object_store_bytes}",
+               "--disable-usage-stats"]
     if num_cpus is not None:
         command.append(f"--num-cpus={num_cpus}")
     if temp_dir is not None:
