@@ -155,25 +155,27 @@ def ray_cluster():
     # Set before the head starts: its raylet passes its environment to every worker it starts.
     stores = tempfile.mkdtemp(prefix="offload-serve-test-stores-", dir=SHM)
     os.environ[STORE_DIR_ENV] = stores
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 2,
-            "include_dashboard": False,
-            "dashboard_agent_listen_port": 0,
-            "object_store_memory": OBJECT_STORE_BYTES,
-            # Workers report metrics every second, not Ray's 10: a test that waits for a counter
-            # (a cancel, a stage's first series) waited 5 s on average for the next report.
-            "_system_config": {"metrics_report_interval_ms": METRICS_REPORT_MS},
-        },
-    )
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    try:
-        yield cluster
-    finally:
-        from ray import serve
+    try:  # the folder goes also when the head fails to start
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 2,
+                "include_dashboard": False,
+                "dashboard_agent_listen_port": 0,
+                "object_store_memory": OBJECT_STORE_BYTES,
+                # Workers report metrics every second, not Ray's 10: a test that waits for a counter
+                # (a cancel, a stage's first series) waited 5 s on average for the next report.
+                "_system_config": {"metrics_report_interval_ms": METRICS_REPORT_MS},
+            },
+        )
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        try:
+            yield cluster
+        finally:
+            from ray import serve
 
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+            serve.shutdown()
+            ray.shutdown()
+            cluster.shutdown()
+    finally:
         shutil.rmtree(stores, ignore_errors=True)
