@@ -68,8 +68,12 @@ def served(tmp_path_factory):
     env.update(RAY_TMPDIR=scratch, RAY_AUTH_TOKEN_PATH=str(token), OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
     script = str(Path(sys.executable).with_name("offload-serve"))
     port = free_port()
+    # SIGINT as a terminal leaves it: a suite started in the background by a non-interactive shell (`make
+    # test &`, nohup) ignores SIGINT, the command inherits that, Python then installs no KeyboardInterrupt
+    # handler, and Ctrl-C below went unanswered for 300 s.
     server = subprocess.Popen([script, "serve", "configs/local.yaml", "--port", str(port)], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     served = Served(server, port, scratch, token, env)
     try:
         def serving():
