@@ -107,7 +107,7 @@ class JobPage:
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,       -- video_<creation time in us, hex><random>: sorts by creation time
+    id TEXT PRIMARY KEY,       -- video_<creation time in us, hex><random>: lists sort by it; claims by rowid
     model TEXT NOT NULL,
     status TEXT NOT NULL,
     progress INTEGER NOT NULL,
@@ -204,7 +204,9 @@ class SqliteJobQueue:
         self._reclaim_lapsed()
         now = self.clock()
         with self._transaction() as db:
-            rows = db.execute("SELECT id FROM jobs WHERE status = ? AND not_before <= ? ORDER BY id LIMIT ?",
+            # Oldest first by insertion (rowid), not by id: two jobs queued in one microsecond, or by
+            # replicas whose clocks differ, have ids whose order is their random tails' or the clocks'.
+            rows = db.execute("SELECT id FROM jobs WHERE status = ? AND not_before <= ? ORDER BY rowid LIMIT ?",
                               (JobStatus.QUEUED.value, now, limit)).fetchall()
             for row in rows:
                 db.execute("UPDATE jobs SET status = ?, owner = ? || '/' || (attempts + 1), lease_until = ?, "

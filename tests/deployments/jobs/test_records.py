@@ -42,6 +42,17 @@ def test_jobs_running_when_the_service_stopped_are_queued_again_when_the_file_is
     assert "service stopped" in failed.error.message
 
 
+def test_jobs_are_claimed_in_the_order_they_were_queued_even_when_their_ids_sort_the_other_way(tmp_path):
+    clock = Clock()
+    store = _store(tmp_path, clock)
+    # One microsecond, or a replica whose clock is behind: the ids sort against the queue's order.
+    later_id, earlier_id = new_job_id(clock()), new_job_id(clock() - 1)
+    for job_id in (later_id, earlier_id):
+        store.create(new_job(job_id, "m", PARAMS, int(clock())))
+    assert [j.id for j in store.claim("runner", 1)] == [later_id], "first queued, first run"
+    assert [j.id for j in store.claim("runner", 1)] == [earlier_id]
+
+
 def test_a_lapsed_lease_requeues_the_job_and_only_the_holder_may_finish_it(tmp_path):
     clock = Clock()
     store = _store(tmp_path, clock)
