@@ -18,7 +18,13 @@ os.environ.setdefault("OFFLOAD_SERVE_PLAN_CACHE", "0")
 
 # 200 MiB per node: tensors between stages are small for the tiny zoo, and several nodes share 24 GiB.
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
-METRICS_REPORT_MS = 1000
+# Workers report metrics every 3 s, not Ray's 10: a test that waits for a counter (a cancel, a stage's
+# first series) waited 5 s on average for the next report. Not every 1 s: with one app up, a 1 s report
+# took the idle cluster 10.95 CPU-s per 30 s against 7.71 at 3 s, log monitors off (/work/prof/idle_app.py).
+METRICS_REPORT_MS = 3000
+# Every node of the tests' clusters: no log monitor (it tails every worker's log files for drivers, and the
+# tests' driver takes none, log_to_driver=False): 27 CPU-s of a whole run's 1212.
+QUIET_NODE = {"include_log_monitor": False}
 # A tmpfs, as the stores' default folder (/dev/shm/offload-serve); the system's temp folder where there is none.
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
@@ -30,21 +36,20 @@ def free_port() -> int:
 
 
 # The modules that run on Ray: the session's ``ray_cluster`` (checked at collection, below) or a head of
-# their own (the serve command's). ``make test`` runs ``-n 2``: the group is one xdist unit on one worker,
-# started first, with one Ray cluster; the in-process tests (model logic) fill the other worker. The
-# scheduler takes any number of groups (one cluster per worker that runs one). Two groups on a clean clone
-# of e7b2772 took 874.8 s at load 13-45, but 300 s of it was the serve command ignoring SIGINT (the run was
-# started with nohup &; fixed in its test), so two clusters against one is not yet measured cleanly. The figures:
-# each module's seconds (setup + call + teardown) in that quiet run (/work/prof-quiet-2110.xml).
+# their own (the serve command's). ``make test`` runs ``-n 2``: each group is one xdist unit, the groups
+# start first, the heaviest first, so "ray" (one Ray cluster) has one worker and "serve-command" (its own
+# head, no session cluster) starts on the other, the in-process tests (model logic) filling in after it.
+# A whole run is CPU-bound (1081-1212 CPU-s in 616-686 s on 2 cores, /work/prof/cpu_sampler.py): the serve
+# command beside the cluster's modules costs no more CPU, and takes its 65 s off the cluster's worker. Two
+# clusters, one per worker, were tried (379eebd): each cluster's own processes cost 160-250 CPU-s more.
+# The figures: each module's seconds (setup + call + teardown) in a quiet run (/work/prof-quiet-2110.xml).
 RAY_GROUPS: dict[str, dict[str, float]] = {
     "ray": {
-        # The fake-GPU fleet's package (tests/cluster: its three nodes are started once per cluster), and the
-        # serve command (a head of its own).
+        # The fake-GPU fleet's package (tests/cluster: its three nodes are started once per cluster).
         "tests/cluster/ledger/test_actor.py": 49.8, "tests/cluster/ledger/test_shared_stores.py": 26.9,
         "tests/cluster/test_autoscale.py": 24.1, "tests/cluster/replica/test_ledger_view.py": 18.1,
         "tests/cluster/replica/test_plan.py": 9.5, "tests/cluster/replica/test_device_leases.py": 5.6,
         "tests/cluster/replica/test_neighbours.py": 4.8,
-        "tests/deployments/dev/test_serve_command.py": 67.5,
         "tests/deployments/capacity/test_limits_service.py": 48.2,
         "tests/deployments/ingress/test_health_service.py": 16.2, "tests/test_ray_fixture.py": 4.0,
         # The service's apps; the shared app's modules (tests/deployments/conftest.py) in one group, else two
@@ -54,7 +59,8 @@ RAY_GROUPS: dict[str, dict[str, float]] = {
         "tests/deployments/replica/test_tensor_parallel_service.py": 46.3,
         "tests/deployments/ingress/test_families_service.py": 26.6, "tests/deployments/replica/test_shards.py": 21.1,
         "tests/deployments/ingress/test_service_sd3.py": 19.7, "tests/deployments/ingress/test_service_flux.py": 17.1,
-    },  # 543.0 s
+    },  # 475.5 s
+    "serve-command": {"tests/deployments/dev/test_serve_command.py": 67.5},
 }
 RAY_MODULES = frozenset(module for group in RAY_GROUPS.values() for module in group)
 
@@ -162,8 +168,7 @@ def ray_cluster():
                 "include_dashboard": False,
                 "dashboard_agent_listen_port": 0,
                 "object_store_memory": OBJECT_STORE_BYTES,
-                # Workers report metrics every second, not Ray's 10: a test that waits for a counter
-                # (a cancel, a stage's first series) waited 5 s on average for the next report.
+                **QUIET_NODE,
                 "_system_config": {"metrics_report_interval_ms": METRICS_REPORT_MS},
             },
         )

@@ -3,11 +3,12 @@ from pathlib import Path
 import ray
 
 from offload_core.host.store_files import DEFAULT_STORE_DIR, store_dir
+from tests.conftest import QUIET_NODE
 
 
 def test_ray_cluster_runs_a_task_on_a_node_added_with_a_fake_gpu(ray_cluster):
     # A resource no other module's nodes declare, so the task can only land on this node.
-    node = ray_cluster.add_node(num_cpus=1, num_gpus=1, resources={"fixture-test-gpu": 1},
+    node = ray_cluster.add_node(**QUIET_NODE, num_cpus=1, num_gpus=1, resources={"fixture-test-gpu": 1},
                                 object_store_memory=100 * 1024 * 1024)
     ray_cluster.wait_for_nodes()
 

@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from cluster.ledger.actor import LedgerConfig, node_ledger
+from tests.conftest import QUIET_NODE
 
 # Fast enough for tests: a dead replica's leases come back within ~0.5 s + one GCS lookup.
 FAST = LedgerConfig(liveness_interval_s=0.5, heartbeat_s=0.5, recovery_s=2.0)
@@ -38,7 +39,7 @@ def fleet_nodes(ray_cluster):
     specs = {"small": ("RTX3060", 8), "l4": ("L4", 16), "big": ("H100", 64)}
     added, nodes = [], {}
     for key, (gpu, ram_gb) in specs.items():
-        node = ray_cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=100 * MiB,
+        node = ray_cluster.add_node(**QUIET_NODE, num_cpus=1, num_gpus=1, object_store_memory=100 * MiB,
                                     resources={f"accelerator_type:{gpu}": 1, "offload_fake_ram_gb": ram_gb})
         added.append(node)
         nodes[key] = FakeNode(node.node_id, gpu, ram_gb)

@@ -15,6 +15,7 @@ import ray
 from ray import serve
 
 from deployments.capacity.request_limits import Limits
+from tests.conftest import QUIET_NODE
 from tests.deployments.conftest import TOKEN, TOKEN_ENV, delete_app, serve_base_url, tiny_args
 from tests.waiting import wait_for
 
@@ -40,7 +41,7 @@ def gpu_app(ray_cluster):
     """(http client, the build-time warnings) of the app on a one-GPU fake node; removed afterwards."""
     from deployments.app import build_app_with
 
-    node = ray_cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=100 * MiB,
+    node = ray_cluster.add_node(**QUIET_NODE, num_cpus=1, num_gpus=1, object_store_memory=100 * MiB,
                                 resources={"accelerator_type:RTX3060": 1, "offload_fake_ram_gb": 8})
     ray_cluster.wait_for_nodes()
     os.environ[TOKEN_ENV] = TOKEN
