@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from offload_core.layout import unique_storage_bytes
 from offload_core.planner.facts import LinkFacts, PipelineFacts, Stage, profile_component
@@ -21,6 +20,7 @@ from offload_core.planner.strategy import Strategy
 from offload_core.residency.lifecycle import PipelineResidency
 from offload_core.tables import HostTablesConfig
 from offload_core.tensor_parallel import NoTensorParallelPlan, load_rank, tp_plan_for
+from tests import ranks
 from tests.offload_core.tp_fixtures import tiny_t5, tiny_umt5
 
 # fp32 over 2 ranks: the all-reduces sum partial products in another order than one matmul does.
@@ -84,7 +84,7 @@ def test_t5_family_encoders_over_two_gloo_ranks_match_the_unsharded_encoder(tmp_
         folder = tmp_path / type(model).__name__
         model.save_pretrained(folder)
         folders[type(model).__name__] = str(folder)
-    mp.spawn(_rank, args=(2, str(tmp_path / "init"), str(tmp_path), folders), nprocs=2, join=True)
+    ranks.spawn(_rank, (2, str(tmp_path / "init"), str(tmp_path), folders), nprocs=2)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         for name, entry in result.items():

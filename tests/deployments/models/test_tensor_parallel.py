@@ -4,16 +4,15 @@ the deploy-time check (a Denoiser of theirs at tp_size 2 is accepted, a CLIP enc
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from deployments.models import families
 from deployments.models.tensor_parallel import NoStagePlan, check_tp, rank_components
 from deployments.wire.spec import PipelineStage
+from tests import ranks
 from zoo.tiny import ensure_tiny_flux
 from zoo.tiny_families import ensure_tiny_qwen_image
 
@@ -66,15 +65,14 @@ def _free_port() -> int:
 
 def test_the_dits_over_2_gloo_ranks_with_diffusers_plan_answer_what_the_unsharded_dit_does():
     folders = {family: str(ensure()) for family, ensure in FOLDERS.items()}  # built once, before the ranks read them
-    ctx = mp.get_context("spawn")
+    ctx = ranks.context()
     out = ctx.Queue()
-    os.environ["OMP_NUM_THREADS"] = "1"  # the spawned ranks inherit it: one thread each on a shared machine
     port = _free_port()
-    ranks = [ctx.Process(target=_rank, args=(r, port, folders, out)) for r in range(2)]
-    for p in ranks:
+    processes = [ctx.Process(target=_rank, args=(r, port, folders, out)) for r in range(2)]
+    for p in processes:
         p.start()
     results = [out.get(timeout=300) for _ in range(2 * len(folders))]
-    for p in ranks:
+    for p in processes:
         p.join(timeout=60)
         assert p.exitcode == 0, p.exitcode
     for family, rank, diff, count, fraction in sorted(results):

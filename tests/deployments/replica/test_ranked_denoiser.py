@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from deployments.app import StageArgs, stage_configs
 from deployments.models import families
@@ -30,6 +28,7 @@ from deployments.replica.ranked_denoiser import (
 )
 from deployments.wire.spec import GenerationSpec, PipelineStage, RequestRejected
 from offload_core.planner.search import PerformanceMode
+from tests import ranks
 from tests.deployments.conftest import tiny_args
 from zoo.tiny import ensure_tiny_flux
 from zoo.tiny_families import ensure_tiny_qwen_image
@@ -68,7 +67,7 @@ class _SpawnedGroup:
     """Two rank processes, called as ShardGroup calls its rank actors: every call to all, rank 0's answer."""
 
     def __init__(self, folder: str):
-        ctx = mp.get_context("spawn")
+        ctx = ranks.context()
         self.inboxes, self.outboxes = [ctx.Queue() for _ in range(2)], [ctx.Queue() for _ in range(2)]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -119,7 +118,6 @@ def test_the_batched_denoiser_over_2_gloo_ranks_answers_what_tp_size_1_does(fami
     plain = families.load_stage_pipeline(facts, PipelineStage.DENOISE, F32)
     want, plain_batch = _run(stepper_for(plain, facts, CPU), encoded)
 
-    os.environ["OMP_NUM_THREADS"] = "1"  # the spawned ranks inherit it: one thread each on a shared machine
     group = _SpawnedGroup(folder)
     try:
         ranked = RankedStageWorker(_config(facts), group, "tp-denoise-test")

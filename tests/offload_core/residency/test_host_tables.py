@@ -5,13 +5,13 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 from offload_core.planner.real_models import meta_component
 from offload_core.residency.host_tables import apply_host_tables, device_weight_bytes
 from offload_core.tables import HostTablesConfig, TableVerdict, declared_table_names, select_host_tables
+from tests import ranks
 
 LOW = HostTablesConfig(min_bytes=1024)
 
@@ -181,7 +181,7 @@ def _sharded_worker(rank: int, world: int, init_file: str, out_dir: str):
 
 
 def test_a_vocab_sharded_table_feeding_an_all_reduce_stays_on_the_device_and_matches_unsharded(tmp_path):
-    mp.spawn(_sharded_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks.spawn(_sharded_worker, (2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result == {"verdicts": ["sharded"], "hosted": 0, "hooks": 0, "equal": True}, result
