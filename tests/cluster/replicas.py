@@ -25,12 +25,14 @@ class LeasingReplica:
                 "gpu": m.node.gpus[0].name if m.node.gpus else None, "share": m.share_bytes,
                 "pool_bytes": m.device_budget.capacity(), "fraction": m.process_memory_fraction()}
 
-    def reserved_call(self, standing: int, nbytes: int, hold_s: float, timeout_s: float) -> tuple[str, float]:
-        """A stage call under DeviceLeases: standing lease, then a call reservation kept afterwards."""
+    def reserved_call(self, standing: int, nbytes: int, hold_s: float, timeout_s: float,
+                      idle_s: float | None = None) -> tuple[str, float]:
+        """A stage call under DeviceLeases: standing lease, then a call reservation kept afterwards
+        (``idle_s``: how long it is kept unused, at the first call; the product's default if None)."""
         from cluster.replica.device_leases import LeaseRefused
 
         if self.leases is None:
-            self.leases = self.memory.device_leases()
+            self.leases = self.memory.device_leases(idle_s=idle_s)
             self.leases.hold_standing(standing, timeout_s)
         start = time.monotonic()
         try:
