@@ -63,7 +63,7 @@ def _cancel_metrics(ray_cluster) -> dict[str, float]:
 
 
 def _wait_for_cancels(ray_cluster, count: int) -> dict[str, float]:
-    # Workers report every 1 s (tests/conftest.py); a scrape every 0.2 s sees a report within 0.2 s of it.
+    # Workers report every 3 s (tests/conftest.py); a scrape every 0.2 s sees a report within 0.2 s of it.
     deadline, found = time.monotonic() + 90, {}
     while time.monotonic() < deadline:
         found = _cancel_metrics(ray_cluster)
