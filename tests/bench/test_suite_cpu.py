@@ -1,0 +1,37 @@
+"""bench/suite_cpu.py: a run's CPU counted by process kind, daemons left behind by their starter included."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The command forks a child that forks a worker and exits at once (as `ray start` leaves its daemons): the
+# worker, orphaned, burns 0.6 CPU-s while the command waits, then the command exits 3.
+COMMAND = """
+import os, sys, time
+if os.fork() == 0:
+    if os.fork() == 0:
+        os.execv(sys.executable, [sys.executable, "-c", "import time; t = time.process_time()\\n"
+                                  "while time.process_time() - t < 0.6: pass", "orphan-worker"])
+    os._exit(0)
+os.wait()
+time.sleep(1.2)
+sys.exit(3)
+"""
+
+
+def test_an_orphaned_daemons_cpu_is_counted_and_the_commands_exit_status_is_kept():
+    done = subprocess.run([sys.executable, "bench/suite_cpu.py", "--every", "0.1", "--", sys.executable, "-c",
+                           COMMAND], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["returncode"] == 3
+    # The kinds are the command's first two words; the orphan's is "python -c" too, the only one that works.
+    worked = report["kinds"]["python -c"]
+    assert worked["processes"] >= 2 and worked["cpu_s"] >= 0.45, report
+    assert report["cpu_s"] <= report["wall_s"] * 2 + 0.5
