@@ -58,7 +58,8 @@ def _running_replicas() -> int:
 
 
 def test_the_denoiser_scales_out_and_back_leasing_from_one_node_ledger(fleet_nodes):
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    # Serve's first start sets its proxies for the session: one, on the head (tests/deployments/conftest.py).
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port()})
     handle = serve.run(Denoiser.bind(), name=APP, route_prefix=None)
     l4 = fleet_nodes.l4.node_id
     try:

@@ -25,7 +25,9 @@ def serve_base_url(ray_cluster) -> str:
     from ray import serve
     from ray.serve.context import _get_global_client
 
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    # One proxy, on the head (the tests' requests go there), not one more on every fake GPU node a
+    # replica lands on: each started in 5+ s on a loaded machine for no request.
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port()})
     config = _get_global_client().http_config
     return f"http://{config.host}:{config.port}"
 
