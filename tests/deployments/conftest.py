@@ -17,7 +17,7 @@ TOKEN_ENV = "OFFLOAD_SERVE_TEST_TOKEN"
 TOKEN = "test-token-1234"
 APP = "svc-test"
 PREFIX = "/svc"
-MAX_STEPS = 200
+MAX_STEPS = 1000
 
 
 def serve_base_url(ray_cluster) -> str:
@@ -50,8 +50,9 @@ def tiny_args(**overrides):
     from deployments.jobs.queue import JobsArgs
     from offload_core.planner.search import PerformanceMode
 
-    # max_steps 200: room for one request long enough (~1 s of denoising here) that a replica
-    # killed after its first step is surely still denoising it; every other test asks for <= 4.
+    # max_steps 1000: room for requests long enough (~5 s of denoising here) that a replica killed
+    # after its first step is surely still denoising, and that a client giving up after 1 s leaves
+    # mid-denoise (ingress/test_service_lifecycle.py); every other test asks for <= 4.
     limits = Limits(max_width=64, max_height=64, max_steps=MAX_STEPS, max_n=2, max_prompt_chars=200, max_frames=9,
                     default_size="16x16", default_steps=2, default_frames=5, default_fps=4)
     # A queue of 4 per stage: the concurrency test (3 clients) fits with room for a request the

@@ -1,33 +1,30 @@
-"""The service's lifecycle over real Serve, one app for the module: a client that disconnects
-(plain HTTP or SSE) cancels its request and the Denoiser is free within one step; a config change
-deployed under steady traffic loses no request and the replaced replicas give every lease back
-(`serve.run` of the changed app goes through the same rolling update as `serve deploy`)."""
+"""The service's lifecycle over real Serve, on the shared tiny-Wan app (tests/deployments/conftest.py): a
+client that disconnects (plain HTTP or SSE) cancels its request and the Denoiser is free within one step;
+a config change deployed under steady traffic loses no request and the replaced replicas give every lease
+back (`serve.run` of the changed app goes through the same rolling update as `serve deploy`). The change
+(every stage's device timeout) leaves the app serving as before for the shared app's later modules."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import httpx
 import pytest
 
-from deployments.app import StageArgs
-from offload_core.planner.search import PerformanceMode
-from tests.deployments.conftest import TOKEN, TOKEN_ENV, serve_base_url, tiny_args
+from tests.deployments.conftest import APP, MAX_STEPS, PREFIX, SHARED_OPTIONS, TOKEN, shared_args
 
-APP, PREFIX = "roll-test", "/roll"
 IMAGES = "/v1/images/generations"
 CLIENTS = 2
 
 
 # Long enough that a client giving up after 1 s leaves mid-denoise (~5 ms a step here, 2 images).
-LONG_STEPS = 1000
+LONG_STEPS = MAX_STEPS
+LONG = {"prompt": "a long walk", "seed": 3, "num_inference_steps": LONG_STEPS, "size": "64x64", "n": 2}
 
 
-def _args(denoiser_mode: PerformanceMode):
-    limits = tiny_args().limits.model_copy(update={"max_steps": LONG_STEPS})
-    return tiny_args(app_name=APP, denoiser=StageArgs(offload_mode=denoiser_mode), graceful_shutdown_timeout_s=30,
-                     limits=limits)
+@pytest.fixture(scope="module")
+def base(service):
+    return service[0]
 
 
 def _replicas(deployment: str) -> set[str]:
@@ -73,25 +70,8 @@ def _wait_for_cancels(ray_cluster, count: int) -> dict[str, float]:
     raise AssertionError(f"the Denoiser reported {found} cancels, expected {count}: the call ran on")
 
 
-LONG = {"prompt": "a long walk", "seed": 3, "num_inference_steps": LONG_STEPS, "size": "64x64", "n": 2}
-
-
-@pytest.fixture(scope="module")
-def base(ray_cluster):
-    from ray import serve
-
-    from deployments.app import build_app
-
-    os.environ[TOKEN_ENV] = TOKEN
-    url = serve_base_url(ray_cluster)
-    serve.run(build_app(_args(PerformanceMode.MEMORY)), name=APP, route_prefix=PREFIX)
-    try:
-        yield url + PREFIX
-    finally:
-        serve.delete(APP)
-
-
 def test_a_plain_http_client_that_disconnects_frees_the_denoiser_within_one_step(base, ray_cluster):
+    before = _cancel_metrics(ray_cluster).get("cancelled_requests_total", 0)  # the shared app's earlier ones
     headers = {"Authorization": f"Bearer {TOKEN}"}
     # The client must give up mid-denoise: a cancel while the encoder still runs is not the Denoiser's.
     # A fixed 1 s read timeout did that alone, but not in the whole suite (the app's first request's
@@ -104,7 +84,7 @@ def test_a_plain_http_client_that_disconnects_frees_the_denoiser_within_one_step
     give_up_s = max(1.0, 2 * (denoise["started_at"] - sent) + 0.5)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(base + IMAGES, json=LONG, headers=headers, timeout=httpx.Timeout(30, read=give_up_s))
-    found = _wait_for_cancels(ray_cluster, 1)
+    found = _wait_for_cancels(ray_cluster, before + 1)
     print(f"HTTP disconnect: replica free {found['free_seconds_after_cancel'] * 1e3:.0f} ms after the cancel, "
           f"{found['steps_after_cancel']:.0f} step(s) after the last one seen")
     assert found["steps_after_cancel"] <= 1
@@ -132,7 +112,12 @@ def test_an_event_stream_client_that_disconnects_frees_the_denoiser_within_one_s
 def test_a_config_change_under_steady_traffic_loses_no_request_and_gives_every_lease_back(base):
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import build_app_with
+
+    # Every stage's device timeout, 1 s -> 1.5 s: each stage replica's arguments change, so Serve replaces
+    # them all, and the app serves as before for the shared app's later modules.
+    changed = shared_args()
+    changed = changed.model_copy(update={"device_timeout_s": changed.device_timeout_s + 0.5})
 
     old_stages = _replicas("Denoiser") | _replicas("TextEncoder") | _replicas("VaeDecoder")
     assert _leases_of(old_stages) > 0, "the old replicas hold no lease: nothing to give back"
@@ -152,7 +137,7 @@ def test_a_config_change_under_steady_traffic_loses_no_request_and_gives_every_l
         while len(results) < 4:  # traffic is flowing through the old replicas
             time.sleep(0.1)
         started = time.monotonic()
-        serve.run(build_app(_args(PerformanceMode.SPEED)), name=APP, route_prefix=PREFIX)  # the change
+        serve.run(build_app_with(changed, SHARED_OPTIONS), name=APP, route_prefix=PREFIX)  # the change
         updated = time.monotonic()
         while sum(1 for at, _, _ in results if at > updated) < 4:  # and through the new ones
             time.sleep(0.1)
