@@ -1,11 +1,11 @@
 """The ingress's watch over its application: which stage deployments run, and how many replicas wait.
 
-Every ``WATCH_INTERVAL_S`` a thread of the ingress replica reads Serve's status of the app
-(``serve.status()``: one call to the controller) and keeps a :class:`deployments.api.serving.ServingState`
-the API answers from without a round trip per request (a refusal on a "down" reading waits for one
-that began after the request came: ``AppWatch.confirm``); every ``PENDING_EVERY`` reads it also counts
-the stage replicas Ray has not placed (``capacity.unplaced``: controller + GCS) for the
-``offload_serve_pending_replicas`` gauge. A stage is down while it has no RUNNING replica; its
+Every ``WATCH_INTERVAL_S`` a thread of the ingress replica reads Serve's details of the apps (one call to
+the controller, read as plain dicts: ``capacity.unplaced.serve_details``) and keeps a
+:class:`deployments.api.serving.ServingState` the API answers from without a round trip per request (a
+refusal on a "down" reading waits for one that began after the request came: ``AppWatch.confirm``); every
+``PENDING_EVERY`` reads it also counts, from the same reply, the stage replicas Ray has not placed
+(``capacity.unplaced``; the GCS only when one waits) for the ``offload_serve_pending_replicas`` gauge. A stage is down while it has no RUNNING replica; its
 status and Serve's message say why (deploying, unhealthy, failed to deploy). A change is logged once.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from typing import Mapping
 
 from deployments.api.serving import ServingState, StageDown
 from deployments.capacity import unplaced
@@ -39,23 +40,27 @@ PENDING_EVERY = 5
 CONFIRM_AFTER_S = 0.25
 
 
-def serving_state(app_name: str, stages=STAGES) -> ServingState:
-    """The app's stages as Serve reports them now (from a replica or a driver)."""
-    from ray import serve
+def _value(status) -> str:
+    return str(getattr(status, "value", status))
 
-    app = serve.status().applications.get(app_name)
+
+def serving_state(app_name: str, stages=STAGES, details: Mapping | None = None) -> ServingState:
+    """The app's stages as Serve reports them now (from a replica or a driver); ``details``: a
+    :func:`deployments.capacity.unplaced.serve_details` reply already read."""
+    details = unplaced.serve_details() if details is None else details
+    app = details.get("applications", {}).get(app_name)
     if app is None:
         return ServingState(tuple(StageDown(s, "MISSING", f"Serve has no application {app_name!r}") for s in stages))
     down = []
     for stage in stages:
-        info = app.deployments.get(stage)
+        info = app.get("deployments", {}).get(stage)
         if info is None:
-            down.append(StageDown(stage, "MISSING", app.message))
+            down.append(StageDown(stage, "MISSING", app.get("message") or ""))
             continue
-        running = int(info.replica_states.get("RUNNING", 0))
-        if running == 0:
-            reason = info.message if len(info.message) <= REASON_CHARS else info.message[:REASON_CHARS] + " ..."
-            down.append(StageDown(stage, str(getattr(info.status, "value", info.status)), reason))
+        if not any(replica.get("state") == "RUNNING" for replica in info.get("replicas", ())):
+            message = info.get("message") or ""
+            reason = message if len(message) <= REASON_CHARS else message[:REASON_CHARS] + " ..."
+            down.append(StageDown(stage, _value(info.get("status")), reason))
     return ServingState(tuple(down))
 
 
@@ -103,7 +108,8 @@ class AppWatch:
     def _read(self, count_pending: bool) -> None:
         began = self._tried_at = time.monotonic()
         try:
-            state = serving_state(self.app_name, self.stages)
+            details = unplaced.serve_details()  # one controller call for the stages and the pending count
+            state = serving_state(self.app_name, self.stages, details)
         except Exception as exc:  # the controller restarting: keep the last reading, say so once per change
             logger.info("app watch: Serve's status unreadable (%s: %s); keeping the last reading",
                         type(exc).__name__, exc)
@@ -118,7 +124,7 @@ class AppWatch:
             self._settled_from = max(self._settled_from, began)
         if count_pending:
             try:
-                pending = unplaced.pending_replicas(self.app_name)
+                pending = unplaced.pending_replicas(self.app_name, details=details)
             except Exception as exc:
                 logger.info("app watch: pending replicas unreadable (%s: %s)", type(exc).__name__, exc)
                 return

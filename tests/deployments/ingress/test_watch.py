@@ -6,11 +6,85 @@ import asyncio
 import threading
 import time
 
+import pytest
+
 from deployments.api.serving import ServingState, StageDown
 from deployments.capacity.gpu_shares import PendingReplica
 from deployments.ingress import watch
 
 DOWN = ServingState((StageDown("Denoiser", "UPDATING", ""),))
+
+
+@pytest.fixture(autouse=True)
+def no_controller(monkeypatch):
+    """Serve's details as the watch's tests fake them: the reading is faked further down (serving_state)."""
+    monkeypatch.setattr(watch.unplaced, "serve_details", lambda: {})
+
+
+def _replica(replica_id: str, state: str, node_id: str | None = "n1") -> dict:
+    return {"replica_id": replica_id, "state": state, "node_id": node_id, "actor_name": f"SERVE_REPLICA::{replica_id}",
+            "start_time_s": 1.0}
+
+
+def _details(**deployments) -> dict:
+    """Serve's details of one app, "app", as the controller sends them (plain JSON, the REST API's shape)."""
+    return {"applications": {"app": {"name": "app", "status": "DEPLOYING", "message": "app deploying",
+                                     "deployments": {name: {"name": name, **d} for name, d in deployments.items()}}}}
+
+
+def test_the_fields_read_from_serves_details_are_its_schemas():
+    from ray.serve.schema import ApplicationDetails, DeploymentDetails, ReplicaDetails
+
+    app = _details(Denoiser={"status": "HEALTHY", "message": "", "replicas": [_replica("d1", "RUNNING")]}
+                   )["applications"]["app"]
+    assert set(app) <= set(ApplicationDetails.model_fields)
+    assert set(app["deployments"]["Denoiser"]) <= set(DeploymentDetails.model_fields)
+    assert set(app["deployments"]["Denoiser"]["replicas"][0]) <= set(ReplicaDetails.model_fields)
+
+
+def test_serving_state_is_read_from_serves_details_without_serve_status(monkeypatch):
+    from ray import serve
+
+    monkeypatch.setattr(serve, "status", lambda: pytest.fail("serve.status() validates every app into models"))
+    long = "RuntimeError: " + "x" * 1000
+    details = _details(TextEncoder={"status": "HEALTHY", "message": "", "replicas": [_replica("t1", "RUNNING")]},
+                       Denoiser={"status": "UNHEALTHY", "message": long,
+                                 "replicas": [_replica("d1", "STARTING", None), _replica("d0", "STOPPING")]})
+    state = watch.serving_state("app", details=details)
+    assert state.down == (
+        StageDown("Denoiser", "UNHEALTHY", long[:watch.REASON_CHARS] + " ..."),
+        StageDown("VaeDecoder", "MISSING", "app deploying"),
+    )
+    gone = watch.serving_state("other", details=details)
+    assert [d.status for d in gone.down] == ["MISSING"] * 3 and "'other'" in gone.down[0].reason
+    assert watch.serving_state("app", ("TextEncoder",), details).serving
+
+
+def test_no_pending_replica_is_found_without_the_schemas_models_or_the_gcs(monkeypatch):
+    from ray.serve import schema
+
+    monkeypatch.setattr(schema.ApplicationDetails, "model_validate", lambda raw: pytest.fail("validated"))
+    monkeypatch.setattr(watch.unplaced, "gpu_nodes", lambda free=False: pytest.fail("read the GCS's nodes"))
+    details = _details(Denoiser={"status": "HEALTHY", "message": "",
+                                 "replicas": [_replica("d1", "RUNNING"), _replica("d2", "STARTING")]})
+    assert watch.unplaced.pending_replicas("app", details=details) == ()
+    assert watch.unplaced.pending_replicas("other", details=details) == ()
+
+
+def test_each_read_asks_the_controller_once_for_the_stages_and_the_pending_count(monkeypatch):
+    details = _details(**{name: {"status": "HEALTHY", "message": "", "replicas": [_replica(name, "RUNNING")]}
+                          for name in watch.STAGES})
+    asked = []
+    monkeypatch.setattr(watch.unplaced, "serve_details", lambda: asked.append(1) or details)
+    monkeypatch.setattr(watch, "PendingGauge", Gauge)
+    app_watch = watch.AppWatch("app", interval_s=3600)
+    try:
+        wait_for(lambda: app_watch._gauge.counts)
+        assert app_watch.state().serving
+        assert app_watch._gauge.counts == [{"TextEncoder": 0, "Denoiser": 0, "VaeDecoder": 0}]
+        assert len(asked) == 1, "the pending count read Serve's details again"
+    finally:
+        app_watch.close()
 
 
 class Gauge:
@@ -23,10 +97,10 @@ class Gauge:
 
 def test_a_stale_down_reading_is_read_again_before_a_refusal_and_pending_replicas_are_counted(monkeypatch):
     readings = [DOWN]
-    monkeypatch.setattr(watch, "serving_state", lambda app, stages: readings[-1])
+    monkeypatch.setattr(watch, "serving_state", lambda app, stages, details: readings[-1])
     monkeypatch.setattr(watch, "PendingGauge", Gauge)
     pending = PendingReplica("Denoiser", "r1", (("GPU", 0.6),), 3.0, "no node has 0.6 GPU free")
-    monkeypatch.setattr(watch.unplaced, "pending_replicas", lambda app: (pending,))
+    monkeypatch.setattr(watch.unplaced, "pending_replicas", lambda app, details: (pending,))
     app_watch = watch.AppWatch("app", interval_s=3600)  # one reading at start, then none on its own
     try:
         for _ in range(200):
@@ -51,7 +125,7 @@ class SlowStatus:
         self.now, self.began = DOWN, []
         self.release = threading.Event()
 
-    def __call__(self, app, stages):
+    def __call__(self, app, stages, details):
         seen = self.now
         self.began.append(time.monotonic())
         if len(self.began) == 1:
@@ -72,7 +146,7 @@ def test_a_request_right_after_the_app_came_up_is_not_refused_on_a_reading_that_
     status = SlowStatus()
     monkeypatch.setattr(watch, "serving_state", status)
     monkeypatch.setattr(watch, "PendingGauge", Gauge)
-    monkeypatch.setattr(watch.unplaced, "pending_replicas", lambda app: ())
+    monkeypatch.setattr(watch.unplaced, "pending_replicas", lambda app, details: ())
     monkeypatch.setattr(watch, "CONFIRM_AFTER_S", 1.0)  # wide, so the reading is "recent" however slow the test
     app_watch = watch.AppWatch("app", interval_s=3600)
     try:
@@ -91,7 +165,7 @@ def test_a_read_that_ends_after_a_newer_one_does_not_overwrite_it(monkeypatch):
     status = SlowStatus()
     monkeypatch.setattr(watch, "serving_state", status)
     monkeypatch.setattr(watch, "PendingGauge", Gauge)
-    monkeypatch.setattr(watch.unplaced, "pending_replicas", lambda app: ())
+    monkeypatch.setattr(watch.unplaced, "pending_replicas", lambda app, details: ())
     monkeypatch.setattr(watch, "CONFIRM_AFTER_S", 0.0)
     app_watch = watch.AppWatch("app", interval_s=3600)
     try:
@@ -110,7 +184,7 @@ def test_a_flood_of_requests_while_a_stage_is_down_shares_reads_at_most_one_per_
     status.release.set()
     monkeypatch.setattr(watch, "serving_state", status)
     monkeypatch.setattr(watch, "PendingGauge", Gauge)
-    monkeypatch.setattr(watch.unplaced, "pending_replicas", lambda app: ())
+    monkeypatch.setattr(watch.unplaced, "pending_replicas", lambda app, details: ())
     app_watch = watch.AppWatch("app", interval_s=3600)
     try:
         wait_for(lambda: app_watch.state().known)
