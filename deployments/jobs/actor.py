@@ -11,11 +11,18 @@ import ray
 
 from deployments.jobs.queue import AsyncJobQueue, JobQueueService, JobsArgs
 
+WAITERS = 32
+
 
 # The queue is light (a few SQLite rows per call): no CPU of its own, so it never blocks scheduling.
-@ray.remote(num_cpus=0, max_restarts=-1)
+# Its calls run one at a time, as before, except the runners' waits for work: each holds a thread of
+# their own group until a job is queued (a replica's runner has at most one wait in flight; 32 covers
+# 32 ingress replicas, and a 33rd's wait queues behind one that ends within its poll interval).
+@ray.remote(num_cpus=0, max_restarts=-1, concurrency_groups={"waits": WAITERS})
 class JobQueueActor(JobQueueService):
-    pass
+    @ray.method(concurrency_group="waits")
+    def wait_for_work(self, wait_s: float) -> bool:
+        return JobQueueService.wait_for_work(self, wait_s)
 
 
 class ActorJobQueue(AsyncJobQueue):

@@ -218,6 +218,21 @@ class SqliteJobQueue:
             logger.info("job %s claimed by %s (attempt %d of %d)", job.id, owner, job.attempts, MAX_ATTEMPTS)
         return jobs
 
+    def due_in(self) -> float | None:
+        """Seconds until :meth:`claim` could return a job (0: now; a queued job waits for its ``not_before``,
+        a running one's lease lapses at ``lease_until``), by this queue's clock; None: no job is queued or running."""
+        now = self.clock()
+        with self._transaction() as db:
+            queued = db.execute("SELECT MIN(not_before) FROM jobs WHERE status = ?", (JobStatus.QUEUED.value,)
+                                ).fetchone()[0]
+            leased = db.execute("SELECT MIN(lease_until) FROM jobs WHERE status = ?", (JobStatus.IN_PROGRESS.value,)
+                                ).fetchone()[0]
+        if queued is not None and queued <= now or leased is not None and leased < now:
+            return 0.0
+        times = [t for t in (queued, leased) if t is not None]
+        # A lease is reclaimed once strictly past its end (_reclaim_lapsed): a hair after it.
+        return None if not times else min(times) - now + (1e-3 if min(times) == leased else 0.0)
+
     def _reclaim_lapsed(self) -> None:
         """Jobs whose runner stopped renewing its lease (its replica died) go back in the queue."""
         with self._transaction() as db:

@@ -44,7 +44,7 @@ def app(ray_cluster, tmp_path_factory):
     from deployments.app import build_app
     from deployments.jobs.queue import JobsArgs
 
-    jobs = JobsArgs(directory=str(tmp_path_factory.mktemp("jobs")), poll_after_ms=100, poll_interval_s=0.2)
+    jobs = JobsArgs(directory=str(tmp_path_factory.mktemp("jobs")), poll_after_ms=100)
     args = tiny_args(app_name=APP, limits=LIMITS, model_path=str(ensure_tiny_wan22_i2v()), video_jobs=jobs)
     os.environ[TOKEN_ENV] = TOKEN
     base = serve_base_url(ray_cluster) + PREFIX

@@ -113,3 +113,19 @@ def test_a_cursor_still_pages_after_its_job_was_deleted(tmp_path):
     rest = store.list(ids[1], 10, ListOrder.ASC)
     assert [j.id for j in rest.jobs] == ids[2:] and not rest.has_more
     assert [j.id for j in store.list(ids[3], 10, ListOrder.DESC).jobs] == [ids[2], ids[0]]
+
+
+def test_due_in_says_when_a_claim_could_next_get_a_job(tmp_path):
+    clock = Clock()
+    store = _store(tmp_path, clock)
+    assert store.due_in() is None, "nothing queued or running: nothing falls due"
+    job = _add(store, clock)
+    assert store.due_in() == 0.0
+    (claimed,) = store.claim("runner", 1)
+    assert abs(store.due_in() - 10.001) < 1e-6, "the lease lapses after 10 s, and is reclaimed just past it"
+    store.put_back(job.id, claimed.owner, "queue full", counted=False, delay_s=2)
+    assert abs(store.due_in() - 2) < 1e-6, "put back for 2 s"
+    clock.now += 2
+    assert store.due_in() == 0.0 and store.claim("runner", 1)
+    clock.now += 10.5
+    assert store.due_in() == 0.0, "its lease lapsed: a claim would queue it again and take it"
