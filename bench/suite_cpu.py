@@ -37,6 +37,9 @@ RAY_SCRIPTS = {"dashboard/agent.py": "dashboard_agent", "runtime_env/agent": "ru
                "log_monitor": "log_monitor", "dashboard.py": "dashboard", "monitor.py": "monitor"}
 
 
+PROVISIONAL = ("ray::untitled", "ray::IDLE")
+
+
 @dataclass
 class Seen:
     kind: str
@@ -87,8 +90,9 @@ def sample(seen: dict[tuple[int, float], Seen]) -> None:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         known = seen.get(key)
-        # A Ray worker takes its actor's title after it starts: read the kind again until it has one.
-        kind = known.kind if known and not known.kind.startswith("ray::untitled") else kind_of(process)
+        # A Ray worker takes its actor's title after it starts (untitled, then IDLE, then the actor's):
+        # read the kind again until it is an actor's.
+        kind = known.kind if known and known.kind not in PROVISIONAL else kind_of(process)
         if kind is not None:
             seen[key] = Seen(kind, times.user + times.system)
 
