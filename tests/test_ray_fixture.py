@@ -33,3 +33,21 @@ def test_the_clusters_workers_keep_weight_stores_in_a_folder_of_this_clusters_ow
     folder = ray.get(worker_store_dir.remote(), timeout=60)
     assert folder == str(store_dir()) and folder != DEFAULT_STORE_DIR, folder
     assert Path(folder).is_dir()
+
+
+def test_the_head_runs_serves_controller_loop_every_quarter_second_and_this_process_keeps_its_own(ray_cluster):
+    """The head's workers (Serve's controller among them) have the interval; the test process does not, so a
+    head started later from it (the serve command's) keeps Ray's default."""
+    import os
+
+    from tests.conftest import CONTROL_LOOP_ENV, CONTROL_LOOP_S
+
+    @ray.remote(num_cpus=0, resources={"node:__internal_head__": 0.001})
+    def interval():
+        from ray.serve._private.constants import CONTROL_LOOP_INTERVAL_S
+
+        return os.environ.get(CONTROL_LOOP_ENV), CONTROL_LOOP_INTERVAL_S
+
+    mine = os.environ.get(CONTROL_LOOP_ENV)  # None unless whoever ran the tests set one (the head then has it)
+    on_head = mine or CONTROL_LOOP_S
+    assert ray.get(interval.remote(), timeout=60) == (on_head, float(on_head))
