@@ -56,10 +56,12 @@ def kind_of(process: psutil.Process) -> str | None:
         return None
     if name in RAY_DAEMONS:
         return name
+    replica = re.search(r"ServeReplica:[^:\s]+:(\w+)", cmd)
+    if replica:  # ray::SERVE_REPLICA::<app>#<deployment>#<id>:ServeReplica:<app>:<deployment>[.<method>]
+        return f"ray::Replica:{replica.group(1)}"
     title = re.search(r"ray::(\S+)", cmd)
-    if title:  # the actor's class (or IDLE), its method call cut off; a replica by its deployment
-        actor = re.sub(r"ServeReplica:[^:]+:(\S+)", r"Replica:\1", title.group(1)).split(".")[0]
-        return f"ray::{actor}"
+    if title:  # the actor's class (or IDLE): a named actor's title is <name>:<class>[.<method>]
+        return "ray::" + title.group(1).split(".")[0].split(":")[-1]
     if "default_worker.py" in cmd:
         return "ray::untitled"  # a Ray worker before it took its actor's title
     for script, kind in RAY_SCRIPTS.items():

@@ -35,3 +35,32 @@ def test_an_orphaned_daemons_cpu_is_counted_and_the_commands_exit_status_is_kept
     worked = report["kinds"]["python -c"]
     assert worked["processes"] >= 2 and worked["cpu_s"] >= 0.45, report
     assert report["cpu_s"] <= report["wall_s"] * 2 + 0.5
+
+
+class _Process:
+    def __init__(self, title: str):
+        self.title = title
+
+    def cmdline(self):
+        return self.title.split()
+
+    def name(self):
+        return "python"
+
+
+def test_a_ray_process_counts_as_its_deployment_or_its_actor_class_whatever_its_name():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("suite_cpu", REPO / "bench" / "suite_cpu.py")
+    suite_cpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite_cpu)
+    titles = {  # as Ray sets them: named actors are <name>:<class>, a running method is .<method>
+        "ray::SERVE_REPLICA::svc-test#Ingress#vfmck8np:ServeReplica:svc-test:Ingress": "ray::Replica:Ingress",
+        "ray::ServeReplica:svc-test:Denoiser.initialize_and_get_metadata": "ray::Replica:Denoiser",
+        "ray::offload-ledger-67217b5631:NodeLedger": "ray::NodeLedger",
+        "ray::offload-serve-jobs:svc-test:JobQueueActor": "ray::JobQueueActor",
+        "ray::SERVE_CONTROLLER_ACTOR:ServeController": "ray::ServeController",
+        "ray::RankWorker.call": "ray::RankWorker",
+        "ray::IDLE": "ray::IDLE",
+    }
+    assert {title: suite_cpu.kind_of(_Process(title)) for title in titles} == titles
