@@ -47,7 +47,7 @@ def free_port() -> int:
 # their own (the serve command's). ``make test`` runs ``-n 2``: each group is one xdist unit, the groups
 # start first, the heaviest first, so "ray" (one Ray cluster) has one worker and "serve-command" (its own
 # head, no session cluster) starts on the other, the in-process tests (model logic) filling in after it.
-# A whole run is CPU-bound (1081-1212 CPU-s in 616-686 s on 2 cores, /work/prof/cpu_sampler.py): the serve
+# A whole run is CPU-bound (1081-1212 CPU-s in 616-686 s on 2 cores at 77de71f, 1005.6 in 581 s at e07eac6: bench/suite_cpu.py): the serve
 # command beside the cluster's modules costs no more CPU, and takes its 65 s off the cluster's worker. Two
 # clusters, one per worker, were tried (379eebd): each cluster's own processes cost 160-250 CPU-s more.
 # The figures: each module's seconds (setup + call + teardown) in a quiet run (/work/prof-quiet-2110.xml).
