@@ -67,7 +67,8 @@ class JobQueueService:
     def __init__(self, app_name: str, args: JobsArgs):
         self.jobs = SqliteJobQueue(args.db_path(app_name), args.expire_after_s, args.lease_s)
         self.results = ResultFolder(args.results_location(app_name))
-        self._work = threading.Condition()  # notified when a job is queued or put back
+        self._work = threading.Condition()  # notified when a job is queued or put back, or the queue closes
+        self._closed = False
         logger.info("job queue for %s: %s, results in %s, expiry %g s, lease %g s", app_name, self.jobs.path,
                     self.results.url, args.expire_after_s, args.lease_s)
 
@@ -75,13 +76,22 @@ class JobQueueService:
         with self._work:
             self._work.notify_all()
 
+    def close(self) -> None:
+        """Close the table; a wait for work in progress answers False (it read the closed file before)."""
+        with self._work:
+            self._closed = True
+            self._work.notify_all()
+        self.jobs.close()
+
     def wait_for_work(self, wait_s: float) -> bool:
         """True as soon as a claim could get a job (one is queued and due, or a lease lapsed); False after
-        ``wait_s`` without one. Answers a runner's wait for work (it claims next); never claims itself,
-        so a runner that died while waiting takes no job with it."""
+        ``wait_s`` without one, or once the queue is closed. Answers a runner's wait for work (it claims
+        next); never claims itself, so a runner that died while waiting takes no job with it."""
         deadline = time.monotonic() + wait_s
         with self._work:
             while True:
+                if self._closed:
+                    return False
                 due_in = self.jobs.due_in()
                 if due_in == 0.0:
                     return True

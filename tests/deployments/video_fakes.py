@@ -107,7 +107,7 @@ async def harness(tmp_path, token: str | None = None, pipeline: FakePipeline | N
             yield Harness(client, service, jobs.runner, pipeline, clock)
         finally:
             await jobs.runner.stop()
-            service.jobs.close()
+            service.close()
 
 
 class CancellableStream:

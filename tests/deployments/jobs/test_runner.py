@@ -104,3 +104,23 @@ def test_an_idle_runner_calls_its_queue_once_per_poll_interval(tmp_path):
     looks = 1.5 / 0.25
     # Each look: one claim and one wait for work (the first also sweeps expired jobs).
     assert queue.calls["claim"] <= looks + 2 and queue.calls["wait_for_work"] <= looks + 2, queue.calls
+
+
+def test_a_wait_for_work_in_progress_when_the_queue_closes_answers_false_without_touching_the_closed_file(tmp_path):
+    service = JobQueueService("app", JobsArgs(directory=str(tmp_path), lease_s=60.0))
+    answers, errors = [], []
+
+    def wait() -> None:
+        try:
+            answers.append(service.wait_for_work(LONG_POLL_S))
+        except Exception as exc:  # the closed SQLite file, read by a wait the close did not end
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.2)  # the wait is under way, nothing queued
+    started = time.monotonic()
+    service.close()
+    waiter.join(5)
+    assert not waiter.is_alive() and time.monotonic() - started < 2, "the close did not end the wait"
+    assert (answers, errors) == ([False], [])
