@@ -63,6 +63,6 @@ def test_no_generated_videos_request_gets_a_5xx_and_every_error_is_the_openai_ob
             seen = status_codes_never_5xx(client, requests(), EXAMPLES)
         finally:
             client.portal.call(api.state.video_jobs.runner.stop)
-            service.jobs.close()
+            service.close()
     assert len(seen) >= EXAMPLES
     assert any(code == 200 for code in seen), "no generated request was valid: the property tested only refusals"
