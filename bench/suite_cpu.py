@@ -1,17 +1,17 @@
-"""Where a test run's CPU goes: every process on the machine sampled while a command runs, CPU-s by kind.
+"""Where a test run's CPU goes: every process a command starts, sampled while it runs, CPU-s by kind.
 
-The whole suite (``make test``: pytest -n 2 on 2 cores) is CPU-bound: its wall time is about the CPU
-all its processes spend, halved, plus what the two cores leave idle. This runs a command (by default
-``make test``'s pytest line) and, every ``--every`` seconds, reads each process's CPU time (user + sys)
-with psutil, for the command and every process it started (this process is their subreaper, so Ray's
-daemons, which their starter leaves behind, stay in the tree); a process is counted by what it is: a Ray actor or Serve replica by its title
-(``ray::ServeReplica:<app>:<Denoiser>`` counts as ``Replica:Denoiser``), Ray's own daemons by name,
-pytest's xdist workers, multiprocessing children, anything else by its command. Other processes on
-the machine are left out, but they still take the cores: run it on an otherwise idle machine and say
-the load average (printed). A process that
-lives less than one sample is missed, and one that exits is counted at its last sample (at most
-``--every`` s of CPU short each). Prints the kinds by CPU-s with how many processes each had, then one
-JSON object: the command's exit status, wall seconds, total CPU-s and the kinds.
+The whole suite (``make test``: pytest -n 2 on 2 cores) is CPU-bound: its wall time is about the CPU all
+its processes spend, halved, plus what the two cores leave idle. This runs a command (by default ``make
+test``'s pytest line) and, every ``--every`` seconds, reads each process's CPU time (user + sys) with
+psutil, for the command and every process it started (this process is their subreaper, so Ray's daemons,
+which their starter leaves behind, stay in the tree); a process is counted by what it is: a Ray actor or
+Serve replica by its title (``ray::ServeReplica:<app>:<Denoiser>`` counts as ``Replica:Denoiser``),
+Ray's own daemons by name, pytest's xdist workers, multiprocessing children, anything else by its
+command. Other processes on the machine are left out, but they still take the cores: run it on an
+otherwise idle machine and say the load average (printed). A process that lives less than one sample is
+missed, and one that exits is counted at its last sample (at most ``--every`` s of CPU short each).
+Prints the kinds by CPU-s with how many processes each had, then one JSON object: the command's exit
+status, wall seconds, total CPU-s and the kinds.
 
     .venv/bin/python bench/suite_cpu.py                       # make test's pytest line
     .venv/bin/python bench/suite_cpu.py -- .venv/bin/python -m pytest -q tests/cluster

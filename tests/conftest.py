@@ -1,6 +1,7 @@
 """Session-wide fixtures. One Ray cluster per test session, started only by tests that ask for it."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -20,13 +21,13 @@ os.environ.setdefault("OFFLOAD_SERVE_PLAN_CACHE", "0")
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
 # Workers report metrics every 3 s, not Ray's 10: a test that waits for a counter (a cancel, a stage's
 # first series) waited 5 s on average for the next report. Not every 1 s: with one app up, a 1 s report
-# took the idle cluster 10.95 CPU-s per 30 s against 7.71 at 3 s, log monitors off (/work/prof/idle_app.py).
+# took the idle cluster 10.95 CPU-s per 30 s against 7.71 at 3 s, log monitors off (bench/idle_app.py).
 METRICS_REPORT_MS = 3000
 # Every node of the tests' clusters: no log monitor (it tails every worker's log files for drivers, and the
 # tests' driver takes none, log_to_driver=False): 27 CPU-s of a whole run's 1212.
 QUIET_NODE = {"include_log_monitor": False}
 # Serve's controller steps every 0.25 s on the tests' cluster, not every 0.1 s (Ray's default): each step
-# reads every node's resources from the GCS. Side by side (/work/prof/idle_app.py's app, 30 s idle, load 2-4,
+# reads every node's resources from the GCS. Side by side (bench/idle_app.py, 30 s idle, load 2-4,
 # the loop_interval runs of the idle branch): controller + GCS 1.89 CPU-s per 30 s at 0.1, 1.16 at 0.25,
 # 1.01 at 0.5; a killed Denoiser noticed in 0.55 s at 0.1 (mean of 5), 0.56 at 0.25 (4), 1.45 at 0.5 (4);
 # its replacement running and a deploy differed by less than their noise (7-17 s, 22-67 s). 0.5 saves
@@ -47,10 +48,11 @@ def free_port() -> int:
 # their own (the serve command's). ``make test`` runs ``-n 2``: each group is one xdist unit, the groups
 # start first, the heaviest first, so "ray" (one Ray cluster) has one worker and "serve-command" (its own
 # head, no session cluster) starts on the other, the in-process tests (model logic) filling in after it.
-# A whole run is CPU-bound (1081-1212 CPU-s in 616-686 s on 2 cores at 77de71f, 1005.6 in 581 s at e07eac6: bench/suite_cpu.py): the serve
-# command beside the cluster's modules costs no more CPU, and takes its 65 s off the cluster's worker. Two
+# A whole run is CPU-bound (bench/suite_cpu.py: 1081-1212 CPU-s in 616-686 s on 2 cores at 77de71f, 933.9
+# in 537 s at 17a16e0): the serve command beside the cluster's modules costs no more CPU, and takes its
+# 65 s off the cluster's worker. Two
 # clusters, one per worker, were tried (379eebd): each cluster's own processes cost 160-250 CPU-s more.
-# The figures: each module's seconds (setup + call + teardown) in a quiet run (/work/prof-quiet-2110.xml).
+# The figures: each module's seconds (setup + call + teardown) in a quiet run (main 23187f0, 2026-12-01).
 RAY_GROUPS: dict[str, dict[str, float]] = {
     "ray": {
         # The fake-GPU fleet's package (tests/cluster: its three nodes are started once per cluster).
@@ -160,6 +162,14 @@ def ray_cluster():
     clusters serving the tiny Wan would name the same file, and each one's ledger removes it when its own
     last replica leaves.
     """
+    with local_cluster() as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def local_cluster():
+    """The tests' Ray cluster (what :func:`ray_cluster` yields), connected to; Serve and Ray stopped and
+    the stores' folder removed at the exit. Also bench/idle_app.py's, so it measures what the tests run."""
     import ray
     from ray.cluster_utils import Cluster
 

@@ -77,7 +77,7 @@ def find_dead(refs: Iterable[OwnerRef], ledger_node_id: str | None) -> tuple[Own
     An owner on the ledger's own node (every replica that leases from it) is judged by its process alone:
     while the process lives it holds what it pinned, whatever the GCS says (a killed actor's process may
     linger), and a restarted actor is a new process. The GCS is asked only about owners on other nodes:
-    a lookup per owner per check was 3 GCS calls every 2 s from an idle app's ledger (/work/prof/idle_app.py).
+    a lookup per owner per check was 3 GCS calls every 2 s from an idle app's ledger (bench/idle_app.py).
     """
     dead = []
     for ref in refs:

@@ -117,7 +117,7 @@ def serve_details() -> dict:
 
     Read as dicts, not through ``serve.status()``: that validates the whole reply into pydantic models, and
     each deployment's ``RequestRouterConfig`` cloudpickles its router class on the way: 3/4 of the CPU of
-    the ingress's watch, which reads it every 2 s (py-spy, /work/prof/idle_app.py: the ingress idled at
+    the ingress's watch, which reads it every 2 s (py-spy on bench/idle_app.py's app: the ingress idled at
     1.37 CPU-s per 30 s, serve.status() 44 % of its samples)."""
     from ray.serve.context import _get_global_client
 

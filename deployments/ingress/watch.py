@@ -5,8 +5,9 @@ the controller, read as plain dicts: ``capacity.unplaced.serve_details``) and ke
 :class:`deployments.api.serving.ServingState` the API answers from without a round trip per request (a
 refusal on a "down" reading waits for one that began after the request came: ``AppWatch.confirm``); every
 ``PENDING_EVERY`` reads it also counts, from the same reply, the stage replicas Ray has not placed
-(``capacity.unplaced``; the GCS only when one waits) for the ``offload_serve_pending_replicas`` gauge. A stage is down while it has no RUNNING replica; its
-status and Serve's message say why (deploying, unhealthy, failed to deploy). A change is logged once.
+(``capacity.unplaced``; the GCS only when one waits) for the ``offload_serve_pending_replicas`` gauge.
+A stage is down while it has no RUNNING replica; its status and Serve's message say why (deploying,
+unhealthy, failed to deploy). A change is logged once.
 """
 from __future__ import annotations
 
@@ -40,10 +41,6 @@ PENDING_EVERY = 5
 CONFIRM_AFTER_S = 0.25
 
 
-def _value(status) -> str:
-    return str(getattr(status, "value", status))
-
-
 def serving_state(app_name: str, stages=STAGES, details: Mapping | None = None) -> ServingState:
     """The app's stages as Serve reports them now (from a replica or a driver); ``details``: a
     :func:`deployments.capacity.unplaced.serve_details` reply already read."""
@@ -60,7 +57,7 @@ def serving_state(app_name: str, stages=STAGES, details: Mapping | None = None) 
         if not any(replica.get("state") == "RUNNING" for replica in info.get("replicas", ())):
             message = info.get("message") or ""
             reason = message if len(message) <= REASON_CHARS else message[:REASON_CHARS] + " ..."
-            down.append(StageDown(stage, _value(info.get("status")), reason))
+            down.append(StageDown(stage, str(info.get("status")), reason))
     return ServingState(tuple(down))
 
 

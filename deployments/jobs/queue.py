@@ -47,7 +47,7 @@ class JobsArgs(BaseModel):
     # every 20th look); also its pause after a failed queue call. The queue answers the wait as soon as a
     # job is queued or put back through any replica, or is due (a retry's delay, a lapsed lease), so this
     # bounds only what the queue's clock does not tell it. Each look is an actor call: at 0.2 s an idle
-    # runner and its queue spent 0.85 CPU-s per 30 s (/work/prof/idle_app.py).
+    # runner and its queue spent 0.85 CPU-s per 30 s (bench/idle_app.py).
     poll_interval_s: float = Field(5.0, gt=0)
     # The poll interval suggested to clients (the openai client reads openai-poll-after-ms).
     poll_after_ms: int = Field(1000, ge=10)
