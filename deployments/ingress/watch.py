@@ -41,6 +41,11 @@ PENDING_EVERY = 5
 CONFIRM_AFTER_S = 0.25
 
 
+def _value(status) -> str:
+    """A status as its name: the controller's reply holds Serve's enums, not their JSON strings."""
+    return str(getattr(status, "value", status))
+
+
 def serving_state(app_name: str, stages=STAGES, details: Mapping | None = None) -> ServingState:
     """The app's stages as Serve reports them now (from a replica or a driver); ``details``: a
     :func:`deployments.capacity.unplaced.serve_details` reply already read."""
@@ -57,7 +62,7 @@ def serving_state(app_name: str, stages=STAGES, details: Mapping | None = None) 
         if not any(replica.get("state") == "RUNNING" for replica in info.get("replicas", ())):
             message = info.get("message") or ""
             reason = message if len(message) <= REASON_CHARS else message[:REASON_CHARS] + " ..."
-            down.append(StageDown(stage, str(info.get("status")), reason))
+            down.append(StageDown(stage, _value(info.get("status")), reason))
     return ServingState(tuple(down))
 
 

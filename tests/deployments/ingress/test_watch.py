@@ -42,6 +42,16 @@ def test_the_fields_read_from_serves_details_are_its_schemas():
     assert set(app["deployments"]["Denoiser"]["replicas"][0]) <= set(ReplicaDetails.model_fields)
 
 
+def test_a_status_the_controller_sends_as_serves_enum_reads_as_its_name():
+    # get_serve_details() dumps its models without mode="json": statuses arrive as DeploymentStatus members,
+    # whose str() is "DeploymentStatus.DEPLOY_FAILED", and the API's "failed to deploy" reads the name.
+    from ray.serve._private.common import DeploymentStatus
+
+    details = _details(Denoiser={"status": DeploymentStatus.DEPLOY_FAILED, "message": "ctor failed", "replicas": []})
+    (denoiser,) = watch.serving_state("app", ("Denoiser",), details).down
+    assert denoiser.status == "DEPLOY_FAILED"
+
+
 def test_serving_state_is_read_from_serves_details_without_serve_status(monkeypatch):
     from ray import serve
 
