@@ -2,6 +2,7 @@
 in-process modules fill in around it."""
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -69,3 +70,32 @@ def test_a_worker_done_with_its_group_takes_whole_in_process_modules():
     for unit in units:
         (module,) = _modules(unit)
         assert unit == [i for i, nodeid in enumerate(COLLECTION) if nodeid.startswith(module + "::")], module
+
+
+NICE_PROBE = """
+import os, sys
+from pathlib import Path
+from types import SimpleNamespace
+os.environ["PYTEST_XDIST_WORKER"] = "gw0"
+import tests.conftest
+tests.conftest.IN_PROCESS_NICE = int(sys.argv[2])  # above the niceness the probe starts with
+tests.conftest.pytest_runtest_setup(SimpleNamespace(nodeid=sys.argv[1] + "::test_x"))
+print(os.nice(0))
+"""
+
+
+def _niceness_after(module: str, nice: int) -> int:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", NICE_PROBE, module, str(nice)], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1], check=True)
+    return int(done.stdout.split()[-1])
+
+
+def test_an_xdist_worker_yields_the_cpu_from_its_first_in_process_test_and_a_ray_module_keeps_its_priority():
+    import os
+
+    mine = os.nice(0)  # this worker's own (already niced under make test's xdist)
+    assert _niceness_after("tests/offload_core/test_model0.py", mine + 3) == mine + 3
+    assert _niceness_after(sorted(RAY_MODULES)[0], mine + 3) == mine
