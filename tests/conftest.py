@@ -86,27 +86,43 @@ def pytest_collection_modifyitems(config, items):
     twice = sorted(m for m in RAY_MODULES if sum(m in group for group in RAY_GROUPS.values()) > 1)
     if twice:
         raise pytest.UsageError(f"tests/conftest.py: {twice} in more than one of RAY_GROUPS")
-    gone = sorted(m for m in RAY_MODULES if not (config.rootpath / m).is_file())
+    gone = sorted(m for m in RAY_MODULES | set(LONG_IN_PROCESS) if not (config.rootpath / m).is_file())
     if gone:
-        raise pytest.UsageError(f"tests/conftest.py: RAY_GROUPS lists {gone}, which do not exist")
+        raise pytest.UsageError(f"tests/conftest.py: RAY_GROUPS or LONG_IN_PROCESS lists {gone}, which do not exist")
     missing = sorted({item.nodeid.split("::")[0] for item in items if "ray_cluster" in item.fixturenames}
                      - RAY_MODULES)
     if missing:
         raise pytest.UsageError(f"tests/conftest.py: add {missing} to one of RAY_GROUPS (they use ray_cluster)")
 
 
-# An xdist worker's in-process tests run at nice 10, so the Ray group's cluster (the critical path) gets
-# the CPU when it wants it and the in-process tests take what it leaves. With both at nice 0 (main 71a08a1,
-# 2026-12-02 03:12, quiet, bench/suite_cpu.py), the Ray group's worker ran its modules for 503.5 s while the
-# other was done with the serve command and every in-process module at 298.2 s: an app deployed in 36-44 s
-# while the in-process tests competed for the cores, in 17-18 s once they were done. Only the in-process
-# worker's own process (and what it starts later) is niced: a Ray group's processes keep their priority.
+# The xdist worker that does not run the session cluster's group (the serve command's module, then in-process
+# modules) runs at nice 10, so that group (the critical path) gets the CPU when it wants it and the rest takes
+# what it leaves. With both at nice 0 (main 71a08a1, 2026-12-02 03:12, quiet, bench/suite_cpu.py), the group's
+# worker ran its modules for 503.5 s while the other was done with the serve command and every in-process
+# module at 298.2 s: an app deployed in 36-44 s while they competed for the cores, in 17-18 s once the rest was
+# done. Whole runs (quiet, 2026-12-02): nice 10 466.6 and 454.8 s of tests (the group done at 450.2 and 440.4 s,
+# the rest at 360.9 and 350.6 s); nice 19 475.4 s; SCHED_IDLE 481.9 s (the group done at 379.8 s, the starved
+# in-process tests at 464.7 s and 30 CPU-s dearer: preempted at every wake-up of a Ray process).
 IN_PROCESS_NICE = 10
+CRITICAL_GROUP = max(RAY_GROUPS, key=lambda name: sum(RAY_GROUPS[name].values()))
+# The in-process modules that take longest (seconds, a quiet run at nice 10, 2026-12-02 03:50): first in
+# the queue after the Ray groups, the longest first, so the run does not end on one worker with a 25 s
+# module while the other idles (xdist queues by tests per module: one-test modules came last).
+LONG_IN_PROCESS: dict[str, float] = {
+    "tests/deployments/models/test_conformance.py": 37.5, "tests/bench/test_gpu_check.py": 25.1,
+    "tests/deployments/api/test_http_properties.py": 15.8, "tests/deployments/api/test_video_jobs_properties.py": 14.2,
+    "tests/deployments/replica/test_step_cache_batching.py": 13.9, "tests/offload_core/planner/test_skeletons.py": 13.6,
+    "tests/deployments/models/test_activation_features.py": 11.6, "tests/deployments/replica/test_ranked_denoiser.py": 8.8,
+    "tests/offload_core/planner/test_cli.py": 8.3, "tests/bench/test_sim_overlap.py": 7.9,
+    "tests/deployments/replica/test_warmup.py": 7.5, "tests/offload_core/planner/test_search.py": 6.6,
+    "tests/offload_core/residency/test_host_tables.py": 6.2,
+}
 
 
 def pytest_runtest_setup(item):
-    """An in-process test in an xdist worker: the worker yields the CPU to the Ray clusters from now on."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and ray_group(item.nodeid.split("::")[0]) is None:
+    """A test outside :data:`CRITICAL_GROUP` in an xdist worker: the worker (and what it starts from now on,
+    the serve command's Ray head among them) yields the CPU to that group's cluster."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and ray_group(item.nodeid.split("::")[0]) != CRITICAL_GROUP:
         niceness = os.nice(0)
         if niceness < IN_PROCESS_NICE:
             os.nice(IN_PROCESS_NICE - niceness)
@@ -117,7 +133,7 @@ def pytest_xdist_make_scheduler(config, log):
     pytest 9.2: xdist 3.8 renames ``item._nodeid``, which pytest 9 no longer reads) and each in-process
     module one unit (its module fixtures and the process's caches are built on one worker, not on both);
     the groups first in the queue, the heaviest first, so they start at once on the first two workers and
-    the in-process modules fill in wherever a worker is free."""
+    the in-process modules fill in wherever a worker is free, the long ones (:data:`LONG_IN_PROCESS`) first."""
     from xdist.scheduler import LoadScopeScheduling
 
     class RayGroupsFirst(LoadScopeScheduling):
@@ -130,7 +146,9 @@ def pytest_xdist_make_scheduler(config, log):
             # module with more tests than a group would come first, and both groups then on one worker.
             if not getattr(self, "_groups_first", False):  # the queue is complete by the first assignment
                 self._groups_first = True
-                for name in sorted(RAY_GROUPS, key=lambda g: sum(RAY_GROUPS[g].values())):
+                first = [*sorted(RAY_GROUPS, key=lambda g: -sum(RAY_GROUPS[g].values())),
+                         *sorted(LONG_IN_PROCESS, key=lambda m: -LONG_IN_PROCESS[m])]
+                for name in reversed(first):
                     if name in self.workqueue:
                         self.workqueue.move_to_end(name, last=False)
             super()._assign_work_unit(node)
