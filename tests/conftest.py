@@ -48,10 +48,10 @@ def free_port() -> int:
 # their own (the serve command's). ``make test`` runs ``-n 2``: each group is one xdist unit, the groups
 # start first, the heaviest first, so "ray" (one Ray cluster) has one worker and "serve-command" (its own
 # head, no session cluster) starts on the other, the in-process tests (model logic) filling in after it.
-# A whole run is CPU-bound (bench/suite_cpu.py: 1081-1212 CPU-s in 616-686 s on 2 cores at 77de71f, 933.9
-# in 537 s at 17a16e0): the serve command beside the cluster's modules costs no more CPU, and takes its
-# 65 s off the cluster's worker. Two
-# clusters, one per worker, were tried (379eebd): each cluster's own processes cost 160-250 CPU-s more.
+# "ray" is the run's critical path (bench/suite_cpu.py, main 71a08a1: its worker done at 503.5 s, the other
+# at 298.2 s), hence the other worker's niceness below. Two clusters, one per worker, were tried twice
+# (379eebd; 2026-12-02: 614.3 s of tests and 1137.7 CPU-s against 523.0 s and 906.3): each cluster's tests
+# slowed the other's, and the idle costs doubled.
 # The figures: each module's seconds (setup + call + teardown) in a quiet run (main 23187f0, 2026-12-01).
 RAY_GROUPS: dict[str, dict[str, float]] = {
     "ray": {
@@ -69,7 +69,7 @@ RAY_GROUPS: dict[str, dict[str, float]] = {
         "tests/deployments/replica/test_tensor_parallel_service.py": 46.3,
         "tests/deployments/ingress/test_families_service.py": 26.6, "tests/deployments/replica/test_shards.py": 21.1,
         "tests/deployments/ingress/test_service_sd3.py": 19.7,
-    },  # 475.5 s
+    },  # 458.4 s
     "serve-command": {"tests/deployments/dev/test_serve_command.py": 67.5},
 }
 RAY_MODULES = frozenset(module for group in RAY_GROUPS.values() for module in group)
@@ -102,7 +102,9 @@ def pytest_collection_modifyitems(config, items):
 # module at 298.2 s: an app deployed in 36-44 s while they competed for the cores, in 17-18 s once the rest was
 # done. Whole runs (quiet, 2026-12-02): nice 10 466.6 and 454.8 s of tests (the group done at 450.2 and 440.4 s,
 # the rest at 360.9 and 350.6 s); nice 19 475.4 s; SCHED_IDLE 481.9 s (the group done at 379.8 s, the starved
-# in-process tests at 464.7 s and 30 CPU-s dearer: preempted at every wake-up of a Ray process).
+# in-process tests at 464.7 s and 30 CPU-s dearer: preempted at every wake-up of a Ray process). Ray starts
+# its workers (Serve's replicas and controller, every actor) at nice 15, so at 10 the in-process tests still
+# outrank them; with the tests' Ray workers at nice 0 (RAY_worker_niceness) the run took 505.3 s.
 IN_PROCESS_NICE = 10
 CRITICAL_GROUP = max(RAY_GROUPS, key=lambda name: sum(RAY_GROUPS[name].values()))
 # The in-process modules that take longest (seconds, a quiet run at nice 10, 2026-12-02 03:50): first in

@@ -116,4 +116,4 @@ def test_the_long_in_process_modules_come_right_after_the_groups_the_longest_fir
     scheduler, workers = _started(reorder=True, collection=collection)
     sent = [_modules(unit, collection) for worker in workers for unit in worker.sent]
     order = [modules for modules in sent if not modules & RAY_MODULES] + [{scope} for scope in scheduler.workqueue]
-    assert order[:3] == [{longest}, {shortest}, order[2]] and order[2] <= set(IN_PROCESS_MODULES), order[:3]
+    assert order[:3] == [{longest}, {shortest}, order[2]] and order[2] <= IN_PROCESS_MODULES, order[:3]

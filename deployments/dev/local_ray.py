@@ -97,9 +97,9 @@ def head_command(port: int, dashboard_port: int, object_store_bytes: int, num_cp
 
     No fixed port, so it starts beside another Ray on this machine (make test's own cluster runs while
     this head does, tests/conftest.py RAY_GROUPS): the dashboard agent's port is the kernel's (Ray's
-    52365 taken, the agent retried 3-5 s
-    before the raylet registered), and so is the Ray Client server's (Ray's 10001 taken, it exits, and
-    ``--block`` stops the whole head; 0, which would turn it off, ``ray start`` refuses)."""
+    52365 taken, the agent retried 3-5 s before the raylet registered), and so is the Ray Client
+    server's (Ray's 10001 taken, it exits, and ``--block`` stops the whole head; 0, which would turn it
+    off, ``ray start`` refuses)."""
     command = [ray_executable(), "start", "--head", "--block", f"--node-ip-address={LOOPBACK}", f"--port={port}",
                f"--dashboard-host={LOOPBACK}", f"--dashboard-port={dashboard_port}", "--dashboard-agent-listen-port=0",
                f"--ray-client-server-port={free_port()}", f"--object-store-memory={object_store_bytes}",
