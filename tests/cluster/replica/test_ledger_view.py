@@ -105,9 +105,15 @@ def test_three_stage_replicas_sharing_a_12gb_gpu_never_lease_more_than_it(fleet_
         # A stage that cannot wait long enough is told so (503 + Retry-After), not OOM-killed. The long
         # call holds its 8 GB until the refusal is in (a file it waits for), not for a fixed 3 s: that
         # was idle on a quiet machine and could end before the refused call came on a loaded one.
+        # The calls above left idle reservations (up to 2 x 5 GB, given back 0.2 s after their last call,
+        # later on a loaded machine): until they are back, "8 GB leased" below would be them, not the long
+        # call, and the ledger would recall them for the refused call instead (it got "ok" once, in a run
+        # at 895 CPU-s).
+        ledger = node_ledger(node.node_id)
+        wait_for(lambda: ray.get(ledger.state.remote()).pool("gpu:0").leased == 0, 30,
+                 "the first calls' idle reservations to go back to the ledger")
         done = tmp_path / "refused"
         long_call = stages[0].stage_call.remote(8 * GB, 60.0, 60, str(done))
-        ledger = node_ledger(node.node_id)
         deadline = time.monotonic() + 30
         while ray.get(ledger.state.remote()).pool("gpu:0").leased < 8 * GB and time.monotonic() < deadline:
             time.sleep(0.05)
