@@ -10,8 +10,12 @@ Ray's own daemons by name, pytest's xdist workers, multiprocessing children, any
 command. Other processes on the machine are left out, but they still take the cores: run it on an
 otherwise idle machine and say the load average (printed). A process that lives less than one sample is
 missed, and one that exits is counted at its last sample (at most ``--every`` s of CPU short each).
-Prints the kinds by CPU-s with how many processes each had, then one JSON object: the command's exit
-status, wall seconds, total CPU-s and the kinds.
+The machine's own counters (``/proc/stat``) are read at the start and the end too: what every process
+on the machine spent, the time the hypervisor took from this VM's cores (steal), which no process
+is charged for but which the run waited through, the cores' time idle waiting on the disk, and what was
+read from the disk (a file the kernel evicted from the page cache is read again). Prints the kinds by CPU-s with how many processes
+each had, then one JSON object: the command's exit status, wall seconds, total CPU-s, the machine's
+busy, steal and iowait CPU-s, the MiB read from disk, and the kinds.
 
     .venv/bin/python bench/suite_cpu.py                       # make test's pytest line
     .venv/bin/python bench/suite_cpu.py -- .venv/bin/python -m pytest -q tests/cluster
@@ -24,6 +28,7 @@ import ctypes
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -79,6 +84,32 @@ def kind_of(process: psutil.Process) -> str | None:
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
+def machine_counters() -> tuple[float, float, float, float]:
+    """(busy, steal, iowait) CPU-s of the whole machine since boot (/proc/stat's first line) and the MiB
+    it read from disk (/proc/vmstat's pgpgin, in KiB): a file evicted from the page cache is read again."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, iowait, irq, softirq, steal = fields[:8]
+    with open("/proc/vmstat") as f:
+        read_kib = next(int(line.split()[1]) for line in f if line.startswith("pgpgin "))
+    return (user + nice + system + irq + softirq) / tick, steal / tick, iowait / tick, read_kib / 1024
+
+
+def probe_ns_per_add(adds: int = 200_000) -> float:
+    """CPU nanoseconds this process takes per step of a fixed pure-Python loop: how fast a core is now.
+
+    The same suite took 759 and 1040 CPU-s on this VM at different times, every kind of process alike
+    (no disk reads, 35 CPU-s of steal): a vCPU runs slower while the host's other tenants load its
+    physical core, and that is not charged as steal. This loop (about 10 ms) took 47 ns a step on this
+    idle machine (median of 59 in 30 s, quartiles 43 to 48; 2026-12-02 06:40). Sampled through the run,
+    it says how fast the cores were."""
+    start, total = time.process_time_ns(), 0
+    for i in range(adds):
+        total += i
+    return (time.process_time_ns() - start) / adds
+
+
 def become_subreaper() -> None:
     """Orphans of the command (``ray start``'s daemons) become this process's children, not init's."""
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
@@ -115,20 +146,26 @@ def reap(command_pid: int) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=float, default=0.5, help="seconds between samples")
+    parser.add_argument("--probe-every", type=float, default=5.0, help="seconds between probes of the cores' speed")
     parser.add_argument("command", nargs="*", help="the command to run (after --); make test's pytest by default")
     args = parser.parse_args()
     command = args.command or SUITE
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     load = os.getloadavg()
     become_subreaper()
-    start, seen = time.monotonic(), {}
+    machine_before = machine_counters()
+    start, seen, probes, next_probe = time.monotonic(), {}, [], 0.0
     child = subprocess.Popen(command, env=env)
     returncode = None
     while returncode is None:
         sample(seen)
+        if time.monotonic() >= next_probe:
+            probes.append(probe_ns_per_add())
+            next_probe = time.monotonic() + args.probe_every
         time.sleep(args.every)
         returncode = reap(child.pid)
     wall = time.monotonic() - start
+    busy, steal, iowait, read_mib = (after - before for after, before in zip(machine_counters(), machine_before))
     by_kind, count = collections.Counter(), collections.Counter()
     for entry in seen.values():
         by_kind[entry.kind] += entry.cpu_s
@@ -138,8 +175,16 @@ def main() -> None:
     total = sum(by_kind.values())
     print(f"total {total:.1f} CPU-s in {wall:.1f} s wall ({total / wall:.2f} cores busy on average); "
           f"load average at the start {load[0]:.2f}")
+    print(f"the machine: {busy:.1f} CPU-s busy (all processes), {steal:.1f} CPU-s stolen by the hypervisor, "
+          f"{iowait:.1f} CPU-s idle waiting on disk, {read_mib:.0f} MiB read from disk")
+    probe = statistics.median(probes)
+    print(f"the cores' speed: a fixed loop took {probe:.0f} ns a step (median of {len(probes)} probes; quartiles "
+          f"{' to '.join(f'{q:.0f}' for q in statistics.quantiles(probes, n=4)[::2]) if len(probes) > 1 else '-'})")
     print(json.dumps({"returncode": returncode, "wall_s": round(wall, 1), "cpu_s": round(total, 1),
                       "load_at_start": round(load[0], 2), "cores_busy": round(total / wall, 2),
+                      "machine_busy_cpu_s": round(busy, 1), "steal_cpu_s": round(steal, 1),
+                      "iowait_cpu_s": round(iowait, 1), "disk_read_mib": round(read_mib),
+                      "probe_ns_per_step": round(probe, 1),
                       "kinds": {k: {"cpu_s": round(v, 1), "processes": count[k]} for k, v in by_kind.most_common()}}))
 
 
