@@ -15,6 +15,10 @@ from tests.deployments.conftest import APP, MAX_STEPS, PREFIX, SHARED_OPTIONS, T
 
 IMAGES = "/v1/images/generations"
 CLIENTS = 2
+# Each client pauses between its requests: back to back, the two sent 77 requests in a 22.2 s update
+# (3.3 a second), whose stage calls took the cores from the new replicas starting up. Paced, traffic still
+# flows through the old replicas, the update and the new ones.
+CLIENT_PAUSE_S = 1.0
 
 
 # Long enough that a client giving up after 1 s leaves mid-denoise (~5 ms a step here, 2 images).
@@ -137,6 +141,7 @@ def test_a_config_change_under_steady_traffic_loses_no_request_and_gives_every_l
                 response = c.post(IMAGES, json={"prompt": "steady", "seed": seed, "num_inference_steps": 4,
                                                 "size": "32x32"})
                 results.append((time.monotonic(), response.status_code, response.text[:200]))
+                stop.wait(CLIENT_PAUSE_S)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
     for t in threads:
