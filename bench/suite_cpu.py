@@ -10,12 +10,13 @@ Ray's own daemons by name, pytest's xdist workers, multiprocessing children, any
 command. Other processes on the machine are left out, but they still take the cores: run it on an
 otherwise idle machine and say the load average (printed). A process that lives less than one sample is
 missed, and one that exits is counted at its last sample (at most ``--every`` s of CPU short each).
-The machine's own counters (``/proc/stat``) are read at the start and the end too: what every process
-on the machine spent, the time the hypervisor took from this VM's cores (steal), which no process
-is charged for but which the run waited through, the cores' time idle waiting on the disk, and what was
-read from the disk (a file the kernel evicted from the page cache is read again). Prints the kinds by CPU-s with how many processes
-each had, then one JSON object: the command's exit status, wall seconds, total CPU-s, the machine's
-busy, steal and iowait CPU-s, the MiB read from disk, and the kinds.
+The machine's own counters are read at the start and the end too: what every process on the machine
+spent, the time the hypervisor took from this VM's cores (steal: no process is charged for it, but the
+run waited through it), the cores' time idle waiting on the disk, and what was read from the disk (a
+file the kernel evicted from the page cache is read again); every ``--probe-every`` seconds a fixed loop
+times the cores' plain speed. Prints the kinds by CPU-s with how many processes each had, then one JSON
+object: the command's exit status, wall seconds, total CPU-s, the machine's busy, steal and iowait CPU-s,
+the MiB read from disk, the probe's median, and the kinds.
 
     .venv/bin/python bench/suite_cpu.py                       # make test's pytest line
     .venv/bin/python bench/suite_cpu.py -- .venv/bin/python -m pytest -q tests/cluster
@@ -97,13 +98,13 @@ def machine_counters() -> tuple[float, float, float, float]:
 
 
 def probe_ns_per_add(adds: int = 200_000) -> float:
-    """CPU nanoseconds this process takes per step of a fixed pure-Python loop: how fast a core is now.
+    """CPU nanoseconds this process takes per step of a fixed pure-Python loop: how fast a core runs plain
+    Python now.
 
-    The same suite took 759 and 1040 CPU-s on this VM at different times, every kind of process alike
-    (no disk reads, 35 CPU-s of steal): a vCPU runs slower while the host's other tenants load its
-    physical core, and that is not charged as steal. This loop (about 10 ms) took 47 ns a step on this
-    idle machine (median of 59 in 30 s, quartiles 43 to 48; 2026-12-02 06:40). Sampled through the run,
-    it says how fast the cores were."""
+    The same suite took 759 and 1040 CPU-s on this VM at different times, every kind of process alike,
+    with little disk read and little steal. Sampled through a run, this says whether the cores' plain
+    speed moved with it: it took 47 ns a step on the idle machine (median of 59 in 30 s, 2026-12-02
+    06:40) and 41-46 ns in runs of 895 and 912 CPU-s, so that was not it."""
     start, total = time.process_time_ns(), 0
     for i in range(adds):
         total += i
