@@ -155,11 +155,14 @@ def test_models_and_residency_describe_the_served_model_and_every_replica(client
     assert client.post(IMAGES, json={"prompt": "a request to report on", "seed": 1}).status_code == 200
     (model,) = client.get("/v1/models").json()["data"]
     assert (model["id"], model["family"], model["modalities"]) == ("tiny-wan", "wan", ["image", "video"])
-    deadline = time.monotonic() + 30  # replicas publish their report after the response has left
+    # Replicas publish their report after the response has left; the Denoiser's batch size goes on its
+    # own, within a second of its change (it read 1, not 0, in one run that waited for the report alone).
+    deadline = time.monotonic() + 30
     while True:
         replicas = client.get("/v1/residency").json()["replicas"]
         denoiser = next((r for r in replicas if r["stage"] == "denoise"), None)
-        if (denoiser and denoiser["last_device_peak_bytes"]) or time.monotonic() > deadline:
+        settled = denoiser and denoiser["last_device_peak_bytes"] and denoiser["batch"]["size"] == 0
+        if settled or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert sorted(r["stage"] for r in replicas) == ["decode", "denoise", "encode"]
