@@ -96,18 +96,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 # The xdist worker that does not run the session cluster's group (the serve command's module, then in-process
-# modules) runs at nice 10, so that group (the critical path) gets the CPU when it wants it and the rest takes
-# what it leaves. With both at nice 0 (main 71a08a1, 2026-12-02 03:12, quiet, bench/suite_cpu.py), the group's
-# worker ran its modules for 503.5 s while the other was done with the serve command and every in-process
-# module at 298.2 s: an app deployed in 36-44 s while they competed for the cores, in 17-18 s once the rest was
-# done. Whole runs (quiet, 2026-12-02): nice 10 466.6 and 454.8 s of tests (the group done at 450.2 and 440.4 s,
-# the rest at 360.9 and 350.6 s); nice 19 475.4 s; SCHED_IDLE 481.9 s (the group done at 379.8 s, the starved
-# in-process tests at 464.7 s and 30 CPU-s dearer: preempted at every wake-up of a Ray process). Ray starts
-# its workers (Serve's replicas and controller, every actor) at nice 15, so at 10 the in-process tests still
-# outrank them; with the tests' Ray workers at nice 0 (RAY_worker_niceness) the run took 505.3 s.
-IN_PROCESS_NICE = 10
+# modules) runs at nice 15, the niceness Ray gives its workers (Serve's replicas and controller, every actor):
+# that group (the critical path) then gets its share of the cores whenever its replicas start, and the two
+# workers end together. Whole runs (quiet, bench/suite_cpu.py, 2026-12-02): at nice 15 478.7 s of tests, both
+# workers done at 460.8 and 458.2 s, 1.80 cores busy (f73610b, 07:09); at nice 10 the same hour 500.8-529.2 s,
+# the group's worker done 74-91 s after the other (1.72-1.76 cores busy), and 434.3-469.6 s earlier that day
+# when the machine ran the same tests for 759-832 CPU-s, not 865-1040 (README, "The test suite's CPU"). With
+# both at nice 0 (71a08a1, 03:12) the group ran its modules for 503.5 s while the other was done at 298.2 s:
+# an app deployed in 36-44 s while they competed for the cores, in 17-18 s once the rest was done. nice 19
+# 475.4 s; SCHED_IDLE 481.9 s (the starved in-process tests 30 CPU-s dearer: preempted at every wake-up of a
+# Ray process); the tests' Ray workers at nice 0 (RAY_worker_niceness) 505.3 s.
+IN_PROCESS_NICE = 15
 CRITICAL_GROUP = max(RAY_GROUPS, key=lambda name: sum(RAY_GROUPS[name].values()))
-# The in-process modules that take longest (seconds, a quiet run at nice 10, 2026-12-02 03:50): first in
+# The in-process modules that take longest (seconds, a quiet run, that worker at nice 10, 2026-12-02 03:50): first in
 # the queue after the Ray groups, the longest first, so the run does not end on one worker with a 25 s
 # module while the other idles (xdist queues by tests per module: one-test modules came last).
 LONG_IN_PROCESS: dict[str, float] = {
