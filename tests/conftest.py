@@ -98,8 +98,9 @@ def pytest_collection_modifyitems(config, items):
 # The xdist worker that does not run the session cluster's group (the serve command's module, then in-process
 # modules) runs at nice 15, the niceness Ray gives its workers (Serve's replicas and controller, every actor):
 # that group (the critical path) then gets its share of the cores whenever its replicas start, and the two
-# workers end together. Whole runs (quiet, bench/suite_cpu.py, 2026-12-02): at nice 15 478.7 s of tests, both
-# workers done at 460.8 and 458.2 s, 1.80 cores busy (f73610b, 07:09); at nice 10 the same hour 500.8-529.2 s,
+# workers end together. Whole runs (quiet, bench/suite_cpu.py, 2026-12-02): back to back in one checkout, nice 15
+# 487.2 s of tests (both workers done at 464.0 and 466.8 s, 1.81 cores busy) and nice 10 509.4 s (490.9 and
+# 397.5 s, 1.77; 9d3a89d, 07:31 and 07:39); nice 15 478.7 s at f73610b (07:09); nice 10 the hour before 500.8-529.2 s,
 # the group's worker done 74-91 s after the other (1.72-1.76 cores busy), and 434.3-469.6 s earlier that day
 # when the machine ran the same tests for 759-832 CPU-s, not 865-1040 (README, "The test suite's CPU"). With
 # both at nice 0 (71a08a1, 03:12) the group ran its modules for 503.5 s while the other was done at 298.2 s:
