@@ -180,9 +180,10 @@ def main() -> None:
           f"load average at the start {load[0]:.2f}")
     print(f"the machine: {busy:.1f} CPU-s busy (all processes), {steal:.1f} CPU-s stolen by the hypervisor, "
           f"{iowait:.1f} CPU-s idle waiting on disk, {read_mib:.0f} MiB read from disk, {faults / 1e6:.1f} M page faults")
-    probe = statistics.median(probes)
-    print(f"the cores' speed: a fixed loop took {probe:.0f} ns a step (median of {len(probes)} probes; quartiles "
-          f"{' to '.join(f'{q:.0f}' for q in statistics.quantiles(probes, n=4)[::2]) if len(probes) > 1 else '-'})")
+    probe = statistics.median(probes)  # the loop's first pass probes: never empty
+    quartiles = statistics.quantiles(probes, n=4) if len(probes) > 1 else [probe] * 3
+    print(f"the cores' speed: a fixed loop took {probe:.0f} ns a step (median of {len(probes)} probes; "
+          f"quartiles {quartiles[0]:.0f} to {quartiles[2]:.0f})")
     print(json.dumps({"returncode": returncode, "wall_s": round(wall, 1), "cpu_s": round(total, 1),
                       "load_at_start": round(load[0], 2), "cores_busy": round(total / wall, 2),
                       "machine_busy_cpu_s": round(busy, 1), "steal_cpu_s": round(steal, 1),

@@ -35,6 +35,11 @@ def test_an_orphaned_daemons_cpu_is_counted_and_the_commands_exit_status_is_kept
     worked = report["kinds"]["python -c"]
     assert worked["processes"] >= 2 and worked["cpu_s"] >= 0.45, report
     assert report["cpu_s"] <= report["wall_s"] * 2 + 0.5
+    # The machine's own counters span the run: its busy CPU holds the orphan's, the new processes faulted
+    # their memory in, and the probe timed the cores at least once (at the start).
+    assert report["machine_busy_cpu_s"] >= worked["cpu_s"] - 0.1, report
+    assert report["page_faults"] > 1000 and report["steal_cpu_s"] >= 0 and report["disk_read_mib"] >= 0, report
+    assert 0 < report["probe_ns_per_step"] < 10_000, report
 
 
 class _Process:
