@@ -80,6 +80,29 @@ def test_a_neighbour_that_waits_recalls_an_idle_reservation_returned_to_the_driv
         leases.close()
 
 
+def test_a_give_back_is_counted_before_the_ledger_sees_the_bytes_back():
+    """A released lease lets a neighbour's call through at once; a report asked right after that
+    call must already count the give-back (CI read 0 recalled on a loaded machine)."""
+    seen_at_release = []
+
+    class WatchedBudget(LocalBudget):
+        def release(self, lease):
+            if lease.purpose.startswith("call:"):
+                seen_at_release.append(dict(holder.figures().given_back))
+            return super().release(lease)
+
+    budget = WatchedBudget(1000 * MB, "gpu:0")
+    holder = _leases(budget, "encoder")
+    with holder.call(600 * MB, timeout_s=1):
+        pass
+    neighbour = _leases(budget, "decoder")
+    with neighbour.call(700 * MB, timeout_s=5):
+        pass
+    assert seen_at_release and seen_at_release[0]["recalled"] == 1
+    for leases in (holder, neighbour):
+        leases.close()
+
+
 def test_a_recalled_reservation_in_use_goes_back_only_after_the_call_and_never_during_it():
     budget, driver = LocalBudget(1000 * MB, "gpu:0"), DriverLog()
     holder = _leases(budget, "denoiser", driver)
