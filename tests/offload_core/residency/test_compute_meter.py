@@ -35,7 +35,9 @@ def test_the_warmup_profiles_layers_in_the_order_they_ran_with_their_uses():
 
 
 # A copy that takes this long would dwarf the tiny Wan blocks' compute (well under 5 ms each on CPU).
-SLOW_COPY_S = 0.05
+# Simulated, on a clock the waits advance: a real 50 ms sleep was within reach of scheduling noise,
+# as a worker at nice 15 beside Ray's processes was off the CPU 50 and 100 ms inside a layer.
+SLOW_COPY_S = 10.0
 
 
 def test_a_slow_copy_of_a_streamed_layer_is_not_counted_as_its_compute(monkeypatch):
@@ -46,12 +48,16 @@ def test_a_slow_copy_of_a_streamed_layer_is_not_counted_as_its_compute(monkeypat
     from tests.offload_core.streaming.test_engine_async import DeferredCopyDevice
     from tests.offload_core.tiny_models import WAN
 
+    slept = [0.0]  # what the simulated copy waits added to the host clock
+    real_clock = time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + slept[0])
+
     class SlowCopyDevice(DeferredCopyDevice):
-        """Copies land only when waited for, and each wait for a copy takes SLOW_COPY_S."""
+        """Copies land only when waited for, and each wait for a copy takes SLOW_COPY_S of the clock."""
 
         def _run_until(self, position: int) -> None:
             if position > self.ran:
-                time.sleep(SLOW_COPY_S)
+                slept[0] += SLOW_COPY_S
                 self.slow_waits += 1
             super()._run_until(position)
 
