@@ -1,13 +1,28 @@
 """Frames (float32 in [0, 1], the pipelines' ``output_type="np"``) to PNG and MP4 bytes.
 
-PNG through Pillow, MP4 (H.264) through imageio with its bundled ffmpeg (imageio-ffmpeg).
+PNG through Pillow, MP4 (H.264) through imageio with its bundled ffmpeg (imageio-ffmpeg). Runs in
+the process that answers the request or runs the video job (an ingress replica), on a worker thread.
 """
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 import torch
+
+# imageio-ffmpeg starts ffmpeg with preexec_fn=os.setpgrp unless this is set, and a preexec_fn makes
+# CPython fork() rather than vfork(). In a Ray replica fork() runs gRPC's fork handlers while its
+# threads are busy: on 2026-12-02 a child aborted (SIGABRT, "epoll_wait error: Bad file descriptor")
+# before it became ffmpeg, imageio read back what little had been written, and a video job completed
+# with an mp4 without its moov atom. Without the preexec_fn the child is vfork()ed and runs no handler.
+FFMPEG_NO_PREEXEC = ("IMAGEIO_FFMPEG_NO_PREVENT_SIGINT", "1")
+# The top-level boxes every H.264 mp4 that ffmpeg finished has (ftyp header, moov index, mdat frames).
+MP4_BOXES = frozenset({"ftyp", "moov", "mdat"})
+
+
+class VideoEncodeError(RuntimeError):
+    """The encoder's output is not a whole mp4 (ffmpeg died, or stopped early); names what is missing."""
 
 
 def to_uint8(frames: torch.Tensor) -> np.ndarray:
@@ -28,6 +43,29 @@ def mp4_bytes(video: torch.Tensor, fps: int) -> bytes:
     """One video (frames, H, W, 3) as H.264 MP4 (yuv420p, so any player decodes it)."""
     import imageio.v3 as iio
 
+    os.environ[FFMPEG_NO_PREEXEC[0]] = FFMPEG_NO_PREEXEC[1]  # read by imageio-ffmpeg at each start
     # macro_block_size=1: sizes are already multiples of the model's factor (>= 2 as yuv420p needs).
-    return iio.imwrite("<bytes>", to_uint8(video), extension=".mp4", fps=fps, codec="libx264",
+    data = iio.imwrite("<bytes>", to_uint8(video), extension=".mp4", fps=fps, codec="libx264",
                        macro_block_size=1, plugin="FFMPEG")
+    check_mp4(data)  # imageio-ffmpeg does not read ffmpeg's exit status
+    return data
+
+
+def check_mp4(data: bytes) -> None:
+    """Raise VideoEncodeError unless ``data`` is whole top-level mp4 boxes holding ftyp, moov and mdat."""
+    boxes, at = [], 0
+    while at < len(data):
+        if at + 8 > len(data):
+            raise VideoEncodeError(f"mp4 of {len(data)} B ends inside a box header at byte {at}")
+        size, kind = int.from_bytes(data[at:at + 4], "big"), data[at + 4:at + 8].decode("latin-1")
+        if size == 1:  # a 64-bit size follows the type
+            size = int.from_bytes(data[at + 8:at + 16], "big")
+        elif size == 0:  # the box runs to the end
+            size = len(data) - at
+        if size < 8 or at + size > len(data):
+            raise VideoEncodeError(f"mp4 of {len(data)} B: box {kind!r} at byte {at} claims {size} B")
+        boxes.append(kind)
+        at += size
+    missing = sorted(MP4_BOXES - set(boxes))
+    if missing:
+        raise VideoEncodeError(f"mp4 of {len(data)} B has no {', '.join(missing)} box (boxes: {boxes[:8]})")

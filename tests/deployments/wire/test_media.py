@@ -30,3 +30,36 @@ def test_an_mp4_decodes_to_every_frame_at_the_asked_size():
     video = torch.linspace(0, 1, 9 * 32 * 48 * 3).reshape(9, 32, 48, 3)
     frames = iio.imread(media.mp4_bytes(video, fps=8), extension=".mp4", plugin="FFMPEG")
     assert frames.shape == (9, 32, 48, 3)
+
+
+def test_ffmpeg_is_started_without_a_preexec_fn_so_a_ray_replica_vforks_it(monkeypatch):
+    """A preexec_fn makes CPython fork(), which runs gRPC's fork handlers in a Ray replica (a child aborted
+    there on 2026-12-02 and a job completed with an empty mp4); without one it vforks."""
+    import subprocess
+
+    monkeypatch.delenv(media.FFMPEG_NO_PREEXEC[0], raising=False)
+    started, popen = [], subprocess.Popen
+
+    def spy(*args, **kwargs):
+        started.append(kwargs.get("preexec_fn"))
+        return popen(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", spy)
+    media.mp4_bytes(torch.zeros(2, 16, 16, 3), fps=4)
+    assert started and all(fn is None for fn in started), f"ffmpeg started with preexec_fn {started}"
+
+
+def test_an_mp4_the_encoder_left_unfinished_is_an_error_naming_the_missing_box(monkeypatch):
+    import imageio.v3 as iio
+    import pytest
+
+    whole = media.mp4_bytes(torch.zeros(3, 16, 16, 3), fps=4)
+    media.check_mp4(whole)
+    monkeypatch.setattr(iio, "imwrite", lambda *_args, **_kwargs: b"")  # what a child that died left
+    with pytest.raises(media.VideoEncodeError, match="no ftyp, mdat, moov box"):
+        media.mp4_bytes(torch.zeros(3, 16, 16, 3), fps=4)
+    with pytest.raises(media.VideoEncodeError, match="claims"):
+        media.check_mp4(whole[: len(whole) // 2])
+    moov_at = whole.index(b"moov") - 4
+    with pytest.raises(media.VideoEncodeError, match="no moov box"):
+        media.check_mp4(whole[:moov_at])
