@@ -10,24 +10,30 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 # The command forks a child that forks a worker and exits at once (as `ray start` leaves its daemons): the
-# worker, orphaned, burns 0.6 CPU-s while the command waits, then the command exits 3.
+# worker, orphaned, burns 0.6 CPU-s, says so in a file and lingers; the command waits for the file, lets
+# the bench sample a few more times, then exits 3. Not a fixed sleep: a worker at nice 19 beside the Ray
+# tests got 0.2 CPU-s in the 1.2 s the command used to wait.
 COMMAND = """
 import os, sys, time
 if os.fork() == 0:
     if os.fork() == 0:
-        os.execv(sys.executable, [sys.executable, "-c", "import time; t = time.process_time()\\n"
-                                  "while time.process_time() - t < 0.6: pass", "orphan-worker"])
+        os.execv(sys.executable, [sys.executable, "-c", "import os, time; t = time.process_time()\\n"
+                                  "while time.process_time() - t < 0.6: pass\\n"
+                                  "open(os.environ['ORPHAN_DONE'], 'w').close(); time.sleep(2)", "orphan-worker"])
     os._exit(0)
 os.wait()
-time.sleep(1.2)
+deadline = time.monotonic() + 50
+while not os.path.exists(os.environ["ORPHAN_DONE"]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+time.sleep(0.5)
 sys.exit(3)
 """
 
 
-def test_an_orphaned_daemons_cpu_is_counted_and_the_commands_exit_status_is_kept():
+def test_an_orphaned_daemons_cpu_is_counted_and_the_commands_exit_status_is_kept(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ORPHAN_DONE": str(tmp_path / "orphan-done")}
     done = subprocess.run([sys.executable, "bench/suite_cpu.py", "--every", "0.1", "--", sys.executable, "-c",
-                           COMMAND], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=60)
+                           COMMAND], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["returncode"] == 3
