@@ -16,7 +16,7 @@ import torch
 # threads are busy: on 2026-12-02 a child aborted (SIGABRT, "epoll_wait error: Bad file descriptor")
 # before it became ffmpeg, imageio read back what little had been written, and a video job completed
 # with an mp4 without its moov atom. Without the preexec_fn the child is vfork()ed and runs no handler.
-FFMPEG_NO_PREEXEC = ("IMAGEIO_FFMPEG_NO_PREVENT_SIGINT", "1")
+FFMPEG_NO_PREEXEC_ENV = "IMAGEIO_FFMPEG_NO_PREVENT_SIGINT"
 # The top-level boxes every H.264 mp4 that ffmpeg finished has (ftyp header, moov index, mdat frames).
 MP4_BOXES = frozenset({"ftyp", "moov", "mdat"})
 
@@ -43,7 +43,7 @@ def mp4_bytes(video: torch.Tensor, fps: int) -> bytes:
     """One video (frames, H, W, 3) as H.264 MP4 (yuv420p, so any player decodes it)."""
     import imageio.v3 as iio
 
-    os.environ[FFMPEG_NO_PREEXEC[0]] = FFMPEG_NO_PREEXEC[1]  # read by imageio-ffmpeg at each start
+    os.environ[FFMPEG_NO_PREEXEC_ENV] = "1"  # read by imageio-ffmpeg at each start
     # macro_block_size=1: sizes are already multiples of the model's factor (>= 2 as yuv420p needs).
     data = iio.imwrite("<bytes>", to_uint8(video), extension=".mp4", fps=fps, codec="libx264",
                        macro_block_size=1, plugin="FFMPEG")

@@ -37,7 +37,7 @@ def test_ffmpeg_is_started_without_a_preexec_fn_so_a_ray_replica_vforks_it(monke
     there on 2026-12-02 and a job completed with an empty mp4); without one it vforks."""
     import subprocess
 
-    monkeypatch.delenv(media.FFMPEG_NO_PREEXEC[0], raising=False)
+    monkeypatch.delenv(media.FFMPEG_NO_PREEXEC_ENV, raising=False)
     started, popen = [], subprocess.Popen
 
     def spy(*args, **kwargs):
