@@ -99,8 +99,8 @@ def pytest_collection_modifyitems(config, items):
 # modules) runs at nice 15, so that group (the critical path) gets the CPU when it wants it and the rest takes
 # what it leaves. Ray starts its own workers (Serve's replicas and controller, every actor) at nice 15 too, so
 # the in-process tests share the cores evenly with the replicas. Whole runs (quiet, bench/suite_cpu.py,
-# 2026-12-02): with both at nice 0 (71a08a1, 03:12) the group ran its modules for 503.5 s while the other was done at 298.2 s: an app
-# deployed in 36-44 s while they competed for the cores, in 17-18 s once the rest was done; nice 10 454.8-469.6 s
+# 2026-12-02): with both at nice 0 (71a08a1, 03:12) the group ran its modules for 503.5 s while the other
+# was done at 298.2 s: an app deployed in 36-44 s while they competed for the cores, in 17-18 s once the rest was done; nice 10 454.8-469.6 s
 # that night and 500.8-529.2 s after 06:00 (the same tests then cost 865-1040 CPU-s, not 759-832: README, "The
 # test suite's CPU"). nice 15 ran faster (back to back at 9d3a89d: 487.2 s against 509.4 s at 10, both workers
 # done together; a clean clone 417.7 s), so 15 it is. In one of four runs at 15 the preempted worker failed
