@@ -99,20 +99,20 @@ def pytest_collection_modifyitems(config, items):
 # modules) runs at nice 15, so that group (the critical path) gets the CPU when it wants it and the rest takes
 # what it leaves. Ray starts its own workers (Serve's replicas and controller, every actor) at nice 15 too, so
 # the in-process tests share the cores evenly with the replicas. Whole runs (quiet, bench/suite_cpu.py,
-# 2026-12-02): with both at nice 0 (71a08a1, 03:12) the group ran its modules for 503.5 s while the other
-# was done at 298.2 s: an app deployed in 36-44 s while they competed for the cores, in 17-18 s once the rest was done; nice 10 454.8-469.6 s
-# that night and 500.8-529.2 s after 06:00 (the same tests then cost 865-1040 CPU-s, not 759-832: README, "The
-# test suite's CPU"). nice 15 ran faster (back to back at 9d3a89d: 487.2 s against 509.4 s at 10, both workers
-# done together; a clean clone 417.7 s), so 15 it is. In one of four runs at 15 the preempted worker failed
-# tests/offload_core/residency/test_compute_meter.py's slow-copy test, whose copies then slept a real 50 ms
-# against a 25 ms bound on a layer's compute: the layers read 0.050 and 0.105 s. Its copies take 10 s of a
-# simulated clock now, and two other wall-clock bounds leave room for a preempted worker (the board
-# publisher's poke, the job queue's close). nice 19 475.4 s; SCHED_IDLE 481.9 s (the starved in-process tests
-# 30 CPU-s dearer); the tests' Ray workers at nice 0 (RAY_worker_niceness) 505.3 s.
+# 2026-12-02): with both at nice 0 (71a08a1, 03:12) the group ran its modules for 503.5 s while the other was
+# done at 298.2 s: an app deployed in 36-44 s while they competed for the cores, in 17-18 s once the rest was
+# done; nice 10 454.8-469.6 s that night and 500.8-529.2 s after 06:00 (the same tests then cost 865-1040
+# CPU-s, not 759-832: README, "The test suite's CPU"). nice 15 ran faster (back to back at 9d3a89d: 487.2 s
+# against 509.4 s at 10, both workers done together; a clean clone 417.7 s), so 15 it is. In one of four runs
+# at 15 the preempted worker failed tests/offload_core/residency/test_compute_meter.py's slow-copy test, whose
+# copies then slept a real 50 ms against a 25 ms bound on a layer's compute: the layers read 0.050 and 0.105
+# s. Its copies take 10 s of a simulated clock now, and two other wall-clock bounds leave room for a preempted
+# worker (the board publisher's poke, the job queue's close). nice 19 475.4 s; SCHED_IDLE 481.9 s (the starved
+# in-process tests 30 CPU-s dearer); the tests' Ray workers at nice 0 (RAY_worker_niceness) 505.3 s.
 IN_PROCESS_NICE = 15
 CRITICAL_GROUP = max(RAY_GROUPS, key=lambda name: sum(RAY_GROUPS[name].values()))
-# The in-process modules that take longest (seconds, a quiet run, that worker at nice 10, 2026-12-02 03:50): first in
-# the queue after the Ray groups, the longest first, so the run does not end on one worker with a 25 s
+# The in-process modules that take longest (seconds, a quiet run, that worker at nice 10, 2026-12-02 03:50):
+# first in the queue after the Ray groups, the longest first, so the run does not end on one worker with a 25 s
 # module while the other idles (xdist queues by tests per module: one-test modules came last).
 LONG_IN_PROCESS: dict[str, float] = {
     "tests/deployments/models/test_conformance.py": 37.5, "tests/bench/test_gpu_check.py": 25.1,
