@@ -293,6 +293,12 @@ def main() -> None:
     medium_shape = (2, 16, 16, 8)
     real_shape = (6, 60, 104, 512) if CUDA else (2, 8, 8, 8)
     print(f"device: {torch.cuda.get_device_name() if CUDA else 'cpu (CUDA-only parts skipped)'}", flush=True)
+    # What is imported lives for the run: frozen, the collection after each way (which frees the model
+    # before the next way's peak is measured) walks only what the ways made. Unfrozen, each of the CPU
+    # mode's 9 took 0.31 s with diffusers imported: 2.8 of its 16 s (cProfile, 2026-12-02).
+    from diffusers import WanTransformer3DModel  # noqa: F401
+    gc.collect()
+    gc.freeze()
     link = bandwidth()
     print(f"host->device bandwidth: {link}", flush=True)
     results = []

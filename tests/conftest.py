@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import shutil
 import socket
@@ -123,6 +124,16 @@ LONG_IN_PROCESS: dict[str, float] = {
     "tests/deployments/replica/test_warmup.py": 7.5, "tests/offload_core/planner/test_search.py": 6.6,
     "tests/offload_core/residency/test_host_tables.py": 6.2,
 }
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection made (torch, diffusers, transformers, Ray and every test module: ~0.5 M
+    objects), so a full collection walks only what the tests make after it: 0.38 s a full collection
+    before, and the in-process modules of tests/offload_core, tests/deployments/models and
+    tests/deployments/api spent 14.3 s of their 129.5 s in 36 of them (115.0 s with the freeze, 81 full
+    collections in 8.1 s; one process, 2026-12-02). Nothing a test made is frozen: no test has run yet."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_runtest_setup(item):
