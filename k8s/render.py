@@ -20,6 +20,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # k8s/pod_probes.py beside this file
+import pod_probes  # noqa: E402  (the pods' startup, liveness and readiness probes)
 from offload_core.planner.gpus import gpu_model  # noqa: E402  (the one GPU table)
 
 K8S_DIR = Path(__file__).resolve().parent
@@ -224,6 +226,7 @@ def head_group() -> dict:
             "num-gpus": "0",
             "object-store-memory": str(store_gi * GI),
             "dashboard-host": "0.0.0.0",
+            "dashboard-agent-listen-port": str(pod_probes.AGENT_PORT),  # where the probes ask
         },
         "template": {
             "metadata": {"labels": {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/component": "head"}},
@@ -231,7 +234,8 @@ def head_group() -> dict:
                 "containers": [_container("ray-head", cpus, memory_gi, 0, store_gi)
                                | {"ports": [{"containerPort": 6379, "name": "gcs"},
                                             {"containerPort": 8265, "name": "dashboard"},
-                                            {"containerPort": 8000, "name": "serve"}]}],
+                                            {"containerPort": pod_probes.SERVE_PORT, "name": "serve"}]}
+                               | pod_probes.head_probes()],
                 "volumes": _volumes(store_gi),
             },
         },
@@ -249,6 +253,7 @@ def worker_group(group: GpuGroup, variant: ServiceVariant) -> dict:
             "num-gpus": str(group.gpus),
             "object-store-memory": str(group.object_store_gi * GI),
             "resources": _ray_resources(group),
+            "dashboard-agent-listen-port": str(pod_probes.AGENT_PORT),  # where the probes ask
         },
         # Ray node labels (for label_selector and the v2 autoscaler). KubeRay rejects `labels` in
         # rayStartParams ("use the top-level Labels field"), and the autoscaler ignores it there.
@@ -260,7 +265,10 @@ def worker_group(group: GpuGroup, variant: ServiceVariant) -> dict:
             "spec": {
                 "nodeSelector": {"nvidia.com/gpu.product": group.gpu_product},
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                "containers": [_container("ray-worker", group.cpus, group.memory_gi, group.gpus, group.object_store_gi)],
+                # The serve port: the node's Serve proxy, which the readiness probe asks.
+                "containers": [_container("ray-worker", group.cpus, group.memory_gi, group.gpus, group.object_store_gi)
+                               | {"ports": [{"containerPort": pod_probes.SERVE_PORT, "name": "serve"}]}
+                               | pod_probes.worker_probes()],
                 "volumes": _volumes(group.object_store_gi, shared_store_gi(variant, group)),
             },
         },
@@ -312,8 +320,11 @@ def serve_config(variant: ServiceVariant) -> dict:
                                   "accelerator_type": s.accelerator_type},
         })
     return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "0.0.0.0", "port": 8000},
+        # A proxy on every node with a replica: KubeRay's serve Service selects every worker pod whose
+        # readiness passes, and a worker's readiness asks its own proxy (k8s/pod_probes.py). With
+        # HeadOnly no worker could ever be ready (KubeRay's default probe asks the same proxy).
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "0.0.0.0", "port": pod_probes.SERVE_PORT},
         "applications": [{
             "name": APP_NAME,
             "route_prefix": "/",
