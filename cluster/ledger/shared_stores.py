@@ -16,9 +16,10 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponential
 
 from cluster.ledger.liveness import OwnerRef
 from cluster.ledger.pools import LeasePools
@@ -178,15 +179,12 @@ class LedgerStoreRegistry(StoreRegistry):
 
     def acquire(self, key: StoreKey, nbytes: int, path: str, owner: str,
                 budget_bytes: int | None = None) -> StoreTicket | Refusal:
-        deadline, backoff = time.monotonic() + CREATE_WAIT_S, 0.05
-        while True:
-            got = self._client.call("store_attach", key.digest, key.component, path, int(nbytes), budget_bytes)
-            if not isinstance(got, StoreWait):
-                break
-            if time.monotonic() > deadline:
-                return Refusal(owner, nbytes, 0, f"store {key.digest} still being written after {CREATE_WAIT_S} s")
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 0.5)
+        # While another replica writes the store, ask again (0.05 s doubling to 0.5 s) up to CREATE_WAIT_S.
+        attach = Retrying(retry=retry_if_result(lambda got: isinstance(got, StoreWait)),
+                          wait=wait_exponential(0.05, max=0.5), stop=stop_after_delay(CREATE_WAIT_S),
+                          retry_error_callback=lambda state: Refusal(
+                              owner, nbytes, 0, f"store {key.digest} still being written after {CREATE_WAIT_S} s"))
+        got = attach(self._client.call, "store_attach", key.digest, key.component, path, int(nbytes), budget_bytes)
         if isinstance(got, StoreTicket):
             with self._lock:
                 self._held.setdefault(key.digest, []).append((key.component, path, int(nbytes), budget_bytes))

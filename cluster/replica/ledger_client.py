@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 
 import ray
 from ray.exceptions import RayActorError
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from cluster.ledger.actor import LedgerConfig, StaleEpoch
 from cluster.ledger.liveness import OwnerRef
@@ -31,6 +31,24 @@ RECALL_POLL_S = 5.0
 
 class LedgerUnavailable(RuntimeError):
     """The node ledger did not answer within the bound (it is restarting too long, or gone)."""
+
+
+def _unavailable(state: RetryCallState):
+    exc = state.outcome.exception()
+    raise LedgerUnavailable(f"node ledger unreachable for {LEDGER_UNAVAILABLE_TIMEOUT_S:.0f} s: {exc}") from exc
+
+
+def call_through_restart(submit, extra_s: float = 0.0):
+    """ray.get one ledger call, retrying while its actor is unavailable (0.05 s doubling to 1 s
+    between tries) for up to LEDGER_UNAVAILABLE_TIMEOUT_S, then :class:`LedgerUnavailable`.
+
+    ``submit(retry: bool)`` makes the call; ``retry`` is True when an earlier attempt may have
+    run (Ray cannot tell after ActorUnavailableError), so the call can be made idempotent.
+    """
+    for attempt in Retrying(retry=retry_if_exception_type(RayActorError), wait=wait_exponential(0.05, max=1.0),
+                            stop=stop_after_delay(LEDGER_UNAVAILABLE_TIMEOUT_S), retry_error_callback=_unavailable):
+        with attempt:
+            return ray.get(submit(attempt.retry_state.attempt_number > 1), timeout=CALL_TIMEOUT_S + extra_s)
 
 
 class LedgerClient:
@@ -150,22 +168,8 @@ class LedgerClient:
 
     # ---- internals -------------------------------------------------------------------------
     def _call(self, submit, extra_s: float = 0.0):
-        """ray.get one ledger call, riding out a ledger restart up to the bound.
-
-        ``submit(retry: bool)`` makes the call; ``retry`` is True when an earlier attempt may have
-        run (Ray cannot tell after ActorUnavailableError), so the call can be made idempotent.
-        """
-        deadline = time.monotonic() + LEDGER_UNAVAILABLE_TIMEOUT_S
-        backoff, retry = 0.05, False
-        while True:
-            try:
-                return ray.get(submit(retry), timeout=CALL_TIMEOUT_S + extra_s)
-            except RayActorError as exc:
-                if time.monotonic() > deadline:
-                    raise LedgerUnavailable(f"node ledger unreachable for {LEDGER_UNAVAILABLE_TIMEOUT_S:.0f} s: "
-                                            f"{exc}") from exc
-                time.sleep(backoff)
-                backoff, retry = min(backoff * 2, 1.0), True
+        """ray.get one ledger call, riding out a ledger restart up to the bound (:func:`call_through_restart`)."""
+        return call_through_restart(submit, extra_s)
 
     def _reregister(self) -> None:
         with self._lock:
