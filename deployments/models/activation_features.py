@@ -100,13 +100,15 @@ def calibration_shapes(facts: FamilyFacts, steps: int = 1,
     (they differ in n and in size). A family that makes at most ``facts.max_n`` outputs per request
     decodes no more (HunyuanVideo 1.5: one video at a time, so its decoder's peak is not linear in a
     larger n); its other stages still vary n, which their features need."""
-    m, guidance = facts.size_multiple, facts.default_guidance
+    from deployments.models.registry import adapter_for
+
+    m, guidance, prompt = facts.size_multiple, facts.default_guidance, adapter_for(facts).warmup_prompt(facts)
     small, large = (math.ceil(side / m) * m for side in (32, 64))
 
     def spec(name, side, frames, n):
         if stage is PipelineStage.DECODE and facts.max_n is not None:
             n = min(n, facts.max_n)
-        return GenerationSpec(f"calibrate-{name}", "calibration", None, side, side, frames, steps, guidance, 0, n)
+        return GenerationSpec(f"calibrate-{name}", prompt, None, side, side, frames, steps, guidance, 0, n)
 
     shapes = [spec("image-a", small, 1, 1), spec("image-b", large, 1, 2)]
     if facts.supports_video:

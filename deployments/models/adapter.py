@@ -226,6 +226,12 @@ class FamilyAdapter:
         """Denoising steps a warm-up call runs so that every denoiser component runs (and is timed)."""
         return 1
 
+    def warmup_prompt(self, facts: FamilyFacts) -> str:
+        """The prompt of the warm-up and calibration calls: one that runs every component a prompt can
+        make the encoder run (a family whose glyph encoder runs only for quoted text quotes some).
+        A component it still leaves unrun is planned from its meta facts and timed on first use."""
+        return "warm-up"
+
     def activation_input(self, pipe, facts: FamilyFacts, stage: PipelineStage, spec: GenerationSpec):
         """A stand-in for the stage's input at ``spec``'s shape (zeros: activations depend on shapes)."""
         raise NotImplementedError

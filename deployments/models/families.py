@@ -41,6 +41,11 @@ def stage_phases(facts: FamilyFacts, stage: PipelineStage) -> tuple[tuple[str, .
     return adapter_for(facts).phases(facts, stage)
 
 
+def warmup_prompt(facts: FamilyFacts) -> str:
+    """The warm-up's prompt: one that runs every prompt-dependent component (HunyuanVideo 1.5: quoted text)."""
+    return adapter_for(facts).warmup_prompt(facts)
+
+
 def warmup_steps(facts: FamilyFacts) -> int:
     """Denoising steps a warm-up call runs so that every denoiser component runs (Wan2.2 A14B: both experts)."""
     return adapter_for(facts).warmup_steps(facts)

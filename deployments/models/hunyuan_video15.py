@@ -130,6 +130,11 @@ class HunyuanVideo15Adapter(FamilyAdapter):
     stage_helpers = {ENCODE: ("tokenizer", "tokenizer_2", "guider"), DENOISE: ("scheduler", "guider"), DECODE: ()}
     serves = ("video",)
 
+    def warmup_prompt(self, facts) -> str:
+        # The glyph encoder (text_encoder_2, ByT5) runs only for text in quotes (extract_glyph_texts):
+        # a warm-up without any would leave it unmeasured until a request quotes some.
+        return 'a sign that reads "OPEN"'
+
     def unsupported_variant(self, index, folder) -> str | None:
         guider = read_json(folder / "guider" / "guider_config.json")
         other = {k: guider[k] for k, v in GUIDER_DEFAULTS.items() if k in guider and guider[k] != v}

@@ -44,7 +44,12 @@ from deployments.models.families import FamilyFacts
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.stage_residency import StageResidency, replan_stage
 from deployments.wire.spec import GenerationSpec, PipelineStage
-from offload_core.planner.measured_compute import MeasuredCompute, WarmupFigures
+from offload_core.planner.measured_compute import (
+    MeasuredCompute,
+    WarmupFigures,
+    seconds_per_parameter,
+    with_estimates,
+)
 from offload_core.planner.search import PipelinePlan, repredict
 from offload_core.residency.activation_meter import measure_activations
 from offload_core.residency.compute_meter import measure_warmup
@@ -68,8 +73,9 @@ class WarmupShape:
     def spec(self, facts: FamilyFacts, n: int = 1) -> GenerationSpec:
         """One step (more when a family's experts need them all to run: Wan2.2 A14B), ``n`` outputs, the
         family's default guidance (Wan: both guidance passes run)."""
-        return GenerationSpec(f"warmup-{self.width}x{self.height}x{self.frames}", "warm-up", None, self.height,
-                              self.width, self.frames, families.warmup_steps(facts), facts.default_guidance, 0, n)
+        return GenerationSpec(f"warmup-{self.width}x{self.height}x{self.frames}", families.warmup_prompt(facts), None,
+                              self.height, self.width, self.frames, families.warmup_steps(facts),
+                              facts.default_guidance, 0, n)
 
     def describe(self) -> str:
         return f"{self.width}x{self.height}x{self.frames}"
@@ -126,7 +132,8 @@ def warm_up(host: WarmupHost, modules: Mapping[str, nn.Module], provisional: Pip
     activations = calibrate_activations(host, modules)
     calibrated_s = time.perf_counter() - start
     shape = config.warmup_shape or WarmupShape.default_for(Limits(), config.facts)
-    compute = time_layers(host, modules, shape.spec(config.facts), activations)
+    compute = with_unrun_estimated(host.replica, time_layers(host, modules, shape.spec(config.facts), activations),
+                                   provisional)
     batch = config.batching.max_batch if config.batching is not None else 1
     predicted = activations.predict(shape.spec(config.facts, n=batch))
     plan = replan_stage(provisional, host.memory, compute=compute,
@@ -185,11 +192,32 @@ def time_layers(worker: WarmupHost, modules: Mapping[str, nn.Module], spec: Gene
     return {name: _per_use(figures[name], uses[name]) for name in modules}
 
 
+def with_unrun_estimated(replica: str, compute: Mapping[str, MeasuredCompute],
+                         plan: PipelinePlan) -> dict[str, MeasuredCompute]:
+    """``compute`` with an estimate for every layer the timed call never ran (a component the request
+    did not use: a glyph encoder without quoted text, an expert before its boundary step), from the
+    component's meta facts: its declared layer order, the cost model's compute at the seconds per
+    parameter measured here. Logged once per such component; the worker times it on first use."""
+    profiles = {p.name: p for p in plan.facts.components}
+    rate = seconds_per_parameter(tuple(profiles.values()), compute)
+    out = {}
+    for name, measured in compute.items():
+        out[name] = with_estimates(profiles[name], measured, rate) if name in profiles else measured
+        if measured.estimated:
+            logger.info("%s: %s: the warm-up did not run %d of its %d layers (%s); planned from its meta facts: "
+                        "declared order, %.3f ms per use estimated at %.3g ns per parameter measured on this "
+                        "device; timed on the first call that runs it", replica, name, len(measured.estimated),
+                        len(profiles[name].layers), ", ".join(measured.estimated[:3]),
+                        out[name].per_use_s * 1e3, (seconds_per_parameter((profiles[name],), {name: measured})
+                                                    or rate) * 1e9)
+    return out
+
+
 def _per_use(figures: WarmupFigures, uses: int) -> MeasuredCompute:
     """Seconds per use as the planner counts uses (``uses`` in the timed call): the hooks count passes
     over the first layer, which may be more (Wan's VAE: one per latent frame) or fewer."""
     uses = max(uses, 1)
-    if not figures.order:
+    if not figures.order and not figures.unrun:
         # No layer groups: the pipeline calls a method (vae.decode), so the hooks sit on its children.
         return MeasuredCompute((), figures.total_s / uses)
     # Waits for copies come along: the plan's picture shows the measured pass with them.

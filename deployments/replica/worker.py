@@ -37,10 +37,17 @@ from deployments.replica import warmup
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.board import get_board, pack
 from deployments.replica.board_publisher import Throttled
+from deployments.replica.first_use import FirstUse
 from deployments.replica.leases import LEASE_REFUSED, open_device_leases, open_replica_memory
 from deployments.replica.metrics import ReplicaGauges, StageMetrics
 from deployments.replica.rank_spec import RankSpec
-from deployments.replica.stage_residency import StageResidency, host_lease_bytes, plan_stage, predicted_kept_bytes
+from deployments.replica.stage_residency import (
+    StageResidency,
+    host_lease_bytes,
+    plan_stage,
+    predicted_kept_bytes,
+    replan_stage,
+)
 from deployments.wire.spec import (
     GenerationSpec,
     PipelineStage,
@@ -51,8 +58,9 @@ from deployments.wire.spec import (
 from offload_core.host.budget import Refusal
 from offload_core.host.budget_cap import HostBudgetSpec
 from offload_core.host.store import folder_identity
+from offload_core.planner.measured_compute import MeasuredCompute
 from offload_core.planner.picture import PlanPicture, plan_picture
-from offload_core.planner.search import PerformanceMode
+from offload_core.planner.search import PerformanceMode, repredict
 from offload_core.quant import WeightFormat
 from offload_core.residency.shared_hosting import SharedWeights
 from offload_core.streaming.headroom import HeadroomTimeout
@@ -178,7 +186,11 @@ class StageWorker:
         # call lock for as long as its batch runs, and a report waits for that lock.
         self._batch_sender = Throttled(self._send_batch, PUBLISH_INTERVAL_S, f"batch-{config.stage.value}")
         self.picture = None
+        self.first_use = FirstUse(self.replica, modules, {}, self.device)  # nothing pending during the warm-up
         self.warmup = self._apply_warmup(warmup.warm_up(self, modules, plan), applier)
+        # Components the warm-up's request did not run are timed on the first call that runs them.
+        self.first_use = FirstUse(self.replica, modules, dict(self.warmup.compute), self.device)
+        self._applier = applier
         # Drawn from the plan that runs and what the warm-up measured (GET /v1/residency/picture).
         self.picture = self._picture()
         self.publish()
@@ -246,12 +258,16 @@ class StageWorker:
             with self._call_lease(activation_bytes):
                 self.residency.prepare_for_use()
                 try:
-                    yield
+                    with self.first_use.timed():
+                        yield
                 finally:
                     self.residency.finish_use()
                     self.metrics.record_components(self.residency.bytes_streamed_by_component())
                 kept = self.residency.kept_bytes()
             self.leases.hold_standing(kept, self.config.device_timeout_s)
+        measured = self.first_use.take_changed()
+        if measured is not None:
+            self._replan(measured)
         self._publisher.poke()
 
     def record(self, stats: StageStats) -> None:
@@ -292,6 +308,23 @@ class StageWorker:
                     f"changed ({'; '.join(outcome.changes)}): re-applied" if outcome.changes
                     else "unchanged: the applied one is kept")
         return outcome
+
+    def _replan(self, compute: dict[str, MeasuredCompute]) -> None:
+        """Plan the stage again with ``compute`` (a component measured on first use), keeping the
+        warm-up's working set; re-applied only when a decision changed."""
+        plan = self.residency.plan
+        replanned = replan_stage(plan, self.memory, compute=compute, working_set_bytes=plan.facts.working_set_bytes)
+        changes = replanned.changes_from(plan)
+        if changes:
+            self._reapply(lambda: self._applier(plan=replanned), predicted_kept_bytes(replanned))
+        else:
+            self.residency.adopt(repredict(plan, replanned.facts, (
+                "compute per use measured on first use: " + ", ".join(
+                    f"{name} {m.per_use_s * 1e3:.2f} ms" for name, m in compute.items()),)))
+        self.warmup = dataclasses.replace(self.warmup, compute=tuple(compute.items()))
+        self.picture = self._picture()
+        logger.info("%s: planned again with the compute measured on first use: %s", self.replica,
+                    f"changed ({'; '.join(changes)}): re-applied" if changes else "unchanged: the applied one is kept")
 
     def _reapply(self, make: Callable[[], StageResidency], kept: int) -> None:
         """Replace the applied residency with another, never holding more device bytes than leased.

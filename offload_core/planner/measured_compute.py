@@ -51,6 +51,13 @@ class WarmupFigures:
     # wait for its copy (and the streamer's hook work). What the picture's measured pass shows.
     layer_wait_s: tuple[float, ...] = ()
     last_pass: RecordedPass | None = None  # None: no layer groups (the hooks sit on its children)
+    # Layer keys the call never ran, in declared order (all of them: the component did not run).
+    unrun: tuple[str, ...] = ()
+
+    @property
+    def ran(self) -> bool:
+        """The call ran the component (some of its layers, or its forward when it has no layer groups)."""
+        return bool(self.order) or (not self.unrun and self.uses > 0)
 
     @property
     def rest_s(self) -> float:
@@ -66,6 +73,9 @@ class MeasuredCompute:
     rest_s: float  # non-layer seconds per use
     layer_wait_s: tuple[tuple[str, float], ...] = ()  # (layer key, seconds per use outside compute)
     last_pass: RecordedPass | None = None  # one real pass, copies included: the picture's measured timeline
+    # Layer keys the measured call never ran: their seconds in ``layer_s`` are estimated
+    # (:func:`with_estimates`) until a call that runs them measures them.
+    estimated: tuple[str, ...] = ()
 
     @property
     def per_use_s(self) -> float:
@@ -74,13 +84,42 @@ class MeasuredCompute:
     @classmethod
     def of(cls, figures: WarmupFigures) -> MeasuredCompute:
         return cls(tuple(zip(figures.order, figures.layer_s)), figures.rest_s,
-                   tuple(zip(figures.order, figures.layer_wait_s)), figures.last_pass)
+                   tuple(zip(figures.order, figures.layer_wait_s)), figures.last_pass, figures.unrun)
 
     def scaled(self, factor: float) -> MeasuredCompute:
         """Every figure times ``factor`` (per use as another count of uses sees it); the recorded pass
         is one pass as it ran, kept as is."""
         return MeasuredCompute(tuple((k, s * factor) for k, s in self.layer_s), self.rest_s * factor,
-                               tuple((k, s * factor) for k, s in self.layer_wait_s), self.last_pass)
+                               tuple((k, s * factor) for k, s in self.layer_wait_s), self.last_pass, self.estimated)
+
+
+def seconds_per_parameter(profiles: Sequence[ComponentProfile], compute: Mapping[str, MeasuredCompute]) -> float:
+    """Measured seconds per use per layer parameter over every layer a call ran (0.0: none ran)."""
+    params = {(p.name, layer.key): layer.params for p in profiles for layer in p.layers}
+    seconds = count = 0
+    for name, measured in compute.items():
+        for key, s in measured.layer_s:
+            if key not in measured.estimated and (name, key) in params:
+                seconds, count = seconds + s, count + params[(name, key)]
+    return seconds / count if count else 0.0
+
+
+def with_estimates(profile: ComponentProfile, measured: MeasuredCompute, stage_rate_s: float) -> MeasuredCompute:
+    """``measured`` with a figure for every layer of ``profile`` it lacks (``measured.estimated``): the
+    cost model's compute in proportion to parameters (2 FLOPs per parameter per token), at the seconds
+    per parameter this component's measured layers took, else the stage's (``stage_rate_s``).
+
+    Non-layer compute of a component that never ran stays 0 s (embeddings and norms: lookups and
+    element-wise work). Underestimated compute plans more resident layers, never a stall.
+    """
+    if not measured.estimated:
+        return measured
+    own = seconds_per_parameter((profile,), {profile.name: measured})
+    rate = own or stage_rate_s
+    by_key = dict(measured.layer_s)
+    layer_s = tuple((layer.key, by_key[layer.key] if layer.key in by_key and layer.key not in measured.estimated
+                     else rate * layer.params) for layer in profile.layers)
+    return dataclasses.replace(measured, layer_s=layer_s)
 
 
 def with_measured_compute(profile: ComponentProfile, measured: MeasuredCompute) -> ComponentProfile:

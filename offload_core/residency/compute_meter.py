@@ -23,6 +23,7 @@ The plan's picture draws it beside the predicted pass.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from typing import Callable, Mapping, Sequence
@@ -81,45 +82,68 @@ def measure_warmup(components: Mapping[str, nn.Module], run: Callable[[], object
     ``device``: where the components compute (None: CUDA's current stream is synced when CUDA is
     available, as for a plain model on the GPU).
     """
-    sync = compute_sync(device)
-    handles, timers, logs = [], {}, {}
-    for name, model in components.items():
-        streamer = getattr(model, STREAMER_ATTRIBUTE, None)
-        if streamer is not None:  # its copies, for the measured pass's copy lane
-            logs[name] = CopyLog(streamer.device.device)
-            streamer.trace_copies(logs[name])
-        layers = declared_layers(model, streamable_groups(model, (layer_groups or {}).get(name)))
-        pairs = [(layer.key, _Timer(sync), _Timer(sync)) for layer in layers]
-        timers[name] = (pairs, _Timer(sync))
-        for layer, (_, inner, outer) in zip(layers, pairs):
-            handles += _hook(layer.module, inner, outer)
-        # Components whose pipeline calls a method (vae.decode) rather than forward: time every child.
-        roots = [model] if layers else list(model.children()) or [model]
-        for root in roots:
-            handles += [root.register_forward_pre_hook(timers[name][1].pre, prepend=True),
-                        root.register_forward_hook(timers[name][1].post, always_call=True)]
-    try:
+    with LayerTiming(components, layer_groups, device) as timers:
         with torch.no_grad():
             run()
-    finally:
-        for handle in handles:
+    return timers.figures()
+
+
+class LayerTiming(contextlib.AbstractContextManager):
+    """Timing hooks on ``components`` while the block runs (a warm-up call, or a service call that
+    runs a component for the first time); :meth:`figures` after the block."""
+
+    def __init__(self, components: Mapping[str, nn.Module], layer_groups: Mapping[str, Sequence[str]] | None = None,
+                 device: torch.device | None = None):
+        self._components, self._groups, self._sync = components, layer_groups or {}, compute_sync(device)
+        self._handles, self._timers, self._logs, self._figures = [], {}, {}, None
+
+    def __enter__(self) -> "LayerTiming":
+        sync = self._sync
+        for name, model in self._components.items():
+            streamer = getattr(model, STREAMER_ATTRIBUTE, None)
+            if streamer is not None:  # its copies, for the measured pass's copy lane
+                self._logs[name] = CopyLog(streamer.device.device)
+                streamer.trace_copies(self._logs[name])
+            layers = declared_layers(model, streamable_groups(model, self._groups.get(name)))
+            pairs = [(layer.key, _Timer(sync), _Timer(sync)) for layer in layers]
+            self._timers[name] = (pairs, _Timer(sync))
+            for layer, (_, inner, outer) in zip(layers, pairs):
+                self._handles += _hook(layer.module, inner, outer)
+            # Components whose pipeline calls a method (vae.decode) rather than forward: time every child.
+            roots = [model] if layers else list(model.children()) or [model]
+            for root in roots:
+                self._handles += [root.register_forward_pre_hook(self._timers[name][1].pre, prepend=True),
+                                  root.register_forward_hook(self._timers[name][1].post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
             handle.remove()
-        for name in logs:
-            getattr(components[name], STREAMER_ATTRIBUTE).trace_copies(None)
-    out = {}
-    for name, (pairs, root) in timers.items():
-        never = [key for key, t, _ in pairs if not t.calls]
-        if never:
-            raise ValueError(f"{name}: the warm-up never ran layers {never[:4]}: their compute and order are unknown")
-        ran = sorted(pairs, key=lambda item: item[1].first)
-        uses = ran[0][1].calls if ran else root.calls
-        per_layer = tuple(t.elapsed / max(uses, 1) for _, t, _ in ran)
-        waits = tuple(max(o.elapsed - t.elapsed, 0.0) / max(uses, 1) for _, t, o in ran)
-        copies = logs[name].spans() if name in logs else ()
-        out[name] = WarmupFigures(uses, tuple(key for key, _, _ in ran), per_layer, root.elapsed,
-                                  sum(o.elapsed for _, _, o in ran), waits,
-                                  _last_pass(ran, root, copies) if ran else None)
-    return out
+        for name in self._logs:
+            getattr(self._components[name], STREAMER_ATTRIBUTE).trace_copies(None)
+        self._figures = {name: _figures(pairs, root, self._logs[name].spans() if name in self._logs else ())
+                         for name, (pairs, root) in self._timers.items()}
+
+    def figures(self) -> dict[str, WarmupFigures]:
+        if self._figures is None:
+            raise RuntimeError("LayerTiming: figures are known once the timed block has ended")
+        return self._figures
+
+
+def _figures(pairs: Sequence[tuple[str, _Timer, _Timer]], root: _Timer, copies: Sequence[CopySpan]) -> WarmupFigures:
+    """One component's figures; layers the call never ran (a component or a group the request did not
+    use: a glyph encoder without quoted text, an expert before its boundary step) are named in
+    ``unrun``, in declared order, for the caller to estimate and measure on first use."""
+    ran = sorted((item for item in pairs if item[1].calls), key=lambda item: item[1].first)
+    unrun = tuple(key for key, t, _ in pairs if not t.calls)
+    if pairs and not ran:  # the component did not run at all: nothing measured, not even its forward
+        return WarmupFigures(0, (), (), 0.0, unrun=unrun)
+    uses = ran[0][1].calls if ran else root.calls
+    per_layer = tuple(t.elapsed / max(uses, 1) for _, t, _ in ran)
+    waits = tuple(max(o.elapsed - t.elapsed, 0.0) / max(uses, 1) for _, t, o in ran)
+    return WarmupFigures(uses, tuple(key for key, _, _ in ran), per_layer, root.elapsed,
+                         sum(o.elapsed for _, _, o in ran), waits, _last_pass(ran, root, copies) if ran else None,
+                         unrun)
 
 
 def _last_pass(ran: Sequence[tuple[str, _Timer, _Timer]], root: _Timer, copies: Sequence[CopySpan]) -> RecordedPass:
