@@ -14,12 +14,17 @@ import re
 import threading
 from dataclasses import dataclass
 
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
 from offload_core.host.budget import Lease, MemoryBudget, Refusal
 
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
-_UNITS = {"": 1, "b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k": KiB, "m": MiB, "g": GiB, "t": TiB}
+# pydantic.ByteSize reads one-letter units as decimal (1k = 1000 B); here they stay binary, as
+# before (16g = 16 GiB), so they are spelled out before it parses.
+_ONE_LETTER = re.compile(r"(?<=[\d\s])([kmgtKMGT])\s*$")
+# The whole text is one number and one unit (ByteSize alone would read "16GiB of RAM" as 16 GiB).
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_BYTE_SIZE = TypeAdapter(ByteSize)
 
 
 class BudgetTooSmall(ValueError):
@@ -72,14 +77,17 @@ def parse_host_budget(value: str | int | float) -> HostBudgetSpec:
     if not isinstance(value, str):
         raise TypeError(f"host_memory_budget must be a size string, bytes or a fraction, got {value!r}")
     match = _SIZE.match(value)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"host_memory_budget {value!r} is not a size: write e.g. '16GiB', '512MiB', '20GB' "
-                         "or a fraction of the node's spendable RAM such as 0.25")
-    number = float(match.group(1))
-    if unit == "" and "." in match.group(1):
-        return HostBudgetSpec(fraction=number)
-    return parse_host_budget(int(number * _UNITS[unit]) if unit else int(number))
+    if match is not None and not match.group(2):  # "0.5" is a fraction, "1073741824" bytes
+        return parse_host_budget(float(match.group(1)) if "." in match.group(1) else int(match.group(1)))
+    try:
+        if match is None:
+            raise ValueError("not one number and one unit")
+        nbytes = int(_BYTE_SIZE.validate_python(_ONE_LETTER.sub(r"\1iB", value)))
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        raise ValueError(f"host_memory_budget {value!r} is not a size ({why}): write e.g. '16GiB', '512MiB', "
+                         "'20GB' or a fraction of the node's spendable RAM such as 0.25") from None
+    return parse_host_budget(nbytes)
 
 
 def format_bytes(nbytes: int) -> str:

@@ -67,6 +67,7 @@ class MapsSnapshot:
     def __post_init__(self) -> None:
         object.__setattr__(self, "_starts", tuple(r.start for r in self.regions))
 
+    # Not psutil's memory_maps: it reads smaps (walks page tables: 24 ms vs 1 ms at 2 GiB resident), gives no inode.
     @classmethod
     def take(cls, proc_root: str | os.PathLike = "/proc", pid: int | str = "self") -> "MapsSnapshot":
         return cls.parse((Path(proc_root) / str(pid) / "maps").read_text())

@@ -12,13 +12,15 @@ from offload_core.host.budget_cap import CappedBudget, GiB, HostBudgetSpec, MiB,
     ("20GB", HostBudgetSpec(nbytes=20 * 10**9)), ("1.5GiB", HostBudgetSpec(nbytes=int(1.5 * GiB))),
     (0.25, HostBudgetSpec(fraction=0.25)), ("0.5", HostBudgetSpec(fraction=0.5)),
     (4 * GiB, HostBudgetSpec(nbytes=4 * GiB)), ("0GiB", HostBudgetSpec(nbytes=0)),
+    # One-letter units are binary (pydantic.ByteSize alone would read 16g as 16e9 B).
+    ("16g", HostBudgetSpec(nbytes=16 * GiB)), (" 512 M ", HostBudgetSpec(nbytes=512 * MiB)),
 ])
 def test_sizes_and_fractions_parse_to_bytes_or_a_share_of_spendable_ram(value, spec):
     assert parse_host_budget(value) == spec
 
 
 @pytest.mark.parametrize("value, message", [
-    ("16 parsecs", "not a size"), ("lots", "not a size"), (1.5, r"\(0, 1\]"), (0.0, r"\(0, 1\]"),
+    ("16 parsecs", "not a size"), ("lots", "not a size"), ("16GiB of RAM", "not a size"), ("-5GiB", "not a size"), (1.5, r"\(0, 1\]"), (0.0, r"\(0, 1\]"),
     (16, "under 1 KiB"), (True, "size or a fraction"), (-5 * GiB, ">= 0"),
 ])
 def test_a_budget_that_is_not_a_size_or_a_fraction_is_refused_with_what_to_write(value, message):
