@@ -1,6 +1,6 @@
 """Projection: FLUX.1-dev images per hour at batch 1, 2, 4, 8, streamed on an RTX 4090, resident on an L40S.
 
-Runs on the simulated accelerator (``offload_core.streaming.sim``): the engine streams a stand-in
+Runs on the simulated accelerator (``testing.sim``): the engine streams a stand-in
 model with FLUX.1-dev's real layer structure (19 double-stream + 38 single-stream blocks, each
 layer's bytes in proportion to the real bf16 layer's, read on ``meta``), the link is scaled by the
 same factor, and each layer is charged its real compute time for the batch. So the simulated step
@@ -25,7 +25,7 @@ from offload_core.planner.gpus import gpu_model, link_Bps
 from offload_core.planner.inputs import SUSTAINED_FRACTION
 from offload_core.planner.real_models import meta_component
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
-from offload_core.streaming.sim import SimDevice, SimLink
+from testing.sim import SimDevice, SimLink
 
 MODEL, STEPS, IMAGE_TOKENS, TEXT_TOKENS = "flux.1-dev", 28, (512 // 16) ** 2, 512
 PINNED_BPS = link_Bps(4, 16)[0]  # PCIe Gen4 x16, from the one GPU table (25 GB/s)

@@ -49,7 +49,7 @@ from offload_core.planner.facts import LinkFacts, profile_component  # noqa: E40
 from offload_core.planner.staging_ring import choose_staging  # noqa: E402
 from offload_core.planner.window import choose_window  # noqa: E402
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming  # noqa: E402
-from offload_core.streaming.sim import SimDevice, SimLink, SlowStretch  # noqa: E402
+from testing.sim import SimDevice, SimLink, SlowStretch  # noqa: E402
 
 MODELS = {"copy-bound": 0.5, "balanced": 1.0, "compute-bound": 2.0}  # compute / copy stage per layer
 TIERS = (HostingTier.PINNED, HostingTier.PAGEABLE, HostingTier.MAPPED)

@@ -222,6 +222,7 @@ class ReplicaMemory:
         self.owner, self.device, self.node, self.profile = owner, device, node, profile
         self.host_budget, self.device_budget, self.device_pool = host_budget, device_budget, device_pool
         self.gpu = gpu
+        self.gpu_fraction = gpu_fraction  # Ray's num_gpus for this replica (None: the whole GPU, or none)
         self._client = client
         self._stores: StoreRegistry | None = None
         self._neighbours = None  # cluster.replica.neighbours.NeighbourLeases, once asked for

@@ -25,6 +25,7 @@ from offload_core.planner.search import (
     plan_pipeline,
 )
 from offload_core.planner.strategy import Strategy
+from offload_core.streaming.fill_threads import default_cap, usable_cpus
 from offload_core.streaming.link import measure_link
 
 if TYPE_CHECKING:
@@ -33,13 +34,32 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def link_facts(device: "torch.device | None" = None, gpu: GpuFacts | None = None) -> LinkFacts:
-    """The replica's link to its device: measured on CUDA; elsewhere (nothing to measure) the GPU
-    table's bandwidths for the link ``gpu`` reports, or the table's default link without one."""
+def link_facts(device: "torch.device | None" = None, gpu: GpuFacts | None = None,
+               copier_cap: int | None = None) -> LinkFacts:
+    """The replica's link to its device: measured on CUDA (staged fills split over at most ``copier_cap``
+    threads, :func:`copier_cap`); elsewhere (nothing to measure) the GPU table's bandwidths for the
+    link ``gpu`` reports, or the table's default link without one."""
     if device is not None and device.type == "cuda":
-        return measure_link(device)
+        return measure_link(device, copier_cap=copier_cap)
     pinned, pageable = link_Bps(gpu.pcie_gen if gpu else None, gpu.pcie_width if gpu else None)
     return LinkFacts(pinned, pageable, measured=False)
+
+
+def replicas_sharing_node(memory: ReplicaMemory) -> int:
+    """How many replicas the node's cores are shared among: one per GPU, or per GPU share where a
+    replica asked Ray for a fraction of one (num_gpus 0.5: two per GPU); 1 on a node without GPUs."""
+    per_gpu = 1 if not memory.gpu_fraction else max(1, math.floor(1 / memory.gpu_fraction + 1e-9))
+    return max(1, len(memory.node.gpus)) * per_gpu
+
+
+def copier_cap(memory: ReplicaMemory) -> int:
+    """The most threads this replica's staging fills may split over: min(4, cores // replicas sharing
+    the node), so replicas streaming at once on one node do not oversubscribe its cores."""
+    sharing = replicas_sharing_node(memory)
+    cap = default_cap(sharing)
+    logger.info("%s: staging fills split over at most %d copier threads (%d cores, %d replicas sharing the node)",
+                memory.owner, cap, usable_cpus(), sharing)
+    return cap
 
 
 def replica_gpu(memory: ReplicaMemory) -> GpuFacts | None:

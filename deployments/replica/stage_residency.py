@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from cluster.replica.ledger_view import ReplicaMemory
-from cluster.replica.plan import link_facts, plan_for_replica, replica_facts
+from cluster.replica.plan import copier_cap, link_facts, plan_for_replica, replica_facts
 from offload_core.host.budget import MemoryBudget
 from offload_core.host.budget_cap import HostMemoryStatus
 from offload_core.planner.facts import (
@@ -76,7 +76,7 @@ def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request
                               link=link_facts(device), host_lease_bytes=host_lease_bytes, device_name=str(device))
         return plan_pipeline(facts, mode)
     # On CUDA the link is measured; elsewhere the GPU table's link for the GPU the replica leases.
-    link = link_facts(device) if device.type == "cuda" else None
+    link = link_facts(device, copier_cap=copier_cap(memory)) if device.type == "cuda" else None
     facts = replica_facts(memory, profiles, stages, device_capacity=device_capacity, link=link,
                           host_lease_bytes=host_lease_bytes)
     return plan_for_replica(memory.profile, facts, mode, owner=memory.owner)

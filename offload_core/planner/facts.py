@@ -125,11 +125,17 @@ class LinkFacts:
     # layers, staged); 0: not measured, priced at the pageable rate (what the driver's copy, itself
     # a memcpy into its staging overlapped with a DMA, reaches).
     staged_Bps: float = 0.0
+    # Threads the staged rate's fills were split over (the copier runs with as many), and the best
+    # host memcpy rate the probe saw into pinned memory (0: not measured).
+    copier_threads: int = 1
+    host_memcpy_Bps: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.pinned_Bps <= 0 or self.pageable_Bps <= 0 or self.staged_Bps < 0:
+        if self.pinned_Bps <= 0 or self.pageable_Bps <= 0 or self.staged_Bps < 0 or self.host_memcpy_Bps < 0:
             raise ValueError(f"bandwidths must be > 0, got pinned={self.pinned_Bps} pageable={self.pageable_Bps} "
-                             f"staged={self.staged_Bps}")
+                             f"staged={self.staged_Bps} host memcpy={self.host_memcpy_Bps}")
+        if isinstance(self.copier_threads, bool) or not isinstance(self.copier_threads, int) or self.copier_threads < 1:
+            raise ValueError(f"copier_threads must be an int >= 1, got {self.copier_threads!r}")
 
     def rate(self, tier: HostingTier) -> float:
         """Bytes per second a layer hosted in ``tier`` reaches the device at (staged for PAGEABLE, MAPPED)."""
@@ -138,7 +144,8 @@ class LinkFacts:
         return self.staged_Bps or self.pageable_Bps
 
     def explain(self) -> str:
-        staged = f"{self.staged_Bps / 1e9:.1f} GB/s" if self.staged_Bps else "as pageable"
+        staged = (f"{self.staged_Bps / 1e9:.1f} GB/s over {self.copier_threads} copier threads" if self.staged_Bps
+                  else "as pageable")
         return (f"link ({'measured' if self.measured else 'configured'}): pinned {self.pinned_Bps / 1e9:.1f} GB/s, "
                 f"pageable {self.pageable_Bps / 1e9:.1f} GB/s, staged {staged}")
 

@@ -10,7 +10,7 @@ import enum
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from offload_core.host.tier import HostingTier
+from offload_core.host.tier import STAGED_TIERS, HostingTier
 from offload_core.layout import DEFAULT_STAGING_BUFFERS
 from offload_core.planner.facts import PipelineFacts, Stage
 from offload_core.planner.strategy import Strategy
@@ -96,11 +96,14 @@ class ComponentPlan:
     # (planner.staging_ring), and why, with the numbers (empty: nothing staged or not looked at).
     staging_buffers: int = DEFAULT_STAGING_BUFFERS
     staging_why: str = ""
+    # Threads each staging fill splits over (StreamingConfig.copier_threads): the link's, which
+    # measured the staged rate the plan prices PAGEABLE and MAPPED layers at with as many.
+    copier_threads: int = 1
 
     def decisions(self) -> tuple:
         """What the engine is configured from (no predictions): equal decisions run the same way."""
         return (self.strategy, self.layer_groups, self.resident_layers, self.prefetch_depth, self.park,
-                self.host_tables, self.hosting, self.weights, self.staging_buffers)
+                self.host_tables, self.hosting, self.weights, self.staging_buffers, self.copier_threads)
 
     def explain(self) -> str:
         p = self.prediction
@@ -130,6 +133,8 @@ class ComponentPlan:
                          f"compute-bound ones (at depth 1 each use would wait {p.window_shallow_wait_s:.4f} s)")
         if self.staging_why:
             line += f" | {self.staging_why}"
+        if any(tier in STAGED_TIERS for _, tier in self.hosting):
+            line += f" | staging fills split over {self.copier_threads} copier threads"
         if p is not None:
             line += (f" | device {_gib(p.in_use_bytes)} in use, {_gib(p.idle_bytes)} idle | moves "
                      f"{_gib(p.bytes_moved)}/request in {p.transfer_s:.3f} s | {p.time_s:.3f} s "

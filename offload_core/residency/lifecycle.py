@@ -48,7 +48,8 @@ def streaming_config(plan: ComponentPlan) -> StreamingConfig:
                            layer_order=tuple(key for key, _ in plan.hosting), weights=plan.weights,
                            # once per request: no prefetch into a next use the request never makes
                            wrap_uses=plan.uses_per_request > 1,
-                           staging_buffers=plan.staging_buffers)  # the planner's (planner.staging_ring)
+                           staging_buffers=plan.staging_buffers,  # the planner's (planner.staging_ring)
+                           copier_threads=plan.copier_threads)  # the link's, whose staged rate the plan priced
 
 
 class LifecycleError(RuntimeError):

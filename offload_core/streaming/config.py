@@ -44,6 +44,11 @@ class StreamingConfig:
     # copy (the negative control of bench/sim_overlap.py: a step costs copy + compute).
     staged_copies: bool = True
     staging_buffers: int = DEFAULT_STAGING_BUFFERS  # pinned buffers, each the largest staged layer
+    # Threads each staging fill is split over (the copier's own, not torch's intra-op threads: Ray
+    # runs a replica with OMP_NUM_THREADS=1, where one thread's memcpy is a tenth of a PCIe Gen5
+    # link). None: the device's choice (CUDA: the fill probe's count, streaming.fill_threads; CPU: 1);
+    # a plan sets the link probe's count, capped by the replicas sharing the node.
+    copier_threads: int | None = None
     # How long allocating the ring's slots waits when only bytes neighbour processes leased (and
     # have not allocated yet) keep them from fitting; then HeadroomTimeout. 30 s: the service's
     # default device_timeout_s, the bound a call already waits for its lease.
@@ -89,6 +94,9 @@ class StreamingConfig:
             raise TypeError(f"staged_copies must be a bool, got {self.staged_copies!r}")
         if isinstance(self.staging_buffers, bool) or not isinstance(self.staging_buffers, int) or self.staging_buffers < 1:
             raise ValueError(f"staging_buffers must be an int >= 1, got {self.staging_buffers!r}")
+        if self.copier_threads is not None and (isinstance(self.copier_threads, bool)
+                                                or not isinstance(self.copier_threads, int) or self.copier_threads < 1):
+            raise ValueError(f"copier_threads must be None or an int >= 1, got {self.copier_threads!r}")
         if isinstance(self.neighbour_wait_s, bool) or not isinstance(self.neighbour_wait_s, (int, float)) \
                 or self.neighbour_wait_s < 0:
             raise ValueError(f"neighbour_wait_s must be a number >= 0, got {self.neighbour_wait_s!r}")

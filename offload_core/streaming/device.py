@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from offload_core.host.pinned import HostBuffer, allocate_host_buffer, free_host_buffer
+from offload_core.streaming import fill_threads
 from offload_core.streaming.copier import HostCopier, InlineCopier, ThreadCopier
 from offload_core.streaming.headroom import CachedBlocks, Headroom, HeadroomTimeout, cuda_cached_blocks, usable_blocks
 
@@ -190,9 +191,16 @@ class Device:
             torch.cuda.synchronize(self.device)
 
     # -- staging ----------------------------------------------------------------------------------
-    def host_copier(self, name: str) -> HostCopier:
-        """A host thread for staging copies (CUDA); on CPU jobs run at once, copies being synchronous."""
-        return ThreadCopier(name) if self.is_cuda else InlineCopier()
+    def host_copier(self, name: str, threads: int | None = None) -> HostCopier:
+        """A host thread for staging copies (CUDA); on CPU jobs run at once, copies being synchronous.
+
+        Each fill splits over ``threads``; None: on CUDA the fill probe's count under the default
+        cap (``fill_threads``, measured once per process), on CPU one (compute runs on those cores)."""
+        if not self.is_cuda:
+            return InlineCopier(threads or 1)
+        if threads is None:
+            threads = fill_threads.device_probe(self.device, fill_threads.default_cap()).threads
+        return ThreadCopier(name, threads)
 
     def allocate_staging(self, nbytes: int) -> HostBuffer:
         """A host buffer the device copies from asynchronously: page-locked on CUDA."""

@@ -90,7 +90,8 @@ class LayerStreamer:
         staged = [layer for layer in layers if layer.tier in STAGED_TIERS]
         if staged and self.config.staged_copies:
             self.staging = StagingRing(self.device, staged, [layer for layer in streamed if layer.tier in STAGED_TIERS],
-                                       self.config.staging_buffers, self.config.fill_timeout_s)
+                                       self.config.staging_buffers, self.config.fill_timeout_s,
+                                       self.config.copier_threads)
         self.ring = PrefetchRing(self.device, streamed, self.config.prefetch_depth, self.staging,
                                  self.config.neighbour_wait_s, landing_bytes(layer.layout for layer in layers),
                                  wrap=self.config.wrap_uses)

@@ -17,7 +17,7 @@ after it orders compute after the widen, and the next copy into the landing buff
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ from offload_core.layout import (
     tensor_view,
 )
 from offload_core.quant import FP8_DTYPE, SCALE_DTYPE, dequantize_fp8, quantize_fp8, widen_fp8
+from offload_core.streaming.copier import CopyPair, copy_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -145,21 +146,20 @@ class HostLayer:
         self.widen(regions)
         return copied
 
-    def copy_host_bytes(self, regions: Mapping[torch.dtype, torch.Tensor]) -> int:
-        """Copy the hosted bytes as they are (8-bit ones too) into ``regions``: a staging buffer's fill."""
-        copied = 0
+    def copy_host_bytes(self, regions: Mapping[torch.dtype, torch.Tensor],
+                        copy: Callable[[Sequence[CopyPair]], int] = copy_pairs) -> int:
+        """Copy the hosted bytes as they are (8-bit ones too) into ``regions``: a staging buffer's fill.
+
+        ``copy`` runs the (dst, src) pairs: in order in this thread, or a copier's split over its threads."""
+        return copy(self.fill_pairs(regions))
+
+    def fill_pairs(self, regions: Mapping[torch.dtype, torch.Tensor]) -> list[CopyPair]:
+        """The hosted bytes as 1-D (dst, src) copies into ``regions``: one per flat buffer, or per mapped tensor."""
         if self._buffers:
-            for dtype, buffer in self._buffers.items():
-                regions[dtype][:buffer.nbytes].copy_(buffer.data, non_blocking=True)
-                copied += buffer.nbytes
-            return copied
-        for meta, tensor in zip(self.layout.tensors, self._mapped):
-            if meta.extent == 0:
-                continue
-            run = regions[meta.dtype][meta.byte_offset:meta.byte_offset + meta.extent_bytes].view(meta.dtype)
-            run.copy_(extent_view(tensor), non_blocking=True)
-            copied += meta.extent_bytes
-        return copied
+            return [(regions[dtype][:buffer.nbytes], buffer.data) for dtype, buffer in self._buffers.items()]
+        return [(regions[meta.dtype][meta.byte_offset:meta.byte_offset + meta.extent_bytes].view(meta.dtype),
+                 extent_view(tensor))
+                for meta, tensor in zip(self.layout.tensors, self._mapped) if meta.extent]
 
     def widen(self, regions: Mapping[torch.dtype, torch.Tensor]) -> None:
         """Widen each quantized tensor from the landed FP8 buffer into its view of ``regions`` (none: no-op)."""

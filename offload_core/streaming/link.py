@@ -4,7 +4,10 @@ Three rates, one per way a tier's bytes reach the device: PINNED layers by DMA f
 memory; model offload, parked weights and unstaged copies by the driver's pageable copy, timed
 from memory that was written first (never-touched pages all map the one zero page, which the
 driver copies faster than any real buffer); PAGEABLE and MAPPED layers staged, a host memcpy
-into two pinned chunks pipelined with the DMA out of them, as the engine's staging ring does.
+into two pinned chunks pipelined with the DMA out of them, as the engine's staging ring does:
+split over the copier threads the replica will run with (``fill_threads``: the probe's count
+within the cap the node's replicas leave this one), so the plan prices staged tiers at the rate
+the replica gets, not at whatever torch's intra-op threads gave one ``copy_``.
 
 Runtime, not planning: it allocates device memory and page-locks host memory, so it lives beside
 the device, and the planner only reads its result (:class:`~offload_core.planner.facts.LinkFacts`).
@@ -25,6 +28,8 @@ import torch
 
 from offload_core.host.pinned import allocate_host_buffer, free_host_buffer
 from offload_core.planner.facts import LinkFacts
+from offload_core.streaming import fill_threads
+from offload_core.streaming.copier import FillSplitter
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +39,19 @@ GB = 10**9
 LINK_PROBE_BYTES = 256 * 1024 * 1024
 
 
-def measure_link(device: torch.device | str, nbytes: int = LINK_PROBE_BYTES, repeats: int = 3) -> LinkFacts:
-    """Pinned and pageable host->device bandwidth of ``device`` (CUDA), measured once per process."""
+def measure_link(device: torch.device | str, nbytes: int = LINK_PROBE_BYTES, repeats: int = 3,
+                 copier_cap: int | None = None) -> LinkFacts:
+    """Pinned, pageable and staged host->device bandwidth of ``device`` (CUDA), measured once per process.
+
+    ``copier_cap``: the most threads a staging fill may split over (None: ``fill_threads.default_cap()``,
+    this process alone on the node); the count chosen within it is ``LinkFacts.copier_threads``."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"host->device bandwidth is measured on CUDA, not {device}; configure LinkFacts instead")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _measured(device, int(nbytes), int(repeats))
+    cap = fill_threads.default_cap() if copier_cap is None else int(copier_cap)
+    return _measured(device, int(nbytes), int(repeats), cap)
 
 
 # 32 MiB chunks: a few ms of memcpy each, long against one copy's ~10 us issue cost, and two of
@@ -50,7 +60,8 @@ STAGE_CHUNK_BYTES = 32 * 1024 * 1024
 
 
 @functools.lru_cache(maxsize=None)
-def _measured(device: torch.device, nbytes: int, repeats: int) -> LinkFacts:
+def _measured(device: torch.device, nbytes: int, repeats: int, cap: int) -> LinkFacts:
+    fills = fill_threads.device_probe(device, cap)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     pinned = allocate_host_buffer(nbytes, pin=True, device=device)
     chunks = [allocate_host_buffer(min(STAGE_CHUNK_BYTES, nbytes), pin=True, device=device) for _ in range(2)]
@@ -61,7 +72,8 @@ def _measured(device: torch.device, nbytes: int, repeats: int) -> LinkFacts:
         if pinned.page_locked and all(chunk.page_locked for chunk in chunks):
             pinned.data.fill_(1)
             pinned_Bps = _bandwidth(dst, pinned.data, device, repeats, non_blocking=True)
-            staged_Bps = _staged_bandwidth(dst, pageable, [chunk.data for chunk in chunks], device, repeats)
+            staged_Bps = _staged_bandwidth(dst, pageable, [chunk.data for chunk in chunks], device, repeats,
+                                           fills.threads)
         else:
             # The driver refused to lock the probe: pinned copies (and so staging) are not
             # available to this process, so the planner must not count on them.
@@ -74,17 +86,20 @@ def _measured(device: torch.device, nbytes: int, repeats: int) -> LinkFacts:
             free_host_buffer(buffer)  # synchronises the device, then unlocks
         del dst
         torch.cuda.empty_cache()
-    logger.info("link %s: pinned %.1f GB/s, pageable %.1f GB/s (written memory), staged %.1f GB/s (memcpy into "
-                "2 x %d MiB pinned chunks pipelined with the DMA) measured, %d MiB x %d; probe buffers freed",
-                device, pinned_Bps / GB, pageable_Bps / GB, staged_Bps / GB, STAGE_CHUNK_BYTES >> 20,
-                nbytes >> 20, repeats)
-    return LinkFacts(pinned_Bps, pageable_Bps, measured=True, staged_Bps=staged_Bps)
+    logger.info("link %s: pinned %.1f GB/s, pageable %.1f GB/s (written memory), staged %.1f GB/s (memcpy split "
+                "over %d copier threads into 2 x %d MiB pinned chunks pipelined with the DMA) measured, %d MiB x %d; "
+                "probe buffers freed", device, pinned_Bps / GB, pageable_Bps / GB, staged_Bps / GB, fills.threads,
+                STAGE_CHUNK_BYTES >> 20, nbytes >> 20, repeats)
+    return LinkFacts(pinned_Bps, pageable_Bps, measured=True, staged_Bps=staged_Bps,
+                     copier_threads=fills.threads, host_memcpy_Bps=max(fills.rates_Bps))
 
 
 def _staged_bandwidth(dst: torch.Tensor, src: torch.Tensor, chunks: list[torch.Tensor], device: torch.device,
-                      repeats: int) -> float:
-    """``src`` to ``dst`` through the pinned ``chunks`` in turn: memcpy into one while the other's DMA runs."""
+                      repeats: int, threads: int) -> float:
+    """``src`` to ``dst`` through the pinned ``chunks`` in turn: memcpy into one (split over ``threads``,
+    as the copier's fills are) while the other's DMA runs."""
     copy_stream = torch.cuda.Stream(device=device)
+    splitter = FillSplitter(threads, "offload-link-probe")
     done: list[torch.cuda.Event | None] = [None] * len(chunks)
 
     def once() -> None:
@@ -93,19 +108,22 @@ def _staged_bandwidth(dst: torch.Tensor, src: torch.Tensor, chunks: list[torch.T
             if done[index % len(chunks)] is not None:
                 done[index % len(chunks)].synchronize()  # its last DMA landed (a blocking event: no spin)
             n = min(chunk.numel(), src.numel() - offset)
-            chunk[:n].copy_(src[offset:offset + n])
+            splitter.copy([(chunk[:n], src[offset:offset + n])])
             with torch.cuda.stream(copy_stream):
                 dst[offset:offset + n].copy_(chunk[:n], non_blocking=True)
                 event = torch.cuda.Event(blocking=True)
                 event.record(copy_stream)
             done[index % len(chunks)] = event
 
-    once()  # warm-up
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        once()
-    torch.cuda.synchronize(device)
+    try:
+        once()  # warm-up
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            once()
+        torch.cuda.synchronize(device)
+    finally:
+        splitter.close()
     return dst.numel() * repeats / (time.perf_counter() - start)
 
 

@@ -10,7 +10,7 @@ than half a double block: two buffers' worth holds four of them ahead, not two):
 
 1. a host copier thread fills the ring in the order the engine will ask for the layers (once
    per use the staged resident layers, then the staged streamed layers cyclically), as far ahead
-   as the bytes allow;
+   as the bytes allow, each fill split over ``copier_threads`` (``copier.FillSplitter``);
 2. when the launch thread needs a staged layer it waits for that fill (normally long done),
    issues the asynchronous copy from pinned memory on the copy stream and records its event;
 3. the bytes go back to the copier, whose next fill over them first waits for that event: the
@@ -91,8 +91,10 @@ class StagingRing:
     """Pinned staging buffers and the copier that fills them ahead of the launch thread."""
 
     def __init__(self, device: Device, staged: Sequence[StagedLayer], cycle: Sequence[StagedLayer],
-                 n_buffers: int = DEFAULT_STAGING_BUFFERS, timeout_s: float = DEFAULT_FILL_TIMEOUT_S):
+                 n_buffers: int = DEFAULT_STAGING_BUFFERS, timeout_s: float = DEFAULT_FILL_TIMEOUT_S,
+                 copier_threads: int | None = None):
         self._device = device
+        self._copier_threads = copier_threads  # None: the device's choice (Device.host_copier)
         self._timeout_s = timeout_s
         self._staged = {id(layer) for layer in staged}
         self._cycle = tuple(cycle)  # the staged streamed layers, in streamed order
@@ -136,6 +138,13 @@ class StagingRing:
         return self._retired_cpu_s + (self._copier.cpu_s if self._copier is not None else 0.0)
 
     @property
+    def copier_threads(self) -> int:
+        """Threads each fill is split over (the copier's, once allocated; else as configured, 1 if unset)."""
+        if self._copier is not None:
+            return self._copier.threads
+        return self._copier_threads or 1
+
+    @property
     def buffers_out(self) -> int:
         """Fills given up on whose bytes are still held (0 when the ring is whole)."""
         return len(self._late)
@@ -157,12 +166,13 @@ class StagingRing:
             return
         self._buffers = [buffer]
         self._head, self._out = 0, []
-        self._copier = self._device.host_copier(COPIER_NAME)
+        self._copier = self._device.host_copier(COPIER_NAME, self._copier_threads)
         sizes = [own.nbytes for own in self._own.values()]
         logger.info("staging on %s: one pinned ring of %d B (%d x the largest staged layer, %d B) for %d "
-                    "pageable/mapped layers of %d-%d B: %d-%d fills ahead", self._device.device,
-                    self.staging_bytes, self.n_buffers, self.regions.nbytes, len(self._staged), min(sizes),
-                    max(sizes), self.staging_bytes // max(sizes), self.staging_bytes // max(1, min(sizes)))
+                    "pageable/mapped layers of %d-%d B: %d-%d fills ahead, each split over %d copier threads",
+                    self._device.device, self.staging_bytes, self.n_buffers, self.regions.nbytes, len(self._staged),
+                    min(sizes), max(sizes), self.staging_bytes // max(sizes), self.staging_bytes // max(1, min(sizes)),
+                    self.copier_threads)
 
     def begin(self, prologue: Sequence[StagedLayer] = ()) -> None:
         """Start a use: fill ``prologue`` (staged resident layers, in arm order), then the cycle from its start."""
@@ -285,7 +295,7 @@ class StagingRing:
             if not fill.job.cancel():  # queued behind the stuck one and never started: its bytes are free
                 self._late.append(fill)
         self._pending.clear()
-        old, self._copier = self._copier, self._device.host_copier(COPIER_NAME)
+        old, self._copier = self._copier, self._device.host_copier(COPIER_NAME, self._copier_threads)
         self._retired_cpu_s += old.cpu_s
         old.close(wait=False)
         logger.warning("staging: fill of %s timed out after %.1f s; %d fills' bytes set aside until they "
@@ -350,12 +360,14 @@ class StagingRing:
             overlapping = [event for a, b, event in self._out if _overlap(start, end, a, b)]
             self._out = cut_ranges(self._out, start, end)
             carved = own.carve(self._buffers[0].data[start:end])
-            job = functools.partial(self._fill, layer, carved, overlapping[-1] if overlapping else None)
+            job = functools.partial(self._fill, self._copier, layer, carved, overlapping[-1] if overlapping else None)
             self._pending.append(_Fill(layer, start, end, carved, self._copier.submit(job)))
             self._head = end
 
-    def _fill(self, layer: StagedLayer, carved: dict[torch.dtype, torch.Tensor], last_copy_out) -> None:
-        """On the copier: wait until the last copy out of these bytes landed, then fill them."""
+    def _fill(self, copier: HostCopier, layer: StagedLayer, carved: dict[torch.dtype, torch.Tensor],
+              last_copy_out) -> None:
+        """On ``copier`` (the one it was submitted to, replaced or not): wait until the last copy out of
+        these bytes landed, then fill them over its threads."""
         self._device.host_waits(last_copy_out)
-        layer.host.copy_host_bytes(carved)
+        layer.host.copy_host_bytes(carved, copier.copy)
         self.fills += 1

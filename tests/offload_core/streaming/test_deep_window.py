@@ -7,7 +7,7 @@ from torch import nn
 
 from offload_core.host.tier import HostingTier
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
-from offload_core.streaming.sim import SimDevice, SimLink
+from testing.sim import SimDevice, SimLink
 
 LINK = SimLink(pinned_Bps=25e9, pageable_Bps=10e9, mapped_Bps=10e9, host_memcpy_Bps=12e9)
 LAYERS = 24

@@ -84,7 +84,7 @@ class DeferredCopyDevice(Device):
             self.host_waits_count += 1
             self._run_until(event.position)
 
-    def host_copier(self, name: str):
+    def host_copier(self, name: str, threads: int | None = None):
         device = self
 
         class _Copier(InlineCopier):

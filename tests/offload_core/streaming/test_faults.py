@@ -27,11 +27,11 @@ def _fail(layer, times: int, error=OSError("EIO reading the mapping")):
     """Make ``layer``'s host copy raise ``times`` times, then work again."""
     copy, left = layer.host.copy_host_bytes, [times]
 
-    def failing(regions):
+    def failing(regions, *how):
         if left[0] > 0:
             left[0] -= 1
             raise error
-        return copy(regions)
+        return copy(regions, *how)
     layer.host.copy_host_bytes = failing
     return left
 
@@ -133,11 +133,11 @@ def test_a_hung_fill_times_out_typed_and_the_replica_stays_usable_while_it_hangs
     copy = hung.host.copy_host_bytes
     calls = []
 
-    def hangs_once(regions):
+    def hangs_once(regions, *how):
         calls.append(1)
         if len(calls) == 1:
             release.wait(timeout=60)
-        return copy(regions)
+        return copy(regions, *how)
     hung.host.copy_host_bytes = hangs_once
     try:
         with pytest.raises(FillTimeout, match="blocks.2.*fill_timeout_s"):

@@ -6,7 +6,7 @@ import torch
 
 from offload_core.host.tier import HostingTier
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
-from offload_core.streaming.sim import SimDevice, SimLink, SimStream, StreamHazardError
+from testing.sim import SimDevice, SimLink, SimStream, StreamHazardError
 from tests.offload_core.tiny_models import FLUX, WAN
 
 MB = 10**6

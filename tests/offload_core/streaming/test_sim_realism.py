@@ -9,7 +9,7 @@ import torch
 
 from offload_core.host.tier import HostingTier
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
-from offload_core.streaming.sim import SimDevice, SimLink, SimStream, SlowStretch, StreamHazardError
+from testing.sim import SimDevice, SimLink, SimStream, SlowStretch, StreamHazardError
 from tests.offload_core.streaming.test_sim import _keys
 from tests.offload_core.tiny_models import WAN
 

@@ -9,7 +9,7 @@ from offload_core.layout import RegionMap, declared_layer_groups, resolve_layer_
 from offload_core.streaming.copier import CopyFailed, ThreadCopier
 from offload_core.streaming.device import Device, DeviceFacts
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
-from offload_core.streaming.sim import SimDevice, SimLink
+from testing.sim import SimDevice, SimLink
 from tests.offload_core.tiny_models import ALL_CASES, FLUX, WAN
 
 TIERS = (HostingTier.PINNED, HostingTier.PAGEABLE, HostingTier.MAPPED)
@@ -30,8 +30,8 @@ class ThreadedCpuDevice(Device):
     def __init__(self):
         super().__init__(torch.device("cpu"), DeviceFacts())
 
-    def host_copier(self, name: str):
-        return ThreadCopier(name)
+    def host_copier(self, name: str, threads: int | None = None):
+        return ThreadCopier(name, threads or 1)
 
 
 def test_staging_bytes_are_the_buffers_times_the_largest_staged_layer_per_dtype(remove_after):
@@ -108,7 +108,7 @@ def test_a_failed_fill_surfaces_in_the_forward_that_needed_it(monkeypatch, remov
     model, inputs = WAN.build(), WAN.inputs()
     streamer = remove_after(apply_layer_streaming(model, ThreadedCpuDevice()))
 
-    def refuse(_regions):
+    def refuse(_regions, *_how):
         raise OSError("page fault reading the mapping")
     monkeypatch.setattr(streamer.layers[1].host, "copy_host_bytes", refuse)  # the fill copies hosted bytes as they are
     with pytest.raises(CopyFailed, match="page fault") as raised:

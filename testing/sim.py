@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from offload_core.host.pinned import HostBuffer, PinRefusal
 from offload_core.host.tier import HostingTier
-from offload_core.streaming.copier import CopyJob
+from offload_core.streaming.copier import CopyJob, copy_pairs
 from offload_core.streaming.device import Device, DeviceFacts
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,8 @@ class SimLink:
     pageable_Bps: float = 10e9  # through the driver's own staging buffer, host thread blocked
     mapped_Bps: float = 10e9  # a page-cached file mapping goes through the same driver staging
     host_memcpy_Bps: float = 12e9  # one host thread's memcpy (pageable -> pinned staging buffer)
+    # The most host memcpy all copier threads reach together (the memory bus); 0: n threads, n x one's.
+    host_memcpy_max_Bps: float = 0.0
     launch_s: float = 0.0  # host time to launch a kernel or issue a copy
     copy_latency_s: float = 0.0  # copy-engine time every host->device copy pays besides its bytes
     copier_jitter: float = 0.0  # each host memcpy takes x U(1 - j, 1 + j), seeded by ``seed``
@@ -87,7 +89,7 @@ class SimLink:
         for name in ("pinned_Bps", "pageable_Bps", "mapped_Bps", "host_memcpy_Bps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SimLink.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("launch_s", "copy_latency_s"):
+        for name in ("launch_s", "copy_latency_s", "host_memcpy_max_Bps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SimLink.{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0 <= self.copier_jitter < 1:
@@ -97,9 +99,14 @@ class SimLink:
         return {HostingTier.PINNED: self.pinned_Bps, HostingTier.PAGEABLE: self.pageable_Bps,
                 HostingTier.MAPPED: self.mapped_Bps}[source]
 
-    def memcpy_s(self, nbytes: int, start: float, rng: random.Random) -> float:
-        """Seconds of a host memcpy of ``nbytes`` starting at ``start`` on the copier's clock."""
-        seconds = nbytes / self.host_memcpy_Bps
+    def memcpy_Bps(self, threads: int = 1) -> float:
+        """Host memcpy rate of one fill split over ``threads`` copier threads."""
+        rate = threads * self.host_memcpy_Bps
+        return min(rate, self.host_memcpy_max_Bps) if self.host_memcpy_max_Bps else rate
+
+    def memcpy_s(self, nbytes: int, start: float, rng: random.Random, threads: int = 1) -> float:
+        """Seconds of a host memcpy of ``nbytes`` over ``threads`` starting at ``start`` on the copier's clock."""
+        seconds = nbytes / self.memcpy_Bps(threads)
         if self.copier_jitter:
             seconds *= rng.uniform(1 - self.copier_jitter, 1 + self.copier_jitter)
         slow = self.copier_slow
@@ -207,8 +214,8 @@ class SimCopier:
     its host memcpys and waits advance its own clock, not the launch thread's.
     """
 
-    def __init__(self, sim: SimDevice, name: str):
-        self._sim, self.name = sim, name
+    def __init__(self, sim: SimDevice, name: str, threads: int = 1):
+        self._sim, self.name, self.threads = sim, name, threads
         self.cpu_s = 0.0  # the copier's virtual busy time is its clock; no host CPU is simulated
         sim._clocks.setdefault(name, 0.0)
 
@@ -226,6 +233,16 @@ class SimCopier:
             sim._thread = caller
         return _SimJob(sim, sim._clocks[self.name], error)
 
+    def copy(self, pairs) -> int:
+        """A fill split over the copier's threads: the copies run in order (data in program order), each
+        host memcpy charged at the rate ``threads`` threads reach together (``SimLink.memcpy_Bps``)."""
+        sim = self._sim
+        previous, sim._memcpy_threads = sim._memcpy_threads, self.threads
+        try:
+            return copy_pairs(pairs)
+        finally:
+            sim._memcpy_threads = previous
+
     def close(self, wait: bool = True) -> None:
         """Nothing runs in the background."""
 
@@ -242,6 +259,7 @@ class SimDevice(Device):
         self._h2d_free = 0.0  # the one host->device copy engine
         self._clocks = {LAUNCH_THREAD: 0.0}
         self._thread = LAUNCH_THREAD
+        self._memcpy_threads = 1  # threads the running host memcpy is split over (SimCopier.copy)
         self._host_memory: dict[int, HostingTier] = {}
         # By byte range, not storage: one allocation holds many layers (the ring's window, the
         # staging ring), and a copy into one layer's place must not be taken for one into another's.
@@ -324,7 +342,7 @@ class SimDevice(Device):
         nbytes = dst.numel() * dst.element_size()
         start = self._clocks[self._thread]
         self._check(start, reads=(_span(src),), writes=(_span(dst),), what="a host memcpy")
-        end = start + self.link.memcpy_s(nbytes, start, self._rng)
+        end = start + self.link.memcpy_s(nbytes, start, self._rng, self._memcpy_threads)
         self._touch(end, reads=(_span(src),), writes=(_span(dst),))
         self._clocks[self._thread] = end
 
@@ -385,8 +403,8 @@ class SimDevice(Device):
         if event is not None:
             self._clocks[self._thread] = max(self._clocks[self._thread], event.time)
 
-    def host_copier(self, name: str) -> SimCopier:
-        return SimCopier(self, name)
+    def host_copier(self, name: str, threads: int | None = None) -> SimCopier:
+        return SimCopier(self, name, threads or 1)
 
     def allocate_staging(self, nbytes: int) -> HostBuffer:
         """A staging buffer: page-locked on the simulated machine (copies from it are asynchronous),
