@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 
+# Not pydantic_core.from_json: its depth limit is fixed at 200, any number length passes, lone surrogates fail unnamed.
 # Our bodies are flat objects (depth 1); 32 leaves room for clients that wrap extras, far below
 # the ~1,000 levels where CPython's json recursion fails.
 MAX_DEPTH = 32

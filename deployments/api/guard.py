@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 from starlette._utils import get_route_path
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deployments.api import errors
@@ -62,6 +63,11 @@ class Guard:
 
     def __init__(self, app: ASGIApp, config: GuardConfig):
         self.app, self.config = app, config
+        # Starlette's CORS answers an allowed origin's preflight and marks the responses it may read;
+        # this guard only refuses an unknown origin's preflight first (an OpenAI error, not a plain 400).
+        self.inner = app if not config.cors_origins else CORSMiddleware(
+            app, allow_origins=config.cors_origins, allow_methods=("GET", "POST", "DELETE"),
+            allow_headers=("authorization", "content-type"), max_age=600)
         self.body_types = dict(config.body_types)
         self.token = None if config.api_token is None else f"Bearer {config.api_token}".encode()
 
@@ -75,13 +81,17 @@ class Guard:
             refusal.headers["X-Request-Id"] = rid
             await refusal(scope, receive, send)
             return
-        await self.app(scope, receive, self._decorate(scope, send))
+        await self.inner(scope, receive, self._decorate(scope, send))
 
     def _refusal(self, scope: Scope) -> JSONResponse | None:
         # The path below the application's route prefix (Serve mounts the app at its route_prefix).
         path, method = get_route_path(scope), scope.get("method", "GET")
         if method == "OPTIONS" and self.config.cors_origins and _header(scope, b"origin"):
-            return self._preflight(scope)
+            if not self._origin_allowed(scope):
+                return errors.error_json(403, "origin not allowed", "origin", "cors_origin_refused",
+                                         "invalid_request_error")
+            if _header(scope, b"access-control-request-method"):
+                return None  # a browser's preflight carries no credentials: Starlette's CORS answers it
         if self.token is not None and path not in OPEN_PATHS:
             given = _header(scope, b"authorization").encode("latin-1")
             if not hmac.compare_digest(given, self.token):
@@ -96,31 +106,16 @@ class Guard:
                                          "unsupported_media_type", "invalid_request_error")
         return None
 
-    def _allowed_origin(self, scope: Scope) -> str | None:
-        origin = _header(scope, b"origin")
-        if origin and ("*" in self.config.cors_origins or origin in self.config.cors_origins):
-            return origin
-        return None
-
-    def _preflight(self, scope: Scope) -> JSONResponse:
-        origin = self._allowed_origin(scope)
-        if origin is None:
-            return errors.error_json(403, "origin not allowed", "origin", "cors_origin_refused",
-                                     "invalid_request_error")
-        return JSONResponse({}, headers={"Access-Control-Allow-Origin": origin, "Vary": "Origin",
-                                         "Access-Control-Allow-Methods": "GET, POST, DELETE",
-                                         "Access-Control-Allow-Headers": "authorization, content-type",
-                                         "Access-Control-Max-Age": "600"})
+    def _origin_allowed(self, scope: Scope) -> bool:
+        return "*" in self.config.cors_origins or _header(scope, b"origin") in self.config.cors_origins
 
     def _decorate(self, scope: Scope, send: Send) -> Send:
-        rid, origin = request_id(scope), self._allowed_origin(scope) if self.config.cors_origins else None
+        rid = request_id(scope)
 
         async def decorated(message):
             if message["type"] == "http.response.start":
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER]
                 headers.append((REQUEST_ID_HEADER, rid.encode()))
-                if origin is not None:
-                    headers += [(b"access-control-allow-origin", origin.encode()), (b"vary", b"Origin")]
                 message = {**message, "headers": headers}
             await send(message)
 
