@@ -26,14 +26,15 @@ MEMORY_TOLERANCE = 0.9
 
 @dataclass(frozen=True)
 class FleetProfile:
-    name: str
+    name: str  # the profile's name, in the replica's log line
     match: tuple[str, ...]  # GPU name fragments, matched on whole words ("L4" never matches "L40S")
-    min_memory_gb: float
+    min_memory_gb: float  # a GPU no name matches takes the largest profile whose min_memory_gb it reaches
     accelerator_type: str | None  # Ray accelerator_type resource for placing stages here
-    mode: str  # a PerformanceMode name
-    max_resident_fraction: float
-    prefetch_depth: int
-    host_pin_cap_fraction: float
+    mode: str  # a PerformanceMode name: the stage's mode when its offload_mode is left null
+    max_resident_fraction: float  # most of a streamed component's layers kept on the device
+    prefetch_depth: int  # layers in flight ahead of compute
+    host_pin_cap_fraction: float  # most of the node's spendable host RAM one replica may pin
+    # device memory kept out of the ledger's GPU pool (CUDA context, allocator fragmentation)
     device_reserve_fraction: float
 
     def __post_init__(self):

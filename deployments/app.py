@@ -90,6 +90,8 @@ class BatchingArgs(BaseModel):
     max_batch: int = Field(4, ge=1)
     # A request that finds no room in a compatible batch for this long fails (503).
     max_wait_s: float = Field(600.0, gt=0)
+    # An idle Denoiser waits this long for companions before its first forward (at most a tenth of
+    # its last forward), so requests sent together share every step.
     gather_s: float = Field(0.01, ge=0)
 
     def config(self) -> BatchingConfig:
@@ -103,21 +105,31 @@ class AppArgs(BaseModel):
 
     # Serve application name: names the residency board; must match the config's application name.
     app_name: str = "offload-serve"
-    # A local diffusers folder (WanPipeline or FluxPipeline). None: the tiny zoo of `tiny_family`.
+    # A local diffusers folder of a family in docs/models.md. None: the tiny zoo of `tiny_family`.
     model_path: str | None = None
+    # Which tiny zoo model serves when model_path is None (the demo and the tests).
     tiny_family: str = Field("wan", pattern="^(wan|flux)$")
     # The id clients pass as "model" (GET /v1/models); None: the folder's name.
     model_id: str | None = None
+    # The dtype every stage loads the weights in (bfloat16 for the real models on a GPU).
     dtype: str = Field("float32", pattern="^(" + "|".join(DTYPES) + ")$")
+    # The text encoder stage (TextEncoder deployment): its offload mode, host budget, weights.
     encoder: StageArgs = StageArgs()
+    # The denoising stage (Denoiser deployment), which runs every step.
     denoiser: StageArgs = StageArgs()
+    # The VAE decoder stage (VaeDecoder deployment; it also encodes a reference image).
     decoder: StageArgs = StageArgs()
+    # The Denoiser's step-level batching.
     batching: BatchingArgs = BatchingArgs()
+    # What one request may ask for; anything beyond is a 400 naming the field.
     limits: Limits = Limits()
     # The bearer token is read from this environment variable (so it never sits in a config file);
     # None or an unset variable: no authentication.
     api_token_env: str | None = None
+    # How long a replica waits for its device lease (GPU memory neighbours hold) before the call fails
+    # with 503 + Retry-After.
     device_timeout_s: float = Field(30.0, gt=0)
+    # The least Retry-After (seconds) a 503 from the service carries.
     retry_after_s: int = Field(2, ge=1)
     # The Videos API's jobs: where the SQLite file and the results live, expiry, leases.
     video_jobs: JobsArgs = JobsArgs()

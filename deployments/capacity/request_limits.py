@@ -29,15 +29,25 @@ class Limits(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # The widest image or video a request may ask for, in pixels.
     max_width: int = Field(1024, ge=1)
+    # The tallest, in pixels.
     max_height: int = Field(1024, ge=1)
+    # The most denoising steps (num_inference_steps).
     max_steps: int = Field(50, ge=1)
+    # The most images per request (n).
     max_n: int = Field(4, ge=1)
+    # The longest prompt, in characters.
     max_prompt_chars: int = Field(2000, ge=1)
+    # The most video frames (num_frames, or seconds x fps + 1).
     max_frames: int = Field(81, ge=1)
+    # The size of a request that names none; also the shape each replica warms up on.
     default_size: str = "256x256"
+    # The steps of a request that names none.
     default_steps: int = Field(20, ge=1)
+    # The frames of a video request that names none; also the warm-up's frames.
     default_frames: int = Field(9, ge=1)
+    # The frames per second of a video that names none (POST /v1/videos: seconds x fps + 1 frames).
     default_fps: int = Field(8, ge=1)
 
 
