@@ -4,6 +4,7 @@
     offload-serve plan path/to/diffusers-folder --gpu L4 --host-ram 64GiB   # a local folder of a served family
     offload-serve serve configs/local.yaml      # loopback Ray head with token auth + the app; Ctrl-C stops both
     offload-serve demo                          # what `make demo` does
+    offload-serve doctor [CONFIG]               # is this machine ready for CONFIG? (exit 1 on a blocker)
     offload-serve residency http://127.0.0.1:8000 [--token T | $OFFLOAD_SERVE_TOKEN] [--json]
 
 Each subcommand has ``--help``. ``plan`` is offload_core's planner CLI (no Ray, no GPU needed).
@@ -33,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="HTTP port (default: the config's http_options.port)")
     commands.add_parser("demo", add_help=False, help="start the tiny service, make an image and a video, print "
                         "where the weights are, stop (--help for options)")
+    commands.add_parser("doctor", add_help=False, help="check this machine for what a config needs: GPUs, driver, "
+                        "locked memory, /dev/shm, host RAM, Ray's token, the model (--help for options)")
     residency = commands.add_parser("residency", help="a running service's residency report, for a terminal",
                                     description="GET URL/v1/residency and print, per replica, where its weights "
                                     "are (device and host tiers), its leases and its plan.")
@@ -46,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    # plan and demo keep their own parsers (and --help): everything after the command is theirs.
+    # plan, demo and doctor keep their own parsers (and --help): everything after the command is theirs.
     if argv and argv[0] == "plan":
         from offload_core.planner.cli import main as plan
 
@@ -55,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         from deployments.dev import demo
 
         return demo.main(argv[1:], prog="offload-serve demo")
+    if argv and argv[0] == "doctor":
+        from deployments.dev import doctor
+
+        return doctor.main(argv[1:], prog="offload-serve doctor")
     args = parser.parse_args(argv)
     if args.command == "serve":
         if not args.config.is_file():

@@ -26,8 +26,7 @@ for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"),
 logger = logging.getLogger("deployments.dev.demo")
 
 REPO = pathlib.Path(__file__).resolve().parents[2]  # deployments/dev/demo.py -> the repository
-# The tiny zoo's tensors between stages are kilobytes; 200 MiB leaves room and spares the host.
-OBJECT_STORE_BYTES = 200 * 1024 * 1024
+OBJECT_STORE_BYTES = local_ray.OBJECT_STORE_BYTES
 READY_TIMEOUT_S = 600
 
 
@@ -123,6 +122,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    from deployments.dev import doctor
+
+    # `offload-serve doctor`'s checks first (0.2 s; silent unless something is wrong): a blocker such
+    # as a /dev/shm smaller than the object store fails here, not minutes into the start. Before
+    # logging is configured, so the checks' own INFO lines (host RAM, fleet profile) stay quiet.
+    try:
+        if not doctor.preflight(args.config, OBJECT_STORE_BYTES):
+            return 1
+    except doctor.ConfigError as exc:
+        print(f"offload-serve demo: {exc}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     os.environ.update(local_ray.token_env())  # this driver and the head it starts: Ray's token auth

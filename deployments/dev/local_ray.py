@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 START_TIMEOUT_S = 180  # a cold `ray start` takes ~15 s on an idle 2-core machine, minutes on a busy one
+# The object store of the heads `make demo` and `offload-serve serve` start: the tiny zoo's tensors
+# between stages are kilobytes; 200 MiB leaves room and spares the host (and /dev/shm).
+OBJECT_STORE_BYTES = 200 * 1024 * 1024
 
 
 def ray_executable() -> str:

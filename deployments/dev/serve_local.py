@@ -21,7 +21,7 @@ from deployments.dev import local_ray
 
 logger = logging.getLogger(__name__)
 
-OBJECT_STORE_BYTES = 200 * 1024 * 1024  # the tiny zoo's tensors between stages are kilobytes
+OBJECT_STORE_BYTES = local_ray.OBJECT_STORE_BYTES
 
 
 def main(config_path: pathlib.Path, port: int | None = None) -> int:
