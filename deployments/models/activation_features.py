@@ -103,12 +103,15 @@ def calibration_shapes(facts: FamilyFacts, steps: int = 1,
     from deployments.models.registry import adapter_for
 
     m, guidance, prompt = facts.size_multiple, facts.default_guidance, adapter_for(facts).warmup_prompt(facts)
+    # A negative prompt where the family takes one: its guided branch is the larger working set (a
+    # family that guides only with one, Qwen-Image, would otherwise be calibrated on half the rows).
+    negative = "" if facts.supports_negative_prompt else None
     small, large = (math.ceil(side / m) * m for side in (32, 64))
 
     def spec(name, side, frames, n):
         if stage is PipelineStage.DECODE and facts.max_n is not None:
             n = min(n, facts.max_n)
-        return GenerationSpec(f"calibrate-{name}", prompt, None, side, side, frames, steps, guidance, 0, n)
+        return GenerationSpec(f"calibrate-{name}", prompt, negative, side, side, frames, steps, guidance, 0, n)
 
     shapes = [spec("image-a", small, 1, 1), spec("image-b", large, 1, 2)]
     if facts.supports_video:

@@ -1,12 +1,12 @@
 """Qwen-Image (diffusers ``QwenImagePipeline``): Qwen2.5-VL text encoder, QwenImage MMDiT, AutoencoderKLQwenImage.
 
-Images only. The knob mapping (the README's families table says it too): Qwen-Image's transformer
-is not guidance-distilled, so the pipeline ignores its ``guidance_scale``; classifier-free guidance
-is ``true_cfg_scale`` with a negative prompt. The API's ``guidance_scale`` is therefore passed as
-``true_cfg_scale``: above 1 it guides, on the request's negative prompt or, when it has none, on
-" " (what Qwen-Image's own example passes; the pipeline would silently not guide without one);
-at 1 or below there is one branch. A guidance-distilled variant (``guidance_embeds``) gets it as
-its guidance embedding instead. Guidance rescales the combined prediction to the conditional one's
+Images only. The knob mapping, as the pipeline means it: Qwen-Image's transformer is not
+guidance-distilled, so the pipeline ignores its ``guidance_scale``; classifier-free guidance is
+``true_cfg_scale`` with a negative prompt. The API's ``guidance_scale`` is therefore passed as
+``true_cfg_scale``, and guidance runs exactly when the pipeline's would: above 1 *and* with a
+negative prompt (``" "`` counts, as in Qwen-Image's own example). A request without one gets one
+branch, as ``QwenImagePipeline(prompt, true_cfg_scale=4.0)`` does (it warns that guidance is off).
+A guidance-distilled variant (``guidance_embeds``) gets it as its guidance embedding instead. Guidance rescales the combined prediction to the conditional one's
 norm (the pipeline's rule). The staged split is exact (same seeded generator, same embeddings).
 Run by the stage replicas; :meth:`QwenImageAdapter.facts` by the ingress (json only).
 """
@@ -49,7 +49,6 @@ class _MaskNotice(logging.Filter):
 logging.getLogger("diffusers.pipelines.qwenimage.pipeline_qwenimage").addFilter(_MaskNotice())
 
 QWEN_GUIDANCE = 4.0  # QwenImagePipeline.__call__'s true_cfg_scale default
-EMPTY_NEGATIVE = " "  # Qwen-Image's example negative prompt: guidance needs one
 TEXT_TOKENS = 512  # the pipeline's max_sequence_length default
 ACTIVATION_TEXT_TOKENS = 64  # a stand-in prompt's tokens for activation calibration (prompts are unpadded)
 
@@ -69,11 +68,8 @@ def _distilled(pipe) -> bool:
 
 
 def _true_cfg(spec) -> bool:
-    return spec.guidance_scale > 1.0
-
-
-def _negative(spec) -> str:
-    return spec.negative_prompt if spec.negative_prompt is not None else EMPTY_NEGATIVE
+    """QwenImagePipeline's ``do_true_cfg``: ``true_cfg_scale > 1`` and a negative prompt given."""
+    return spec.guidance_scale > 1.0 and spec.negative_prompt is not None
 
 
 def _pad(parts: list[torch.Tensor], masks: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -188,7 +184,7 @@ class QwenImageAdapter(FamilyAdapter):
                                             max_sequence_length=TEXT_TOKENS)
         negative = negative_mask = None
         if _true_cfg(spec):  # a distilled transformer's pipe never reads them; encoding them is cheap
-            negative, negative_mask = pipe.encode_prompt(prompt=_negative(spec), device=device,
+            negative, negative_mask = pipe.encode_prompt(prompt=spec.negative_prompt, device=device,
                                                          num_images_per_prompt=spec.n, max_sequence_length=TEXT_TOKENS)
         return QwenImagePrompt(positive, mask, negative, negative_mask).to(CPU)
 
@@ -222,14 +218,15 @@ class QwenImageAdapter(FamilyAdapter):
         return QwenImageStepper(pipe, facts, device)
 
     def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
-        negative = _negative(spec) if _true_cfg(spec) and not _distilled(pipe) else None
+        # What a user passes: the request's negative prompt as is (a distilled variant's pipe ignores it).
+        negative = None if _distilled(pipe) else spec.negative_prompt
         return pipeline_images(pipe, spec, negative_prompt=negative, **self._knobs(pipe, spec))
 
     def uses_per_request(self, facts, stage, steps, guidance_scale, batched=False) -> dict[str, int]:
-        # True CFG: the encoder runs for the negative prompt too, and the pipeline's loop runs a
-        # second transformer forward per step (step batching joins both branches in one).
-        cfg = 2 if guidance_scale > 1.0 else 1
-        return self.uses_by_stage(facts, stage, encode=cfg, denoise=steps * (1 if batched else cfg))
+        # The default request has no negative prompt, so no true CFG: one encoder pass and one
+        # transformer forward per step. A request with one runs two of each in the pipeline's loop
+        # (step batching joins both branches in one forward), at most twice what is planned here.
+        return self.uses_by_stage(facts, stage, encode=1, denoise=steps)
 
     def activation_input(self, pipe, facts, stage, spec):
         stage = PipelineStage(stage)
