@@ -1,0 +1,217 @@
+"""The drive behind the HTTP routes: validation, encode -> denoise -> decode, rendering, Server-Sent Events.
+
+:class:`Service` runs in the ingress replica's process; the routers (:mod:`deployments.api.generations`,
+:mod:`deployments.api.status`, :mod:`deployments.api.residency`, :mod:`deployments.api.video_jobs`)
+reach it through ``app.state.service``. No Serve, no Ray: the stages and the board are the Protocols
+of :mod:`deployments.api.seams`.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from deployments.api import errors
+from deployments.api.body import BodyError, parse_object
+from deployments.api.guard import request_id
+from deployments.api.model_list import ModelList, model_card
+from deployments.api.schemas import VideoRequest
+from deployments.api.seams import ReplicaBoard, StagePipeline
+from deployments.capacity.admission import StageAdmission
+from deployments.capacity.request_limits import FieldError, Limits
+from deployments.jobs.queue import JobsArgs
+from deployments.models.families import FamilyFacts
+from deployments.wire import media
+from deployments.wire.failures import FailureKind
+from deployments.wire.spec import DenoiseProgress, GenerationSpec, StageOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class IngressConfig:
+    app_name: str
+    model_id: str
+    facts: FamilyFacts
+    limits: Limits
+    api_token: str | None  # None: no auth; else every route but /health needs "Bearer <token>"
+    retry_after_s: int
+    cors_origins: tuple[str, ...] = ()  # empty: no CORS headers (see deployments.api.guard)
+    jobs: JobsArgs = JobsArgs()  # the Videos API's jobs (deployments.api.video_jobs)
+
+
+@dataclass(frozen=True)
+class Generated:
+    spec: GenerationSpec
+    frames: object  # torch.Tensor (n, frames, H, W, 3)
+    stats: tuple  # tuple[StageStats, ...], in stage order
+
+
+def _cancel(stream) -> None:
+    """Stop the Denoiser's call when its reader leaves early (cancelled between two steps, or
+    ``on_progress`` failed). Serve passes a cancelled *request's* cancellation on to the calls it
+    made, but the video job runner is a background task, not a request: so it is cancelled here,
+    explicitly (``DeploymentResponseGenerator.cancel``; in-process fakes have none)."""
+    cancel = getattr(stream, "cancel", None)
+    if cancel is not None:
+        cancel()
+
+
+def _sse(event: str, data: dict) -> ServerSentEvent:
+    return ServerSentEvent(json.dumps(data), event=event, sep="\n")
+
+
+class Service:
+    """Validation, the encode -> denoise -> decode drive, and rendering; no Serve, no Ray."""
+
+    def __init__(self, config: IngressConfig, stages: StagePipeline, board: ReplicaBoard, inline_render_values: int):
+        self.config, self.stages, self.board = config, stages, board
+        self.inline_render_values = inline_render_values  # outputs up to this many values render on the loop
+
+    async def parse(self, request: Request, model: type, to_spec: Callable) -> tuple | JSONResponse:
+        """(parsed body, GenerationSpec), or the 4xx answer: bounded JSON, fields, then limits."""
+        try:
+            body = parse_object(await request.body())
+            parsed = model.model_validate(body)
+            spec = to_spec(parsed, self.config.facts, self.config.limits, self.config.model_id)
+        except BodyError as exc:
+            return errors.error_json(exc.status, exc.message, "body", exc.code, "invalid_request_error")
+        except ValidationError as exc:
+            return errors.validation_error(exc)
+        except FieldError as exc:
+            return errors.field_error(exc)
+        # One id from Serve's proxy to the stages' logs and the error bodies.
+        return parsed, dataclasses.replace(spec, request_id=request_id(request.scope))
+
+    async def generate(self, spec: GenerationSpec, on_progress=None) -> Generated:
+        encoded = self.stages.encode(spec)
+        latents = None
+        # Progress events only for a caller that reads them (SSE, video jobs): each is one more
+        # message from the Denoiser to the ingress and a wake-up of both (~1.5 ms each on 2 cores).
+        stream = self.stages.denoise(encoded, spec, progress=on_progress is not None)
+        try:
+            async for item in stream:
+                if isinstance(item, DenoiseProgress):
+                    if on_progress is not None:
+                        await on_progress(item)
+                else:
+                    latents = item
+                    break  # the last item: no wait for the call's end of stream (one more message, ~1-1.7 ms)
+        except BaseException:
+            _cancel(stream)
+            raise
+        if not isinstance(latents, StageOutput):
+            raise RuntimeError("the denoiser's stream ended without the latents")
+        decoded: StageOutput = await self.stages.decode(latents, spec)
+        stats = decoded.all_stats  # the encoder's output itself is never fetched here
+        per_stage = ", ".join(f"{s.stage} {s.seconds:.3f} s ({s.bytes_streamed} B streamed, peak "
+                              f"{s.device_peak_bytes} B)" for s in stats)
+        logger.info("request %s: %dx%d, %d frame(s), n=%d, %d steps: %s", spec.request_id, spec.width,
+                    spec.height, spec.num_frames, spec.n, spec.steps, per_stage)
+        return Generated(spec, decoded.value, stats)
+
+    def body(self, generated: Generated, data: list[dict]) -> dict:
+        return {"created": int(time.time()), "id": generated.spec.request_id, "seed": generated.spec.seed,
+                "data": data,
+                "stages": [{"stage": s.stage, "replica": s.replica, "seconds": round(s.seconds, 4),
+                            "started_at": round(s.started_at, 6),
+                            "bytes_streamed": s.bytes_streamed,
+                            "device_peak_bytes": s.device_peak_bytes,
+                            **({"steps": s.steps, "cache_skips": s.cache_skips} if s.steps else {})}
+                           for s in generated.stats]}
+
+    def image_body(self, generated: Generated) -> dict:
+        images = [{"b64_json": base64.b64encode(media.png_bytes(item[0])).decode()} for item in generated.frames]
+        return self.body(generated, images)
+
+    async def respond(self, spec: GenerationSpec, stream: bool, render: Callable[[Generated], Response | dict]):
+        """The answer to a valid request. A client that disconnects cancels this coroutine (Serve's
+        proxy cancels it; for SSE, Starlette cancels the stream), and with it the stage calls."""
+        if stream:
+            # sse-starlette frames the events, pings a quiet stream every 15 s (a long step keeps a
+            # proxy's idle timer from closing it) and cancels the generator when the client leaves.
+            return EventSourceResponse(self.events(spec, render), sep="\n")
+        try:
+            generated = await self.generate(spec)
+        except asyncio.CancelledError:
+            logger.info("request %s cancelled: the client went away", spec.request_id)
+            raise
+        except Exception as exc:  # 4xx (request-caused), 503 (overload, lost replica) or a logged 500
+            return errors.overload_or_failure(self.stages.failure(exc), self.config.retry_after_s, spec.request_id)
+        result = await self.render(render, generated)
+        return result if isinstance(result, Response) else JSONResponse(result)
+
+    async def events(self, spec: GenerationSpec, render) -> AsyncIterator[ServerSentEvent]:
+        """Server-Sent Events: "accepted", one "progress" per denoising step, then "result" or "error"."""
+        progress: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(self.generate(spec, progress.put))
+        try:
+            yield _sse("accepted", {"id": spec.request_id, "total_steps": spec.steps})
+            while not (task.done() and progress.empty()):
+                getter = asyncio.ensure_future(progress.get())
+                done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    continue
+                step: DenoiseProgress = getter.result()
+                yield _sse("progress", {"id": step.request_id, "step": step.step, "total": step.total,
+                                        "message": f"step {step.step} of {step.total}"})
+            try:
+                generated = task.result()
+            except Exception as exc:  # same mapping as the plain response, as an "error" event
+                response = errors.overload_or_failure(self.stages.failure(exc), self.config.retry_after_s, spec.request_id)
+                yield _sse("error", {"status": response.status_code, **json.loads(response.body)})
+                return
+            yield _sse("result", await self.render(render, generated))
+        finally:
+            if not task.done():  # the client went away mid-stream: stop the stages too
+                logger.info("request %s cancelled: the event stream's client went away", spec.request_id)
+                task.cancel()
+
+    async def render(self, render: Callable[[Generated], Response | dict], generated: Generated):
+        """PNG / H.264 encoding takes a core for a while on large outputs: off the event loop,
+        unless the output is a few small images (``inline_render_values``)."""
+        if render == self.image_body and generated.frames.numel() <= self.inline_render_values:
+            return render(generated)
+        return await asyncio.to_thread(render, generated)
+
+    async def admissions(self) -> tuple[StageAdmission, ...]:
+        """What every reporting stage replica admits; none while the board is unreachable (restarting):
+        the replicas still refuse what their share cannot hold."""
+        try:
+            reports = await self.board.residency()
+        except Exception as exc:
+            if self.stages.failure(exc).kind is not FailureKind.LOST_REPLICA:
+                raise
+            logger.warning("the residency board is unreachable (%s); no replica's admission is known",
+                           type(exc).__name__)
+            return ()
+        return tuple(r.admission for r in reports if r.admission is not None)
+
+    async def models(self) -> ModelList:
+        """The served model with the largest request it accepts, from the replicas' reports (capacity.admission);
+        the configured limits (``source: configured``) until every stage has reported."""
+        admissions = await self.admissions()
+        return ModelList(data=[model_card(self.config.model_id, self.config.facts, self.config.limits, admissions)])
+
+    def video_renderer(self, spec: GenerationSpec, parsed: VideoRequest) -> Callable[[Generated], Response | dict]:
+        fps = parsed.fps or self.config.limits.default_fps
+
+        def render(generated: Generated):
+            video = media.mp4_bytes(generated.frames[0], fps)
+            if parsed.response_format == "mp4":
+                return Response(video, media_type="video/mp4", headers={"X-Seed": str(spec.seed)})
+            return self.body(generated, [{"b64_json": base64.b64encode(video).decode(), "mime_type": "video/mp4",
+                                          "frames": spec.num_frames, "fps": fps}])
+
+        return render
