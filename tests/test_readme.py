@@ -12,7 +12,7 @@ import offload_core
 from offload_core import HostingTier
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-SECTION = "## Using the engine on your own model"
+SECTION = "## Use the engine on your own model"
 
 
 def readme_example() -> str:

@@ -93,15 +93,26 @@ def test_the_openai_client_makes_a_video_of_the_asked_frames_and_size(client, se
         client.videos.retrieve(video.id)
 
 
-def readme_video_example() -> str:
+def readme_example(heading: str) -> str:
+    """The one python block under the README's ``heading`` (a quickstart subsection)."""
     text = (pathlib.Path(__file__).resolve().parents[3] / "README.md").read_text()
-    section = text.split("## Video jobs: the OpenAI Videos API", 1)[1].split("\n## ", 1)[0]
+    assert heading in text, f"README.md lost its {heading!r} section"
+    section = re.split(r"\n##+ ", text.split(heading, 1)[1], maxsplit=1)[0]
     (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     return block
 
 
+def test_the_readme_image_example_runs_against_the_service(service, tmp_path, monkeypatch):
+    code = readme_example("### An image")
+    assert 'base_url="http://127.0.0.1:8000/v1"' in code and 'api_key="your-token"' in code
+    code = code.replace("http://127.0.0.1:8000", service).replace("your-token", TOKEN)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme_image_example"})
+    assert Image.open(tmp_path / "fox.png").size == (64, 64)
+
+
 def test_the_readme_client_calls_run_against_the_service(service, tmp_path, monkeypatch):
-    code = readme_video_example()
+    code = readme_example("### A video job")
     assert 'base_url="http://127.0.0.1:8000/v1"' in code and 'api_key="your-token"' in code
     code = code.replace("http://127.0.0.1:8000", service).replace("your-token", TOKEN)
     monkeypatch.chdir(tmp_path)
