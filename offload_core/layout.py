@@ -155,7 +155,7 @@ class QuantizedMeta:
     """Where one FP8-hosted tensor's bytes and scales sit in the layer's 8-bit host buffer."""
 
     index: int  # into LayerLayout.tensors: the compute tensor it widens into
-    q_offset: int  # byte offset of its float8 values in the FP8 host buffer (ALIGN_BYTES-aligned)
+    q_offset: int  # byte offset of its float8 values in the FP8 host buffer (its device offset's mirror)
     scale_offset: int  # byte offset of its float32 per-output-channel scales there
     rows: int  # output channels (scales)
 
@@ -186,7 +186,7 @@ class LayerLayout:
         """The host buffers per dtype: ``flat_bytes``, or the kept runs plus the FP8 buffer."""
         if not self.quantized:
             return self.flat_bytes
-        fp8 = align_up(self.quantized[-1].scale_offset + self.quantized[-1].rows * SCALE_ITEMSIZE)
+        fp8 = align_up(max(q.scale_offset + q.rows * SCALE_ITEMSIZE for q in self.quantized))
         kept = tuple((d, n) for d, n in self.kept_bytes if n)
         return tuple(sorted((*kept, (FP8_HOST_DTYPE, fp8)), key=lambda item: str(item[0])))
 
@@ -236,11 +236,17 @@ def plan_layer_layout(key: str, params: Sequence[tuple[str, torch.Tensor]],
     """
     cursor: dict[torch.dtype, int] = {}
     offsets: dict[int, int] = {}
-    for passing in (False, True):  # kept tensors first, then the quantized ones
-        for index, (name, tensor) in enumerate(params):
-            if (name in quantized) is passing:
-                offsets[index] = align_up(cursor.get(tensor.dtype, 0))
-                cursor[tensor.dtype] = offsets[index] + storage_extent(tensor) * tensor.element_size()
+    kept_first = [i for i, (name, _) in enumerate(params) if name not in quantized]
+    # The quantized ones after them, tensors of one shape side by side: the widen multiplies each
+    # such group by its scales at once (offload_core.fp8_widen), one launch for a Wan block's eight
+    # attention projections instead of eight.
+    by_shape = sorted((i for i, (name, _) in enumerate(params) if name in quantized),
+                      key=lambda i: (tuple(params[i][1].shape), i))
+    for passing, indices in ((False, kept_first), (True, by_shape)):
+        for index in indices:
+            tensor = params[index][1]
+            offsets[index] = align_up(cursor.get(tensor.dtype, 0))
+            cursor[tensor.dtype] = offsets[index] + storage_extent(tensor) * tensor.element_size()
         if not passing:
             kept = {d: align_up(n) for d, n in cursor.items()}
     metas = tuple(TensorMeta(name, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(),
@@ -251,15 +257,37 @@ def plan_layer_layout(key: str, params: Sequence[tuple[str, torch.Tensor]],
         raise LayoutError(f"layer {key}: quantized names {unknown} are not its parameters")
     if not quantized:
         return LayerLayout(key, metas, flat)
-    q_metas, fp8_cursor = [], 0
-    for index, meta in enumerate(metas):
-        if meta.name in quantized:
-            q_offset = align_up(fp8_cursor, FP8_ALIGN_BYTES)
-            scale_offset = align_up(q_offset + meta.extent * FP8_HOST_DTYPE.itemsize, FP8_ALIGN_BYTES)
-            q_metas.append(QuantizedMeta(index, q_offset, scale_offset, meta.shape[0]))
-            fp8_cursor = scale_offset + meta.shape[0] * SCALE_ITEMSIZE
+    q_metas = _fp8_places(metas, by_shape, kept)
     kept_runs = tuple(sorted(((d, kept.get(d, 0)) for d, _ in flat), key=lambda item: str(item[0])))
     return LayerLayout(key, metas, flat, tuple(q_metas), kept_runs)
+
+
+def _fp8_places(metas: Sequence[TensorMeta], order: Sequence[int], kept: dict[torch.dtype, int]
+                ) -> list[QuantizedMeta]:
+    """Where each quantized tensor's 8-bit values and scales sit in the FP8 buffer.
+
+    Per compute dtype, the values mirror the device's quantized run element for element (each at
+    its device offset less the run's start, over the itemsize), so one conversion of that FP8 run
+    widens every tensor of the dtype into place; the gaps between are the device's alignment
+    padding, in elements. Then every tensor's float32 scales, back to back in device order.
+    """
+    q_offsets, fp8_cursor = {}, 0
+    dtypes = sorted({metas[i].dtype for i in order}, key=str)
+    for dtype in dtypes:
+        base, run_start, end = align_up(fp8_cursor, FP8_ALIGN_BYTES), kept.get(dtype, 0), fp8_cursor
+        for index in order:
+            meta = metas[index]
+            if meta.dtype == dtype:
+                q_offsets[index] = base + (meta.byte_offset - run_start) // meta.dtype.itemsize
+                end = q_offsets[index] + meta.extent * FP8_HOST_DTYPE.itemsize
+        fp8_cursor = end
+    scale_cursor, places = align_up(fp8_cursor, FP8_ALIGN_BYTES), {}
+    for dtype in dtypes:
+        for index in order:
+            if metas[index].dtype == dtype:
+                places[index] = QuantizedMeta(index, q_offsets[index], scale_cursor, metas[index].shape[0])
+                scale_cursor += metas[index].shape[0] * SCALE_ITEMSIZE
+    return [places[index] for index in sorted(places)]
 
 
 def slot_count(prefetch_depth: int, n_streamed: int) -> int:

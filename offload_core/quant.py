@@ -117,6 +117,16 @@ _CPU_CHUNK_ELEMENTS = 1 << 22
 
 def widen_fp8(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write ``q * scale`` into ``out`` (the compute dtype, shaped like ``q``): the engine's and the reference's one widen."""
+    convert_fp8(q, out)
+    factor = scale.to(out.dtype)
+    if not torch.equal(factor.to(scale.dtype), scale):  # a power of two outside fp16's range: multiply in fp32
+        factor = scale
+    out.mul_(factor.reshape(-1, *([1] * (q.dim() - 1))))
+    return out
+
+
+def convert_fp8(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (the compute dtype, shaped like ``q``) holds ``q``'s values, unscaled: exact either way."""
     if out.device.type == "cpu" and out.is_contiguous():
         table, flat, codes = _fp8_table(out.dtype), out.view(-1), q.reshape(-1).view(torch.uint8)
         for start in range(0, flat.numel(), _CPU_CHUNK_ELEMENTS):
@@ -124,10 +134,6 @@ def widen_fp8(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.
             torch.index_select(table, 0, codes[start:end].to(torch.int32), out=flat[start:end])
     else:
         out.copy_(q)
-    factor = scale.to(out.dtype)
-    if not torch.equal(factor.to(scale.dtype), scale):  # a power of two outside fp16's range: multiply in fp32
-        factor = scale
-    out.mul_(factor.reshape(-1, *([1] * (q.dim() - 1))))
     return out
 
 

@@ -11,7 +11,8 @@ A layer laid out with quantized tensors (``LayerLayout.quantized``, ``offload_co
 quantized once here, at consolidation, and hosted at its 8-bit size: its kept tensors' leading
 run per dtype, and one FP8 buffer (values and scales). A copy lands the kept runs straight in the
 slot and the FP8 buffer in the streamer's landing buffer (``regions[FP8_HOST_DTYPE]``), then
-widens each quantized tensor into its slot view, all on the copy stream: the copy event recorded
+widens the quantized tensors into their slot views with a few launches per layer
+(``offload_core.fp8_widen``), all on the copy stream: the copy event recorded
 after it orders compute after the widen, and the next copy into the landing buffer after it too.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from offload_core.fp8_widen import widen_layer
 from offload_core.host.pinned import HostBuffer, PinRefusal, allocate_host_buffer, free_host_buffer
 from offload_core.host.tier import HostingTier
 from offload_core.layout import (
@@ -30,7 +32,7 @@ from offload_core.layout import (
     extent_view,
     tensor_view,
 )
-from offload_core.quant import FP8_DTYPE, SCALE_DTYPE, dequantize_fp8, quantize_fp8, widen_fp8
+from offload_core.quant import FP8_DTYPE, SCALE_DTYPE, dequantize_fp8, quantize_fp8
 from offload_core.streaming.copier import CopyPair, copy_pairs
 
 logger = logging.getLogger(__name__)
@@ -162,14 +164,10 @@ class HostLayer:
                 for meta, tensor in zip(self.layout.tensors, self._mapped) if meta.extent]
 
     def widen(self, regions: Mapping[torch.dtype, torch.Tensor]) -> None:
-        """Widen each quantized tensor from the landed FP8 buffer into its view of ``regions`` (none: no-op)."""
-        if not self.layout.quantized:
-            return
-        landing = regions[FP8_HOST_DTYPE]
-        for at in self.layout.quantized:
-            meta = self.layout.tensors[at.index]
-            q, scale = _fp8_views(landing, meta, at)
-            widen_fp8(q, scale, tensor_view(regions[meta.dtype], meta))
+        """Widen the quantized tensors from the landed FP8 buffer into ``regions`` (none: no-op): one
+        conversion per dtype, one multiply per group of same-shaped tensors (``offload_core.fp8_widen``)."""
+        if self.layout.quantized:
+            widen_layer(self.layout, regions)
 
     def free(self) -> None:
         """Unlock page-locked buffers; the memory goes with the last view."""
