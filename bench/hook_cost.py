@@ -12,11 +12,13 @@ bookkeeping's cost depends on the parameter count, not on the bytes. The walk th
 sampler used to do at every hook is timed beside it (``walk_us_per_hook``), for comparison.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/hook_cost.py --quick
+
+The last line printed is one JSON object; ``hook_us_per_layer_max`` over its target exits 1 and is
+listed in its ``failed`` (``bench/checks.py``).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -29,6 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import checks  # noqa: E402
 from offload_core.planner.facts import LinkFacts, PipelineFacts, Stage, profile_component  # noqa: E402
 from offload_core.planner.search import PerformanceMode, plan_pipeline  # noqa: E402
 from offload_core.residency.lifecycle import PipelineResidency  # noqa: E402
@@ -39,6 +42,7 @@ LINK = LinkFacts(pinned_Bps=25e9, pageable_Bps=10e9, measured=False)
 TINY_WIDTH = {"num_attention_heads": 2, "attention_head_dim": 12, "ffn_dim": 32, "text_dim": 16,
               "freq_dim": 16, "in_channels": 4, "out_channels": 4, "rope_max_seq_len": 32}
 WAN14B_PARAMETERS = 1095
+HOOK_US_TARGET = 50.0  # per streamed layer, on every case: no growth with the parameter count
 
 
 @dataclass(frozen=True)
@@ -227,7 +231,7 @@ def print_table(costs: list[HookCost]) -> dict:
               f"{c.hook_us_per_layer_median:>8.1f} {c.hooks_alone_us_per_layer:>11.1f} {c.copy_us_per_layer:>13.1f} "
               f"{c.walk_us_per_hook:>21.1f}")
     worst = max(c.hook_us_per_layer for c in costs)
-    print(f"hook_us_per_layer_max = {worst:.1f} us (target <= 50, the same on every case: no growth with parameters)")
+    print(f"hook_us_per_layer_max = {worst:.1f} us (target <= {HOOK_US_TARGET:g}, the same on every case: no growth with parameters)")
     return {"hook_us_per_layer": {c.case: round(c.hook_us_per_layer, 2) for c in costs},
             "hook_us_per_layer_median": {c.case: round(c.hook_us_per_layer_median, 2) for c in costs},
             "hooks_alone_us_per_layer": {c.case: round(c.hooks_alone_us_per_layer, 2) for c in costs},
@@ -235,15 +239,16 @@ def print_table(costs: list[HookCost]) -> dict:
             "hook_us_per_layer_max": round(worst, 2)}
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 timed requests per case instead of 15")
     parser.add_argument("--device", default="cpu", help="cuda: the 14B structure on a real GPU (host time per hook)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     fields = print_table(measure_all(5 if args.quick else 15, args.device))
-    print(json.dumps({"bench": "hook_cost", "device": args.device, **fields}))
+    target = checks.at_most("hook_us_per_layer_max", fields["hook_us_per_layer_max"], HOOK_US_TARGET)
+    return checks.finish({"bench": "hook_cost", "device": args.device, **fields}, [target])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,12 +21,12 @@ offload_core once (importing diffusers takes 7-14 s of this 2-core machine; payi
 mode would blow the 40 s quick budget). A forked process counts the server's anonymous pages in
 its own Anonymous too, and the baseline is forked the same way, so the subtraction cancels them.
 
-Usage: ``python bench/host_memory.py [--quick]``; the last line printed is one JSON object.
+Usage: ``python bench/host_memory.py [--quick]``; the last line printed is one JSON object; a ratio
+over its target exits 1 and is listed in its ``failed`` (``bench/checks.py``).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -96,21 +96,31 @@ def run_children(folder: Path, repeats: int) -> dict[str, list[dict]]:
     return runs
 
 
-def main() -> None:
+TARGETS = {"pageable_anon_ratio": 1.05, "mapped_anon_ratio": 0.05}
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one fresh process per mode (< 40 s)")
     parser.add_argument("--repeats", type=int, default=None, help="fresh processes per mode (default 3, quick 1)")
     args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    from bench import checks
+
+    figures = measure(args.repeats or (1 if args.quick else 3))
+    return checks.finish(figures, [checks.at_most(name, figures[name], target) for name, target in TARGETS.items()])
+
+
+def measure(repeats: int) -> dict:
+    """Every mode in ``repeats`` fresh processes each; prints the table, returns the figures."""
     started = time.perf_counter()
     os.environ.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    sys.path.insert(0, str(REPO))
     # Start the forkserver's imports now, so they run while this process builds or finds the model.
     multiprocessing.set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()
     from zoo.tiny import ensure_medium_wan
 
     folder = ensure_medium_wan() / "transformer"
-    repeats = args.repeats or (1 if args.quick else 3)
     runs = run_children(folder, repeats)
     base = statistics.median(r["anonymous"] for r in runs["baseline"])
     weight = runs["loaded"][0]["weight_bytes"]
@@ -131,7 +141,7 @@ def main() -> None:
         "pageable_anon_over_layer_bytes": round(
             statistics.median(r["anonymous"] - base for r in runs["pageable"]) / runs["pageable"][0]["layer_bytes"], 4),
         "mapped_anon_ratio": ratio("mapped"),
-        "targets": {"pageable_anon_ratio": 1.05, "mapped_anon_ratio": 0.05},
+        "targets": TARGETS,
     }
     figures["seconds"] = round(time.perf_counter() - started, 1)
     print(f"{'mode':<10}{'anon - baseline (MiB)':>24}{'file-backed RSS (MiB)':>24}{'ratio':>8}")
@@ -141,8 +151,8 @@ def main() -> None:
         print(f"{mode:<10}{anon:>24.1f}{file_rss:>24.1f}{ratio(mode):>8.3f}")
     print(f"weights {weight / MiB:.1f} MiB, of which streamed layers {figures['layer_bytes'] / MiB:.1f} MiB; "
           f"baseline anonymous {base / MiB:.1f} MiB")
-    print(json.dumps(figures))
+    return figures
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

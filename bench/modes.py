@@ -8,13 +8,13 @@ request, both as ratios to speed mode, request time vs speed mode, whether the o
 equal to the plain pipeline, and the planner's prediction error (target 0 on CPU).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/modes.py --quick     # < 40 s
-The last line printed is one JSON object with every figure.
+The last line printed is one JSON object with every figure; an output not bitwise equal or a
+prediction off by a byte exits 1 and is listed in its ``failed`` (``bench/checks.py``).
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import sys
 import time
@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import checks  # noqa: E402
 from offload_core.planner.facts import LinkFacts, PipelineFacts, Stage  # noqa: E402
 from offload_core.planner.measured_compute import profiles_from_warmup  # noqa: E402
 from offload_core.planner.search import PerformanceMode, plan_pipeline  # noqa: E402
@@ -134,7 +135,7 @@ def run_mode(load, plan, reference, requests: int) -> dict:
             "request_s": round(min(seconds), 4), "bitwise_equal": equal}
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and requests (< 40 s)")
     args = parser.parse_args()
@@ -161,10 +162,17 @@ def main() -> None:
                   f"{row['time_vs_speed']:>13.2f} {row['peak_error']:>8} {row['moved_error']:>9} "
                   f"{str(row['bitwise_equal']):>7}  {row['strategies']}")
     worst = max(max(r["peak_error"], r["moved_error"]) for res in results for r in res["modes"].values())
-    print(json.dumps({"bench": "modes", "quick": args.quick, "max_prediction_error_bytes": worst,
-                      "all_bitwise_equal": all(r["bitwise_equal"] for res in results for r in res["modes"].values()),
-                      "results": results}))
+    fields = {"bench": "modes", "quick": args.quick, "max_prediction_error_bytes": worst,
+              "all_bitwise_equal": all(r["bitwise_equal"] for res in results for r in res["modes"].values()),
+              "results": results}
+    return checks.finish(fields, verdict(fields))
+
+
+def verdict(fields: dict) -> list[checks.Check]:
+    """On CPU the planner predicts peak and moved bytes exactly, and every mode's output is the plain one's."""
+    return [checks.equal("max_prediction_error_bytes", fields["max_prediction_error_bytes"], 0),
+            checks.equal("all_bitwise_equal", fields["all_bitwise_equal"], True)]
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

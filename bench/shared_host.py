@@ -17,13 +17,13 @@ each in its own anonymous buffers (what every replica paid before the store).
 - Every replica's output is compared bitwise with the plain model's.
 
 The replicas start one after another (the 2-core CI machine would otherwise time CPU contention).
-The last line printed is one JSON object.
+The last line printed is one JSON object; a missed target or a replica whose output is not bitwise
+equal exits 1 and is listed in its ``failed`` (``bench/checks.py``).
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import resource
 import statistics
@@ -37,6 +37,7 @@ for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"),
                       ("OMP_NUM_THREADS", "1")):
     os.environ.setdefault(_name, _value)
 
+from bench import checks  # noqa: E402
 from deployments.dev import local_ray  # noqa: E402
 
 local_ray.use_token_auth()  # before Ray is imported: the driver reads its auth mode then
@@ -147,10 +148,22 @@ def wait_for_stores_gone(paths: list[str], timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="private copies only at N=2 (the rest always run)")
     args = parser.parse_args()
+    figures = report(measure(args.quick))
+    return checks.finish(figures, verdict(figures))
+
+
+def verdict(figures: dict) -> list[checks.Check]:
+    return [checks.at_most("max_host_layer_bytes_over_one_copy", figures["max_host_layer_bytes_over_one_copy"], 1.05),
+            checks.at_most("later_hosting_over_first", figures["later_hosting_over_first"], 0.3),
+            checks.equal("bitwise_every_replica", figures["bitwise_every_replica"], True)]
+
+
+def measure(quick: bool) -> list[dict]:
+    """One row set per (replica count, shared or private), on a local Ray cluster started and stopped here."""
     from bench.streaming import denoiser_inputs
     from cluster.ledger.actor import LedgerConfig, node_ledger
     from zoo.tiny import ensure_medium_wan, ensure_tiny_wan
@@ -167,17 +180,18 @@ def main() -> None:
 
         inputs = denoiser_inputs(WanTransformer3DModel.from_pretrained(folder), frames=1, size=16)
         reference = plain_output(folder, inputs)
-        plan = [(n, True) for n in COUNTS] + [(n, False) for n in ((2,) if args.quick else COUNTS)]
+        plan = [(n, True) for n in COUNTS] + [(n, False) for n in ((2,) if quick else COUNTS)]
         for n, share in plan:
             result = run_replicas(n, folder, share, inputs, reference, warm)
             wait_for_stores_gone(sorted({p for r in result["rows"] for p in r["stores"]}))
             results.append(result)
     finally:
         ray.shutdown()
-    report(results)
+    return results
 
 
-def report(results: list[dict]) -> None:
+def report(results: list[dict]) -> dict:
+    """Prints the table; returns the figures."""
     print(f"{'copies':<8} {'N':>2} {'host layer MiB':>15} {'/ one copy':>10} {'hosting s (1st, later...)':<30} "
           f"{'ready s':<24} {'page faults while hosting':<30} bitwise")
     for r in results:
@@ -198,8 +212,8 @@ def report(results: list[dict]) -> None:
         "bitwise_every_replica": all(row["bitwise"] for r in results for row in r["rows"]),
         "first_hosting_s": round(statistics.median(r["rows"][0]["hosting_s"] for r in shared), 4),
     }
-    print(json.dumps(figures))
+    return figures
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -19,12 +19,13 @@ host memcpy itself, since its waits on copy events block instead of spinning.
 
 Then ``hook_us_per_layer`` (``bench/hook_cost.py``): the host time of every layer's hooks as the
 service runs them (engine, meter, residency sampler; host copies excluded) on the tiny zoo and on
-Wan2.1-14B's structure at a tiny width (target <= 50 us on both). The last line printed is one JSON object.
+Wan2.1-14B's structure at a tiny width (target <= 50 us on both). The last line printed is one JSON object;
+a missed target, a streamed output not bitwise equal or a peak off its prediction exits 1 and is
+listed in its ``failed`` (``bench/checks.py``).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -36,7 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.hook_cost import measure_all, print_table  # noqa: E402
+from bench import checks  # noqa: E402
+from bench.hook_cost import HOOK_US_TARGET, measure_all, print_table  # noqa: E402
 from offload_core.host.tier import HostingTier  # noqa: E402
 from offload_core.layout import RegionMap  # noqa: E402
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming  # noqa: E402
@@ -97,6 +99,8 @@ class Measured:
     formula: str  # "non-layer N + resident R + slots S"
     copier_cpu_s: tuple[float, ...]  # the staging copier's CPU seconds in each streamed forward
     staged_bytes: int  # of streamed_bytes, those the copier moves (PAGEABLE and MAPPED layers)
+    bitwise_equal: bool  # the streamed output equals the resident model's
+    meter_audited: bool  # the meter's running count equals a walk over the parameters
 
 
 def measure(args: argparse.Namespace, device: torch.device, repeats: int) -> Measured:
@@ -137,8 +141,8 @@ def measure(args: argparse.Namespace, device: torch.device, repeats: int) -> Mea
         streamer.prepare_for_use()
         got = streamed_model(**inputs)[0]
         streamer.finish_use()
-        assert torch.equal(got, expected), "streamed output differs from the resident model's"
-        assert streamer.meter.current_bytes == streamer.meter.walk(), "the meter disagrees with its audit"
+        bitwise_equal = bool(torch.equal(got, expected))
+        meter_audited = streamer.meter.current_bytes == streamer.meter.walk()
         peak, predicted = streamer.meter.peak_bytes, streamer.predicted_peak_bytes()
         streamed_model(**inputs)  # warm-up: arms the ring; from now each forward copies each layer once
         resident_s, copy_s, streamed_s, copied, copier_s = [], [], [], [], []
@@ -159,7 +163,7 @@ def measure(args: argparse.Namespace, device: torch.device, repeats: int) -> Mea
                f"+ slots {streamer.ring.slot_bytes}")
     staged_bytes = sum(layer.nbytes for layer in layers if staging is not None and staging.stages(layer))
     return Measured(len(layers), expected_copy, tuple(resident_s), tuple(copy_s), tuple(streamed_s),
-                    peak, predicted, formula, tuple(copier_s), staged_bytes)
+                    peak, predicted, formula, tuple(copier_s), staged_bytes, bitwise_equal, meter_audited)
 
 
 def report(args: argparse.Namespace, device: torch.device, m: Measured) -> dict:
@@ -201,10 +205,20 @@ def report(args: argparse.Namespace, device: torch.device, m: Measured) -> dict:
             "peak_bytes": m.peak_bytes,
             "predicted_peak_bytes": m.predicted_peak_bytes, "peak_ratio": peak_ratio,
             "copier_cpu_s_per_forward": round(copier, 6), "copier_cpu_s_per_staged_GB": round(copier_per_gb, 4),
-            "staged_bytes_per_forward": m.staged_bytes}
+            "staged_bytes_per_forward": m.staged_bytes, "bitwise_equal": m.bitwise_equal,
+            "meter_audited": m.meter_audited}
 
 
-def main() -> None:
+def verdict(fields: dict) -> list[checks.Check]:
+    """The targets the docstring states, and the two correctness checks."""
+    return [checks.at_most("overhead_ratio", fields["overhead_ratio"], 1.05),
+            checks.equal("peak_bytes", fields["peak_bytes"], fields["predicted_peak_bytes"]),
+            checks.equal("bitwise_equal", fields["bitwise_equal"], True),
+            checks.equal("meter_audited", fields["meter_audited"], True),
+            checks.at_most("hook_us_per_layer_max", fields["hook_us_per_layer_max"], HOOK_US_TARGET)]
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, finishes in < 40 s")
     parser.add_argument("--repeats", type=int, default=None)
@@ -225,8 +239,8 @@ def main() -> None:
     print(f"hook cost per streamed layer (thread CPU time, host copies excluded, least of {hook_requests} "
           "requests per case):")
     fields.update(print_table(measure_all(hook_requests)))
-    print(json.dumps(fields))
+    return checks.finish(fields, verdict(fields))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

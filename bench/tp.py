@@ -10,11 +10,13 @@ two ranks also split the compute, so ``fanout_noop_ms`` times the fan-out alone 
 nothing, through the ranks minus on the worker).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/tp.py --quick
+
+The last line printed is one JSON object; a rank holding over its target share (measured or
+planned at real size) exits 1 and is listed in its ``failed`` (``bench/checks.py``).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -25,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import checks  # noqa: E402
 from deployments.dev import local_ray  # noqa: E402
 
 local_ray.use_token_auth()  # before Ray is imported: the driver reads its auth mode then
@@ -133,8 +136,23 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="10 calls per stage")
     parser.add_argument("--calls", type=int)
     args = parser.parse_args()
-    calls = args.calls or (10 if args.quick else 40)
     logging.basicConfig(level=logging.WARNING)
+    result = measure(args.calls or (10 if args.quick else 40))
+    return checks.finish(result, verdict(result))
+
+
+RANK_SHARE_TARGET = 0.55  # of the unsharded encoder's device weight bytes, per rank at tp 2
+
+
+def verdict(result: dict) -> list[checks.Check]:
+    return [checks.at_most("rank_weight_bytes_over_unsharded", result["rank_weight_bytes_over_unsharded"],
+                           RANK_SHARE_TARGET),
+            checks.at_most("real_umt5_xxl_rank_over_unsharded", result["real_umt5_xxl_rank_over_unsharded"],
+                           RANK_SHARE_TARGET)]
+
+
+def measure(calls: int) -> dict:
+    """Both figures on this machine (a local Ray cluster started and stopped here); prints them."""
     folder = resolve_model_folder(AppArgs())
     whole, ranks = tiny_rank_bytes(folder)
     real = real_rank_fraction()
@@ -158,8 +176,7 @@ def main() -> int:
           f"umT5-XXL planned per rank at {result['real_umt5_xxl_rank_over_unsharded']} of its bytes")
     print(f"encode: tp 1 {one:.2f} ms, tp 2 {two:.2f} ms (median of {calls}), difference {two - one:.2f} ms; "
           f"a call doing nothing: {noop_one:.3f} ms vs {noop_two:.3f} ms through the ranks")
-    print(json.dumps(result))
-    return 0
+    return result
 
 
 if __name__ == "__main__":
