@@ -35,8 +35,7 @@ serve: $(STAMP)
 
 # The tiny zoo the tests load (11 models, 12 s and 527 MB on a fresh clone), built before the tests start
 # rather than by the first test that asks for each model, so no test on the Ray modules' worker (the suite's
-# critical path) waits on the other, niced worker's build of a model (zoo/cache.py's lock). Not shown to
-# shorten a fresh clone's run: 527.0 s of tests with it, 498.0 s at c8994b3 without (its second run 434.3 s).
+# critical path) waits on the other, niced worker's build of a model (zoo/cache.py's lock).
 # The stamp skips the 6 s of imports a warm zoo's check costs; a model missing anyway is built on use.
 ZOO_DIR   := $(or $(OFFLOAD_SERVE_ZOO),.cache/zoo)
 ZOO_STAMP := $(ZOO_DIR)/.built-by-make

@@ -15,5 +15,5 @@ PY="${PYTHON:-.venv/bin/python}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # 450 s: a 7.5-minute run inside a 10-minute device call: the run itself, then the CUDA tests
 # (120 s), the activation calibration (45 s), bench/hook_cost.py --device cuda (60 s: a tiny-width
-# 14B structure) and FP8 widening's cost on one Wan2.1-14B block (60 s; issue 23).
+# 14B structure) and FP8 widening's cost on one Wan2.1-14B block (60 s).
 exec timeout "${GPU_CHECK_TIMEOUT_S:-450}" "$PY" bench/gpu_check.py "$@"

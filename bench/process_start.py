@@ -10,7 +10,7 @@ in the same run, alternating the two, so load on a shared machine falls on both 
 imports diffusers (1.3 s of it torch._dynamo, which diffusers.utils.torch_utils imports) and the
 family's pipeline class when it loads. The last line is one JSON object.
 
-    .venv/bin/python bench/process_start.py --repeats 3 --against /work/main
+    .venv/bin/python bench/process_start.py --repeats 3 --against PATH/TO/OTHER/CHECKOUT
 """
 from __future__ import annotations
 

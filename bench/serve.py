@@ -38,10 +38,9 @@ import sys
 import time
 
 # Every column at the same CPU priority and intra-op threads. Ray starts its workers (the Serve
-# proxy, the replicas) at its worker_niceness of 15 above the raylet's, which runs at this driver's:
-# under `nice -n 5` the service ran at nice 19 and the in-process columns at 5; at load 8-10 the
-# encoder's call took 138 ms in its replica at nice 19 and 100 ms at nice 5 (in the same minutes,
-# 70-89 ms in process). 0 puts Ray's workers at this process's niceness. Ray gives an actor
+# proxy, the replicas) at its worker_niceness of 15 above the raylet's, which runs at this driver's, so
+# under `nice -n 5` the service would run at 19 against the in-process columns' 5 and look slower than it
+# is. 0 puts Ray's workers at this process's niceness. Ray gives an actor
 # of num_cpus 0 (the bench's replicas) one OpenMP thread; the in-process columns get the same.
 for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"),
                       ("TRANSFORMERS_OFFLINE", "1"), ("RAY_worker_niceness", "0"), ("OMP_NUM_THREADS", "1")):

@@ -103,10 +103,8 @@ def probe_ns_per_add(adds: int = 200_000) -> float:
     """CPU nanoseconds this process takes per step of a fixed pure-Python loop: how fast a core runs plain
     Python now.
 
-    The same suite took 759 and 1040 CPU-s on this VM at different times, every kind of process alike,
-    with little disk read and little steal. Sampled through a run, this says whether the cores' plain
-    speed moved with it: it took 47 ns a step on the idle machine (median of 59 in 30 s, 2026-12-02
-    06:40) and 41-46 ns in runs of 895 and 912 CPU-s, so that was not it."""
+    The same suite's CPU-s can move between runs with every kind of process alike; sampled through a run,
+    this says whether the cores' plain speed moved with it (docs/benchmarks.md has the runs it explained)."""
     start, total = time.process_time_ns(), 0
     for i in range(adds):
         total += i

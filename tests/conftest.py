@@ -28,12 +28,10 @@ METRICS_REPORT_MS = 3000
 # tests' driver takes none, log_to_driver=False): 27 CPU-s of a whole run's 1212.
 QUIET_NODE = {"include_log_monitor": False}
 # Serve's controller steps every 0.25 s on the tests' cluster, not every 0.1 s (Ray's default): each step
-# reads every node's resources from the GCS. Side by side (bench/idle_app.py, 30 s idle, load 2-4,
-# the loop_interval runs of the idle branch): controller + GCS 1.89 CPU-s per 30 s at 0.1, 1.16 at 0.25,
-# 1.01 at 0.5; a killed Denoiser noticed in 0.55 s at 0.1 (mean of 5), 0.56 at 0.25 (4), 1.45 at 0.5 (4);
-# its replacement running and a deploy differed by less than their noise (7-17 s, 22-67 s). 0.5 saves
-# little more and notices a kill a second later. Set only while the head starts (its raylet hands its
-# environment to the controller's worker), so the serve command's own head keeps Ray's default.
+# reads every node's resources from the GCS: 0.25 s costs the idle controller and GCS 1.16 CPU-s per 30 s
+# against 1.89 at 0.1 and notices a killed replica as soon; 0.5 notices it a second later. Set only while the
+# head starts (its raylet hands its environment to the controller's worker), so the serve command's own head
+# keeps Ray's default.
 CONTROL_LOOP_ENV, CONTROL_LOOP_S = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.25"
 # A tmpfs, as the stores' default folder (/dev/shm/offload-serve); the system's temp folder where there is none.
 SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -49,11 +47,9 @@ def free_port() -> int:
 # their own (the serve command's). ``make test`` runs ``-n 2``: each group is one xdist unit, the groups
 # start first, the heaviest first, so "ray" (one Ray cluster) has one worker and "serve-command" (its own
 # head, no session cluster) starts on the other, the in-process tests (model logic) filling in after it.
-# "ray" is the run's critical path (bench/suite_cpu.py, main 71a08a1: its worker done at 503.5 s, the other
-# at 298.2 s), hence the other worker's niceness below. Two clusters, one per worker, were tried twice
-# (379eebd; 2026-12-02: 614.3 s of tests and 1137.7 CPU-s against 523.0 s and 906.3): each cluster's tests
-# slowed the other's, and the idle costs doubled.
-# The figures: each module's seconds (setup + call + teardown) in a quiet run (main 23187f0, 2026-12-01).
+# "ray" is the run's critical path, hence the other worker's niceness below; one cluster, not one per worker,
+# because two slowed each other's tests and doubled the idle cost (docs/benchmarks.md, "The test suite's CPU").
+# The figures: each module's seconds (setup + call + teardown) in a quiet run, to order the queue by.
 RAY_GROUPS: dict[str, dict[str, float]] = {
     "ray": {
         # The fake-GPU fleet's package (tests/cluster: its three nodes are started once per cluster).
@@ -99,22 +95,13 @@ def pytest_collection_modifyitems(config, items):
 # The xdist worker that does not run the session cluster's group (the serve command's module, then in-process
 # modules) runs at nice 15, so that group (the critical path) gets the CPU when it wants it and the rest takes
 # what it leaves. Ray starts its own workers (Serve's replicas and controller, every actor) at nice 15 too, so
-# the in-process tests share the cores evenly with the replicas. Whole runs (quiet, bench/suite_cpu.py,
-# 2026-12-02): with both at nice 0 (71a08a1, 03:12) the group ran its modules for 503.5 s while the other was
-# done at 298.2 s: an app deployed in 36-44 s while they competed for the cores, in 17-18 s once the rest was
-# done; nice 10 454.8-469.6 s that night and 500.8-529.2 s after 06:00 (the same tests then cost 865-1040
-# CPU-s, not 759-832: README, "The test suite's CPU"). nice 15 ran faster (back to back at 9d3a89d: 487.2 s
-# against 509.4 s at 10, both workers done together; a clean clone 417.7 s), so 15 it is. In one of four runs
-# at 15 the preempted worker failed tests/offload_core/residency/test_compute_meter.py's slow-copy test, whose
-# copies then slept a real 50 ms against a 25 ms bound on a layer's compute: the layers read 0.050 and 0.105
-# s. Its copies take 10 s of a simulated clock now, and two other wall-clock bounds leave room for a preempted
-# worker (the board publisher's poke, the job queue's close). nice 19 475.4 s; SCHED_IDLE 481.9 s (the starved
-# in-process tests 30 CPU-s dearer); the tests' Ray workers at nice 0 (RAY_worker_niceness) 505.3 s.
+# the in-process tests share the cores evenly with the replicas; of nice 0, 10, 15, 19 and SCHED_IDLE, 15 ended
+# whole runs soonest with both workers done together (docs/benchmarks.md, "The suite's runs after 06:00").
 IN_PROCESS_NICE = 15
 CRITICAL_GROUP = max(RAY_GROUPS, key=lambda name: sum(RAY_GROUPS[name].values()))
-# The in-process modules that take longest (seconds, a quiet run, that worker at nice 10, 2026-12-02 03:50):
-# first in the queue after the Ray groups, the longest first, so the run does not end on one worker with a 25 s
-# module while the other idles (xdist queues by tests per module: one-test modules came last).
+# The in-process modules that take longest (seconds, a quiet run): first in the queue after the Ray groups, the
+# longest first, so the run does not end on one worker with a 25 s module while the other idles (xdist queues
+# by tests per module: one-test modules came last).
 LONG_IN_PROCESS: dict[str, float] = {
     "tests/deployments/models/test_conformance.py": 37.5, "tests/bench/test_gpu_check.py": 25.1,
     "tests/deployments/api/test_http_properties.py": 15.8, "tests/deployments/api/test_video_jobs_properties.py": 14.2,
@@ -128,11 +115,9 @@ LONG_IN_PROCESS: dict[str, float] = {
 
 def pytest_collection_finish(session):
     """Freeze what collection made (torch, diffusers, transformers, Ray and every test module: ~0.5 M
-    objects), so a full collection walks only what the tests make after it (0.38 s a full collection
-    before). The in-process modules of tests/offload_core, tests/deployments/models and tests/deployments/api
-    in one process, alternating with a checkout without the freeze: 124.6 and 138.1 CPU-s before, 111.8 and
-    115.4 with it (README, "The runs of 2026-12-02 after 11:50"). Nothing a test made is frozen: no test
-    has run yet, and collected garbage goes first."""
+    objects), so a full collection walks only what the tests make after it (docs/benchmarks.md, "Freezing
+    what test collection made"). Nothing a test made is frozen: no test has run yet, and collected garbage
+    goes first."""
     gc.collect()
     gc.freeze()
 

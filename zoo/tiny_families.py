@@ -3,7 +3,7 @@
 Real diffusers/transformers classes with tiny configs, seeded per component, written with
 ``save_pretrained`` and cached under :func:`zoo.paths.zoo_root` like :mod:`zoo.tiny`. Each keeps
 what the engine and the adapters care about real: the component layout of the real folder
-(``model_index.json``), the real schedulers' settings (``../shared/real_model_configs_families.json``),
+(``model_index.json``), the real schedulers' settings (``configs/models/real_model_configs.json``),
 the text encoders' kinds (three for SD3.5, one of them a T5 with T5-XXL's 32128-row table; Qwen2.5-VL
 with its vision tower for Qwen-Image; Qwen3 for Z-Image; Qwen2.5-VL text + ByT5 for HunyuanVideo 1.5),
 and the VAEs' real compression (8x; 16x and 4x in time for HunyuanVideo 1.5). A conformance run of

@@ -40,7 +40,7 @@ from zoo.vocab import t5_tokenizer
 A14B_BOUNDARY = 0.875
 I2V_BOUNDARY = 0.9
 # The diffusers conversion writes flow_shift 3.0 for T2V-A14B (Wan2.2 itself samples with 12.0),
-# 5.0 for TI2V-5B (../shared/real_model_configs_families.json).
+# 5.0 for TI2V-5B (the published folders' scheduler configs).
 A14B_SHIFT, TI2V_SHIFT = 3.0, 5.0
 # The low-noise expert's seed offset: its weights differ from the high-noise one's, so a step run
 # on the wrong expert changes the output.

@@ -235,8 +235,7 @@ class DeviceLeases:
         """Return the reservation: the allocator's cache to the driver first, then the lease. Call lock held."""
         lease, self._reservation = self._reservation, None
         self._return_to_driver()
-        # Counted before the release: the release lets a waiting neighbour's call through, and a
-        # report asked after that call (CI, 2026-12-02) read the count before this thread got here.
+        # Counted before the release: the release lets a waiting neighbour's call through, whose report must see it.
         self._given_back[why] += 1
         self.ledger.release(lease)
         logger.info("%s: call reservation of %d B given back (%s)", self.owner, lease.nbytes, why.value)

@@ -70,12 +70,8 @@ logger = logging.getLogger(__name__)
 
 # Residency reports reach the board at most this often per replica (and always within it + the settle).
 PUBLISH_INTERVAL_S = 1.0
-# A call pokes the report's publisher just before its answer leaves the replica; a send that went at once
-# built its report (9-17 ms of CPU at load 9-14, holding the GIL) while the answer was on its way.
-# With no reports at all, the tiny Wan's hops encoder -> denoiser, denoiser -> decoder and decoder
-# -> response took 1.2, 1.2 and 2.1 ms less (medians of 60 requests each, bench/serve.py's split; two
-# runs minutes apart, load 9.1 and 6.5: suggestive, not proven). 0.1 s is 10x those hops (7-10 ms)
-# and a tenth of the interval.
+# A call pokes the report's publisher just before its answer leaves; waiting this long first keeps the
+# report's CPU (it holds the GIL) off the answer's way out: 10x a hop, a tenth of the interval.
 PUBLISH_SETTLE_S = 0.1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

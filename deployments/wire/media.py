@@ -11,11 +11,8 @@ import os
 import numpy as np
 import torch
 
-# imageio-ffmpeg starts ffmpeg with preexec_fn=os.setpgrp unless this is set, and a preexec_fn makes
-# CPython fork() rather than vfork(). In a Ray replica fork() runs gRPC's fork handlers while its
-# threads are busy: on 2026-12-02 a child aborted (SIGABRT, "epoll_wait error: Bad file descriptor")
-# before it became ffmpeg, imageio read back what little had been written, and a video job completed
-# with an mp4 without its moov atom. Without the preexec_fn the child is vfork()ed and runs no handler.
+# Set, it makes imageio-ffmpeg start ffmpeg without a preexec_fn, so CPython vfork()s: a fork() in a Ray
+# replica runs gRPC's fork handlers mid-flight, which can abort the child before it becomes ffmpeg.
 FFMPEG_NO_PREEXEC_ENV = "IMAGEIO_FFMPEG_NO_PREVENT_SIGINT"
 # The top-level boxes every H.264 mp4 that ffmpeg finished has (ftyp header, moov index, mdat frames).
 MP4_BOXES = frozenset({"ftyp", "moov", "mdat"})

@@ -19,7 +19,7 @@ from zoo.tiny_families import (
 )
 from zoo.vocab_qwen import qwen_tokenizer
 
-# model_index.json component classes of the real folders (../shared/real_model_configs_families.json:
+# model_index.json component classes of the real folders (configs/models/real_model_configs.json's sources:
 # stabilityai/stable-diffusion-3.5-large, Tongyi-MAI/Z-Image-Turbo, Qwen/Qwen-Image,
 # hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v); tokenizers may be the fast or slow class.
 REAL_LAYOUT = {

@@ -33,8 +33,8 @@ def test_an_mp4_decodes_to_every_frame_at_the_asked_size():
 
 
 def test_ffmpeg_is_started_without_a_preexec_fn_so_a_ray_replica_vforks_it(monkeypatch):
-    """A preexec_fn makes CPython fork(), which runs gRPC's fork handlers in a Ray replica (a child aborted
-    there on 2026-12-02 and a job completed with an empty mp4); without one it vforks."""
+    """A preexec_fn makes CPython fork(), which runs gRPC's fork handlers in a Ray replica (they can abort the
+    child before it becomes ffmpeg, and a job would complete with an empty mp4); without one it vforks."""
     import subprocess
 
     monkeypatch.delenv(media.FFMPEG_NO_PREEXEC_ENV, raising=False)

@@ -1,5 +1,5 @@
 """The newer families at real size on the meta device: SD3.5 Large, Z-Image Turbo, Qwen-Image and
-HunyuanVideo 1.5 match their published sizes (../shared/real_model_configs_families.json's facts)."""
+HunyuanVideo 1.5 match their published sizes (the sources in configs/models/real_model_configs.json)."""
 from __future__ import annotations
 
 import pytest
