@@ -116,9 +116,8 @@ def serve_details() -> dict:
     API's ``ServeInstanceDetails`` JSON (``{}`` before Serve starts).
 
     Read as dicts, not through ``serve.status()``: that validates the whole reply into pydantic models, and
-    each deployment's ``RequestRouterConfig`` cloudpickles its router class on the way: 3/4 of the CPU of
-    the ingress's watch, which reads it every 2 s (py-spy on bench/idle_app.py's app: the ingress idled at
-    1.37 CPU-s per 30 s, serve.status() 44 % of its samples)."""
+    each deployment's ``RequestRouterConfig`` cloudpickles its router class on the way: most of the CPU of
+    the ingress's watch, which reads it every 2 s."""
     from ray.serve.context import _get_global_client
 
     client = _get_global_client(raise_if_no_controller_running=False)  # serve.status()'s; the handle is cached

@@ -121,7 +121,8 @@ class FamilyAdapter:
     # Module components (the ones offload_core manages) and helpers each stage loads.
     stage_modules: ClassVar[Mapping[PipelineStage, tuple[str, ...]]]
     stage_helpers: ClassVar[Mapping[PipelineStage, tuple[str, ...]]]
-    # What the family serves, for the README table and /v1/models: "image", "video", "image-to-video".
+    # What the family serves, for /v1/models and the families table (docs/gen_families.py): "image", "video",
+    # "image-to-video".
     serves: ClassVar[tuple[str, ...]]
 
     # ---- recognition and request features (the ingress; json only) ----
