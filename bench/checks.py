@@ -26,7 +26,7 @@ class Kind(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Check:
+class TargetCheck:
     name: str
     value: object
     kind: Kind
@@ -57,25 +57,25 @@ def _overrides() -> dict:
     return overrides
 
 
-def check(name: str, value: object, kind: Kind, target: object) -> Check:
+def check(name: str, value: object, kind: Kind, target: object) -> TargetCheck:
     """One check; its target replaced by ``BENCH_TARGETS[name]`` when that names it."""
-    return Check(name, value, kind, _overrides().get(name, target))
+    return TargetCheck(name, value, kind, _overrides().get(name, target))
 
 
-def at_most(name: str, value: float, target: float) -> Check:
+def at_most(name: str, value: float, target: float) -> TargetCheck:
     return check(name, value, Kind.AT_MOST, target)
 
 
-def at_least(name: str, value: float, target: float) -> Check:
+def at_least(name: str, value: float, target: float) -> TargetCheck:
     return check(name, value, Kind.AT_LEAST, target)
 
 
-def equal(name: str, value: object, target: object) -> Check:
+def equal(name: str, value: object, target: object) -> TargetCheck:
     """A correctness check (bitwise equal, peak == prediction): ``value`` must equal ``target``."""
     return check(name, value, Kind.EQUAL, target)
 
 
-def finish(result: dict, checks: list[Check]) -> int:
+def finish(result: dict, checks: list[TargetCheck]) -> int:
     """Print the misses and ``result`` (with ``failed``) as the last line; the exit status (0 or 1)."""
     unknown = set(_overrides()) - {c.name for c in checks}
     if unknown:

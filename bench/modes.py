@@ -168,7 +168,7 @@ def main() -> int:
     return checks.finish(fields, verdict(fields))
 
 
-def verdict(fields: dict) -> list[checks.Check]:
+def verdict(fields: dict) -> list[checks.TargetCheck]:
     """On CPU the planner predicts peak and moved bytes exactly, and every mode's output is the plain one's."""
     return [checks.equal("max_prediction_error_bytes", fields["max_prediction_error_bytes"], 0),
             checks.equal("all_bitwise_equal", fields["all_bitwise_equal"], True)]

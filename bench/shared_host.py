@@ -156,7 +156,7 @@ def main() -> int:
     return checks.finish(figures, verdict(figures))
 
 
-def verdict(figures: dict) -> list[checks.Check]:
+def verdict(figures: dict) -> list[checks.TargetCheck]:
     return [checks.at_most("max_host_layer_bytes_over_one_copy", figures["max_host_layer_bytes_over_one_copy"], 1.05),
             checks.at_most("later_hosting_over_first", figures["later_hosting_over_first"], 0.3),
             checks.equal("bitwise_every_replica", figures["bitwise_every_replica"], True)]

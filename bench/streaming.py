@@ -209,7 +209,7 @@ def report(args: argparse.Namespace, device: torch.device, m: Measured) -> dict:
             "meter_audited": m.meter_audited}
 
 
-def verdict(fields: dict) -> list[checks.Check]:
+def verdict(fields: dict) -> list[checks.TargetCheck]:
     """The targets the docstring states, and the two correctness checks."""
     return [checks.at_most("overhead_ratio", fields["overhead_ratio"], 1.05),
             checks.equal("peak_bytes", fields["peak_bytes"], fields["predicted_peak_bytes"]),

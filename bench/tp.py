@@ -144,7 +144,7 @@ def main() -> int:
 RANK_SHARE_TARGET = 0.55  # of the unsharded encoder's device weight bytes, per rank at tp 2
 
 
-def verdict(result: dict) -> list[checks.Check]:
+def verdict(result: dict) -> list[checks.TargetCheck]:
     return [checks.at_most("rank_weight_bytes_over_unsharded", result["rank_weight_bytes_over_unsharded"],
                            RANK_SHARE_TARGET),
             checks.at_most("real_umt5_xxl_rank_over_unsharded", result["real_umt5_xxl_rank_over_unsharded"],
