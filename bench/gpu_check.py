@@ -266,7 +266,7 @@ def activation_comparison(timeout_s: int) -> dict:
 
 def widen_cost(timeout_s: int) -> dict:
     """bench/widen_cost.py on CUDA, in a subprocess: FP8 widening's cost per real-size Wan2.1-14B block
-    beside the copy it saves (issue 23 item 4). On CPU the bench runs on its own (README figures)."""
+    beside the copy it saves. On CPU the bench runs on its own (docs/benchmarks.md has its figures)."""
     if not CUDA:
         return {"skipped": "the widen's cost beside the pinned copy needs CUDA (bench/widen_cost.py runs on CPU alone)"}
     return _bench_json(["bench/widen_cost.py", "--device", "cuda"], timeout_s)
@@ -315,8 +315,7 @@ def main() -> None:
     real_shape = (6, 60, 104, 512) if CUDA else (2, 8, 8, 8)
     print(f"device: {torch.cuda.get_device_name() if CUDA else 'cpu (CUDA-only parts skipped)'}", flush=True)
     # What is imported lives for the run: frozen, the collection after each way (which frees the model
-    # before the next way's peak is measured) walks only what the ways made. Unfrozen, each of the CPU
-    # mode's 9 took 0.31 s with diffusers imported: 2.8 of its 16 s (cProfile, 2026-12-02).
+    # before the next way's peak is measured) walks only what the ways made, not diffusers' objects too.
     from diffusers import WanTransformer3DModel  # noqa: F401
     gc.collect()
     gc.freeze()
