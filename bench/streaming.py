@@ -72,8 +72,8 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, float]
     """(wall seconds, the time the ratio uses) for one call.
 
     CPU: thread CPU time. With one torch thread every op runs on this thread, and CPU time does
-    not count the slices other processes take, which on a shared 2-core machine (load average 5-6
-    while six engineers test) swing wall times by +-50 % between repeats. CUDA: synchronized wall.
+    not count the slices other processes take, which on a shared machine swing wall times by tens of
+    percent between repeats. CUDA: synchronized wall.
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
