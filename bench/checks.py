@@ -21,7 +21,6 @@ TARGETS_ENV = "BENCH_TARGETS"
 
 class Kind(enum.Enum):
     AT_MOST = "<="
-    AT_LEAST = ">="
     EQUAL = "=="
 
 
@@ -36,8 +35,6 @@ class TargetCheck:
     def missed(self) -> bool:
         if self.kind is Kind.AT_MOST:
             return not self.value <= self.target
-        if self.kind is Kind.AT_LEAST:
-            return not self.value >= self.target
         return self.value != self.target
 
     def describe(self) -> str:
@@ -64,10 +61,6 @@ def check(name: str, value: object, kind: Kind, target: object) -> TargetCheck:
 
 def at_most(name: str, value: float, target: float) -> TargetCheck:
     return check(name, value, Kind.AT_MOST, target)
-
-
-def at_least(name: str, value: float, target: float) -> TargetCheck:
-    return check(name, value, Kind.AT_LEAST, target)
 
 
 def equal(name: str, value: object, target: object) -> TargetCheck:
