@@ -27,7 +27,15 @@ control streams the balanced pageable case with staging off (the driver's blocki
 show the serialisation, >= 1.5. Every run is checked bitwise against the plain model and its
 weight peak against the engine's prediction. ``blocked_s``: the launch thread's time blocked in
 host-blocking copies and waiting for the copier during the step.
-Last line: one JSON object with ``max_ratio``, ``negative_control_ratio`` and ``cases``.
+Then the ``h200 …`` cases (``testing.h200``): real-size Wan2.1-1.3B on the H200's measured rates
+and host costs (a memcpy rate per copier thread, a launch cost per kernel, a launch-bound compute
+at 1 latent frame, the engine's hooks, the FP8 widen's launches and host reads): two negative
+controls that reproduce 528c2f0's failures (one copier thread at 5.4 GB/s: staged >= 3x pinned;
+the per-tensor widen at 1 frame: FP8 slower than bf16), the device's other figures, and the fixed
+engine (fills split over copier threads, the layer-wide widen), each step beside the device's
+where one was measured (``sim_over_device``).
+Last line: one JSON object with ``max_ratio``, ``negative_control_ratio``, ``cases``, ``h200_cases``
+and ``h200_summary``.
 """
 from __future__ import annotations
 
@@ -49,6 +57,7 @@ from offload_core.planner.facts import LinkFacts, profile_component  # noqa: E40
 from offload_core.planner.staging_ring import choose_staging  # noqa: E402
 from offload_core.planner.window import choose_window  # noqa: E402
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming  # noqa: E402
+from testing import h200  # noqa: E402
 from testing.sim import SimDevice, SimLink, SlowStretch  # noqa: E402
 
 MODELS = {"copy-bound": 0.5, "balanced": 1.0, "compute-bound": 2.0}  # compute / copy stage per layer
@@ -239,6 +248,14 @@ def main() -> None:
               flush=True)
     control = run_case(Case(HostingTier.PAGEABLE, 1, "balanced", staging=False), layers, dim, steps, link)
     print(f"negative control (balanced, pageable, depth 1, staging off): ratio {control.ratio:.3f}")
+    real = h200.run_all()
+    print(f"{'h200 case':70} {'step ms':>8} {'device ms':>9} {'sim/dev':>7} bitwise")
+    for o in real:
+        row = o.as_json()
+        device = f"{row['device_step_s'] * 1e3:9.1f} {row['sim_over_device']:7.3f}" if row["device_step_s"] else f"{'-':>9} {'-':>7}"
+        print(f"{row['name']:70} {o.step_s * 1e3:8.1f} {device} {o.bitwise_equal}", flush=True)
+    real_summary = h200.summary(real)
+    print(f"h200 summary: {real_summary}")
     print(json.dumps({
         "bench": "sim_overlap", "quick": args.quick, "layers": layers, "link": dataclasses.asdict(link),
         "uneven_uniform_compute": args.uneven_uniform_compute,
@@ -251,7 +268,9 @@ def main() -> None:
                   for o in outcomes],
         "max_ratio": round(max(o.ratio for o in outcomes), 4),
         "negative_control_ratio": round(control.ratio, 4),
-        "all_bitwise_equal": all(o.bitwise_equal for o in [*outcomes, control]),
+        "h200_cases": [o.as_json() for o in real],
+        "h200_summary": real_summary,
+        "all_bitwise_equal": all(o.bitwise_equal for o in [*outcomes, control, *real]),
         "all_peaks_predicted": all(o.peak_predicted for o in [*outcomes, control]),
     }))
 

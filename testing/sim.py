@@ -16,13 +16,21 @@ every kernel advances a virtual clock under the rules a real GPU imposes:
   ``launch_s`` of its host thread's time;
 - kernels launch asynchronously on the current stream; events mark a stream's position, a wait
   makes a stream start nothing before the event;
+- a layer's compute is ``kernels`` kernels (``charge_layer_compute``), each costing ``launch_s`` on
+  the launch thread: where the launches outlast the kernels the step is launch-bound, and any
+  host time on that thread (hooks: ``host_s``; a wait) adds to it;
+- an FP8 layer's widen (``charge_widen``) launches its kernels on the copy stream from whichever
+  thread issues the copy, and may synchronise that thread with the copy stream (the per-tensor
+  widen read each scale back to decide its dtype);
 - host threads other than the one that launches kernels (a staging copier) have their own clocks;
-  a host memcpy costs ``bytes / host_memcpy_Bps`` on its thread's clock, times a seeded jitter
+  a host memcpy costs ``bytes / memcpy_Bps(threads)`` on its thread's clock (``host_memcpy_Bps``
+  per copier thread the fill is split over, up to ``host_memcpy_max_Bps``), times a seeded jitter
   (``copier_jitter``, zero-mean) and a slow stretch (``copier_slow``: the copier at a fraction of
   its speed between two instants), as page faults, the GIL and a busy memory bus do;
 - the launch thread's waits for the copier count as blocked (``blocked_s``, ``copier_wait_s``).
 
-Used only by tests and benches (``bench/sim_overlap.py``); nothing in the service imports it.
+Used only by tests and benches (``bench/sim_overlap.py``); nothing in the service imports it (an
+import contract in ``pyproject.toml``).
 
 Bandwidths are :class:`SimLink` inputs; per-layer compute times are attached with
 :meth:`SimDevice.charge_layer_compute`. Every operation is also checked against the clock: a kernel
@@ -46,6 +54,9 @@ from offload_core.host.pinned import HostBuffer, PinRefusal
 from offload_core.host.tier import HostingTier
 from offload_core.streaming.copier import CopyJob, copy_pairs
 from offload_core.streaming.device import Device, DeviceFacts
+from testing.sim_link import SimLink, SlowStretch
+
+__all__ = ["LAUNCH_THREAD", "SimDevice", "SimEvent", "SimLink", "SimStream", "SlowStretch", "StreamHazardError"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,69 +65,6 @@ logger = logging.getLogger(__name__)
 _EPSILON_S = 1e-15
 LAUNCH_THREAD = "launch"  # the host thread that runs the forward and launches kernels
 SIM_PIN_REFUSED = 2  # CUDA_ERROR_OUT_OF_MEMORY, what cuMemHostRegister returns past a memlock limit
-
-
-@dataclass(frozen=True)
-class SlowStretch:
-    """The copier at ``factor`` x its speed while its clock is in [start_s, end_s) (a busy memory bus)."""
-
-    start_s: float
-    end_s: float
-    factor: float = 0.5
-
-    def __post_init__(self) -> None:
-        if not (0 < self.factor <= 1 and 0 <= self.start_s <= self.end_s):
-            raise ValueError(f"SlowStretch needs 0 <= start <= end and 0 < factor <= 1, got {self}")
-
-
-@dataclass(frozen=True)
-class SimLink:
-    """The simulated machine's rates. Defaults: PCIe Gen4 x16 (the brief's 25 / 10 GB/s), no overheads."""
-
-    pinned_Bps: float = 25e9  # DMA from page-locked memory
-    pageable_Bps: float = 10e9  # through the driver's own staging buffer, host thread blocked
-    mapped_Bps: float = 10e9  # a page-cached file mapping goes through the same driver staging
-    host_memcpy_Bps: float = 12e9  # one host thread's memcpy (pageable -> pinned staging buffer)
-    # The most host memcpy all copier threads reach together (the memory bus); 0: n threads, n x one's.
-    host_memcpy_max_Bps: float = 0.0
-    launch_s: float = 0.0  # host time to launch a kernel or issue a copy
-    copy_latency_s: float = 0.0  # copy-engine time every host->device copy pays besides its bytes
-    copier_jitter: float = 0.0  # each host memcpy takes x U(1 - j, 1 + j), seeded by ``seed``
-    copier_slow: SlowStretch | None = None
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("pinned_Bps", "pageable_Bps", "mapped_Bps", "host_memcpy_Bps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"SimLink.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("launch_s", "copy_latency_s", "host_memcpy_max_Bps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"SimLink.{name} must be >= 0, got {getattr(self, name)!r}")
-        if not 0 <= self.copier_jitter < 1:
-            raise ValueError(f"SimLink.copier_jitter must be in [0, 1), got {self.copier_jitter!r}")
-
-    def h2d_Bps(self, source: HostingTier) -> float:
-        return {HostingTier.PINNED: self.pinned_Bps, HostingTier.PAGEABLE: self.pageable_Bps,
-                HostingTier.MAPPED: self.mapped_Bps}[source]
-
-    def memcpy_Bps(self, threads: int = 1) -> float:
-        """Host memcpy rate of one fill split over ``threads`` copier threads."""
-        rate = threads * self.host_memcpy_Bps
-        return min(rate, self.host_memcpy_max_Bps) if self.host_memcpy_max_Bps else rate
-
-    def memcpy_s(self, nbytes: int, start: float, rng: random.Random, threads: int = 1) -> float:
-        """Seconds of a host memcpy of ``nbytes`` over ``threads`` starting at ``start`` on the copier's clock."""
-        seconds = nbytes / self.memcpy_Bps(threads)
-        if self.copier_jitter:
-            seconds *= rng.uniform(1 - self.copier_jitter, 1 + self.copier_jitter)
-        slow = self.copier_slow
-        if slow is not None and start < slow.end_s and start + seconds > slow.start_s:
-            # The part inside the stretch runs at factor x speed: integrate the work over time.
-            before = max(0.0, slow.start_s - start)
-            inside = min(seconds - before, (slow.end_s - max(start, slow.start_s)) * slow.factor)
-            after = seconds - before - inside
-            seconds = before + inside / slow.factor + after
-        return seconds
 
 
 class StreamHazardError(AssertionError):
@@ -267,6 +215,7 @@ class SimDevice(Device):
         self._last_read: dict[Span, float] = {}
         self.copies = 0
         self.kernels = 0
+        self.syncs = 0  # host waits for a stream (charge_widen's scale reads)
         self.blocked_s = 0.0  # launch-thread time blocked: in host-blocking copies and waiting for the copier
         self.copier_wait_s = 0.0  # of blocked_s, the launch thread's waits for staging fills
         self.copy_blocked_s = 0.0  # of blocked_s, time inside host-blocking copies (pageable, mapped, synchronous)
@@ -291,33 +240,77 @@ class SimDevice(Device):
         for layer in streamer.layers:
             self.register_host_memory(layer.host_tensors(), layer.tier)
 
-    def charge_layer_compute(self, streamer, seconds: Mapping[str, float]) -> list:
-        """Launch a kernel of ``seconds[layer.key]`` whenever a layer runs; returns the hook handles.
+    def charge_layer_compute(self, streamer, seconds: Mapping[str, float], kernels: int = 1,
+                             host_s: float = 0.0) -> list:
+        """Launch ``kernels`` kernels of ``seconds[layer.key]`` in all whenever a layer runs, after
+        ``host_s`` of the launch thread's time (its hooks); returns the hook handles.
 
-        The hook runs before the engine's own post-hook (``prepend``): the kernel is queued while
-        the layer's weights are still bound, so it reads them, and the engine's last-use event
-        for the slot is recorded after it, as on a GPU.
+        The hook runs before the engine's own post-hook (``prepend``): the kernels are queued while
+        the layer's weights are still bound, so they read them, and the engine's last-use event
+        for the slot is recorded after them, as on a GPU.
         """
         missing = sorted({layer.key for layer in streamer.layers} - set(seconds))
         if missing:
             raise ValueError(f"charge_layer_compute: no compute time for layers {missing}")
+        if kernels < 1 or host_s < 0:
+            raise ValueError(f"charge_layer_compute: kernels must be >= 1 and host_s >= 0, got {kernels}, {host_s}")
         handles = []
         for layer in streamer.layers:
             def charge(_module, _args, _output, layer=layer):
-                self.launch_kernel(seconds[layer.key], [p for p in layer.params if p.numel() > 0])
+                self._clocks[self._thread] += host_s
+                self.launch_kernel(seconds[layer.key], [p for p in layer.params if p.numel() > 0], kernels)
             handles.append(layer.module.register_forward_hook(charge, prepend=True))
         return handles
 
-    def launch_kernel(self, seconds: float, reads: Iterable[torch.Tensor] = ()) -> None:
-        """Queue a kernel of ``seconds`` on the compute stream reading the tensors ``reads``."""
+    def charge_widen(self, streamer, launches: int, syncs: int = 0) -> int:
+        """Charge every FP8 layer's widen: ``launches`` kernels on the copy stream (``widen_Bps`` of its
+        widened bytes in all) from the thread issuing it, and ``syncs`` waits of that thread for the
+        copy stream. Returns the layers charged. The widen itself still runs (the data stays exact)."""
+        charged = 0
+        for layer in streamer.layers:
+            if not layer.layout.quantized:
+                continue
+            widened = sum(layer.layout.tensors[q.index].extent_bytes for q in layer.layout.quantized)
+            widen = layer.host.widen
+
+            def timed(regions, widen=widen, widened=widened):
+                widen(regions)
+                seconds = widened / self.link.widen_Bps if self.link.widen_Bps else 0.0
+                for n in range(launches):
+                    self._launch(SimStream.COPY, seconds / launches)
+                    if n < syncs:  # the scale read back: the thread waits for the copy stream so far
+                        self._wait_for(SimStream.COPY)
+                for _ in range(max(0, syncs - launches)):
+                    self._wait_for(SimStream.COPY)
+            layer.host.widen = timed
+            charged += 1
+        return charged
+
+    def launch_kernel(self, seconds: float, reads: Iterable[torch.Tensor] = (), kernels: int = 1) -> None:
+        """Queue ``kernels`` kernels of ``seconds`` in all on the compute stream reading the tensors ``reads``."""
         start = max(self._clocks[self._thread], self._ready[SimStream.COMPUTE])
         spans = tuple(_span(t) for t in reads)
         self._check(start, reads=spans, writes=(), what=f"a {seconds:.3g} s kernel")
-        end = start + seconds
-        self._ready[SimStream.COMPUTE] = end
-        self._touch(end, reads=spans, writes=())
+        for _ in range(kernels):
+            self._launch(SimStream.COMPUTE, seconds / kernels)
+        self._touch(self._ready[SimStream.COMPUTE], reads=spans, writes=())
+
+    def _launch(self, stream: SimStream, seconds: float) -> None:
+        """One kernel on ``stream``: it starts when the thread launches it and the stream reached it;
+        the launching thread pays ``launch_s``."""
+        start = max(self._clocks[self._thread], self._ready[stream])
+        self._ready[stream] = start + seconds
         self._clocks[self._thread] += self.link.launch_s
         self.kernels += 1
+
+    def _wait_for(self, stream: SimStream) -> None:
+        """The calling thread blocks until ``stream``'s queued work is done (a device read back)."""
+        clock = self._clocks[self._thread]
+        waited = max(0.0, self._ready[stream] - clock)
+        if self._thread == LAUNCH_THREAD:
+            self.blocked_s += waited
+        self._clocks[self._thread] = clock + waited
+        self.syncs += 1
 
     def _h2d_copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> None:
         nbytes = dst.numel() * dst.element_size()

@@ -53,7 +53,7 @@ def replicas_sharing_node(memory: ReplicaMemory) -> int:
 
 
 def copier_cap(memory: ReplicaMemory) -> int:
-    """The most threads this replica's staging fills may split over: min(4, cores // replicas sharing
+    """The most threads this replica's staging fills may split over: min(8, cores // replicas sharing
     the node), so replicas streaming at once on one node do not oversubscribe its cores."""
     sharing = replicas_sharing_node(memory)
     cap = default_cap(sharing)

@@ -24,11 +24,13 @@ from offload_core.streaming.copier import FillSplitter
 
 logger = logging.getLogger(__name__)
 
-# Four: on an H200 host four split copies reached 18.5 GB/s pageable -> pinned (one: 5.0), enough
-# with the fills running ahead of a 55 GB/s link for layers whose compute hides a third of it, and
-# four cores of sixteen leave compute and a neighbour replica theirs.
-DEFAULT_CAP = 4
-# 64 MiB: 13 ms at one thread's 5 GB/s, so a probe of four counts x three repeats takes ~0.3 s at
+# Eight: on an H200 host split copies reached 5.2 / 10.1 / 18.5 / 28.3 GB/s pageable -> pinned on
+# 1 / 2 / 4 / 8 threads against a 55 GB/s link; the simulator with those rates (bench/sim_overlap.py,
+# the h200 cases) puts real-size Wan2.1-1.3B pageable at 6 frames at 1.53x the pinned step on four
+# threads and 1.02x on eight. Eight of sixteen cores still leave compute its launch thread; replicas
+# sharing a node divide the cores first (default_cap).
+DEFAULT_CAP = 8
+# 64 MiB: 13 ms at one thread's 5 GB/s, so a probe of eight counts x four copies takes ~0.5 s at
 # worst; long against a share handoff (tens of us), short beside a replica's start.
 PROBE_BYTES = 64 * 1024 * 1024
 GOOD_ENOUGH = 0.9  # fewest threads within 10 % of the best rate

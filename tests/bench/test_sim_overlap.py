@@ -30,3 +30,26 @@ def test_sim_overlap_quick_shows_every_tier_overlapping_and_a_negative_control_t
     assert report["negative_control_ratio"] >= 1.5
     for case in report["cases"]:
         assert case["copy_bound_by"] == ("dma" if case["tier"] == "pinned" else "host_memcpy")
+
+
+def test_sim_overlap_quick_replays_the_h200_failures_and_the_fixed_engine_within_its_targets():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "bench/sim_overlap.py", "--quick"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    cases = {c["name"]: c for c in report["h200_cases"]}
+    assert all(name.startswith("h200 ") for name in cases) and len(cases) >= 8
+    assert all(c["bitwise_equal"] for c in cases.values())
+    compared = [c for c in cases.values() if c["device_step_s"] is not None]
+    assert len(compared) >= 4
+    for case in compared:  # the simulator learned the device: each figure it has within 20 %
+        assert 0.8 <= case["sim_over_device"] <= 1.2, (case["name"], case["sim_over_device"])
+    s = report["h200_summary"]
+    # negative controls: 528c2f0's failures reproduced
+    assert s["old_staged_over_pinned"] >= 3.0, "one copier thread at 5.4 GB/s: staged >= 3x pinned"
+    assert s["old_fp8_over_bf16_1frame"] > 1.0, "per-tensor widen launches at 1 frame: FP8 slower than bf16"
+    # the fixed engine: fills split over eight threads, the layer-wide widen
+    assert s["staged_8_threads_over_pinned"] <= 1.25 and s["mapped_8_threads_over_pinned"] <= 1.3
+    assert s["unstaged_over_staged_8_threads"] > 1.0, "the unstaged control is slower than staged"
+    assert s["fp8_over_bf16_1frame"] < 1.0 and s["fp8_over_bf16_6frames"] <= 1.05

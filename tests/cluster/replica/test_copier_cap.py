@@ -21,6 +21,6 @@ def test_replicas_sharing_a_node_count_one_per_gpu_or_per_gpu_share():
 
 def test_the_cap_divides_the_cores_among_them(monkeypatch):
     monkeypatch.setattr(fill_threads, "usable_cpus", lambda: 16)
-    assert copier_cap(_memory(1, None)) == 4, "alone on 16 cores: the default cap"
+    assert copier_cap(_memory(1, None)) == 8, "alone on 16 cores: the default cap"
     assert copier_cap(_memory(8, None)) == 2, "8 GPUs' replicas on 16 cores: two threads each"
     assert copier_cap(_memory(8, 0.25)) == 1

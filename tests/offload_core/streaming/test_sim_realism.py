@@ -98,3 +98,42 @@ def test_bad_overheads_are_refused():
         SimLink(copier_jitter=1.0)
     with pytest.raises(ValueError, match="SlowStretch"):
         SlowStretch(2.0, 1.0)
+
+
+def test_a_fill_split_over_copier_threads_runs_at_their_rate_up_to_the_bus():
+    link = SimLink(host_memcpy_Bps=5e9, host_memcpy_max_Bps=28e9)
+    assert link.memcpy_Bps(1) == 5e9 and link.memcpy_Bps(4) == 20e9 and link.memcpy_Bps(8) == 28e9
+    sim = SimDevice(link)
+    copier = sim.host_copier("copier", 4)
+    dst, src = torch.empty(10**6, dtype=torch.uint8), torch.ones(10**6, dtype=torch.uint8)
+    copier.submit(lambda: copier.copy([(dst, src)])).result()
+    assert sim.now == pytest.approx(10**6 / 20e9) and torch.equal(dst, src)
+
+
+def test_many_short_kernels_make_a_layer_launch_bound():
+    sim = SimDevice(SimLink(launch_s=10e-6))
+    sim.launch_kernel(100e-6, kernels=40)  # 40 launches of 10 us outlast 100 us of kernels
+    assert sim.stream_ready(SimStream.COMPUTE) == pytest.approx(39 * 10e-6 + 100e-6 / 40), \
+        "the last kernel starts after 39 launches"
+    sim.synchronize()
+    assert sim.now == pytest.approx(40 * 10e-6), "the step is the launches', not the kernels'"
+    compute_bound = SimDevice(SimLink(launch_s=10e-6))
+    compute_bound.launch_kernel(10e-3, kernels=40)
+    compute_bound.synchronize()
+    assert compute_bound.now == pytest.approx(10e-3)
+
+
+def test_a_widen_that_reads_its_scales_back_stalls_the_thread_that_issued_the_copy(remove_after):
+    from offload_core.quant import WeightFormat
+
+    model = WAN.build()
+    sim = SimDevice(SimLink(launch_s=1e-6, pinned_Bps=1e6))
+    streamer = remove_after(apply_layer_streaming(model, sim, StreamingConfig(
+        weights=WeightFormat.FP8, hosting={key: HostingTier.PINNED for key in _keys(model)})))
+    assert sim.charge_widen(streamer, launches=5, syncs=2) > 0
+    sim.register_streamer(streamer)
+    sim.charge_layer_compute(streamer, {layer.key: 1e-6 for layer in streamer.layers})
+    streamer.prepare_for_use()
+    with torch.no_grad():
+        WAN.run(model, WAN.inputs())
+    assert sim.syncs > 0 and sim.blocked_s > 0, "each scale read waits for the slow copy"

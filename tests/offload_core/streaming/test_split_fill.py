@@ -179,7 +179,8 @@ def test_the_plan_runs_staged_fills_on_the_threads_the_link_priced_them_with():
 
 
 def test_the_cap_shares_the_cores_among_the_node_replicas():
-    assert default_cap(1, cpus=16) == 4
+    assert default_cap(1, cpus=16) == 8
+    assert default_cap(1, cpus=4) == 4
     assert default_cap(8, cpus=16) == 2
     assert default_cap(32, cpus=16) == 1
     with pytest.raises(ValueError, match="replicas"):
