@@ -33,6 +33,7 @@ from deployments.models.adapter import (
 )
 from deployments.models.steppers import BatchKey, StepRequest, cached, guided_noise, rows_of, split_noise
 from deployments.wire.spec import EncodedPrompt, Family, GenerationSpec, PipelineStage
+from offload_core.planner.inputs import expert_steps as planner_expert_steps
 
 # WanPipeline.__call__'s default guidance; Wan2.2 A14B uses the same scale for both experts
 # (guidance_scale_2 defaults to guidance_scale).
@@ -260,14 +261,12 @@ def expert_steps(facts: FamilyFacts, steps: int) -> dict[str, int]:
     high-noise and 27 low-noise; 12.0 as Wan2.2 samples, 26 and 14)."""
     if len(facts.experts) == 1:
         return {facts.experts[0]: steps}
-    from diffusers import UniPCMultistepScheduler
-
     folder = pathlib.Path(facts.folder)
-    scheduler = UniPCMultistepScheduler.from_config(read_json(folder / "scheduler" / "scheduler_config.json"))
-    scheduler.set_timesteps(steps)
-    boundary = read_json(folder / "model_index.json")["boundary_ratio"] * scheduler.config.num_train_timesteps
-    high = int((scheduler.timesteps >= boundary).sum())
-    return {facts.experts[0]: high, facts.experts[1]: steps - high}
+    raw = read_json(folder / "scheduler" / "scheduler_config.json")
+    scheduler = {"class": raw.get("_class_name", ""), "config": {k: v for k, v in raw.items() if k[0] != "_"}}
+    high, low = planner_expert_steps(steps, scheduler, read_json(folder / "model_index.json")["boundary_ratio"],
+                                     float(scheduler["config"].get("flow_shift", 1.0)))
+    return {facts.experts[0]: high, facts.experts[1]: low}
 
 
 ADAPTERS = (WanAdapter(),)

@@ -31,6 +31,7 @@ from offload_core.planner.facts import (
     profile_component,
     with_compute,
 )
+from offload_core.planner.flow_timesteps import high_noise_steps
 from offload_core.sharded import local_nbytes, sharded_parameters
 from offload_core.tables import HostTablesConfig
 from offload_core.tensor_parallel import classes_with_plans, has_plan, planning_world, shard_planned
@@ -113,10 +114,14 @@ def pipeline_stages(pipeline: str, components) -> tuple[Stage, ...]:
 
 def expert_steps(steps: int, scheduler: Mapping[str, Any], boundary_ratio: float, flow_shift: float) -> tuple[int, int]:
     """(high-noise, low-noise) steps: the scheduler's timesteps at ``flow_shift`` split at the boundary,
-    as WanPipeline switches (t >= boundary_ratio x num_train_timesteps runs the first expert)."""
+    as WanPipeline switches (t >= boundary_ratio x num_train_timesteps runs the first expert).
+    Wan's UniPC configuration without diffusers (``flow_timesteps``); any other through it."""
+    config = {**scheduler["config"], "flow_shift": flow_shift}
+    high = high_noise_steps(steps, config, boundary_ratio) if scheduler["class"] == "UniPCMultistepScheduler" else None
+    if high is not None:
+        return high, steps - high
     import diffusers  # as build_meta: offload_core stays importable with torch alone
 
-    config = {**scheduler["config"], "flow_shift": flow_shift}
     sched = getattr(diffusers, scheduler["class"]).from_config(config)
     sched.set_timesteps(steps)
     high = int((sched.timesteps >= boundary_ratio * sched.config.num_train_timesteps).sum())

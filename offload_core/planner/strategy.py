@@ -13,3 +13,5 @@ class Strategy(enum.Enum):
     # The streaming engine: non-layer weights on the device, layers streamed through a prefetch
     # ring (some kept resident); the device holds non-layer + resident + slots at peak.
     LAYERWISE = "layerwise"
+
+    __hash__ = object.__hash__  # identity, as HostingTier's: the plan search's memo keys hash it
