@@ -188,10 +188,14 @@ class QwenImageAdapter(FamilyAdapter):
                                                          num_images_per_prompt=spec.n, max_sequence_length=TEXT_TOKENS)
         return QwenImagePrompt(positive, mask, negative, negative_mask).to(CPU)
 
-    def _knobs(self, pipe, spec) -> dict:
+    def _knobs(self, pipe, spec, as_sent: bool = False) -> dict:
+        """The pipeline's guidance arguments for ``spec``. ``as_sent``: exactly what a user passes (the
+        request's scale as ``true_cfg_scale`` even without a negative prompt, which the pipeline then
+        ignores with a warning); else 1.0 where guidance is off, the same result without the warning
+        on every request."""
         if _distilled(pipe):
             return dict(guidance_scale=spec.guidance_scale, true_cfg_scale=1.0)
-        return dict(guidance_scale=None, true_cfg_scale=spec.guidance_scale)
+        return dict(guidance_scale=None, true_cfg_scale=spec.guidance_scale if as_sent or _true_cfg(spec) else 1.0)
 
     def denoise(self, pipe, facts, encoded, spec, device, on_step=None) -> torch.Tensor:
         encoded = encoded.to(device)
@@ -220,7 +224,7 @@ class QwenImageAdapter(FamilyAdapter):
     def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
         # What a user passes: the request's negative prompt as is (a distilled variant's pipe ignores it).
         negative = None if _distilled(pipe) else spec.negative_prompt
-        return pipeline_images(pipe, spec, negative_prompt=negative, **self._knobs(pipe, spec))
+        return pipeline_images(pipe, spec, negative_prompt=negative, **self._knobs(pipe, spec, as_sent=True))
 
     def uses_per_request(self, facts, stage, steps, guidance_scale, batched=False) -> dict[str, int]:
         # The default request has no negative prompt, so no true CFG: one encoder pass and one
