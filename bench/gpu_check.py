@@ -8,8 +8,13 @@
   negative control that shows what staging fixes;
 - group offload: diffusers' ``apply_group_offloading(block_level, 1 block per group, use_stream=True)``,
   the peer implementation;
-on (a) the zoo's medium Wan denoiser and (b) real-size Wan2.1-1.3B blocks with random weights,
-plus measured pinned, pageable and staged host->device bandwidth. Each streamed way is also put
+- layerwise_fp8: pinned, FP8 host weights, against ``speed_fp8_reference`` (the resident model put
+  through ``fake_quantize_``: its bitwise reference);
+on (a) the zoo's medium Wan denoiser, (b) real-size Wan2.1-1.3B with random weights at 6 latent
+frames (its mapped way loads the weights saved to a safetensors folder, as from_pretrained maps
+them) and (c) the same at 1 latent frame (speed, pinned, FP8; the median of at least 5 steps:
+the image regime, launch-bound), plus measured pinned, pageable and staged host->device bandwidth
+and the fill probe's host memcpy rate. Each streamed way is also put
 over its tier's bound ``max(speed step, streamed bytes / that tier's measured rate)`` (pinned for
 pinned layers and group offload, staged for pageable and mapped, pageable for unstaged): 1.0 is
 copy fully hidden behind compute (or compute behind copy). Peak memory is ``torch.cuda.max_memory_allocated``
@@ -19,7 +24,8 @@ copy fully hidden behind compute (or compute behind copy). Peak memory is ``torc
 predicting a held-out third), then ``bench/hook_cost.py --device cuda`` (the hooks' host time
 with a real copy stream), so one device run covers them. Without CUDA the script
 still runs end to end on CPU with a cut-down real-size model (``--real-blocks``), skipping what
-needs CUDA and saying so. Last line: one JSON object, whose ``failed`` lists what failed; exit 1 when
+needs CUDA and saying so. Last line: one JSON object, whose ``summary`` holds the figures the run is
+judged by (``bench/gpu_summary.py``) and ``failed`` lists what failed; exit 1 when
 a streamed way's output is not bitwise equal to speed mode's, its measured weight peak is not the
 prediction, or a CUDA test or sub-bench (a missed target included) exited non-zero.
 """
@@ -30,8 +36,10 @@ import gc
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,62 +47,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_models import (  # noqa: E402  (bench/, this script's directory)
+    file_mapped_fraction,
+    inputs,
+    layer_bytes,
+    layers_of,
+    mapped_copy,
+    medium_denoiser,
+    real_denoiser,
+)
+from gpu_summary import summary  # noqa: E402
+
 from offload_core.host.tier import HostingTier  # noqa: E402
 from offload_core.layout import declared_layer_groups, resolve_layer_group  # noqa: E402
+from offload_core.quant import WeightFormat, fake_quantize_  # noqa: E402
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 MiB = 2**20
-
-
-def medium_denoiser(dtype: torch.dtype):
-    from diffusers import WanTransformer3DModel
-
-    from zoo.tiny import ensure_medium_wan
-
-    return WanTransformer3DModel.from_pretrained(ensure_medium_wan() / "transformer", torch_dtype=dtype).eval()
-
-
-_REAL_WEIGHTS: dict[tuple, dict[str, torch.Tensor]] = {}
-
-
-def real_denoiser(dtype: torch.dtype, blocks: int | None):
-    """Wan2.1-1.3B's transformer at real size (``blocks`` caps the layer count), random weights.
-
-    The weights are drawn once per run and cloned into each build: drawing 1.4 B random numbers
-    takes ~15 s, and the check builds the model once per way.
-    """
-    from diffusers import WanTransformer3DModel
-
-    config = json.loads((Path(__file__).resolve().parents[1] / "configs/models/real_model_configs.json").read_text())
-    cfg = dict(config["wan2.1-t2v-1.3b"]["transformer"]["config"])
-    if blocks is not None:
-        cfg["num_layers"] = blocks
-    with torch.device("meta"):
-        model = WanTransformer3DModel.from_config(cfg)
-    model = model.to_empty(device="cpu")
-    keep = set(model._keep_in_fp32_modules or ())  # as from_pretrained(torch_dtype=...) keeps them
-    weights = _REAL_WEIGHTS.get((dtype, blocks))
-    if weights is None:
-        generator = torch.Generator().manual_seed(0)
-        weights = _REAL_WEIGHTS[(dtype, blocks)] = {}
-        for name, p in model.named_parameters():  # random weights at a trained model's scale
-            drawn = torch.randn(p.shape, generator=generator) * 0.02
-            weights[name] = drawn if keep.intersection(name.split(".")) else drawn.to(dtype)
-    for name, p in model.named_parameters():
-        p.data = weights[name].clone()
-    for b in model.buffers():
-        b.zero_()
-    return model.eval()
-
-
-def inputs(model, frames: int, height: int, width: int, text_tokens: int, device, dtype):
-    g = torch.Generator().manual_seed(1)
-    cfg = model.config
-    latent = torch.randn(1, cfg.in_channels, frames, height, width, generator=g)
-    text = torch.randn(1, text_tokens, cfg.text_dim, generator=g)
-    return {"hidden_states": latent.to(device, dtype), "timestep": torch.tensor([500], device=device),
-            "encoder_hidden_states": text.to(device, dtype), "return_dict": False}
 
 
 def _sync():
@@ -103,26 +73,28 @@ def _sync():
 
 
 def time_steps(model, kwargs, steps: int):
-    """Seconds per step (best of ``steps`` after one warm-up) and the output of the last step."""
+    """Seconds per step (best and median of ``steps`` after one warm-up) and the output of the last step."""
     with torch.no_grad():
         out = model(**kwargs)[0]
         _sync()
         if CUDA:
             torch.cuda.reset_peak_memory_stats()
-        best = float("inf")
+        seconds = []
         for _ in range(steps):
             start = time.perf_counter()
             out = model(**kwargs)[0]
             _sync()
-            best = min(best, time.perf_counter() - start)
+            seconds.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if CUDA else None
-    return best, peak, out
+    return min(seconds), statistics.median(seconds), peak, out
 
 
 # way -> (hosting tier, staged copies); "layerwise" is the pinned tier (the name CI reads).
 LAYERWISE = {"layerwise": (HostingTier.PINNED, True), "layerwise_pageable": (HostingTier.PAGEABLE, True),
              "layerwise_mapped": (HostingTier.MAPPED, True),
-             "layerwise_pageable_unstaged": (HostingTier.PAGEABLE, False)}
+             "layerwise_pageable_unstaged": (HostingTier.PAGEABLE, False), "layerwise_fp8": (HostingTier.PINNED, True)}
+ALL_WAYS = ("speed", *(w for w in LAYERWISE if w != "layerwise_fp8"), "group_offload", "speed_fp8_reference",
+            "layerwise_fp8")
 
 
 def tier_rate(way: str, link: dict) -> float | None:
@@ -133,42 +105,54 @@ def tier_rate(way: str, link: dict) -> float | None:
     return link[key] * 1e9 if key in link else None
 
 
-def run_case(name: str, build, shape, steps: int, device, link: dict, mapped: bool = False) -> dict:
+def run_case(name: str, build, shape, steps: int, device, link: dict, mapped: bool = False,
+             ways: tuple[str, ...] = ALL_WAYS, mapped_build=None) -> dict:
+    """Every way of ``ways`` on a fresh ``build``; ``mapped_build`` builds the mapped way's model (a
+    file-mapped copy), else ``build`` itself when ``mapped`` says its weights are mapped already."""
     dtype = torch.bfloat16 if CUDA else torch.float32
-    rows, reference, streamed = {}, None, None
-    for way in ("speed", *LAYERWISE, "group_offload"):
-        if way == "layerwise_mapped" and not mapped:
+    rows, references, streamed = {}, {}, None
+    for way in ways:
+        if way == "layerwise_mapped" and not (mapped or mapped_build):
             rows[way] = {"skipped": "random weights are not on a file mapping"}
             continue
         if way == "group_offload" and not CUDA:
             rows[way] = {"skipped": "diffusers' use_stream=True needs CUDA streams"}
             continue
-        model = build(dtype)
+        model = (mapped_build if way == "layerwise_mapped" and mapped_build else build)(dtype)
         streamed = layer_bytes(model) if streamed is None else streamed
         kwargs = inputs(model, *shape, device, dtype)
         extra = {}
-        if way == "speed":
+        if way.startswith("speed"):
             model.to(device)
+            if way == "speed_fp8_reference":
+                fake_quantize_(layers_of(model))
         elif way.startswith("layerwise"):
+            if way == "layerwise_mapped":  # that the MAPPED tier's bytes really are the file's pages
+                extra["file_mapped_fraction"] = file_mapped_fraction(layers_of(model))
             tier, staged = LAYERWISE[way]
             keys = [f"{g}.{i}" for g in declared_layer_groups(model)
                     for i in range(len(resolve_layer_group(model, g).layers))]
             streamer = apply_layer_streaming(model, device, StreamingConfig(
-                prefetch_depth=1, hosting={k: tier for k in keys}, staged_copies=staged))
-            extra = {"predicted_weight_peak_bytes": streamer.predicted_peak_bytes(),
+                prefetch_depth=1, hosting={k: tier for k in keys}, staged_copies=staged,
+                weights=WeightFormat.FP8 if way == "layerwise_fp8" else WeightFormat.NATIVE))
+            extra |= {"predicted_weight_peak_bytes": streamer.predicted_peak_bytes(),
                      "staging_bytes": streamer.staging_bytes}
         else:
             from diffusers.hooks import apply_group_offloading
 
             apply_group_offloading(model, onload_device=device, offload_type="block_level",
                                    num_blocks_per_group=1, use_stream=True)
-        seconds, peak, out = time_steps(model, kwargs, steps)
+        seconds, median, peak, out = time_steps(model, kwargs, steps)
         if way.startswith("layerwise"):
             extra["measured_weight_peak_bytes"] = streamer.meter.peak_bytes
             streamer.remove()  # unlocks the page-locked layer buffers (cudaHostUnregister) before they go
-        reference = out if reference is None else reference
-        rows[way] = {"step_s": round(seconds, 4), "peak_allocated_bytes": peak,
+        # FP8 against the fake-quantized resident model (its reference), every other way against speed
+        kind = "fp8" if way in ("speed_fp8_reference", "layerwise_fp8") else "native"
+        reference = references.setdefault(kind, out)
+        rows[way] = {"step_s": round(seconds, 4), "median_step_s": round(median, 4), "peak_allocated_bytes": peak,
                      "bitwise_equal_to_speed": bool(torch.equal(out, reference)), **extra}
+        if kind == "fp8":
+            rows[way]["reference"] = "speed_fp8_reference"
         del model, kwargs, out
         gc.collect()
         if CUDA:
@@ -185,14 +169,6 @@ def run_case(name: str, build, shape, steps: int, device, link: dict, mapped: bo
                 row["bound_s"] = round(bound, 4)
                 row["step_vs_bound"] = round(row["step_s"] / bound, 3)
     return {"case": name, "input_shape": list(shape), "streamed_bytes_per_step": streamed, "rows": rows}
-
-
-def layer_bytes(model) -> int:
-    """Bytes every step streams: each layer's flat layout (what the engine copies), all layers streamed."""
-    from offload_core.layout import layer_parameters, plan_layer_layout
-
-    return sum(plan_layer_layout(f"{g}.{i}", [(n, p.data) for n, p in layer_parameters(layer)]).nbytes
-               for g in declared_layer_groups(model) for i, layer in enumerate(resolve_layer_group(model, g).layers))
 
 
 def _repo_env() -> tuple[Path, dict]:
@@ -279,7 +255,8 @@ def bandwidth() -> dict:
 
     link = measure_link(torch.device("cuda"))
     return {"pinned_GBps": round(link.pinned_Bps / 1e9, 2), "pageable_GBps": round(link.pageable_Bps / 1e9, 2),
-            "staged_GBps": round(link.staged_Bps / 1e9, 2)}
+            "staged_GBps": round(link.staged_Bps / 1e9, 2), "memcpy_GBps": round(link.host_memcpy_Bps / 1e9, 2),
+            "copier_threads": link.copier_threads, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
 
 def hook_cost(timeout_s: int) -> dict:
@@ -287,6 +264,21 @@ def hook_cost(timeout_s: int) -> dict:
     if not CUDA:
         return {"skipped": "bench/streaming.py --quick measures the hooks on CPU"}
     return _bench_json(["bench/hook_cost.py", "--device", "cuda"], timeout_s)
+
+
+def print_case(result: dict) -> None:
+    print(f"\n{result['case']} {tuple(result['input_shape'])}: streams "
+          f"{result['streamed_bytes_per_step'] / MiB:.1f} MiB per step")
+    print(f"  {'way':27} {'step s':>9} {'median':>8} {'vs speed':>8} {'vs bound':>8} {'peak MiB':>10} {'vs speed':>8}  bitwise")
+    for way, row in result["rows"].items():
+        if "skipped" in row:
+            print(f"  {way:27} skipped: {row['skipped']}")
+            continue
+        peak = row["peak_allocated_bytes"]
+        print(f"  {way:27} {row['step_s']:>9.4f} {row['median_step_s']:>8.4f} {row['step_vs_speed']:>8.2f} "
+              f"{row.get('step_vs_bound', float('nan')):>8.2f} "
+              f"{(peak / MiB if peak else float('nan')):>10.1f} {row.get('peak_vs_speed', float('nan')):>8.2f}  "
+              f"{row['bitwise_equal_to_speed']}", flush=True)
 
 
 def main() -> None:
@@ -313,6 +305,7 @@ def main() -> None:
     # fit in the 8-minute budget; on CPU a 2x8x8 latent keeps it to seconds.
     medium_shape = (2, 16, 16, 8)
     real_shape = (6, 60, 104, 512) if CUDA else (2, 8, 8, 8)
+    image_shape = (1, 60, 104, 512) if CUDA else (1, 8, 8, 8)  # one latent frame: an image
     print(f"device: {torch.cuda.get_device_name() if CUDA else 'cpu (CUDA-only parts skipped)'}", flush=True)
     # What is imported lives for the run: frozen, the collection after each way (which frees the model
     # before the next way's peak is measured) walks only what the ways made, not diffusers' objects too.
@@ -321,34 +314,32 @@ def main() -> None:
     gc.freeze()
     link = bandwidth()
     print(f"host->device bandwidth: {link}", flush=True)
+    real = lambda dt: real_denoiser(dt, args.real_blocks)  # noqa: E731
     results = []
-    for name, build, shape, mapped in (
-            ("medium-wan-denoiser", medium_denoiser, medium_shape, True),
-            ("wan2.1-1.3b-random", lambda dt: real_denoiser(dt, args.real_blocks), real_shape, False)):
-        result = run_case(name, build, shape, args.steps, device, link, mapped)
-        results.append(result)
-        print(f"\n{name} {shape}: streams {result['streamed_bytes_per_step'] / MiB:.1f} MiB per step")
-        print(f"  {'way':27} {'step s':>9} {'vs speed':>8} {'vs bound':>8} {'peak MiB':>10} {'vs speed':>8}  bitwise")
-        for way, row in result["rows"].items():
-            if "skipped" in row:
-                print(f"  {way:27} skipped: {row['skipped']}")
-                continue
-            peak = row["peak_allocated_bytes"]
-            print(f"  {way:27} {row['step_s']:>9.4f} {row['step_vs_speed']:>8.2f} "
-                  f"{row.get('step_vs_bound', float('nan')):>8.2f} "
-                  f"{(peak / MiB if peak else float('nan')):>10.1f} {row.get('peak_vs_speed', float('nan')):>8.2f}  "
-                  f"{row['bitwise_equal_to_speed']}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-mapped-") as folder:
+        for name, build, shape, steps, options in (
+                ("medium-wan-denoiser", medium_denoiser, medium_shape, args.steps, {"mapped": True}),
+                ("wan2.1-1.3b-random", real, real_shape, args.steps,
+                 {"mapped_build": mapped_copy(real, Path(folder))}),
+                # the image regime: the median of at least 5 steps (the 1-frame step varied 1.08-1.53x)
+                ("wan2.1-1.3b-random-1frame", real, image_shape, max(5, args.steps),
+                 {"ways": ("speed", "layerwise", "speed_fp8_reference", "layerwise_fp8")})):
+            result = run_case(name, build, shape, steps, device, link, **options)
+            results.append(result)
+            print_case(result)
     tests = cuda_tests(args.cuda_tests_timeout) if args.cuda_tests_timeout else {"skipped": "--cuda-tests-timeout 0"}
     calibration = (activation_comparison(args.activations_timeout) if args.activations_timeout
                    else {"skipped": "--activations-timeout 0"})
     hooks = hook_cost(args.hook_cost_timeout) if args.hook_cost_timeout else {"skipped": "--hook-cost-timeout 0"}
     widen = widen_cost(args.widen_timeout) if args.widen_timeout else {"skipped": "--widen-timeout 0"}
     failed = failures(results, {"cuda_tests": tests, "activations": calibration, "hook_cost": hooks, "widen": widen})
+    figures = summary(link, results[1], results[2], hooks, calibration, tests)
+    print(f"summary: {figures}")
     for failure in failed:
         print(f"MISSED: {failure}")
     print("\n" + json.dumps({"bench": "gpu_check", "cuda": CUDA, "bandwidth": link, "results": results,
                              "activations": calibration, "hook_cost": hooks, "cuda_tests": tests, "widen": widen,
-                             "failed": failed}))
+                             "summary": figures, "failed": failed}))
     if failed:
         sys.exit(1)
 

@@ -20,17 +20,52 @@ def test_gpu_check_runs_in_cpu_mode_and_streams_bitwise_equal():
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["cuda"] is False and "skipped" in report["bandwidth"]
-    assert [r["case"] for r in report["results"]] == ["medium-wan-denoiser", "wan2.1-1.3b-random"]
+    assert [r["case"] for r in report["results"]] == ["medium-wan-denoiser", "wan2.1-1.3b-random",
+                                                      "wan2.1-1.3b-random-1frame"]
     assert "need CUDA" in report["cuda_tests"]["skipped"]
     assert "needs CUDA" in report["activations"]["skipped"]
     assert "needs CUDA" in report["widen"]["skipped"]
     assert "skipped" in report["hook_cost"], "the prepared device run includes hook_cost --device cuda"
-    for result in report["results"]:
+    medium, real, image = report["results"]
+    for result in (medium, real):
         rows = result["rows"]
         assert result["streamed_bytes_per_step"] > 0
-        for way in ("layerwise", "layerwise_pageable", "layerwise_pageable_unstaged"):
+        for way in ("layerwise", "layerwise_pageable", "layerwise_mapped", "layerwise_pageable_unstaged",
+                    "layerwise_fp8"):
             assert rows[way]["bitwise_equal_to_speed"] is True, way
             assert rows[way]["measured_weight_peak_bytes"] == rows[way]["predicted_weight_peak_bytes"], way
+        assert rows["layerwise_fp8"]["reference"] == "speed_fp8_reference"
         assert rows["layerwise_pageable"]["staging_bytes"] > 0, "pageable layers copy through pinned staging"
         assert rows["layerwise"]["staging_bytes"] == rows["layerwise_pageable_unstaged"]["staging_bytes"] == 0
         assert "needs CUDA" in rows["group_offload"]["skipped"]
+    # mapped at real size: the weights saved and loaded back are views of the file, not copies
+    assert real["rows"]["layerwise_mapped"]["file_mapped_fraction"] > 0.99
+    assert set(image["rows"]) == {"speed", "layerwise", "speed_fp8_reference", "layerwise_fp8"}
+    assert image["rows"]["layerwise_fp8"]["bitwise_equal_to_speed"] is True
+    summary = report["summary"]
+    assert set(summary) >= {"pageable_over_pinned", "mapped_over_pinned", "fp8_over_bf16_1frame",
+                            "fp8_over_bf16_compute_bound", "pinned_over_bound_1frame", "hook_us_per_layer",
+                            "activation_error_min", "activation_error_max", "cuda_tests_failed",
+                            "staged_GBps_omp1", "memcpy_GBps"}
+    assert summary["pageable_over_pinned"] > 0 and summary["fp8_over_bf16_1frame"] > 0
+    assert summary["cuda_tests_failed"] is None and summary["staged_GBps_omp1"] is None, "not measured on CPU"
+
+
+def test_the_summary_reads_failed_cuda_tests_from_pytest_and_ratios_from_the_rows():
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_summary import cuda_tests_failed, summary
+
+    assert cuda_tests_failed({"returncode": 1, "summary": "1 failed, 43 passed in 80.1s"}) == 1
+    assert cuda_tests_failed({"returncode": 0, "summary": "44 passed, 2 skipped in 80.1s"}) == 0
+    assert cuda_tests_failed({"skipped": "the CUDA-only tests need CUDA"}) is None
+    rows = {"layerwise": {"step_s": 0.1, "median_step_s": 0.1, "bound_s": 0.08},
+            "layerwise_pageable": {"step_s": 0.12}, "layerwise_fp8": {"step_s": 0.1, "median_step_s": 0.06}}
+    figures = summary({"staged_GBps": 20.0, "memcpy_GBps": 28.0}, {"rows": rows}, {"rows": rows},
+                      {"hook_us_per_layer_max": 50.0}, {"rows": [{"error": -0.02}, {"error": 0.2}]},
+                      {"returncode": 0, "summary": "44 passed"})
+    assert figures["pageable_over_pinned"] == 1.2 and figures["fp8_over_bf16_1frame"] == 0.6
+    assert figures["pinned_over_bound_1frame"] == 1.25 and figures["mapped_over_pinned"] is None
+    assert (figures["activation_error_min"], figures["activation_error_max"]) == (-0.02, 0.2)
+    assert figures["hook_us_per_layer"] == 50.0 and figures["staged_GBps_omp1"] == 20.0
