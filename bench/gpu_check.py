@@ -266,6 +266,23 @@ def hook_cost(timeout_s: int) -> dict:
     return _bench_json(["bench/hook_cost.py", "--device", "cuda"], timeout_s)
 
 
+REPORT_S = 10  # what a run keeps for its summary and JSON after the last sub-bench
+MIN_PART_S = 15  # a sub-bench given less is not started (its import alone takes seconds)
+
+
+def within(budget: float | None, name: str, timeout_s: int, run) -> dict:
+    """``run(timeout)`` with its timeout cut to what the run's ``budget`` (a monotonic deadline) leaves:
+    the JSON is printed whatever the sub-benches take. Not started (exit 124, a failure) when too little is left."""
+    if not timeout_s:
+        return {"skipped": f"--{name}-timeout 0"}
+    if budget is not None:
+        left = int(budget - time.monotonic() - REPORT_S)
+        if left < MIN_PART_S:
+            return {"returncode": 124, "summary": f"not started: {left} s of the run's budget left"}
+        timeout_s = min(timeout_s, left)
+    return run(timeout_s)
+
+
 def print_case(result: dict) -> None:
     print(f"\n{result['case']} {tuple(result['input_shape'])}: streams "
           f"{result['streamed_bytes_per_step'] / MiB:.1f} MiB per step")
@@ -295,7 +312,11 @@ def main() -> None:
                         help="seconds for FP8 widening's cost on a Wan2.1-14B block, last (0: skip)")
     parser.add_argument("--hook-cost-timeout", type=int, default=60,
                         help="seconds for bench/hook_cost.py --device cuda, after the calibration (0: skip)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds the whole run may take: a sub-bench gets what is left of it, less a "
+                             "few seconds for the report (default: no bound)")
     args = parser.parse_args()
+    budget = None if args.budget_s is None else time.monotonic() + args.budget_s
     if args.require_cuda and not CUDA:
         parser.exit(2, "gpu_check: --require-cuda given but torch sees no CUDA device\n")
     logging.basicConfig(level=logging.WARNING)
@@ -327,11 +348,10 @@ def main() -> None:
             result = run_case(name, build, shape, steps, device, link, **options)
             results.append(result)
             print_case(result)
-    tests = cuda_tests(args.cuda_tests_timeout) if args.cuda_tests_timeout else {"skipped": "--cuda-tests-timeout 0"}
-    calibration = (activation_comparison(args.activations_timeout) if args.activations_timeout
-                   else {"skipped": "--activations-timeout 0"})
-    hooks = hook_cost(args.hook_cost_timeout) if args.hook_cost_timeout else {"skipped": "--hook-cost-timeout 0"}
-    widen = widen_cost(args.widen_timeout) if args.widen_timeout else {"skipped": "--widen-timeout 0"}
+    tests = within(budget, "cuda-tests", args.cuda_tests_timeout, cuda_tests)
+    calibration = within(budget, "activations", args.activations_timeout, activation_comparison)
+    hooks = within(budget, "hook-cost", args.hook_cost_timeout, hook_cost)
+    widen = within(budget, "widen", args.widen_timeout, widen_cost)
     failed = failures(results, {"cuda_tests": tests, "activations": calibration, "hook_cost": hooks, "widen": widen})
     figures = summary(link, results[1], results[2], hooks, calibration, tests)
     print(f"summary: {figures}")

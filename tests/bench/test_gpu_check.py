@@ -69,3 +69,23 @@ def test_the_summary_reads_failed_cuda_tests_from_pytest_and_ratios_from_the_row
     assert figures["pinned_over_bound_1frame"] == 1.25 and figures["mapped_over_pinned"] is None
     assert (figures["activation_error_min"], figures["activation_error_max"]) == (-0.02, 0.2)
     assert figures["hook_us_per_layer"] == 50.0 and figures["staged_GBps_omp1"] == 20.0
+
+
+def test_a_sub_bench_gets_what_the_run_budget_leaves_and_is_not_started_when_it_is_spent():
+    import sys
+    import time
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+
+    given = []
+
+    def run(timeout_s):
+        given.append(timeout_s)
+        return {"returncode": 0}
+    assert gpu_check.within(time.monotonic() + 100, "x", 120, run) == {"returncode": 0}
+    assert 100 - gpu_check.REPORT_S - 2 <= given[0] <= 100 - gpu_check.REPORT_S, "cut to what is left"
+    assert gpu_check.within(None, "x", 120, run) == {"returncode": 0} and given[-1] == 120
+    spent = gpu_check.within(time.monotonic() + 20, "x", 120, run)
+    assert spent["returncode"] == 124 and "not started" in spent["summary"] and len(given) == 2
+    assert gpu_check.within(None, "x", 0, run) == {"skipped": "--x-timeout 0"}
