@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
-import pathlib
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import ray
@@ -31,20 +28,17 @@ from deployments.capacity.batch_state import BatchState
 from deployments.capacity.replica_report import REPUBLISH_S, ReplicaResidency
 from deployments.models import activation_features, families
 from deployments.models.activation_features import ACTIVATION_MARGIN
-from deployments.models.families import FamilyFacts
-from deployments.models.tensor_parallel import rank_components
 from deployments.replica import warmup
-from deployments.replica.batching import BatchingConfig
+from deployments.replica import worker_setup as setup
 from deployments.replica.board import get_board, pack
 from deployments.replica.board_publisher import Throttled
 from deployments.replica.first_use import FirstUse
 from deployments.replica.leases import LEASE_REFUSED, open_device_leases, open_replica_memory
 from deployments.replica.metrics import ReplicaGauges, StageMetrics
 from deployments.replica.rank_spec import RankSpec
+from deployments.replica.stage_config import DTYPES, StageConfig  # noqa: F401 (re-exported: importers name it here)
 from deployments.replica.stage_residency import (
     StageResidency,
-    host_lease_bytes,
-    plan_stage,
     predicted_kept_bytes,
     replan_stage,
 )
@@ -56,15 +50,10 @@ from deployments.wire.spec import (
     StageStats,
 )
 from offload_core.host.budget import Refusal
-from offload_core.host.budget_cap import HostBudgetSpec
-from offload_core.host.store import folder_identity
 from offload_core.planner.measured_compute import MeasuredCompute
 from offload_core.planner.picture import PlanPicture, plan_picture
-from offload_core.planner.search import PerformanceMode, repredict
-from offload_core.quant import WeightFormat
-from offload_core.residency.shared_hosting import SharedWeights
+from offload_core.planner.search import repredict
 from offload_core.streaming.headroom import HeadroomTimeout
-from offload_core.tables import HostTablesConfig
 
 logger = logging.getLogger(__name__)
 
@@ -73,41 +62,6 @@ PUBLISH_INTERVAL_S = 1.0
 # A call pokes the report's publisher just before its answer leaves; waiting this long first keeps the
 # report's CPU (it holds the GIL) off the answer's way out: 10x a hop, a tenth of the interval.
 PUBLISH_SETTLE_S = 0.1
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class StageConfig:
-    """What one stage replica needs; built by ``deployments.app.build_app``."""
-
-    app_name: str
-    facts: FamilyFacts
-    stage: PipelineStage
-    mode: PerformanceMode | None  # None: the fleet profile's for the GPU the replica got
-    # Forward passes per request of each of the stage's components (the planner weighs bytes by it).
-    uses_per_request: tuple[tuple[str, int], ...]
-    dtype: str
-    # How long a call waits for its device working set before answering 503 (Retry-After).
-    device_timeout_s: float
-    # The stage's per-replica host_memory_budget (bytes or a fraction of spendable RAM); None: unset.
-    host_budget: HostBudgetSpec | None = None
-    # The Denoiser's step-level batching (None for the other stages: they run once per request).
-    batching: BatchingConfig | None = None
-    # Streamed layers hosted from the node weight store (one copy per node) rather than privately.
-    share_host_weights: bool = True
-    # The default request (limits.default_size / default_frames): the warm-up times the layers and sizes
-    # the working set there (deployments/replica/warmup.py); None: the default Limits'.
-    warmup_shape: warmup.WarmupShape | None = None
-    # How the stage's streamed layers are hosted and copied (StageArgs.weights).
-    weights: WeightFormat = WeightFormat.NATIVE
-    # The Denoiser's step cache threshold for requests that do not set one (0: off).
-    cache_threshold: float = 0.0
-    # Ranks of one replica (tensor parallelism, deployments/replica/shards.py); 1: today's single process.
-    tp_size: int = 1
-    # Which token tables the stage's replicas consider hosting (offload_core.tables); a sharded one never is.
-    host_tables: HostTablesConfig = HostTablesConfig()
-
-
 def _replica_device() -> torch.device:
     # A replica is on the GPU only when Ray gave it one (num_gpus > 0, fractions allowed).
     if torch.cuda.is_available() and ray.get_gpu_ids():
@@ -131,38 +85,20 @@ class StageWorker:
         self.config = config
         self.device = _replica_device()
         self.replica = rank.worker_id if rank is not None else replica_id(config.stage)
-        loaded = None
-        if rank is not None and rank.size > 1:
-            loaded = rank_components(config.facts, config.stage, DTYPES[config.dtype], rank.size, rank.rank)
-        self.pipe = families.load_stage_pipeline(config.facts, config.stage, DTYPES[config.dtype], loaded)
+        # The start, step by step (deployments/replica/worker_setup.py): load, open the ledger view,
+        # plan provisionally, lease what the plan keeps, apply it; then warm up and plan again.
+        self.pipe = setup.load_pipeline(config, rank)
         self.memory = open_replica_memory(self.replica, self.device)
-        budget = config.host_budget.resolve(self.memory.node.ram.spendable) if config.host_budget else None
-        if budget is not None:
-            logger.info("%s: host_memory_budget %s = %d B on this node (%d B spendable)", self.replica,
-                        config.host_budget.describe(), budget, self.memory.node.ram.spendable)
+        budget = setup.host_budget_bytes(config, self.memory, self.replica)
         self.leases = open_device_leases(self.memory, self.device)
         modules = families.stage_modules(self.pipe, config.facts, config.stage)
-        shared = None
-        # A rank's streamed layers differ from an unsharded replica's of the same folder (its
-        # sharded parameters stay out of them): never hosted from the folder's node store.
-        if config.share_host_weights and rank is None:
-            identities = {name: folder_identity(pathlib.Path(config.facts.folder) / name) for name in modules}
-            shared = SharedWeights(self.memory.store_registry(), identities, self.replica, budget_bytes=budget)
-        # Planned against the replica's share of its GPU, not the whole card; 0 s of compute and no
-        # working set until the warm-up measured them (deployments/replica/warmup.py plans again).
-        phases = families.stage_phases(config.facts, config.stage)  # Wan2.2 A14B: one expert at a time
-        plan = plan_stage(config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
-                          self.memory.share_bytes, host_lease_bytes(self.memory.host_budget, budget), self.memory,
-                          expected_batch=config.batching.max_batch if config.batching is not None else 1,
-                          phases=phases, weights=config.weights, tables=config.host_tables)
+        plan = setup.provisional_plan(config, modules, self.device, self.memory, budget)
         # What the plan keeps on the device is leased before applying it moves anything there.
         self.leases.hold_standing(predicted_kept_bytes(plan), config.device_timeout_s)
-        applier = functools.partial(
-            StageResidency, config.stage.value, modules, dict(config.uses_per_request), config.mode, self.device,
-            device_capacity=self.memory.share_bytes, host_budget=self.memory.host_budget,
-            owner=self.replica, host_budget_bytes=budget, shared=shared, memory=self.memory, phases=phases,
-            tables=config.host_tables)
-        self.residency = applier(plan=plan)
+        shared = setup.shared_weights(config, modules, self.memory, self.replica, budget, rank)
+        self._applier = setup.residency_applier(config, modules, self.device, self.memory, self.replica, budget,
+                                                shared)
+        self.residency = self._applier(plan=plan)
         self.activations: activation_features.StageActivations | None = None
         self.metrics = StageMetrics(config.stage.value)
         self.gauges = ReplicaGauges(config.stage.value, f"{(self.memory.node.node_id or 'local')[:8]}/{self.memory.device_pool}")
@@ -183,10 +119,9 @@ class StageWorker:
         self._batch_sender = Throttled(self._send_batch, PUBLISH_INTERVAL_S, f"batch-{config.stage.value}")
         self.picture = None
         self.first_use = FirstUse(self.replica, modules, {}, self.device)  # nothing pending during the warm-up
-        self.warmup = self._apply_warmup(warmup.warm_up(self, modules, plan), applier)
+        self.warmup = self._apply_warmup(warmup.warm_up(self, modules, plan), self._applier)
         # Components the warm-up's request did not run are timed on the first call that runs them.
         self.first_use = FirstUse(self.replica, modules, dict(self.warmup.compute), self.device)
-        self._applier = applier
         # Drawn from the plan that runs and what the warm-up measured (GET /v1/residency/picture).
         self.picture = self._picture()
         self.publish()
