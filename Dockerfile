@@ -12,6 +12,7 @@ ENV HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
 USER root
 WORKDIR /opt/offload-serve
 COPY pyproject.toml constraints.txt README.md ./
+COPY compat ./compat
 COPY offload_core ./offload_core
 COPY cluster ./cluster
 COPY deployments ./deployments

@@ -15,6 +15,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from compat.torch import own_children
 from offload_core.sharded import is_sharded, local_tensor
 
 # Every tensor starts at a multiple of 512 bytes in its flat buffer. Why 512: torch's CUDA caching
@@ -120,7 +121,7 @@ def resolve_layer_group(model: nn.Module, path: str) -> LayerGroup:
     walked = []
     for part in path.split("."):
         walked.append(part)
-        child = node._modules.get(part) if isinstance(node, nn.Module) else None
+        child = own_children(node).get(part) if isinstance(node, nn.Module) else None
         if child is None:
             raise LayoutError(
                 f"layer group {path!r}: {type(model).__name__} has no submodule {'.'.join(walked)!r}"

@@ -30,6 +30,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from compat.torch import own_buffers, own_parameters
 from offload_core.layout import LayoutError, resolve_layer_group
 
 logger = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ def on_meta(model: nn.Module) -> Iterator[None]:
 
     try:
         for module in model.modules():
-            for registry in (module._parameters, module._buffers):
+            for registry in (own_parameters(module), own_buffers(module)):
                 for name, tensor in registry.items():
                     if tensor is not None and tensor.device.type != "meta":
                         swapped.append((registry, name, tensor))

@@ -23,6 +23,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from compat.torch import own_parameters
+
 logger = logging.getLogger(__name__)
 
 
@@ -85,16 +87,16 @@ def sharded_detached(model: nn.Module) -> Iterator[int]:
     """
     held: list[tuple[nn.Module, str, nn.Parameter]] = []
     for module in model.modules():
-        for name, p in module._parameters.items():
+        for name, p in own_parameters(module).items():
             if p is not None and is_sharded(p):
                 held.append((module, name, p))
     for module, name, _ in held:
-        module._parameters[name] = None
+        own_parameters(module)[name] = None
     try:
         yield len(held)
     finally:
         for module, name, p in held:
-            module._parameters[name] = p
+            own_parameters(module)[name] = p
 
 
 def move_unsharded(model: nn.Module, device: torch.device) -> nn.Module:

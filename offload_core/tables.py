@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from compat.torch import own_parameters
 from offload_core.sharded import is_sharded, local_nbytes, local_tensor
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def _is_sharded(module: nn.Module, weight: torch.Tensor, model: nn.Module) -> bo
 
 def _holders(model: nn.Module, weight: nn.Parameter) -> list[tuple[str, nn.Module]]:
     return [(name, mod) for name, mod in model.named_modules(remove_duplicate=False)
-            if any(p is weight for p in mod._parameters.values())]
+            if any(p is weight for p in own_parameters(mod).values())]
 
 
 def _decide(model: nn.Module, path: str, config: HostTablesConfig) -> TableDecision:

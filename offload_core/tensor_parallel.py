@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from compat import diffusers as diffusers_compat
+from compat.torch import own_parameters, register_fake_backend, replace_local_tensor
 from offload_core.sharded import sharded_parameters
 
 logger = logging.getLogger(__name__)
@@ -156,10 +158,10 @@ def own_shards(model: nn.Module) -> int:
     """
     freed = 0
     for _, p in sharded_parameters(model):
-        local = p._local_tensor
+        local = p.to_local()
         held, own = local.untyped_storage().nbytes(), local.numel() * local.element_size()
         if held > own:
-            p._local_tensor = local.contiguous().clone()
+            replace_local_tensor(p, local.contiguous().clone())
             freed += held - own
     if freed:
         logger.info("%s: %d B of whole tensors no longer held behind this rank's shards", type(model).__name__, freed)
@@ -205,10 +207,10 @@ def shard_in_place(model: nn.Module, mesh, plan: TensorParallelPlan) -> int:
         module = modules[module_name]
         original = id(params[name])
         if original in made:
-            module._parameters[pname] = made[original]
+            own_parameters(module)[pname] = made[original]
             continue
         ALL_PARALLEL_STYLES[style].shard_param(module, pname, mesh)
-        made[original] = module._parameters[pname]
+        made[original] = own_parameters(module)[pname]
     return len(made)
 
 
@@ -216,27 +218,21 @@ def shard_dit(model: nn.Module, mesh) -> int:
     """Shard a diffusers DiT over ``mesh`` with the plan diffusers ships on its class; returns how many
     parameters became DTensors. Every rank must hold the same weights first (loaded from one folder):
     each keeps its slice, the rest is freed."""
-    from diffusers import TensorParallelConfig
-    from diffusers.hooks.tensor_parallel import (
-        _check_tp_supported,
-        _resolve_tp_plan,
-        _styles,
-        resolve_tp_shard_specs,
-    )
+    from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
     from torch.distributed.tensor.parallel import parallelize_module
 
     name = type(model).__name__
-    plan = getattr(type(model), "_tp_plan", None)
+    plan = diffusers_compat.tp_plan_of(type(model))
     if name not in DIFFUSERS_TP_CLASSES or not plan:
         raise NoTensorParallelPlan(f"{name} has no diffusers tensor-parallel plan here; DiTs with one: "
                                    f"{sorted(DIFFUSERS_TP_CLASSES)}")
     heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
     # diffusers' refusals: heads that do not divide, a quantized, offloaded or adapter-wrapped model.
-    _check_tp_supported(name, plan, heads, TensorParallelConfig(tp_degree=mesh.size()), model=model)
+    diffusers_compat.check_tp_supported(model, plan, heads, mesh.size())
     resolve_tp_shard_specs(model, plan, mesh.size())  # every planned split divides, before anything is sharded
-    blocks = _resolve_tp_plan(model, plan)
+    blocks = diffusers_compat.resolve_tp_plan(model, plan)
     for block, relative in blocks:
-        parallelize_module(block, mesh, _styles(relative))
+        parallelize_module(block, mesh, diffusers_compat.tp_styles(relative))
     freed = own_shards(model) if not any(p.is_meta for p in model.parameters()) else 0
     count = len(sharded_parameters(model))
     logger.info("tensor parallel %s rank %d/%d: diffusers' plan (%d rules) over %d blocks, %d parameters sharded, "
@@ -263,11 +259,11 @@ def planning_world(tp_size: int) -> Iterator[object]:
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # torch's own fake backend
 
     if dist.is_initialized():
         raise RuntimeError("planning_world needs a process without a process group (this one has one)")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp_size)
+    register_fake_backend()  # torch's own fake backend: no collective runs
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=tp_size)
     try:
         yield init_device_mesh("cpu", (tp_size,))
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 from typing import Callable
 
-from torch.utils._python_dispatch import TorchDispatchMode
+from compat.torch import TorchDispatchMode
 
 # Ops that launch nothing: views, reshapes and metadata (aten overload packet names).
 VIEW_OPS = frozenset({

@@ -14,6 +14,8 @@ from typing import Iterable
 
 import psutil
 
+from compat.ray import actor_table_row
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,9 +52,7 @@ def actor_info(actor_id: str) -> dict:
     """The GCS actor table row of one actor ({} when unknown)."""
     # ray.util.state needs the dashboard (tests and many clusters run without it); the GCS actor
     # table is what Ray's own RuntimeContext.was_current_actor_reconstructed reads.
-    from ray._private.state import actors
-
-    return actors(actor_id=actor_id) or {}
+    return actor_table_row(actor_id)
 
 
 def process_is_gone(ref: OwnerRef) -> bool:

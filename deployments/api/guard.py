@@ -12,10 +12,10 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
-from starlette._utils import get_route_path
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from compat.starlette import route_path
 from deployments.api import errors
 
 # Serve's proxy puts its request id in this header (and in the response); we reuse it so the id
@@ -85,7 +85,7 @@ class Guard:
 
     def _refusal(self, scope: Scope) -> JSONResponse | None:
         # The path below the application's route prefix (Serve mounts the app at its route_prefix).
-        path, method = get_route_path(scope), scope.get("method", "GET")
+        path, method = route_path(scope), scope.get("method", "GET")
         if method == "OPTIONS" and self.config.cors_origins and _header(scope, b"origin"):
             if not self._origin_allowed(scope):
                 return errors.error_json(403, "origin not allowed", "origin", "cors_origin_refused",

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
-from starlette._utils import get_route_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from compat.starlette import route_path
 from deployments.api import errors
 
 
@@ -65,7 +65,7 @@ class NotServingGate:
         self.app, self.check, self.paths, self.retry_after_s = app, check, paths, retry_after_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") == "POST" and get_route_path(scope) in self.paths:
+        if scope["type"] == "http" and scope.get("method") == "POST" and route_path(scope) in self.paths:
             state = await self.check.confirm()
             if not state.serving:
                 await not_serving(state, self.retry_after_s)(scope, receive, send)

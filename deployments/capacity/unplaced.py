@@ -13,6 +13,7 @@ import time
 from typing import Mapping
 
 from cluster.node import ACCELERATOR_PREFIX
+from compat.ray import available_resources_per_node, serve_client, serve_controller
 from deployments.capacity.gpu_shares import GpuDemand, GpuNode, PendingReplica, capacity_warning, why_pending
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,6 @@ AUTO_MAX_REPLICAS = 100
 def gpu_nodes(free: bool = False) -> tuple[GpuNode, ...]:
     """Every alive Ray node's GPUs; ``free``: with what Ray has not allocated yet (else all of it)."""
     import ray
-    from ray._private.state import available_resources_per_node
 
     available = available_resources_per_node() if free else {}
     nodes = []
@@ -78,10 +78,9 @@ def deployed_overrides(app_name: str) -> dict[str, dict]:
 
     if not ray.is_initialized() or ray.get_runtime_context().worker.mode != ray.WORKER_MODE:
         return {}
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
     from ray.serve.schema import ServeInstanceDetails
 
-    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    controller = serve_controller()
     details = ServeInstanceDetails.model_validate(ray.get(controller.get_serve_instance_details.remote()))
     app = details.applications.get(app_name)
     if app is None or app.deployed_app_config is None:
@@ -118,9 +117,7 @@ def serve_details() -> dict:
     Read as dicts, not through ``serve.status()``: that validates the whole reply into pydantic models, and
     each deployment's ``RequestRouterConfig`` cloudpickles its router class on the way: most of the CPU of
     the ingress's watch, which reads it every 2 s."""
-    from ray.serve.context import _get_global_client
-
-    client = _get_global_client(raise_if_no_controller_running=False)  # serve.status()'s; the handle is cached
+    client = serve_client()  # serve.status()'s; the handle is cached
     return {} if client is None else client.get_serve_details()
 
 

@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 
+from compat.ray import deploy_config
 from deployments.dev import local_ray
 
 for _name, _value in (("RAY_USAGE_STATS_ENABLED", "0"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
@@ -49,11 +50,7 @@ def load_config(path: pathlib.Path, port: int | None):
 
 def deploy(config) -> None:
     """What ``serve run <config file>`` does: start Serve with the file's options, deploy its apps."""
-    from ray.serve._private import api as serve_api
-
-    client = serve_api.serve_start(http_options=config.http_options.model_dump(),
-                                   proxy_location=config.proxy_location)
-    client.deploy_apps(config, _blocking=False)
+    deploy_config(config)
 
 
 def wait_running(app_name: str) -> None:

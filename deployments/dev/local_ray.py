@@ -19,6 +19,9 @@ import subprocess
 import sys
 import time
 
+from compat.ray import address_file as ray_address_file
+from compat.ray import init_local_node
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -83,9 +86,7 @@ def init_local(**init_kwargs) -> None:
     refuses strangers on the ports Ray still binds widely."""
     if os.environ.get("RAY_AUTH_MODE") != "token":
         raise RuntimeError("call local_ray.use_token_auth() before importing ray")
-    import ray
-
-    ray.init(address="local", _node_ip_address=LOOPBACK, **init_kwargs)
+    init_local_node(LOOPBACK, **init_kwargs)
 
 
 def free_port() -> int:
@@ -203,9 +204,7 @@ def stop_apps(app_names) -> None:
 
 def address_file(temp_dir: str | None = None) -> pathlib.Path:
     """Ray's ``ray_current_cluster`` (where ``ray.init()`` and ``serve run`` look for a running head)."""
-    from ray._common.utils import get_ray_address_file
-
-    return pathlib.Path(get_ray_address_file(temp_dir))
+    return pathlib.Path(ray_address_file(temp_dir))
 
 
 def forget_address(port: int, temp_dir: str | None = None) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ray
 
+from compat.ray import on_head_node
 from deployments.jobs.queue import AsyncJobQueue, JobQueueService, JobsArgs
 
 WAITERS = 32
@@ -40,7 +41,7 @@ def queue_name(app_name: str) -> str:
 def get_job_queue(app_name: str, args: JobsArgs) -> ActorJobQueue:
     """The application's queue actor, created on first use, on the head node (whose disk holds the file)."""
     actor = JobQueueActor.options(name=queue_name(app_name), namespace="serve", lifetime="detached",
-                                  get_if_exists=True, resources={"node:__internal_head__": 0.001}
+                                  get_if_exists=True, resources=on_head_node()
                                   ).remote(app_name, args)
     return ActorJobQueue(actor)
 

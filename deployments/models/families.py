@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from compat.diffusers import execution_device
 from deployments.models.adapter import (  # noqa: F401 (re-exported: the service's names for them)
     CPU,
     FamilyFacts,
@@ -83,7 +84,7 @@ def decode(pipe, facts: FamilyFacts, latents: torch.Tensor, spec: GenerationSpec
 
     ``device``: where the VAE runs; None asks the pipeline, which walks every module's hooks and
     parameters (30 % of the tiny Wan's decode in a replica, py-spy): stage replicas pass theirs."""
-    device = pipe._execution_device if device is None else device
+    device = execution_device(pipe) if device is None else device
     return adapter_for(facts).decode(pipe, facts, latents, spec, device)
 
 

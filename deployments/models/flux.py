@@ -10,6 +10,7 @@ import copy
 
 import torch
 
+from compat.diffusers import unpack_latents
 from deployments.models.adapter import (
     CPU,
     DECODE,
@@ -98,7 +99,7 @@ class FluxAdapter(KLImageAdapter):
 
     def vae_input(self, pipe, latents, spec, device) -> torch.Tensor:
         vae = pipe.vae  # the tail of FluxPipeline.__call__
-        latents = pipe._unpack_latents(latents, spec.height, spec.width, pipe.vae_scale_factor)
+        latents = unpack_latents(pipe, latents, spec.height, spec.width)
         return ((latents / vae.config.scaling_factor) + vae.config.shift_factor).to(device)
 
     def stepper(self, pipe, facts, device) -> FluxStepper:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compat.diffusers import unpack_latents
 from deployments.models.adapter import (
     CPU,
     DECODE,
@@ -211,7 +212,7 @@ class QwenImageAdapter(FamilyAdapter):
     @torch.no_grad()
     def decode(self, pipe, facts, latents, spec, device) -> torch.Tensor:
         vae = pipe.vae  # the tail of QwenImagePipeline.__call__
-        latents = pipe._unpack_latents(latents, spec.height, spec.width, pipe.vae_scale_factor).to(device, vae.dtype)
+        latents = unpack_latents(pipe, latents, spec.height, spec.width).to(device, vae.dtype)
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)

@@ -18,8 +18,8 @@ import logging
 from typing import Any, Callable, Protocol
 
 import torch
-from torch.utils._pytree import tree_map
 
+from compat.torch import tree_map
 from deployments.capacity.replica_report import ReplicaResidency
 from deployments.models import families
 from deployments.replica.metrics import StageMetrics

@@ -19,6 +19,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from compat.diffusers import keep_in_fp32_modules
+from compat.torch import own_buffers, own_parameters
 from offload_core.planner.config_file import CONFIG_PATH, UnknownModel, config_file  # noqa: F401 (re-exported)
 
 # transformer_2: Wan2.2 A14B's low-noise expert (the same class as the high-noise ``transformer``);
@@ -121,11 +123,11 @@ def _cast(module: nn.Module, dtype: torch.dtype) -> None:
     diffusers keeps the modules named in ``_keep_in_fp32_modules`` (Wan: rope, time embedder,
     norms, scale-shift tables) in fp32 for stability, so a plan must count those bytes as fp32.
     """
-    keep = frozenset(getattr(module, "_keep_in_fp32_modules", None) or ())
+    keep = keep_in_fp32_modules(module)
     # Tied tensors (UMT5's shared table and encoder.embed_tokens) must stay one tensor after the cast.
     retyped: dict[int, torch.Tensor] = {}
     for owner_name, owner in module.named_modules(remove_duplicate=False):
-        for registry in (owner._parameters, owner._buffers):
+        for registry in (own_parameters(owner), own_buffers(owner)):
             for key, tensor in registry.items():
                 if tensor is None or not tensor.is_floating_point():
                     continue

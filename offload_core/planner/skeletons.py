@@ -32,6 +32,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from compat.torch import non_persistent_buffers, own_buffers, own_children, own_parameters
 from offload_core.planner import real_models
 
 SKELETON_PATH = real_models.CONFIG_PATH.with_name("real_model_skeletons.json")
@@ -92,16 +93,16 @@ def skeleton_of(model: nn.Module) -> dict[str, Any]:
                 raise ValueError(f"{path or 'the root'}: {bad}={getattr(module, bad)}: skeletons are of unsharded modules")
         first_module.setdefault(id(module), path)
         tensors, children = [], []
-        for kind, registry in (("p", module._parameters), ("b", module._buffers)):
+        for kind, registry in (("p", own_parameters(module)), ("b", own_buffers(module))):
             for name, tensor in registry.items():
                 full = f"{path}.{name}" if path else name
                 if tensor is not None and id(tensor) in first_tensor:
                     ties.append(["tensor", full, first_tensor[id(tensor)]])
                 elif tensor is not None:
                     first_tensor[id(tensor)] = full
-                persistent = name not in module._non_persistent_buffers_set
+                persistent = name not in non_persistent_buffers(module)
                 tensors.append([kind, name, None] if tensor is None else _tensor_entry(kind, name, tensor, persistent))
-        for name, child in module._modules.items():
+        for name, child in own_children(module).items():
             full = f"{path}.{name}" if path else name
             if child is not None and first_module.get(id(child), full) != full:
                 ties.append(["module", full, first_module[id(child)]])
@@ -159,13 +160,13 @@ def _build(skeleton: Mapping[str, Any], index: int) -> nn.Module:
     module = _new_module(type_entry)
     for entry in tensors:
         kind, name = entry[0], entry[1]
-        registry = module._parameters if kind == "p" else module._buffers
+        registry = own_parameters(module) if kind == "p" else own_buffers(module)
         registry[name] = None if entry[2] is None else _meta_tensor(entry)
         if kind == "b" and entry[2] is not None and not entry[7]:
-            module._non_persistent_buffers_set.add(name)
+            non_persistent_buffers(module).add(name)
     for name, child, tied in children:
         # A tied module is filled in after the tree exists; the slot keeps its place in the order.
-        module._modules[name] = None if child is None or tied else _build(skeleton, child)
+        own_children(module)[name] = None if child is None or tied else _build(skeleton, child)
     return module
 
 
@@ -176,12 +177,12 @@ def module_from(skeleton: Mapping[str, Any]) -> nn.Module:
         owner_path, _, name = path.rpartition(".")
         owner = root.get_submodule(owner_path)
         if kind == "module":
-            owner._modules[name] = root.get_submodule(target)
+            own_children(owner)[name] = root.get_submodule(target)
             continue
         target_owner, _, target_name = target.rpartition(".")
         holder = root.get_submodule(target_owner)
-        source = holder._parameters if target_name in holder._parameters else holder._buffers
-        (owner._parameters if name in owner._parameters else owner._buffers)[name] = source[target_name]
+        source = own_parameters(holder) if target_name in own_parameters(holder) else own_buffers(holder)
+        (own_parameters(owner) if name in own_parameters(owner) else own_buffers(owner))[name] = source[target_name]
     return root.eval()
 
 

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
+
+from compat.torch import TorchDispatchMode, is_wrapper_subclass, tree_leaves
 
 
 def _storage(tensor: torch.Tensor):
     # A wrapper subclass (a DTensor, the AsyncCollectiveTensor an all-reduce returns) has no storage
     # of its own: what it holds is its inner tensor's (a DTensor's local shard).
-    while is_traceable_wrapper_subclass(tensor):
+    while is_wrapper_subclass(tensor):
         inner, _ = tensor.__tensor_flatten__()
         tensor = getattr(tensor, inner[0])
     return tensor.untyped_storage()
@@ -41,9 +41,9 @@ class LiveTensorBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {_storage(t).data_ptr() for t in tree_flatten((args, kwargs))[0]
+        inputs = {_storage(t).data_ptr() for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.device.type != "meta"}
-        for value in tree_flatten(out)[0]:
+        for value in tree_leaves(out):
             if isinstance(value, torch.Tensor) and value.device.type != "meta":
                 self._charge(value, inputs)
         return out

@@ -12,6 +12,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from compat.torch import own_parameters
 from offload_core.sharded import local_nbytes, move_unsharded, refuse_sharded
 from offload_core.tables import HostTablesConfig, TableDecision, TableVerdict, select_host_tables
 
@@ -42,13 +43,13 @@ class HostTables:
         """Take the hosted tables out of the model so a ``.to(device)`` inside leaves them alone."""
         for d in self.hosted:
             for path in d.module_paths:
-                self.model.get_submodule(path)._parameters["weight"] = None
+                own_parameters(self.model.get_submodule(path))["weight"] = None
         try:
             yield
         finally:
             for d in self.hosted:
                 for path in d.module_paths:
-                    self.model.get_submodule(path)._parameters["weight"] = self._weights[d.path]
+                    own_parameters(self.model.get_submodule(path))["weight"] = self._weights[d.path]
 
     def install(self, device: torch.device) -> None:
         """Route every holder's lookups through the host: ids in to the host, rows out to ``device``."""

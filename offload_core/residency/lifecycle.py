@@ -19,6 +19,7 @@ from typing import Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from compat.torch import own_buffers
 from offload_core.host.budget import InProcessLedger, MemoryBudget
 from offload_core.planner.pipeline_plan import ComponentPlan, PipelinePlan
 from offload_core.planner.strategy import Strategy
@@ -122,9 +123,9 @@ class _ModelOffload(_Component):
             self.parking = Parking(self.name, self.module, self.device, meter=self.meter)
         # Buffers are small and read every call: they live on the device for good.
         for buf_owner in self.module.modules():
-            for key, buf in buf_owner._buffers.items():
+            for key, buf in own_buffers(buf_owner).items():
                 if buf is not None:
-                    buf_owner._buffers[key] = buf.to(self.device)
+                    own_buffers(buf_owner)[key] = buf.to(self.device)
         if all(p.device.type == "cpu" for p in self.module.parameters()):
             self.parking.park_from_host()
         else:

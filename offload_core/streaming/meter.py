@@ -18,6 +18,7 @@ from typing import Hashable, Iterable
 import torch
 from torch import nn
 
+from compat.torch import view_base
 from offload_core.sharded import local_tensor
 from offload_core.streaming.device import get_device, normalize_device
 
@@ -97,8 +98,8 @@ class DeviceWeightMeter:
         """The key and bytes :meth:`bind_storage` counts ``witness``'s storage by (None: not on this device)."""
         if witness.device != self._device:
             return None
-        base = witness._base
-        if base is not None and base._base is None and base.dtype is torch.uint8:
+        base = view_base(witness)
+        if base is not None and view_base(base) is None and base.dtype is torch.uint8:
             # A view of one uint8 allocation (a slot, a resident buffer): the allocation's tensor is
             # the key and its length the bytes, with no storage object made (~2 us saved per bind).
             return id(base), base.numel()

@@ -1,0 +1,96 @@
+"""torch's private API, one function per use: module registries, views' bases, DTensor shards,
+dispatch modes, pytrees and the fake process group. Runs in whichever process calls it.
+
+Public instead of private, where torch has it: a store for the fake process group is the public
+``torch.distributed.HashStore`` (not ``fake_pg.FakeStore``); a DTensor's shard is read with
+``DTensor.to_local()`` where a read is all that is needed (``offload_core.sharded``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils import _python_dispatch, _pytree
+
+from compat.checked import PrivateUse, record, relies_on
+
+CHECKED = ("2.13.0", "2.13.0")
+
+# The registries nn.Module keeps its own tensors and children in. Its public views hide what the
+# engine needs: named_parameters(recurse=False) skips None entries, named_children() skips None and
+# repeated (tied) children, and none of them can be written to in place without re-registering.
+REGISTRY_WHY = "nn.Module's public views skip None entries and ties and cannot swap a tensor in place"
+
+
+@relies_on("torch", "nn.Module._parameters", CHECKED, REGISTRY_WHY)
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own parameters, the live dict (None entries and ties kept; writes take effect)."""
+    return module._parameters
+
+
+@relies_on("torch", "nn.Module._buffers", CHECKED, REGISTRY_WHY)
+def own_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """``module``'s own buffers, the live dict (None entries kept; writes take effect)."""
+    return module._buffers
+
+
+@relies_on("torch", "nn.Module._modules", CHECKED, REGISTRY_WHY)
+def own_children(module: nn.Module) -> dict[str, nn.Module | None]:
+    """``module``'s direct children, the live dict (None and tied children kept; writes take effect)."""
+    return module._modules
+
+
+@relies_on("torch", "nn.Module._non_persistent_buffers_set", CHECKED,
+           "register_buffer(persistent=False) is the only public door, and it cannot be read back")
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """Names of ``module``'s own buffers left out of its state dict, the live set."""
+    return module._non_persistent_buffers_set
+
+
+@relies_on("torch", "Tensor._base", CHECKED, "torch has no public 'the tensor this view was made from'")
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``tensor`` is a view of (None when it owns its storage)."""
+    return tensor._base
+
+
+@relies_on("torch", "DTensor._local_tensor", CHECKED,
+           "DTensor.to_local() reads the shard but nothing public replaces it under the same DTensor")
+def replace_local_tensor(dtensor: torch.Tensor, local: torch.Tensor) -> None:
+    """Make ``local`` the shard ``dtensor`` holds on this rank (same shape, dtype and device)."""
+    held = dtensor._local_tensor
+    if local.shape != held.shape or local.dtype != held.dtype or local.device != held.device:
+        raise ValueError(f"a replacement shard must match the held one: {tuple(local.shape)} {local.dtype} "
+                         f"{local.device} vs {tuple(held.shape)} {held.dtype} {held.device}")
+    dtensor._local_tensor = local
+
+
+@relies_on("torch", "torch.testing._internal.distributed.fake_pg", CHECKED,
+           "the 'fake' backend is registered only by importing torch's test helper")
+def register_fake_backend() -> None:
+    """Make ``init_process_group("fake", ...)`` available: a process group that runs no collective."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the backend on import)
+
+
+# A dispatch mode sees every aten op a forward runs; torch keeps its base class in a private module.
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+record(f"{__name__}.TorchDispatchMode", PrivateUse(
+    "torch", "torch.utils._python_dispatch.TorchDispatchMode", CHECKED, "no public home in torch"))
+
+
+@relies_on("torch", "torch.utils._python_dispatch.is_traceable_wrapper_subclass", CHECKED, "no public home in torch")
+def is_wrapper_subclass(tensor: object) -> bool:
+    """True for a tensor subclass that wraps inner tensors (a DTensor, an AsyncCollectiveTensor)."""
+    return _python_dispatch.is_traceable_wrapper_subclass(tensor)
+
+
+@relies_on("torch", "torch.utils._pytree.tree_flatten", CHECKED, "torch's pytree has no public module")
+def tree_leaves(tree: Any) -> list[Any]:
+    """Every leaf of nested tuples, lists and dicts, in order."""
+    return _pytree.tree_flatten(tree)[0]
+
+
+@relies_on("torch", "torch.utils._pytree.tree_map", CHECKED, "torch's pytree has no public module")
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` with every leaf replaced by ``fn(leaf)``, same nesting."""
+    return _pytree.tree_map(fn, tree)
