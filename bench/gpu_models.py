@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from compat.diffusers import keep_in_fp32_modules
 from offload_core.layout import declared_layer_groups, resolve_layer_group
 
 
@@ -40,7 +41,7 @@ def real_denoiser(dtype: torch.dtype, blocks: int | None):
     with torch.device("meta"):
         model = WanTransformer3DModel.from_config(cfg)
     model = model.to_empty(device="cpu")
-    keep = set(model._keep_in_fp32_modules or ())  # as from_pretrained(torch_dtype=...) keeps them
+    keep = set(keep_in_fp32_modules(model))  # as from_pretrained(torch_dtype=...) keeps them
     weights = _REAL_WEIGHTS.get((dtype, blocks))
     if weights is None:
         generator = torch.Generator().manual_seed(0)
