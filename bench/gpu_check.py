@@ -123,9 +123,9 @@ def run_case(name: str, build, shape, steps: int, device, link: dict, mapped: bo
         kwargs = inputs(model, *shape, device, dtype)
         extra = {}
         if way.startswith("speed"):
-            model.to(device)
-            if way == "speed_fp8_reference":
+            if way == "speed_fp8_reference":  # quantized where the engine quantizes: on the host, at load
                 fake_quantize_(layers_of(model))
+            model.to(device)
         elif way.startswith("layerwise"):
             if way == "layerwise_mapped":  # that the MAPPED tier's bytes really are the file's pages
                 extra["file_mapped_fraction"] = file_mapped_fraction(layers_of(model))
