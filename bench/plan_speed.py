@@ -2,7 +2,7 @@
 
 Each figure is a fresh process, timed from outside (wall, and CPU = user + sys of the child):
 - ``torch_import``: ``python -c "import torch"``, the floor every plan pays;
-- ``plan_cold``: ``python -m offload_core.plan --model wan2.1-t2v-14b --gpu L4 --host-ram 64GiB`` as the
+- ``plan_cold``: ``offload-serve plan --model wan2.1-t2v-14b --gpu L4 --host-ram 64GiB`` as the
   first plan after a clone: an empty facts cache (``$OFFLOAD_SERVE_CACHE``, a fresh folder) and none of
   the project's own bytecode (``offload_core/**/__pycache__`` removed first; the libraries' bytecode is
   written when pip installs them, so a fresh machine has it). The components are rebuilt on ``meta``
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PLAN = [sys.executable, "-m", "offload_core.plan", "--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "64GiB"]
+PLAN = [sys.executable, "-m", "deployments.dev.cli", "plan", "--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "64GiB"]
 
 
 def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float]:

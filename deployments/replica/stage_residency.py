@@ -8,7 +8,6 @@ applies it and runs the stage lifecycle. The plan is logged once per component b
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Mapping, Sequence
 
@@ -16,21 +15,12 @@ import torch
 from torch import nn
 
 from cluster.replica.ledger_view import ReplicaMemory
-from cluster.replica.plan import copier_cap, link_facts, plan_for_replica, replica_facts
+from cluster.replica.plan import host_lease_bytes, plan_stage
 from offload_core.host.budget import MemoryBudget
 from offload_core.host.budget_cap import HostMemoryStatus
-from offload_core.planner.facts import (
-    PipelineFacts,
-    Stage,
-    profile_component,
-)
-from offload_core.planner.measured_compute import MeasuredCompute, with_measured_compute
 from offload_core.planner.search import (
-    ComponentOverride,
     PerformanceMode,
     PipelinePlan,
-    memory_floor_bytes,
-    plan_pipeline,
 )
 from offload_core.quant import WeightFormat
 from offload_core.residency.lifecycle import PipelineResidency, RequestFigures
@@ -38,81 +28,6 @@ from offload_core.residency.shared_hosting import SharedWeights
 from offload_core.tables import HostTablesConfig
 
 logger = logging.getLogger(__name__)
-
-def stage_phases(stage: str, components: Mapping[str, nn.Module],
-                 phases: Sequence[Sequence[str]] | None) -> tuple[Stage, ...]:
-    """The planner's stages for one stage replica: the whole stage, or one per phase when only one
-    phase's components run at a time (Wan2.2 A14B's experts: ``denoise:transformer``, then
-    ``denoise:transformer_2``), so the plan holds one phase's working set with the others idle."""
-    if not phases or len(phases) < 2:
-        return (Stage(stage, tuple(components)),)
-    return tuple(Stage(f"{stage}:{names[0]}", tuple(names)) for names in phases)
-
-
-def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request: Mapping[str, int],
-               mode: PerformanceMode | None, device: torch.device, device_capacity: int, host_lease_bytes: int,
-               memory: ReplicaMemory | None = None, expected_batch: float = 1.0,
-               phases: Sequence[Sequence[str]] | None = None,
-               weights: WeightFormat = WeightFormat.NATIVE,
-               tables: HostTablesConfig = HostTablesConfig()) -> PipelinePlan:
-    """The plan for one stage's components: this replica's whole "pipeline" is its stage.
-
-    With the replica's ``memory`` (the service always has it) the plan is the fleet profile's for
-    the GPU the replica got (``cluster.replica.plan``): its mode when ``mode`` is None, its limits
-    always. Without it, ``plan_pipeline`` in ``mode`` and nothing else. ``expected_batch``: requests
-    expected to share each use (the Denoiser's configured batch maximum): bytes moved per request
-    are the stream's bytes divided by it. Compute is 0 s and no working set is kept until the
-    warm-up measured them (:func:`replan_stage`).
-    """
-    profiles = tuple(dataclasses.replace(profile_component(name, module, uses_per_request=uses_per_request[name],
-                                                           weights=weights, tables=tables),
-                                         expected_batch=expected_batch)
-                     for name, module in components.items())
-    stages = stage_phases(stage, components, phases)
-    if memory is None:
-        if mode is None:
-            raise ValueError(f"stage {stage}: no offload mode and no replica memory to take a fleet profile from")
-        facts = PipelineFacts(components=profiles, stages=stages, device_capacity=device_capacity,
-                              link=link_facts(device), host_lease_bytes=host_lease_bytes, device_name=str(device))
-        return plan_pipeline(facts, mode)
-    # On CUDA the link is measured; elsewhere the GPU table's link for the GPU the replica leases.
-    link = link_facts(device, copier_cap=copier_cap(memory)) if device.type == "cuda" else None
-    facts = replica_facts(memory, profiles, stages, device_capacity=device_capacity, link=link,
-                          host_lease_bytes=host_lease_bytes)
-    return plan_for_replica(memory.profile, facts, mode, owner=memory.owner)
-
-
-def replan_stage(planned: PipelinePlan, memory: ReplicaMemory | None, *, compute: Mapping[str, MeasuredCompute],
-                 working_set_bytes: int) -> PipelinePlan:
-    """``planned`` made again from its own facts with measured ``compute`` per use of each component and
-    ``working_set_bytes`` kept free of weights (at most what leaves the leanest plan room), in its mode.
-
-    The facts are the first plan's, not read again from the modules: applied, a streamed layer's
-    parameters are placeholders, and a profile read from them would have no bytes.
-    """
-    if planned.facts is None:
-        raise ValueError("the plan carries no facts to plan again from: make it with plan_stage")
-    facts = dataclasses.replace(planned.facts, components=tuple(
-        with_measured_compute(profile, compute[profile.name]) for profile in planned.facts.components))
-    if memory is None:
-        return plan_pipeline(_with_working_set(facts, working_set_bytes), planned.mode)
-    depth = {p.name: ComponentOverride(prefetch_depth=memory.profile.prefetch_depth) for p in facts.components
-             if p.layers}
-    return plan_for_replica(memory.profile, _with_working_set(facts, working_set_bytes, depth), planned.mode,
-                            owner=memory.owner)
-
-
-def _with_working_set(facts: PipelineFacts, nbytes: int, overrides=None) -> PipelineFacts:
-    """``facts`` keeping ``nbytes`` for activations, capped so the leanest plan's weights still fit."""
-    room = max(0, facts.device_capacity - memory_floor_bytes(facts, overrides))
-    return dataclasses.replace(facts, working_set_bytes=min(max(0, nbytes), room))
-
-
-def host_lease_bytes(host_budget: MemoryBudget, host_budget_bytes: int | None) -> int:
-    """The replica plans within min(its own budget, what the node ledger has free)."""
-    free = host_budget.available()
-    return free if host_budget_bytes is None else min(free, host_budget_bytes)
-
 
 def predicted_kept_bytes(plan: PipelinePlan) -> int:
     """Device weight bytes the plan keeps between calls: resident components, unparked non-layer weights."""

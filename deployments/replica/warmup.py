@@ -37,12 +37,13 @@ import torch
 from torch import nn
 
 from cluster.replica.ledger_view import ReplicaMemory
+from cluster.replica.plan import replan_stage
 from deployments.capacity.request_limits import Limits, parse_size
 from deployments.models import activation_features, families
 from deployments.models.activation_features import ACTIVATION_MARGIN
 from deployments.models.families import FamilyFacts
 from deployments.replica.batching import BatchingConfig
-from deployments.replica.stage_residency import StageResidency, replan_stage
+from deployments.replica.stage_residency import StageResidency
 from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core.planner.measured_compute import (
     MeasuredCompute,

@@ -23,6 +23,7 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from cluster.replica.ledger_view import DeviceBusy
+from cluster.replica.plan import replan_stage
 from deployments.capacity.admission import StageAdmission, nearest_admitted, size_text
 from deployments.capacity.batch_state import BatchState
 from deployments.capacity.replica_report import REPUBLISH_S, ReplicaResidency
@@ -37,11 +38,7 @@ from deployments.replica.leases import LEASE_REFUSED, open_device_leases, open_r
 from deployments.replica.metrics import ReplicaGauges, StageMetrics
 from deployments.replica.rank_spec import RankSpec
 from deployments.replica.stage_config import DTYPES, StageConfig  # noqa: F401 (re-exported: importers name it here)
-from deployments.replica.stage_residency import (
-    StageResidency,
-    predicted_kept_bytes,
-    replan_stage,
-)
+from deployments.replica.stage_residency import StageResidency, predicted_kept_bytes
 from deployments.wire.spec import (
     GenerationSpec,
     PipelineStage,

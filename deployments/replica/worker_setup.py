@@ -21,11 +21,12 @@ import torch
 from torch import nn
 
 from cluster.replica.ledger_view import ReplicaMemory
+from cluster.replica.plan import host_lease_bytes, plan_stage
 from deployments.models import families
 from deployments.models.tensor_parallel import rank_components
 from deployments.replica.rank_spec import RankSpec
 from deployments.replica.stage_config import DTYPES, StageConfig
-from deployments.replica.stage_residency import StageResidency, host_lease_bytes, plan_stage
+from deployments.replica.stage_residency import StageResidency
 from offload_core.host.store import folder_identity
 from offload_core.planner.search import PipelinePlan
 from offload_core.residency.shared_hosting import SharedWeights

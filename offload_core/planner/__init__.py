@@ -2,5 +2,5 @@
 
 Owns the facts (from the same layout code the engine runs, on ``meta``), the cost model, the
 search over performance modes, the pipeline plan, real-size models on ``meta`` and the CLI
-(``python -m offload_core.plan``).
+(``offload-serve plan``).
 """

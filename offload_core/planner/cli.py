@@ -1,4 +1,4 @@
-"""Plan a pipeline for a GPU without one: ``python -m offload_core.plan --model wan2.1-t2v-14b --gpu L4 --host-ram 64GiB``.
+"""Plan a pipeline for a GPU without one: ``offload-serve plan --model wan2.1-t2v-14b --gpu L4 --host-ram 64GiB``.
 
 ``--tp N`` plans the stages that have a tensor-parallel plan (the umT5 encoder) as one of N ranks holds
 them: each rank its own GPU, its slice kept on it.
@@ -33,7 +33,7 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def _parser(prog: str = "python -m offload_core.plan") -> argparse.ArgumentParser:
+def _parser(prog: str = "offload-serve plan") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a real model in configs/models/real_model_configs.json, e.g. wan2.1-t2v-14b")
@@ -112,7 +112,7 @@ def plan_stage_bytes(plan: PipelinePlan, stage) -> int:
                for c in plan.components)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m offload_core.plan") -> int:
+def main(argv: list[str] | None = None, prog: str = "offload-serve plan") -> int:
     """``prog``: how the user called it (``offload-serve plan``), for usage and error lines."""
     parser = _parser(prog)
     args = parser.parse_args(argv)

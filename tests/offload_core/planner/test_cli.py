@@ -121,9 +121,9 @@ def test_byte_sizes_take_binary_and_decimal_units():
     assert parse_bytes("64GiB") == 64 * 2**30 and parse_bytes("512MB") == 512 * 10**6 and parse_bytes("7") == 7
 
 
-def test_runs_as_a_module():
+def test_runs_as_the_offload_serve_plan_command():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "offload_core.plan", "--model", "wan2.1-t2v-1.3b", "--gpu", "RTX3060",
+    done = subprocess.run([sys.executable, "-m", "deployments.dev.cli", "plan", "--model", "wan2.1-t2v-1.3b", "--gpu", "RTX3060",
                            "--host-ram", "32GiB", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
