@@ -48,7 +48,7 @@ $(ZOO_STAMP): $(STAMP) $(wildcard zoo/*.py)
 # threads made the engine's tests 4x slower here (12 s vs 48 s).
 # The house first (seconds): pyflakes and import order, then the import contracts in pyproject.toml.
 test: $(STAMP) $(ZOO_STAMP)
-	$(VENV)/bin/ruff check -q compat offload_core cluster deployments zoo bench tests docs
+	$(VENV)/bin/ruff check -q compat offload_core cluster deployments zoo testing bench tests docs
 	$(VENV)/bin/lint-imports --no-cache
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 tests
 
