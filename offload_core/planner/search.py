@@ -5,7 +5,9 @@
 - MEMORY: every streamable component layerwise with nothing resident, parked between uses, its
   big token tables on the host; components without layer groups are model-offloaded.
 - AUTO (default): the fastest plan that fits ``facts.weight_budget``. Every combination of
-  per-component strategies is tried; in each, resident layers are added greedily (best time
+  per-component strategies is considered, best lower bound first, and tried unless its bound proves
+  it slower than the best plan found (``planner.search_bound``: the exhaustive search's result, with
+  a few of the hundreds of combinations tried); in each, resident layers are added greedily (best time
   saved per device byte first) while streaming is not yet hidden behind compute, and stop at
   the first addition that no longer fits. The greedy path does not depend on the capacity, so
   a bigger device only ever extends it: more memory never plans slower. Then each streamed
@@ -20,7 +22,6 @@ Ties go to fewer bytes moved, then to the smaller peak. Overrides pin any field 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 from typing import Mapping, Sequence
@@ -35,6 +36,14 @@ from offload_core.planner.pipeline_plan import (  # noqa: F401 (re-exported)
     ComponentPlan,
     PerformanceMode,
     PipelinePlan,
+)
+from offload_core.planner.search_bound import (
+    MARGIN_S,
+    combination_time_bound,
+    component_bounds,
+    fillable,
+    pin_room,
+    suffix_staging,
 )
 from offload_core.planner.staging_ring import choose_staging
 from offload_core.planner.strategy import Strategy
@@ -107,7 +116,7 @@ def _tiers_along_pin_order(facts: PipelineFacts, plans: dict[str, ComponentPlan]
         tiers = {}
         layouts = {l.key: l.layout.host_flat_bytes for l in profile.layers}
         keys = [key for key, _ in claim.layers]
-        after = _suffix_staging(tuple(layouts[key] for key in keys))
+        after = suffix_staging(tuple(layouts[key] for key in keys))
         for index, (key, nbytes) in enumerate(claim.layers):
             if forced is not None:
                 tiers[key] = forced
@@ -118,20 +127,6 @@ def _tiers_along_pin_order(facts: PipelineFacts, plans: dict[str, ComponentPlan]
                 tiers[key] = HostingTier.PAGEABLE
         left -= staging_bytes(layouts[key] for key in keys if tiers[key] in STAGED_TIERS)
         out[claim.component] = dataclasses.replace(plan, hosting=tuple((l.key, tiers[l.key]) for l in profile.layers))
-    return out
-
-
-@functools.lru_cache(maxsize=256)  # one entry per (component, resident count): the search asks again and again
-def _suffix_staging(layouts: tuple) -> list[int]:
-    """``[i]``: the staging bytes of layers ``i..`` (``layout.staging_bytes``), for every i; ``[n]`` is 0."""
-    out, largest = [0] * (len(layouts) + 1), {}
-    for i in range(len(layouts) - 1, -1, -1):
-        for dtype, nbytes in layouts[i]:
-            largest[dtype] = max(largest.get(dtype, 0), nbytes)
-        # the suffix's per-dtype largest stands for each of its layers: same buffers, same bytes; more
-        # copies than buffers change nothing, so at most that many are passed (O(n), not O(n^2): 40
-        # layers x 128 strategy combinations made this a third of planning Wan2.1-14B)
-        out[i] = staging_bytes([tuple(largest.items())] * min(len(layouts) - i, DEFAULT_STAGING_BUFFERS))
     return out
 
 
@@ -233,8 +228,7 @@ def _fill_residents(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str
                     overrides: Mapping[str, ComponentOverride], budget: int, cache: dict) -> PipelinePlan:
     """Add resident layers, best time saved per device byte first, until hidden or out of room."""
     current = _evaluate(facts, mode, plans, overrides, budget, cache)
-    open_ = [p for p in facts.components if plans[p.name].strategy is Strategy.LAYERWISE
-             and overrides.get(p.name, ComponentOverride()).resident_layers is None and p.uses_per_request > 1]
+    open_ = [p for p in facts.components if plans[p.name].strategy is Strategy.LAYERWISE and fillable(p, overrides)]
     while open_:
         best = None
         for profile in open_:
@@ -342,14 +336,25 @@ def _fixed(facts: PipelineFacts, mode: PerformanceMode, overrides, budget: int) 
 
 
 def _search(facts: PipelineFacts, mode: PerformanceMode, overrides, budget: int) -> PipelinePlan:
+    """The best of every strategy combination, as if each were tried in ``itertools.product`` order (the
+    first of equal keys wins), but best bound first (``planner.search_bound``): a combination whose bound
+    is above the best feasible plan's time cannot win, nor can any after it, so the search stops there."""
     options = [_options(p, overrides.get(p.name, ComponentOverride())) for p in facts.components]
-    best, cache = None, {}
-    for combo in itertools.product(*options):
-        plans = {p.name: plan for p, plan in zip(facts.components, combo)}
+    bounds = [component_bounds(p, opts, facts.link, fillable(p, overrides), pin_room(facts, p, overrides))
+              for p, opts in zip(facts.components, options)]
+    combos = sorted((combination_time_bound(facts, [bounds[c][i] for c, i in enumerate(picks)], budget), order, picks)
+                    for order, picks in enumerate(itertools.product(*(range(len(o)) for o in options))))
+    best, best_rank, cache, tried = None, None, {}, 0
+    for bound, order, picks in combos:
+        if best is not None and best.feasible and bound > best.time_s_per_request + MARGIN_S:
+            break
+        plans = {p.name: options[c][i] for c, (p, i) in enumerate(zip(facts.components, picks))}
         candidate = _fit_windows(facts, mode, _fill_residents(facts, mode, plans, overrides, budget, cache),
                                  overrides, budget, cache)
-        if best is None or _key(candidate) < _key(best):
-            best = candidate
+        tried += 1
+        if best is None or (_key(candidate), order) < best_rank:
+            best, best_rank = candidate, (_key(candidate), order)
+    logger.debug("plan search: %d of %d strategy combinations tried, the rest bounded out", tried, len(combos))
     return best
 
 
