@@ -58,10 +58,14 @@ class HostLayer:
         for meta, tensor in zip(layout.tensors, params):
             if tensor.device.type == "meta":
                 raise LayoutError(f"layer {layout.key}: {meta.name} is on the meta device and has no data to stream")
+        if tier is HostingTier.MAPPED and layout.quantized:
+            # The checkpoint's mapping holds the native weights, not their 8-bit form: quantized once
+            # into anonymous memory at the 8-bit size, the layer is PAGEABLE (staged like MAPPED).
+            logger.info("layer %s: planned MAPPED with FP8 weights: quantized once into %d B of anonymous "
+                        "host memory (the mapping's %d B stay the checkpoint's); hosted PAGEABLE",
+                        layout.key, layout.host_nbytes, layout.nbytes)
+            tier = HostingTier.PAGEABLE
         if tier is HostingTier.MAPPED:
-            if layout.quantized:
-                raise LayoutError(f"layer {layout.key}: FP8 weights are quantized at load into anonymous memory; "
-                                  "MAPPED keeps the checkpoint's own tensors: host it PINNED or PAGEABLE")
             for meta, tensor in zip(layout.tensors, params):
                 if tensor.device.type != "cpu":
                     raise LayoutError(f"layer {layout.key}: MAPPED keeps host tensors as they are, "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -9,7 +10,6 @@ import torch
 from offload_core.host.tier import HostingTier
 from offload_core.layout import (
     FP8_HOST_DTYPE,
-    LayoutError,
     declared_layer_groups,
     resolve_layer_group,
 )
@@ -145,10 +145,15 @@ def test_quantize_is_deterministic_exact_to_widen_and_a_fixed_point(dtype):
     assert (widened.float() - weight.float()).abs().max() <= weight.float().abs().max() / 16  # e4m3: 3 mantissa bits
 
 
-def test_mapped_fp8_layers_are_refused_with_the_layer_named():
-    model = WAN.build()
-    with pytest.raises(LayoutError, match="blocks.0.*FP8.*PINNED or PAGEABLE"):
-        apply_layer_streaming(model, "cpu", _fp8_config(model, HostingTier.MAPPED))
+def test_mapped_fp8_layers_are_quantized_once_into_pageable_memory_and_stream_bitwise(remove_after, caplog):
+    model, inputs = WAN.build(), WAN.inputs()
+    expected = _reference(WAN, inputs)
+    with caplog.at_level(logging.INFO, logger="offload_core.streaming.host_layer"):
+        streamer = remove_after(apply_layer_streaming(model, "cpu", _fp8_config(model, HostingTier.MAPPED)))
+    assert {layer.host.tier for layer in streamer.layers} == {HostingTier.PAGEABLE}
+    assert all(layer.host.nbytes >= layer.layout.host_nbytes for layer in streamer.layers), "the 8-bit copy is held"
+    assert "planned MAPPED with FP8 weights: quantized once" in caplog.text
+    assert torch.equal(WAN.run(model, inputs), expected)
 
 
 def test_remove_gives_back_the_widened_weights_and_streaming_again_computes_the_same(remove_after):
