@@ -75,11 +75,11 @@ def main() -> None:
     plan = widen_plan(layout)
     old, new = regions_for(host), regions_for(host)
     old_count = count_launches(lambda: per_tensor(host, old))
-    new_count = count_launches(lambda: widen_layer(layout, new))
+    new_count = count_launches(lambda: widen_layer(plan, new))
     equal = all(torch.equal(tensor_view(old[m.dtype], m), tensor_view(new[m.dtype], m)) for m in layout.tensors)
     meta = regions_for(host, "meta")
-    meta_count = count_launches(lambda: widen_layer(layout, meta))
-    old_s, new_s = best_s(lambda: per_tensor(host, old)), best_s(lambda: widen_layer(layout, new))
+    meta_count = count_launches(lambda: widen_layer(plan, meta))
+    old_s, new_s = best_s(lambda: per_tensor(host, old)), best_s(lambda: widen_layer(plan, new))
     n = len(layout.quantized)
     print(f"Wan2.1 block dim {args.dim} ffn {args.ffn}: {n} quantized tensors, {len(layout.tensors)} in all; "
           f"{len(plan.runs)} run(s), {len(plan.groups)} scale groups "

@@ -20,7 +20,6 @@ because a promoted multiply is several times slower there.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -65,9 +64,9 @@ class WidenPlan:
         return len(self.runs) + len(self.groups)
 
 
-@functools.lru_cache(maxsize=4096)
 def widen_plan(layout: LayerLayout) -> WidenPlan:
-    """The runs and groups of ``layout``'s quantized tensors (cached: layouts are frozen, one per layer)."""
+    """The runs and groups of ``layout``'s quantized tensors (a host layer makes its own once: hashing a
+    layout per widen would cost the launch thread more than the lookup saves)."""
     placed = sorted(layout.quantized, key=lambda q: (str(layout.tensors[q.index].dtype),
                                                      layout.tensors[q.index].byte_offset))
     runs, groups = [], []
@@ -91,10 +90,9 @@ def widen_plan(layout: LayerLayout) -> WidenPlan:
     return WidenPlan(tuple(runs), tuple(groups))
 
 
-def widen_layer(layout: LayerLayout, regions: Mapping[torch.dtype, torch.Tensor]) -> None:
-    """Widen every quantized tensor of ``layout`` from ``regions[FP8_HOST_DTYPE]`` (the landed FP8
-    buffer) into its place in ``regions`` (uint8 per dtype), with ``widen_plan``'s launches."""
-    plan = widen_plan(layout)
+def widen_layer(plan: WidenPlan, regions: Mapping[torch.dtype, torch.Tensor]) -> None:
+    """Widen every quantized tensor of ``plan`` (:func:`widen_plan` of the layer's layout) from
+    ``regions[FP8_HOST_DTYPE]`` (the landed FP8 buffer) into its place in ``regions`` (uint8 per dtype)."""
     landing = regions[FP8_HOST_DTYPE]
     for run in plan.runs:
         q = landing[run.fp8_start:run.fp8_end].view(FP8_DTYPE)

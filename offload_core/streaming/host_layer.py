@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from offload_core.fp8_widen import widen_layer
+from offload_core.fp8_widen import widen_layer, widen_plan
 from offload_core.host.pinned import HostBuffer, PinRefusal, allocate_host_buffer, free_host_buffer
 from offload_core.host.tier import HostingTier
 from offload_core.layout import (
@@ -47,6 +47,7 @@ class HostLayer:
         self.tier = tier
         self._buffers = dict(buffers)
         self._mapped = mapped
+        self._widen = widen_plan(layout) if layout.quantized else None  # made once: widen runs per copy
 
     @classmethod
     def consolidate(cls, layout: LayerLayout, params: Sequence[torch.Tensor], tier: HostingTier,
@@ -170,8 +171,8 @@ class HostLayer:
     def widen(self, regions: Mapping[torch.dtype, torch.Tensor]) -> None:
         """Widen the quantized tensors from the landed FP8 buffer into ``regions`` (none: no-op): one
         conversion per dtype, one multiply per group of same-shaped tensors (``offload_core.fp8_widen``)."""
-        if self.layout.quantized:
-            widen_layer(self.layout, regions)
+        if self._widen is not None:
+            widen_layer(self._widen, regions)
 
     def free(self) -> None:
         """Unlock page-locked buffers; the memory goes with the last view."""

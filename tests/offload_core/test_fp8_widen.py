@@ -61,7 +61,7 @@ def test_the_layer_widen_equals_the_per_tensor_widen_bit_for_bit(dtype, scale):
     torch.manual_seed(0)
     host = _hosted(Block(5, dtype, scale))
     whole, reference = _regions(host), _regions(host)
-    widen_layer(host.layout, whole)
+    widen_layer(widen_plan(host.layout), whole)
     _per_tensor(host, reference)
     for got, want in zip(_tensors(host, whole), _tensors(host, reference)):
         assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got, want)
@@ -79,7 +79,7 @@ def test_same_shaped_tensors_form_one_group_and_launches_do_not_grow_with_them()
         assert len(plan.groups) == 3, "the same-shaped linears, the up projection, the conv"
         assert [g.count for g in plan.groups if (g.rows, g.cols) == (64, 64)] == [same]
         regions = _regions(host)
-        counts[same] = (count_launches(lambda: widen_layer(host.layout, regions)).launches,
+        counts[same] = (count_launches(lambda: widen_layer(widen_plan(host.layout), regions)).launches,
                         count_launches(lambda: _per_tensor(host, regions)).launches)
     (layer_2, tensor_2), (layer_8, tensor_8) = counts[2], counts[8]
     assert layer_8 == layer_2, counts
@@ -92,7 +92,7 @@ def test_on_a_gpu_like_device_the_widen_launches_one_kernel_per_run_and_group():
     plan = widen_plan(host.layout)
     regions = {dtype: torch.empty(n, dtype=torch.uint8, device="meta") for dtype, n in host.layout.flat_bytes}
     regions[FP8_HOST_DTYPE] = torch.empty(host.layout.landing_bytes, dtype=torch.uint8, device="meta")
-    counter = count_launches(lambda: widen_layer(host.layout, regions))
+    counter = count_launches(lambda: widen_layer(widen_plan(host.layout), regions))
     assert counter.launches == plan.launches == 1 + 3, counter.ops  # no device read to decide a scale's dtype
 
 
