@@ -43,7 +43,7 @@ from deployments.app import AppArgs, StageArgs, resolve_model_folder, stage_conf
 from deployments.models import families  # noqa: E402
 from deployments.wire.spec import GenerationSpec, PipelineStage  # noqa: E402
 from offload_core.residency.host_tables import device_weight_bytes  # noqa: E402
-from offload_core.tensor_parallel import load_rank  # noqa: E402
+from offload_core.tensor_parallel.plans import load_rank  # noqa: E402
 
 SPEC = GenerationSpec("bench", "a lighthouse on a cliff at dusk", "", 64, 64, 1, 2, 5.0, 7, 1)
 
@@ -82,7 +82,7 @@ class EncoderReplica:
     """A stage replica stand-in: the TextEncoder's own code path (a StageWorker, or a ShardGroup of ranks)."""
 
     def __init__(self, config):
-        from deployments.replica.shards import ShardGroup
+        from deployments.replica.tensor_parallel.group import ShardGroup
         from deployments.replica.worker import StageWorker
 
         self.group = ShardGroup(config, f"bench-tp{config.tp_size}", config.tp_size) if config.tp_size > 1 else None

@@ -3,7 +3,7 @@ dispatch modes, pytrees and the fake process group. Runs in whichever process ca
 
 Public instead of private, where torch has it: a store for the fake process group is the public
 ``torch.distributed.HashStore`` (not ``fake_pg.FakeStore``); a DTensor's shard is read with
-``DTensor.to_local()`` where a read is all that is needed (``offload_core.sharded``).
+``DTensor.to_local()`` where a read is all that is needed (``offload_core.tensor_parallel.sharded``).
 """
 from __future__ import annotations
 

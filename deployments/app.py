@@ -57,7 +57,7 @@ class StageArgs(BaseModel):
     cache_threshold: float = Field(0.0, ge=0.0, le=1.0)
     # Ranks per replica (tensor parallelism): the replica holds tp_size bundles of its node, one GPU
     # each (strict pack), and runs one rank worker per bundle. 1: one process, today's path. Only
-    # stages whose components have a plan (offload_core.tensor_parallel) accept more.
+    # stages whose components have a plan (offload_core.tensor_parallel.plans) accept more.
     tp_size: int = Field(1, ge=1)
     # Whether a rank's bundle holds a GPU: "auto" asks the cluster at build time (no GPU anywhere:
     # CPU bundles, gloo); "gpu" for clusters whose GPU nodes an autoscaler adds later (KubeRay).

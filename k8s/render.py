@@ -22,6 +22,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # k8s/pod_probes.py beside this file
 import pod_probes  # noqa: E402  (the pods' startup, liveness and readiness probes)
+
 from offload_core.planner.gpus import gpu_model  # noqa: E402  (the one GPU table)
 
 K8S_DIR = Path(__file__).resolve().parent
@@ -86,7 +87,7 @@ class StagePlacement:
     min_replicas: int
     max_replicas: int
     target_ongoing_requests: float
-    tp_size: int = 1  # ranks per replica: one whole GPU each, all in one pod (deployments/replica/shards.py)
+    tp_size: int = 1  # ranks per replica: one whole GPU each, all in one pod (deployments/replica/tensor_parallel/group.py)
 
 
 @dataclass(frozen=True)

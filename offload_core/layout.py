@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from compat.torch import own_children
-from offload_core.sharded import is_sharded, local_tensor
+from offload_core.tensor_parallel.sharded import is_sharded, local_tensor
 
 # Every tensor starts at a multiple of 512 bytes in its flat buffer. Why 512: torch's CUDA caching
 # allocator hands out blocks at 512-byte granularity, so a view at a 512-aligned offset is aligned
@@ -462,7 +462,7 @@ def layer_parameters(layer: nn.Module) -> tuple[tuple[str, nn.Parameter], ...]:
     """The layer's streamable parameters, each once; buffers stay on the device.
 
     Tensor-parallel (DTensor) parameters are left out: streaming rebinds ``.data``, which corrupts
-    a DTensor (see offload_core.sharded). They stay on the rank's device as kept weights.
+    a DTensor (see offload_core.tensor_parallel.sharded). They stay on the rank's device as kept weights.
     """
     return tuple((name, p) for name, p in layer.named_parameters() if not is_sharded(p))
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from compat.torch import own_parameters
-from offload_core.sharded import is_sharded, local_nbytes, local_tensor
+from offload_core.tensor_parallel.sharded import is_sharded, local_nbytes, local_tensor
 
 logger = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ RAY_GROUPS: dict[str, dict[str, float]] = {
         "tests/deployments/ingress/test_service.py": 29.0, "tests/deployments/ingress/test_video_jobs_service.py": 57.1,
         "tests/deployments/ingress/test_service_lifecycle.py": 51.4,
         "tests/deployments/replica/test_tensor_parallel_service.py": 46.3,
-        "tests/deployments/ingress/test_families_service.py": 26.6, "tests/deployments/replica/test_shards.py": 21.1,
+        "tests/deployments/ingress/test_families_service.py": 26.6, "tests/deployments/replica/tensor_parallel/test_group.py": 21.1,
         "tests/deployments/ingress/test_service_sd3.py": 19.7,
     },  # 458.4 s
     "serve-command": {"tests/deployments/dev/test_serve_command.py": 67.5},
@@ -106,7 +106,7 @@ LONG_IN_PROCESS: dict[str, float] = {
     "tests/deployments/models/test_conformance.py": 37.5, "tests/bench/test_gpu_check.py": 25.1,
     "tests/deployments/api/test_http_properties.py": 15.8, "tests/deployments/api/test_video_jobs_properties.py": 14.2,
     "tests/deployments/replica/test_step_cache_batching.py": 13.9, "tests/offload_core/planner/test_skeletons.py": 13.6,
-    "tests/deployments/models/test_activation_features.py": 11.6, "tests/deployments/replica/test_ranked_denoiser.py": 8.8,
+    "tests/deployments/models/test_activation_features.py": 11.6, "tests/deployments/replica/tensor_parallel/test_ranked_denoiser.py": 8.8,
     "tests/offload_core/planner/test_cli.py": 8.3, "tests/bench/test_sim_overlap.py": 7.9,
     "tests/deployments/replica/test_warmup.py": 7.5, "tests/offload_core/planner/test_search.py": 6.6,
     "tests/offload_core/residency/test_host_tables.py": 6.2,

@@ -2,7 +2,7 @@
 
 Runs in ``build_app`` (the deploy-time refusal, reading only the folder's ``model_index.json``) and
 in each rank actor of a tensor-parallel stage replica (``rank_components``). The plans themselves
-are offload_core's (``offload_core.tensor_parallel``): the T5-family text encoders (ours, loaded
+are offload_core's (``offload_core.tensor_parallel.plans``): the T5-family text encoders (ours, loaded
 sharded by transformers) and the DiTs diffusers ships a plan for (FLUX.1's and Qwen-Image's
 transformer: loaded whole on each rank from the folder, then sharded by ``shard_dit``).
 """
@@ -16,7 +16,7 @@ import torch
 
 from deployments.models.families import FamilyFacts, stage_component_names
 from deployments.wire.spec import PipelineStage
-from offload_core.tensor_parallel import classes_with_plans, has_plan, load_rank, shard_dit
+from offload_core.tensor_parallel.plans import classes_with_plans, has_plan, load_rank, shard_dit
 
 logger = logging.getLogger(__name__)
 

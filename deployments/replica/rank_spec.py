@@ -1,4 +1,4 @@
-"""Who a rank of a tensor-parallel stage replica is, and where it landed (deployments/replica/shards.py).
+"""Who a rank of a tensor-parallel stage replica is, and where it landed (deployments/replica/tensor_parallel/group.py).
 
 Plain data, read by the stage worker (a rank's leases, plan and report are its own) and by the
 replica's shard group.

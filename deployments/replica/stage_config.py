@@ -46,7 +46,7 @@ class StageConfig:
     weights: WeightFormat = WeightFormat.NATIVE
     # The Denoiser's step cache threshold for requests that do not set one (0: off).
     cache_threshold: float = 0.0
-    # Ranks of one replica (tensor parallelism, deployments/replica/shards.py); 1: today's single process.
+    # Ranks of one replica (tensor parallelism, deployments/replica/tensor_parallel/group.py); 1: today's single process.
     tp_size: int = 1
     # Which token tables the stage's replicas consider hosting (offload_core.tables); a sharded one never is.
     host_tables: HostTablesConfig = HostTablesConfig()

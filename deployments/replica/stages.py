@@ -21,9 +21,13 @@ from deployments.models.steppers import StepRequest, stepper_for
 from deployments.replica.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
 from deployments.replica.metrics import BatchMetrics
 from deployments.replica.rank_spec import RankIdentity
-from deployments.replica.ranked_denoiser import RankedStageWorker, refuse_cached_request, refuse_step_cache
-from deployments.replica.shards import ShardGroup
 from deployments.replica.stage_thread import StageThread
+from deployments.replica.tensor_parallel.group import ShardGroup
+from deployments.replica.tensor_parallel.ranked_denoiser import (
+    RankedStageWorker,
+    refuse_cached_request,
+    refuse_step_cache,
+)
 from deployments.replica.worker import StageConfig, StageWorker, replica_id
 from deployments.wire.spec import (
     DenoiseProgress,
@@ -49,7 +53,7 @@ def encode_on(worker: StageWorker, spec: GenerationSpec) -> StageOutput:
 
 @serve.deployment(name="TextEncoder")
 class TextEncoder:
-    """At ``tp_size > 1`` the replica holds no model itself: its ranks do (deployments/replica/shards.py)."""
+    """At ``tp_size > 1`` the replica holds no model itself: its ranks do (deployments/replica/tensor_parallel/group.py)."""
 
     def __init__(self, config: StageConfig):
         self.group: ShardGroup | None = None
@@ -96,7 +100,7 @@ class Denoiser:
 
     def __init__(self, config: StageConfig):
         """At ``tp_size > 1`` the ranks hold the transformer and run its forwards
-        (deployments/replica/ranked_denoiser.py); the batching stays here."""
+        (deployments/replica/tensor_parallel/ranked_denoiser.py); the batching stays here."""
         self.group: ShardGroup | None = None
         if config.tp_size > 1:
             refuse_step_cache(config)  # before any rank starts

@@ -184,7 +184,7 @@ class StageOutput:
 
 
 class RankLost(RuntimeError):
-    """A rank of a tensor-parallel stage replica died or hung mid-call (deployments/replica/shards.py):
+    """A rank of a tensor-parallel stage replica died or hung mid-call (deployments/replica/tensor_parallel/group.py):
     the call fails with 503 and Serve replaces the replica. Crosses Ray to the ingress."""
 
 

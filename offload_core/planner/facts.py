@@ -24,8 +24,8 @@ from offload_core.layout import (
 )
 from offload_core.order import Trace, execution_order
 from offload_core.quant import WeightFormat, layer_layout
-from offload_core.sharded import local_nbytes, local_numel
 from offload_core.tables import HostTablesConfig, TableVerdict, select_host_tables
+from offload_core.tensor_parallel.sharded import local_nbytes, local_numel
 
 logger = logging.getLogger(__name__)
 

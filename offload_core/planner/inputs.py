@@ -32,9 +32,9 @@ from offload_core.planner.facts import (
     with_compute,
 )
 from offload_core.planner.flow_timesteps import high_noise_steps
-from offload_core.sharded import local_nbytes, sharded_parameters
 from offload_core.tables import HostTablesConfig
-from offload_core.tensor_parallel import classes_with_plans, has_plan, planning_world, shard_planned
+from offload_core.tensor_parallel.plans import classes_with_plans, has_plan, planning_world, shard_planned
+from offload_core.tensor_parallel.sharded import local_nbytes, sharded_parameters
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from compat.torch import own_parameters
-from offload_core.sharded import local_nbytes, move_unsharded, refuse_sharded
 from offload_core.tables import HostTablesConfig, TableDecision, TableVerdict, select_host_tables
+from offload_core.tensor_parallel.sharded import local_nbytes, move_unsharded, refuse_sharded
 
 logger = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from offload_core.residency.host_fit import host_leases as _host_leases
 from offload_core.residency.host_fit import tiers_as_hosted
 from offload_core.residency.host_tables import HostTables
 from offload_core.residency.parking import Parking
-from offload_core.sharded import move_unsharded
 from offload_core.streaming.device import normalize_device
 from offload_core.streaming.engine import ResidentPlacement, StreamingConfig, apply_layer_streaming
 from offload_core.streaming.meter import DeviceWeightMeter, WeightTotal
 from offload_core.tables import HostTablesConfig, select_host_tables
+from offload_core.tensor_parallel.sharded import move_unsharded
 
 logger = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ from torch import nn
 
 from offload_core.layout import placeholder
 from offload_core.planner.facts import DEFAULT_PARK_FRACTION
-from offload_core.sharded import is_sharded
 from offload_core.streaming.device import get_device, normalize_device
 from offload_core.streaming.headroom import Headroom
 from offload_core.streaming.meter import DeviceWeightMeter, walked_device_bytes
+from offload_core.tensor_parallel.sharded import is_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Parking:
         self.min_block = min_block
         excluded = {id(t) for t in exclude}
         # Tensor-parallel parameters are never parked: park and restore rebind ``.data``, which
-        # corrupts a DTensor (offload_core.sharded); they stay on the rank's device.
+        # corrupts a DTensor (offload_core.tensor_parallel.sharded); they stay on the rank's device.
         unique = {id(p): p for p in module.parameters() if id(p) not in excluded and not is_sharded(p)}
         self._params: tuple[nn.Parameter, ...] = tuple(unique.values())
         self._host: dict[int, torch.Tensor] = {}

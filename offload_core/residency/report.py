@@ -28,9 +28,9 @@ import torch
 
 from offload_core.host.maps import Backing, MapsSnapshot
 from offload_core.host.tier import HostingTier
-from offload_core.sharded import local_tensor
 from offload_core.streaming.shared_layer import SharedHostLayer
 from offload_core.tables import TableDecision
+from offload_core.tensor_parallel.sharded import local_tensor
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,6 @@ from offload_core.layout import (
     unique_storage_bytes,
 )
 from offload_core.order import execution_order
-from offload_core.sharded import move_unsharded
 from offload_core.streaming.attach import collect_layers, layer_tiers, move_layers_off
 from offload_core.streaming.claim import ConcurrentForwardError, ForwardClaim  # noqa: F401 (re-exported)
 from offload_core.streaming.config import (  # noqa: F401 (the engine's public names, re-exported)
@@ -52,6 +51,7 @@ from offload_core.streaming.resident import ResidentLayers
 from offload_core.streaming.ring import PrefetchRing
 from offload_core.streaming.staging import StagingRing
 from offload_core.streaming.unit import StreamedLayer
+from offload_core.tensor_parallel.sharded import move_unsharded
 
 logger = logging.getLogger(__name__)
 

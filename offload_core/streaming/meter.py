@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from compat.torch import view_base
-from offload_core.sharded import local_tensor
 from offload_core.streaming.device import get_device, normalize_device
+from offload_core.tensor_parallel.sharded import local_tensor
 
 
 def walked_device_bytes(params: Iterable[torch.Tensor], device: torch.device) -> int:

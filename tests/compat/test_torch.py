@@ -6,7 +6,7 @@ from torch import nn
 
 from compat import torch as seam
 from compat.checked import REGISTRY
-from offload_core.tensor_parallel import planning_world
+from offload_core.tensor_parallel.plans import planning_world
 
 
 def use(name: str):

@@ -29,14 +29,14 @@ def tiny_t5(vocab: int = 4096):
 
 def fake_world(world: int = 2):
     """A fake process group of ``world`` ranks in this process (this one is rank 0); yields its CPU mesh."""
-    from offload_core.tensor_parallel import planning_world
+    from offload_core.tensor_parallel.plans import planning_world
 
     return planning_world(world)
 
 
 def sharded(model, mesh):
     """``model`` with its class's tensor-parallel plan applied over ``mesh`` (DTensor parameters)."""
-    from offload_core.tensor_parallel import divide_attention_heads, shard_in_place, tp_plan_for
+    from offload_core.tensor_parallel.plans import divide_attention_heads, shard_in_place, tp_plan_for
 
     shard_in_place(model, mesh, tp_plan_for(type(model).__name__, model.config))
     divide_attention_heads(model, mesh.size(), mesh.get_local_rank())

@@ -36,7 +36,7 @@ def _inputs(family: str, config) -> dict:
 def _rank(rank: int, port: int, folders: dict, out) -> None:
     import diffusers
 
-    from offload_core.sharded import local_nbytes, sharded_parameters
+    from offload_core.tensor_parallel.sharded import local_nbytes, sharded_parameters
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

@@ -2,7 +2,7 @@
 
 Runs in two kinds of process: the Denoiser replica (:class:`TransformerProxy` in place of the
 pipeline's transformer, and :class:`RankedStageWorker` in place of its :class:`StageWorker`) and
-each rank actor of its :class:`~deployments.replica.shards.ShardGroup` (:func:`forward_on`, on the
+each rank actor of its :class:`~deployments.replica.tensor_parallel.group.ShardGroup` (:func:`forward_on`, on the
 rank's own StageWorker, which loaded only its slice of the DiT).
 
 The replica keeps everything but the transformer's forward: the scheduler, the step batcher, each

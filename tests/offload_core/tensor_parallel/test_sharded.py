@@ -15,10 +15,10 @@ from offload_core.planner.search import PerformanceMode, plan_pipeline
 from offload_core.planner.strategy import Strategy
 from offload_core.residency.host_tables import device_weight_bytes
 from offload_core.residency.lifecycle import PipelineResidency
-from offload_core.sharded import local_nbytes, sharded_parameters
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
 from offload_core.streaming.meter import walked_device_bytes
 from offload_core.tables import HostTablesConfig, TableVerdict
+from offload_core.tensor_parallel.sharded import local_nbytes, sharded_parameters
 from tests.offload_core.tp_fixtures import fake_world, sharded, tiny_umt5
 
 # Zero: "too small" can never be why the table stays on the device; only the tensor-parallel rule can.

@@ -44,7 +44,7 @@ def _holder_class():
         """Stands in for the TextEncoder replica: holds the ShardGroup in the placement group's bundle 0."""
 
         def __init__(self, config):
-            from deployments.replica.shards import ShardGroup
+            from deployments.replica.tensor_parallel.group import ShardGroup
 
             self.group = ShardGroup(config, REPLICA, 2, timeout_s=TIMEOUT_S)
 

@@ -20,7 +20,7 @@ from deployments.models.steppers import stepper_for
 from deployments.models.tensor_parallel import check_tp
 from deployments.replica.batching import BatchingConfig, StepBatch
 from deployments.replica.rank_spec import RankSpec
-from deployments.replica.ranked_denoiser import (
+from deployments.replica.tensor_parallel.ranked_denoiser import (
     RankedStageWorker,
     StepCacheAtTensorParallel,
     refuse_cached_request,

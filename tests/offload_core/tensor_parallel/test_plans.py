@@ -19,7 +19,7 @@ from offload_core.planner.search import PerformanceMode, plan_pipeline
 from offload_core.planner.strategy import Strategy
 from offload_core.residency.lifecycle import PipelineResidency
 from offload_core.tables import HostTablesConfig
-from offload_core.tensor_parallel import NoTensorParallelPlan, load_rank, tp_plan_for
+from offload_core.tensor_parallel.plans import NoTensorParallelPlan, load_rank, tp_plan_for
 from tests import ranks
 from tests.offload_core.tp_fixtures import tiny_t5, tiny_umt5
 

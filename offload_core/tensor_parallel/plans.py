@@ -39,7 +39,7 @@ from torch import nn
 
 from compat import diffusers as diffusers_compat
 from compat.torch import own_parameters, register_fake_backend, replace_local_tensor
-from offload_core.sharded import sharded_parameters
+from offload_core.tensor_parallel.sharded import sharded_parameters
 
 logger = logging.getLogger(__name__)
 
