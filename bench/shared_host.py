@@ -73,11 +73,11 @@ class HostingReplica:
         from diffusers import WanTransformer3DModel
 
         from cluster.replica.ledger_view import ReplicaMemory
-        from offload_core.host.store import folder_identity
         from offload_core.planner.facts import LinkFacts, PipelineFacts, Stage, profile_component
         from offload_core.planner.search import PerformanceMode, plan_pipeline
         from offload_core.residency.lifecycle import PipelineResidency
-        from offload_core.residency.shared_hosting import SharedWeights
+        from offload_core.shared_store.hosting import SharedWeights
+        from offload_core.shared_store.store import folder_identity
         from offload_core.streaming.device import DeviceFacts, get_device
 
         memory = ReplicaMemory.open(self.owner, "cpu")

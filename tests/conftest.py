@@ -195,7 +195,7 @@ def ray_cluster():
 
     One per xdist worker, and other clusters may run on this machine meanwhile (the other worker's, a
     helper's): every port is one the kernel picks (Ray's dashboard agent would take its fixed 52365, and
-    a second head's agent then served no HTTP), and the node weight stores (offload_core/host/store_files.py)
+    a second head's agent then served no HTTP), and the node weight stores (offload_core/shared_store/files.py)
     live in a folder of this cluster's own, since a store's file name is the digest of what it holds: two
     clusters serving the tiny Wan would name the same file, and each one's ledger removes it when its own
     last replica leaves.
@@ -211,7 +211,7 @@ def local_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from offload_core.host.store_files import STORE_DIR_ENV
+    from offload_core.shared_store.files import STORE_DIR_ENV
 
     # Set before the head starts: its raylet passes its environment to every worker it starts.
     stores = tempfile.mkdtemp(prefix="offload-serve-test-stores-", dir=SHM)

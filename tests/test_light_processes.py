@@ -22,7 +22,7 @@ from deployments.capacity.batch_state import BatchState
 from deployments.jobs.queue import JobsArgs
 from deployments.jobs.records import JobError, JobParams, ListOrder, new_job
 from offload_core.host.budget import Lease
-from offload_core.host.store_files import StoreKey
+from offload_core.shared_store.files import StoreKey
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "diffusers", "transformers", "safetensors", "fastapi", "starlette")

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import ray
 
-from offload_core.host.store_files import DEFAULT_STORE_DIR, store_dir
+from offload_core.shared_store.files import DEFAULT_STORE_DIR, store_dir
 from tests.conftest import QUIET_NODE
 
 

@@ -33,7 +33,7 @@ from cluster.ledger.pools import LeasePools, PoolState
 from cluster.ledger.shared_stores import SharedStores, StoreState
 from cluster.node import GB, probe_node
 from offload_core.host.budget import Lease, Refusal
-from offload_core.host.store_files import sweep_orphans
+from offload_core.shared_store.files import sweep_orphans
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponenti
 from cluster.ledger.liveness import OwnerRef
 from cluster.ledger.pools import LeasePools
 from offload_core.host.budget import Lease, Refusal
-from offload_core.host.store_files import StoreKey, StoreRole, is_store_file, remove_store
-from offload_core.host.store_registry import (
+from offload_core.shared_store.files import StoreKey, StoreRole, is_store_file, remove_store
+from offload_core.shared_store.registry import (
     CREATE_WAIT_S,
     StoreAttachment,
     StoreRegistry,

@@ -30,8 +30,8 @@ from cluster.fleet import FleetProfile, profile_for_gpu
 from cluster.ledger.actor import HOST_POOL, LedgerConfig, gpu_pool
 from cluster.node import GB, GpuFacts, NodeFacts, cuda_visible_ids, probe_node, visible_gpu_indices
 from offload_core.host.budget import InProcessLedger, Lease, MemoryBudget, Refusal
-from offload_core.host.store_files import sweep_orphans
-from offload_core.host.store_registry import InProcessStoreRegistry, StoreRegistry
+from offload_core.shared_store.files import sweep_orphans
+from offload_core.shared_store.registry import InProcessStoreRegistry, StoreRegistry
 
 if TYPE_CHECKING:  # duck-typed: replicas pass torch.device, the ledger side never imports torch
     import torch

@@ -24,7 +24,7 @@ from offload_core.planner.search import (
 )
 from offload_core.quant import WeightFormat
 from offload_core.residency.lifecycle import PipelineResidency, RequestFigures
-from offload_core.residency.shared_hosting import SharedWeights
+from offload_core.shared_store.hosting import SharedWeights
 from offload_core.tables import HostTablesConfig
 
 logger = logging.getLogger(__name__)

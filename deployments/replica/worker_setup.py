@@ -27,9 +27,9 @@ from deployments.models.tensor_parallel import rank_components
 from deployments.replica.rank_spec import RankSpec
 from deployments.replica.stage_config import DTYPES, StageConfig
 from deployments.replica.stage_residency import StageResidency
-from offload_core.host.store import folder_identity
 from offload_core.planner.search import PipelinePlan
-from offload_core.residency.shared_hosting import SharedWeights
+from offload_core.shared_store.hosting import SharedWeights
+from offload_core.shared_store.store import folder_identity
 
 logger = logging.getLogger(__name__)
 

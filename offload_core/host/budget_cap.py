@@ -151,7 +151,7 @@ class HostMemoryStatus:
     budget_bytes: int | None  # the configured budget resolved on this node; None: no budget set
     leased_bytes: int  # this replica's own leases (pins, pageable copies)
     used_bytes: int  # anonymous host bytes its weights hold now (own layer copies, parked, converted)
-    shared: tuple[dict, ...] = ()  # one entry per shared store it maps (see offload_core.host.store)
+    shared: tuple[dict, ...] = ()  # one entry per shared store it maps (see offload_core.shared_store.store)
 
     def to_json(self) -> dict:
         return {"budget_bytes": self.budget_bytes, "leased_bytes": self.leased_bytes,

@@ -214,7 +214,7 @@ class PipelineResidency:
         ``host_budget_bytes``: this replica's own host-memory budget (a user's ``host_memory_budget``);
         the tiers are then fitted within min(it, what ``budget`` grants), and a budget below what
         every plan holds raises :class:`~offload_core.host.budget_cap.BudgetTooSmall`.
-        ``shared``: a :class:`~offload_core.residency.shared_hosting.SharedWeights`; streamed components
+        ``shared``: a :class:`~offload_core.shared_store.hosting.SharedWeights`; streamed components
         it covers are hosted from node weight stores (one copy per node), detached on ``remove``.
         """
         missing = {c.name for c in plan.components} ^ set(components)

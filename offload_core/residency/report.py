@@ -28,7 +28,7 @@ import torch
 
 from offload_core.host.maps import Backing, MapsSnapshot
 from offload_core.host.tier import HostingTier
-from offload_core.streaming.shared_layer import SharedHostLayer
+from offload_core.shared_store.layer import SharedHostLayer
 from offload_core.tables import TableDecision
 from offload_core.tensor_parallel.sharded import local_tensor
 

@@ -19,7 +19,7 @@ class StoreReplica:
 
     def host(self, identity: str, budget: int | None = None, spoil: bool = False) -> dict:
         from offload_core.residency.lifecycle import PipelineResidency
-        from offload_core.residency.shared_hosting import SharedWeights
+        from offload_core.shared_store.hosting import SharedWeights
         from offload_core.streaming.device import DeviceFacts, get_device
         from tests.offload_core.residency.test_lifecycle import Toy, toy_plan
 

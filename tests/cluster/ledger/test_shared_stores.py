@@ -12,7 +12,7 @@ import ray
 import torch
 
 from cluster.ledger.actor import HOST_POOL, NAMESPACE, ledger_name, node_ledger
-from offload_core.host.store import store_dir
+from offload_core.shared_store.store import store_dir
 from tests.cluster.conftest import FAST
 from tests.cluster.store_replicas import store_replica
 from tests.offload_core.residency.test_lifecycle import Toy

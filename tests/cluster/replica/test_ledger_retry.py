@@ -9,8 +9,8 @@ from cluster.ledger.shared_stores import LedgerStoreRegistry, StoreWait
 from cluster.replica import ledger_client
 from cluster.replica.ledger_client import LedgerUnavailable, call_through_restart
 from offload_core.host.budget import Refusal
-from offload_core.host.store_files import StoreKey, StoreRole
-from offload_core.host.store_registry import StoreTicket
+from offload_core.shared_store.files import StoreKey, StoreRole
+from offload_core.shared_store.registry import StoreTicket
 
 
 @pytest.fixture

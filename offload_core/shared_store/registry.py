@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offload_core.host.budget import Lease, MemoryBudget, Refusal
-from offload_core.host.store_files import StoreKey, StoreRole, remove_store
+from offload_core.shared_store.files import StoreKey, StoreRole, remove_store
 
 logger = logging.getLogger(__name__)
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 
 from offload_core.host.budget import InProcessLedger
-from offload_core.host.store import StoreRole
-from offload_core.host.store_registry import InProcessStoreRegistry
 from offload_core.host.tier import HostingTier
 from offload_core.residency.lifecycle import PipelineResidency
-from offload_core.residency.shared_hosting import SharedWeights
-from offload_core.streaming.shared_layer import SharedHostLayer
+from offload_core.shared_store.hosting import SharedWeights
+from offload_core.shared_store.layer import SharedHostLayer
+from offload_core.shared_store.registry import InProcessStoreRegistry
+from offload_core.shared_store.store import StoreRole
 from tests.offload_core.residency.test_lifecycle import Toy, toy_plan
 
 

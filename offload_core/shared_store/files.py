@@ -1,9 +1,9 @@
 """The node weight store's files by name: where they live, what they are called, and their removal.
 
 Torch-free, so that the node ledger actor (which names, counts and sweeps store files but never
-maps one) starts without torch: importing :mod:`offload_core.host.store` costs 1.0 s of CPU on a
+maps one) starts without torch: importing :mod:`offload_core.shared_store.store` costs 1.0 s of CPU on a
 quiet 2-core machine for the torch import alone. The store itself (write, map, check) is
-:mod:`offload_core.host.store`; liveness is the ``flock`` each holder keeps on its file.
+:mod:`offload_core.shared_store.store`; liveness is the ``flock`` each holder keeps on its file.
 """
 from __future__ import annotations
 

@@ -36,7 +36,9 @@ from typing import Sequence
 
 import torch
 
-from offload_core.host.store_files import (  # noqa: F401 (re-exported: the store's names for them)
+from offload_core.layout import LayerLayout, extent_view
+from offload_core.progress import ByteProgress
+from offload_core.shared_store.files import (  # noqa: F401 (re-exported: the store's names for them)
     DEFAULT_STORE_DIR,
     PREFIX,
     STORE_DIR_ENV,
@@ -51,8 +53,6 @@ from offload_core.host.store_files import (  # noqa: F401 (re-exported: the stor
     sweep_orphans,
     unlink_quietly,
 )
-from offload_core.layout import LayerLayout, extent_view
-from offload_core.progress import ByteProgress
 
 logger = logging.getLogger(__name__)
 

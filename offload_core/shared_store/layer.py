@@ -1,4 +1,4 @@
-"""Host layers whose flat buffers are views of a node weight store (``offload_core.host.store``).
+"""Host layers whose flat buffers are views of a node weight store (``offload_core.shared_store.store``).
 
 The store's copy is shared and read-only; what is per process is the tier: a PINNED layer's
 pages are registered for DMA by this process (``cudaHostRegister`` with the read-only flag, on
@@ -13,9 +13,9 @@ from typing import Mapping
 import torch
 
 from offload_core.host.pinned import HostBuffer, free_host_buffer, lock_host_tensor
-from offload_core.host.store import WeightStore
 from offload_core.host.tier import HostingTier
 from offload_core.layout import LayerLayout, LayoutError
+from offload_core.shared_store.store import WeightStore
 from offload_core.streaming.host_layer import HostLayer
 
 logger = logging.getLogger(__name__)

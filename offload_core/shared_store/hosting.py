@@ -17,16 +17,6 @@ import torch
 from torch import nn
 
 from offload_core.host.budget import Refusal
-from offload_core.host.store import (
-    StoreKey,
-    StoreLayout,
-    StoreRole,
-    WeightStore,
-    key_for,
-    remove_if_unused,
-    store_dir,
-)
-from offload_core.host.store_registry import StoreAttachment, StoreRegistry
 from offload_core.host.tier import HostingTier
 from offload_core.layout import (
     LayerLayout,
@@ -35,8 +25,18 @@ from offload_core.layout import (
     plan_layer_layout,
 )
 from offload_core.order import declared_layers
+from offload_core.shared_store.layer import shared_host_layers
+from offload_core.shared_store.registry import StoreAttachment, StoreRegistry
+from offload_core.shared_store.store import (
+    StoreKey,
+    StoreLayout,
+    StoreRole,
+    WeightStore,
+    key_for,
+    remove_if_unused,
+    store_dir,
+)
 from offload_core.streaming.host_layer import HostLayer
-from offload_core.streaming.shared_layer import shared_host_layers
 
 logger = logging.getLogger(__name__)
 

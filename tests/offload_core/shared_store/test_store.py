@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from offload_core.host.budget import InProcessLedger
-from offload_core.host.store import (
+from offload_core.layout import layer_parameters, plan_layer_layout
+from offload_core.shared_store.registry import InProcessStoreRegistry
+from offload_core.shared_store.store import (
     StoreMismatch,
     StoreRole,
     WeightStore,
@@ -17,8 +19,6 @@ from offload_core.host.store import (
     key_for,
     sweep_orphans,
 )
-from offload_core.host.store_registry import InProcessStoreRegistry
-from offload_core.layout import layer_parameters, plan_layer_layout
 
 
 def blocks(seed: int, width: int = 64, n: int = 3) -> nn.ModuleList:
@@ -58,7 +58,7 @@ def test_a_store_is_written_once_and_a_later_replica_maps_the_same_bytes(tmp_pat
 def test_a_replica_cannot_write_through_its_read_only_mapping(tmp_path):
     layers, key, layout, path = make(tmp_path)
     WeightStore.create(path, key, layout, layers).close()
-    script = ("import sys, torch; from offload_core.host.store import *; from tests.offload_core.host.test_store "
+    script = ("import sys, torch; from offload_core.shared_store.store import *; from tests.offload_core.host.test_store "
               "import make; import pathlib; _, k, lay, p = make(pathlib.Path(sys.argv[1])); "
               "s = WeightStore.attach(p, k, lay); s.buffers('blocks.0')[torch.float32][0] = 7; print('wrote')")
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
