@@ -24,6 +24,7 @@ copy and compute times; none for equal layers, some for an uneven stack in too n
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 from offload_core.host.tier import STAGED_TIERS, HostingTier
@@ -57,8 +58,15 @@ def layer_copies(streamed: Sequence[LayerProfile], slots: int, uses: int) -> int
     """Layer copies the ring makes in one request: its own placement replayed (``layout.window_copies``)
     in a window of ``slots`` x the largest streamed layer's bytes; a component used once per request
     does not prefetch into a next use (``StreamingConfig.wrap_uses``, as the residency configures it)."""
-    sizes = [RegionMap.covering([layer.layout]).nbytes for layer in streamed]
-    return window_copies(sizes, slots * slot_region_bytes(streamed), uses, wrap=uses > 1)
+    sizes = tuple(RegionMap.covering([layer.layout]).nbytes for layer in streamed)
+    return _window_copies(sizes, slots * slot_region_bytes(streamed), uses, uses > 1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _window_copies(sizes: tuple[int, ...], window: int, uses: int, wrap: bool) -> int:
+    # A pure replay of uses x layers placements, and the plan search asks for the same few again and
+    # again with other tiers or gates (509 replays for ~50 distinct rings, a third of a 3 s search)
+    return window_copies(sizes, window, uses, wrap=wrap)
 
 
 def n_slots(plan: ComponentPlan, n_streamed: int) -> int:
