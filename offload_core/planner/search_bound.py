@@ -51,7 +51,7 @@ class OptionBound:
     def least_in_use(self) -> int:
         return min(self.in_use_bytes)
 
-    def least_time(self, cap: int) -> float:
+    def least_time(self, cap: float) -> float:
         """The least seconds over resident counts whose bytes in use fit ``cap`` (inf: none fits)."""
         return min((t for b, t in zip(self.in_use_bytes, self.time_s) if b <= cap), default=math.inf)
 
@@ -142,7 +142,7 @@ def combination_time_bound(facts: PipelineFacts, bounds: Sequence[OptionBound], 
     """The least seconds per request any feasible plan of this combination can predict (inf: none fits
     ``budget``). ``bounds`` in ``facts.components`` order."""
     names = [p.name for p in facts.components]
-    caps = [budget] * len(names)
+    caps = [math.inf] * len(names)  # a component in no stage is never in use beside the others
     for stage in facts.stages:
         inside = [i for i, name in enumerate(names) if name in stage.components]
         least = (sum(bounds[i].least_in_use for i in inside)
