@@ -68,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     per_client, steps = (3, 4) if args.quick else (6, 8)
     torch.set_num_threads(1)
-    facts = families.read_family_facts(ensure_medium_wan())
+    facts = families.read_family_traits(ensure_medium_wan())
     encoder = families.load_stage_pipeline(facts, PipelineStage.ENCODE, torch.float32)
     pipe = families.load_stage_pipeline(facts, PipelineStage.DENOISE, torch.float32)
     encoded = families.encode(encoder, facts, GenerationSpec("e", "a red fox", None, 16, 16, 1, steps, 5.0, 0, 1), CPU)

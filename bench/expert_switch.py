@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     side, frames, reps = (32, 5, 15) if args.quick else (64, 9, 30)
     torch.set_num_threads(1)
-    facts = families.read_family_facts(ensure_tiny_wan22_a14b())
+    facts = families.read_family_traits(ensure_tiny_wan22_a14b())
     steps = 8
     spec = GenerationSpec("e", "a red fox", "blurry", side, side, frames, steps, 5.0, 0, 1)
     encoded = families.encode(families.load_stage_pipeline(facts, PipelineStage.ENCODE, torch.float32), facts,

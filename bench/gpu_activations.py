@@ -36,7 +36,7 @@ def held_out(facts, regime: activation_features.Regime) -> GenerationSpec:
 
 
 def compare(model: str, device: torch.device) -> list[dict]:
-    facts = families.read_family_facts(ZOO[model]())
+    facts = families.read_family_traits(ZOO[model]())
     rows = []
     for stage in PipelineStage:
         pipe = families.load_stage_pipeline(facts, stage, torch.float32)

@@ -24,7 +24,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offload_core.residency.parking import Parking  # noqa: E402
-from offload_core.streaming.device import DeviceFacts, get_device  # noqa: E402
+from offload_core.streaming.device import DeviceCapacity, get_device  # noqa: E402
 from offload_core.streaming.headroom import CachedBlocks, Rounding  # noqa: E402
 
 MiB = 1 << 20
@@ -62,7 +62,7 @@ def main() -> None:
     if device.is_cuda:
         held = _fragment(device, args.segments)
     else:
-        device.configure(DeviceFacts(capacity_bytes=16 << 30))
+        device.configure(DeviceCapacity(capacity_bytes=16 << 30))
         holes = (12 * MiB,) * args.segments  # the same shape of cache, as the fake allocator states it
         blocks = CachedBlocks(Rounding.CUDA_CACHING, 64 * MiB * args.segments, 0, sum(holes), 0, holes)
         device.set_allocator(lambda _device, detailed: blocks if detailed else

@@ -65,7 +65,7 @@ def _spec(i: int, steps: int, guided: bool, threshold: float) -> GenerationSpec:
 
 def _denoise(folder, weights: WeightFormat, threshold: float, clients: int, steps: int):
     """Bytes per image, skip rate, and the latents of request 0, for ``clients`` requests in one batch."""
-    facts = families.read_family_facts(folder)
+    facts = families.read_family_traits(folder)
     encoder = families.load_stage_pipeline(facts, PipelineStage.ENCODE, BF16)
     denoiser = families.load_stage_pipeline(facts, PipelineStage.DENOISE, BF16)
     streamer = apply_layer_streaming(denoiser.transformer, CPU, StreamingConfig(prefetch_depth=1, weights=weights))
@@ -95,7 +95,7 @@ def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _quality(folder, steps: int) -> dict:
     """FP8 vs bf16: relative L2 of one transformer forward, PSNR of the decoded images."""
-    facts = families.read_family_facts(folder)
+    facts = families.read_family_traits(folder)
     _, _, native = _denoise(folder, WeightFormat.NATIVE, 0.0, 1, steps)
     _, _, fp8 = _denoise(folder, WeightFormat.FP8, 0.0, 1, steps)
     decoder = families.load_stage_pipeline(facts, PipelineStage.DECODE, torch.float32)
@@ -109,7 +109,7 @@ def _forward_rel_l2(folder) -> float:
     """One transformer forward, FP8-streamed vs plain bf16, on the family's own first denoising input."""
     from offload_core.quant import fake_quantize_
 
-    facts = families.read_family_facts(folder)
+    facts = families.read_family_traits(folder)
     outs = []
     for quantized in (False, True):
         denoiser = families.load_stage_pipeline(facts, PipelineStage.DENOISE, BF16)

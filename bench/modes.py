@@ -30,7 +30,7 @@ from offload_core.planner.measured_compute import profiles_from_warmup  # noqa: 
 from offload_core.planner.search import PerformanceMode, plan_pipeline  # noqa: E402
 from offload_core.residency.compute_meter import measure_warmup  # noqa: E402
 from offload_core.residency.lifecycle import PipelineResidency  # noqa: E402
-from offload_core.streaming.device import DeviceFacts, get_device  # noqa: E402
+from offload_core.streaming.device import DeviceCapacity, get_device  # noqa: E402
 from offload_core.tables import HostTablesConfig  # noqa: E402
 
 # Configured link figures (no GPU here): PCIe Gen4 x16 pinned, and the pageable figure the real
@@ -96,7 +96,7 @@ def run_pipeline(name: str, load, stages, requests: int) -> dict:
     facts = PipelineFacts(facts.components, stages, capacity, LINK, 1 << 34, device_name="cpu")
     device = get_device("cpu")
     before = device.facts
-    device.configure(DeviceFacts(capacity_bytes=capacity))
+    device.configure(DeviceCapacity(capacity_bytes=capacity))
     rows = {}
     del comps, call
     try:

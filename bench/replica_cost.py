@@ -41,7 +41,7 @@ class PlainEncoder:
     """The encoder alone in a Ray worker process: no Serve, no worker."""
 
     def __init__(self, folder: str, spec: GenerationSpec):
-        self.facts = families.read_family_facts(folder)
+        self.facts = families.read_family_traits(folder)
         self.pipe = families.load_stage_pipeline(self.facts, PipelineStage.ENCODE, torch.float32)
         self.spec = spec
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     from zoo import tiny
 
     folder = tiny.ensure_tiny_wan()
-    facts = families.read_family_facts(folder)
+    facts = families.read_family_traits(folder)
     spec = GenerationSpec("bench", "a lighthouse at dawn", None, 32, 32, 1, 2, facts.default_guidance, 0, 1)
     worker = StageWorker(stage_configs(tiny_args(), facts)[PipelineStage.ENCODE])
     bare = lambda: families.encode(worker.pipe, facts, spec, CPU)  # noqa: E731

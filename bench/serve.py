@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     from zoo import tiny
 
     folder = tiny.ensure_medium_wan() if args.medium else tiny.ensure_tiny_wan()
-    facts = families.read_family_facts(folder)
+    facts = families.read_family_traits(folder)
     size = args.size or ("32x32" if args.quick else "64x64")
     steps = args.steps or (2 if args.quick else 8)
     # Alternated, so a load that comes and goes weighs on every column alike.

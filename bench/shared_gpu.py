@@ -38,16 +38,16 @@ class _Held:
 
 
 def _workers(folder):
-    from cluster.node import GpuFacts, NodeFacts, probe_host_ram
+    from cluster.node import GpuInfo, NodeInfo, probe_host_ram
     from cluster.replica.ledger_view import ReplicaMemory
     from deployments.app import AppArgs, stage_configs
-    from deployments.models.families import read_family_facts
+    from deployments.models.families import read_family_traits
     from deployments.replica import worker as stages
     from deployments.wire.spec import PipelineStage
 
-    gpu = GpuFacts(0, "shared-bench-gpu", GPU_BYTES, 4, 16, "bench")
-    node = NodeFacts(None, probe_host_ram(), False, (gpu,), None, 0)
-    facts = read_family_facts(folder)
+    gpu = GpuInfo(0, "shared-bench-gpu", GPU_BYTES, 4, 16, "bench")
+    node = NodeInfo(None, probe_host_ram(), False, (gpu,), None, 0)
+    facts = read_family_traits(folder)
     configs = stage_configs(AppArgs(model_path=str(folder)), facts)
     workers = {}
     for stage in PipelineStage:

@@ -78,10 +78,10 @@ class HostingReplica:
         from offload_core.residency.lifecycle import PipelineResidency
         from offload_core.shared_store.hosting import SharedWeights
         from offload_core.shared_store.store import folder_identity
-        from offload_core.streaming.device import DeviceFacts, get_device
+        from offload_core.streaming.device import DeviceCapacity, get_device
 
         memory = ReplicaMemory.open(self.owner, "cpu")
-        get_device("cpu").configure(DeviceFacts(capacity_bytes=4 << 30))
+        get_device("cpu").configure(DeviceCapacity(capacity_bytes=4 << 30))
         host_lease = memory.host_budget.available()  # what the node ledger has free, asked before timing
         faults = resource.getrusage(resource.RUSAGE_SELF)
         start, cpu_start = time.perf_counter(), time.process_time()

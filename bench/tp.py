@@ -117,7 +117,7 @@ def _noop(worker) -> None:
 
 def call_ms(folder: Path, tp: int, calls: int) -> tuple[float, float]:
     args = AppArgs(model_path=str(folder), encoder=StageArgs(tp_size=tp))
-    config = stage_configs(args, families.read_family_facts(folder))[PipelineStage.ENCODE]
+    config = stage_configs(args, families.read_family_traits(folder))[PipelineStage.ENCODE]
     group = placement_group([{"CPU": 0.01}] * tp, strategy="STRICT_PACK")
     ray.get(group.ready())
     stage = EncoderReplica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0)).remote(config)

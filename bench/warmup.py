@@ -39,7 +39,7 @@ def local_args(family: str) -> AppArgs:
 
 def measure(family: str, repeats: int) -> dict:
     args = local_args(family)
-    facts = families.read_family_facts(resolve_model_folder(args))
+    facts = families.read_family_traits(resolve_model_folder(args))
     out = {}
     for stage in PipelineStage:
         runs = []

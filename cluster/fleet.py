@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.node import GB, GpuFacts
+from cluster.node import GB, GpuInfo
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class FleetProfile:
 
         return PerformanceMode[self.mode]
 
-    def device_pool_bytes(self, gpu: GpuFacts) -> int:
+    def device_pool_bytes(self, gpu: GpuInfo) -> int:
         """What the node ledger may lease of this GPU: its memory less the reserve."""
         return int(gpu.memory_bytes * (1.0 - self.device_reserve_fraction))
 
@@ -88,7 +88,7 @@ def _words(text: str) -> str:
     return " " + " ".join(text.upper().replace("-", " ").replace("_", " ").split()) + " "
 
 
-def profile_for_gpu(gpu: GpuFacts | None, fleet: Fleet | None = None) -> FleetProfile:
+def profile_for_gpu(gpu: GpuInfo | None, fleet: Fleet | None = None) -> FleetProfile:
     """The profile for the GPU a replica sees (None: no GPU), said in one log line."""
     fleet = fleet or load_fleet()
     if gpu is None:

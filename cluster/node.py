@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Mapping
 
-from offload_core.host.ram import HostRam, MemoryFacts, host_ram_available
+from offload_core.host.ram import HostRam, MemoryReading, host_ram_available
 from offload_core.planner import gpus as gpu_table
 from offload_core.planner.config_file import UnknownModel
 
@@ -30,7 +30,7 @@ ACCELERATOR_PREFIX = "accelerator_type:"
 
 
 @dataclass(frozen=True)
-class GpuFacts:
+class GpuInfo:
     """One GPU as the driver (or an injected fact) describes it."""
 
     index: int
@@ -45,22 +45,22 @@ class GpuFacts:
 
 
 @dataclass(frozen=True)
-class NodeFacts:
+class NodeInfo:
     node_id: str | None  # Ray node id (hex); None without Ray
     ram: HostRam  # spendable = min(available, cgroup headroom) - reserve - Ray's object store
     ram_injected: bool  # True when the RAM facts came from the node's offload_fake_ram_gb
-    gpus: tuple[GpuFacts, ...]
+    gpus: tuple[GpuInfo, ...]
     accelerator_type: str | None  # Ray's accelerator_type of this node, if it has one
     object_store_bytes: int  # Ray's object store on this node (0 without Ray)
 
 
-def fake_gpus(accelerator_type: str, count: int, source: str) -> tuple[GpuFacts, ...]:
+def fake_gpus(accelerator_type: str, count: int, source: str) -> tuple[GpuInfo, ...]:
     """``count`` GPUs of a type named in the GPU table (tests, CPU-only nodes standing in for GPUs)."""
     try:
         model = gpu_table.gpu_model(accelerator_type)
     except UnknownModel:
         raise ValueError(f"unknown GPU type {accelerator_type!r}; known: {sorted(gpu_table.gpu_names())}") from None
-    return tuple(GpuFacts(i, model.name, model.memory_bytes, model.pcie_gen, model.pcie_width, source)
+    return tuple(GpuInfo(i, model.name, model.memory_bytes, model.pcie_gen, model.pcie_width, source)
                  for i in range(count))
 
 
@@ -85,7 +85,7 @@ def _mig_instances(nvml, handle) -> list:
     return instances
 
 
-def probe_nvml_gpus(nvml=None) -> tuple[GpuFacts, ...]:
+def probe_nvml_gpus(nvml=None) -> tuple[GpuInfo, ...]:
     """Every GPU NVML sees, or () when there is no NVIDIA driver (said once, at INFO).
 
     A card in MIG mode is listed as its MIG instances, each with its own memory and "MIG-" UUID
@@ -114,13 +114,13 @@ def probe_nvml_gpus(nvml=None) -> tuple[GpuFacts, ...]:
                 gen = width = None
             instances = _mig_instances(nvml, handle)
             if not instances:
-                cards.append(GpuFacts(i, name, int(nvml.nvmlDeviceGetMemoryInfo(handle).total), gen, width, "nvml",
+                cards.append(GpuInfo(i, name, int(nvml.nvmlDeviceGetMemoryInfo(handle).total), gen, width, "nvml",
                                       _text(nvml.nvmlDeviceGetUUID(handle))))
                 continue
             logger.info("GPU %d (%s) is in MIG mode: its %d instance(s) are listed in its place", i, name,
                         len(instances))
             for mig in instances:
-                migs.append(GpuFacts(count + len(migs), _text(nvml.nvmlDeviceGetName(mig)),
+                migs.append(GpuInfo(count + len(migs), _text(nvml.nvmlDeviceGetName(mig)),
                                      int(nvml.nvmlDeviceGetMemoryInfo(mig).total), gen, width, "nvml:mig",
                                      _text(nvml.nvmlDeviceGetUUID(mig))))
         return tuple(cards + migs)
@@ -128,7 +128,7 @@ def probe_nvml_gpus(nvml=None) -> tuple[GpuFacts, ...]:
         nvml.nvmlShutdown()
 
 
-def visible_gpu_indices(ids, gpus: tuple[GpuFacts, ...]) -> list[int]:
+def visible_gpu_indices(ids, gpus: tuple[GpuInfo, ...]) -> list[int]:
     """Indices (in ``gpus``) of the GPUs named by ``ids``: Ray's GPU ids or CUDA_VISIBLE_DEVICES'
     entries, each a number (the card's NVML index) or a "GPU-"/"MIG-" UUID (a prefix is enough, as
     for CUDA). Unknown names are an error naming what the node has."""
@@ -166,15 +166,15 @@ def probe_host_ram(reserve: int | None = None, reserved_elsewhere: int = 0,
     if injected_bytes is None:
         return host_ram_available(reserve, reserved_elsewhere)
     return host_ram_available(reserve, reserved_elsewhere, proc_root=_NO_PROC,
-                              memory_facts=lambda: MemoryFacts(injected_bytes, injected_bytes))
+                              memory_facts=lambda: MemoryReading(injected_bytes, injected_bytes))
 
 
-def injected_facts(resources: Mapping[str, float]) -> tuple[int | None, tuple[GpuFacts, ...]]:
+def injected_facts(resources: Mapping[str, float]) -> tuple[int | None, tuple[GpuInfo, ...]]:
     """RAM bytes and GPUs a test put on a Ray node as custom resources (see the module doc)."""
     ram = int(resources[FAKE_RAM_RESOURCE] * GB) if FAKE_RAM_RESOURCE in resources else None
     types = [k[len(ACCELERATOR_PREFIX):] for k in resources if k.startswith(ACCELERATOR_PREFIX)]
     count = int(resources.get("GPU", 0))
-    gpus: tuple[GpuFacts, ...] = ()
+    gpus: tuple[GpuInfo, ...] = ()
     if types and count:
         gpus = fake_gpus(types[0], count, f"injected:{ACCELERATOR_PREFIX}{types[0]}")
     return ram, gpus
@@ -191,7 +191,7 @@ def ray_node_resources(node_id: str) -> Mapping[str, float]:
 
 
 def probe_node(node_id: str | None = None, resources: Mapping[str, float] | None = None,
-               nvml_gpus: tuple[GpuFacts, ...] | None = None, reserve: int | None = None) -> NodeFacts:
+               nvml_gpus: tuple[GpuInfo, ...] | None = None, reserve: int | None = None) -> NodeInfo:
     """Facts of this node. With Ray up, ``node_id`` defaults to the caller's node.
 
     ``nvml_gpus`` and ``resources`` are injectable for tests; by default they are probed.
@@ -213,7 +213,7 @@ def probe_node(node_id: str | None = None, resources: Mapping[str, float] | None
     store = int(resources.get("object_store_memory", 0))
     ram = probe_host_ram(reserve, store, fake_ram)
     types = [k[len(ACCELERATOR_PREFIX):] for k in resources if k.startswith(ACCELERATOR_PREFIX)]
-    facts = NodeFacts(node_id, ram, fake_ram is not None, gpus, types[0] if types else None, store)
+    facts = NodeInfo(node_id, ram, fake_ram is not None, gpus, types[0] if types else None, store)
     logger.info("node %s: RAM %.2f GB spendable of %.2f GB available (%s, reserve %.2f, object store %.2f); "
                 "GPUs: %s", node_id, ram.spendable / GB, ram.psutil_available / GB,
                 "injected" if fake_ram is not None else ram.bound.value, ram.reserve / GB, store / GB,

@@ -19,7 +19,7 @@ from deployments.capacity import unplaced
 from deployments.capacity.request_limits import Limits
 from deployments.ingress.deployment import Ingress, IngressConfig
 from deployments.jobs.queue import JobsArgs
-from deployments.models.families import FamilyFacts, read_family_facts, uses_per_request
+from deployments.models.families import FamilyTraits, read_family_traits, uses_per_request
 from deployments.models.tensor_parallel import check_tp
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.stages import Denoiser, TextEncoder, VaeDecoder
@@ -171,7 +171,7 @@ def resolve_model_folder(args: AppArgs) -> pathlib.Path:
     return tiny.ensure_tiny_wan() if args.tiny_family == "wan" else tiny.ensure_tiny_flux()
 
 
-def stage_configs(args: AppArgs, facts: FamilyFacts) -> dict[str, StageConfig]:
+def stage_configs(args: AppArgs, facts: FamilyTraits) -> dict[str, StageConfig]:
     """What each stage replica is built with, by stage."""
     options = {PipelineStage.ENCODE: args.encoder, PipelineStage.DENOISE: args.denoiser,
                PipelineStage.DECODE: args.decoder}
@@ -235,7 +235,7 @@ def build_app_with(args: AppArgs | dict, options: Mapping[str, Mapping]) -> Appl
     ``deployments`` do, for Python callers: ``{"Denoiser": {"num_replicas": 2, "ray_actor_options": ...}}``)."""
     if not isinstance(args, AppArgs):
         args = AppArgs.model_validate(args)
-    facts = read_family_facts(resolve_model_folder(args))
+    facts = read_family_traits(resolve_model_folder(args))
     token = os.environ.get(args.api_token_env) if args.api_token_env else None
     if args.api_token_env and not token:
         raise ValueError(f"api_token_env names {args.api_token_env!r}, which is not set: refusing to start "

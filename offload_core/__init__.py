@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from offload_core.residency.host_tables import apply_host_tables
     from offload_core.residency.lifecycle import LifecycleError, PipelineResidency
     from offload_core.residency.report import ResidencyReport, residency_report
-    from offload_core.streaming.device import DeviceFacts, get_device
+    from offload_core.streaming.device import DeviceCapacity, get_device
     from offload_core.streaming.engine import (
         AlreadyStreamedError,
         ConcurrentForwardError,
@@ -77,7 +77,7 @@ _HOME = {
     "PipelineResidency": "offload_core.residency.lifecycle",
     "ResidencyReport": "offload_core.residency.report",
     "residency_report": "offload_core.residency.report",
-    "DeviceFacts": "offload_core.streaming.device",
+    "DeviceCapacity": "offload_core.streaming.device",
     "get_device": "offload_core.streaming.device",
     "AlreadyStreamedError": "offload_core.streaming.engine",
     "ConcurrentForwardError": "offload_core.streaming.engine",
@@ -92,7 +92,7 @@ _HOME = {
 
 __all__ = [
     # streaming
-    "apply_layer_streaming", "StreamingConfig", "ResidentPlacement", "LayerStreamer", "DeviceFacts",
+    "apply_layer_streaming", "StreamingConfig", "ResidentPlacement", "LayerStreamer", "DeviceCapacity",
     "get_device", "Headroom", "HeadroomTimeout", "WeightFormat", "fake_quantize_",
     # host memory
     "HostingTier", "HostingPlan", "HostingPolicy", "plan_hosting", "MemoryBudget", "InProcessLedger",

@@ -53,7 +53,7 @@ from torch.overrides import TorchFunctionMode
 from offload_core.host.pinned import HostBuffer, PinRefusal
 from offload_core.host.tier import HostingTier
 from offload_core.streaming.copier import CopyJob, copy_pairs
-from offload_core.streaming.device import Device, DeviceFacts
+from offload_core.streaming.device import Device, DeviceCapacity
 from testing.sim_link import SimLink, SlowStretch
 
 __all__ = ["LAUNCH_THREAD", "SimDevice", "SimEvent", "SimLink", "SimStream", "SlowStretch", "StreamHazardError"]
@@ -198,8 +198,8 @@ class SimCopier:
 class SimDevice(Device):
     """A CPU-backed device with CUDA's copy, kernel and event timing on a virtual clock."""
 
-    def __init__(self, link: SimLink | None = None, facts: DeviceFacts | None = None, refuse_pins: bool = False):
-        super().__init__(torch.device("cpu"), facts or DeviceFacts())
+    def __init__(self, link: SimLink | None = None, facts: DeviceCapacity | None = None, refuse_pins: bool = False):
+        super().__init__(torch.device("cpu"), facts or DeviceCapacity())
         self.link = link or SimLink()
         self.refuse_pins = refuse_pins  # a memlock limit: every staging pin refused
         self._ready = {SimStream.COMPUTE: 0.0, SimStream.COPY: 0.0}

@@ -1,4 +1,4 @@
-"""No class name is defined twice in the project: two ``LayerFacts`` or two ``DeviceBusy`` drift apart."""
+"""No class name is defined twice in the project: two ``LayerOnHost`` or two ``DeviceBusy`` drift apart."""
 from __future__ import annotations
 
 import ast
@@ -30,6 +30,6 @@ def test_the_walk_finds_a_class_defined_twice(tmp_path):
     # The walk itself must see duplicates, or the test above could never fail.
     for package in ("a", "b"):
         (tmp_path / package).mkdir()
-        (tmp_path / package / "m.py").write_text("class LayerFacts:\n    pass\n\n\nclass _Private:\n    pass\n")
+        (tmp_path / package / "m.py").write_text("class LayerOnHost:\n    pass\n\n\nclass _Private:\n    pass\n")
     found = top_level_classes(tmp_path, ("a", "b"))
-    assert found["LayerFacts"] == ["a/m.py", "b/m.py"] and "_Private" not in found
+    assert found["LayerOnHost"] == ["a/m.py", "b/m.py"] and "_Private" not in found

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 
 from cluster.fleet import FleetProfile, profile_for_gpu
 from cluster.ledger.actor import HOST_POOL, LedgerConfig, gpu_pool
-from cluster.node import GB, GpuFacts, NodeFacts, cuda_visible_ids, probe_node, visible_gpu_indices
+from cluster.node import GB, GpuInfo, NodeInfo, cuda_visible_ids, probe_node, visible_gpu_indices
 from offload_core.host.budget import InProcessLedger, Lease, MemoryBudget, Refusal
 from offload_core.shared_store.files import sweep_orphans
 from offload_core.shared_store.registry import InProcessStoreRegistry, StoreRegistry
@@ -186,7 +186,7 @@ def as_device(device: "torch.device | str") -> DeviceRef:
     return DeviceRef(device.type, device.index)
 
 
-def _pick_gpu(device: DeviceRef, assigned: list[int], gpus: tuple[GpuFacts, ...], owner: str) -> GpuFacts | None:
+def _pick_gpu(device: DeviceRef, assigned: list[int], gpus: tuple[GpuInfo, ...], owner: str) -> GpuInfo | None:
     """The GPU whose pool this replica's device working sets lease, if any."""
     if device.type == "cuda":
         local = device.index if device.index is not None else 0
@@ -216,9 +216,9 @@ def assigned_gpu_fraction() -> float | None:
 class ReplicaMemory:
     """The host and device budgets of one replica, its share of the GPU, and its device leases."""
 
-    def __init__(self, owner: str, device: DeviceRef, node: NodeFacts, profile: FleetProfile,
+    def __init__(self, owner: str, device: DeviceRef, node: NodeInfo, profile: FleetProfile,
                  host_budget: MemoryBudget, device_budget: MemoryBudget, device_pool: str, client=None,
-                 gpu: GpuFacts | None = None, gpu_fraction: float | None = None):
+                 gpu: GpuInfo | None = None, gpu_fraction: float | None = None):
         self.owner, self.device, self.node, self.profile = owner, device, node, profile
         self.host_budget, self.device_budget, self.device_pool = host_budget, device_budget, device_pool
         self.gpu = gpu
@@ -298,7 +298,7 @@ class ReplicaMemory:
 
     @classmethod
     def open_local(cls, owner: str, device: "torch.device | str" = "cpu", *,
-                   config: LedgerConfig = LedgerConfig(), node: NodeFacts | None = None,
+                   config: LedgerConfig = LedgerConfig(), node: NodeInfo | None = None,
                    gpu_fraction: float | None = None, assigned: tuple[int, ...] = ()) -> "ReplicaMemory":
         """Process-local ledgers (what :meth:`open` uses without Ray); ``node`` is injectable for tests,
         ``assigned`` GPUs too (a CPU replica then stands in for the first, as under Ray)."""

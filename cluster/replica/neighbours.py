@@ -28,7 +28,7 @@ import os
 import threading
 from typing import Callable, Mapping
 
-from cluster.node import GpuFacts
+from cluster.node import GpuInfo
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class NeighbourLeases:
         return outstanding
 
 
-def nvml_used_by_process(gpu: GpuFacts, nvml=None) -> UsedByProcess:
+def nvml_used_by_process(gpu: GpuInfo, nvml=None) -> UsedByProcess:
     """pid -> bytes used on ``gpu`` now, from NVML (``nvml`` injectable for tests, default pynvml)."""
     if nvml is None:
         import pynvml as nvml
@@ -108,7 +108,7 @@ def nvml_used_by_process(gpu: GpuFacts, nvml=None) -> UsedByProcess:
     return used
 
 
-def neighbour_leases(pool: str, gpu: GpuFacts | None) -> NeighbourLeases | None:
+def neighbour_leases(pool: str, gpu: GpuInfo | None) -> NeighbourLeases | None:
     """The provider for a replica leasing ``pool`` of ``gpu``; None without a GPU pool."""
     if gpu is None:
         return None

@@ -19,7 +19,7 @@ import math
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from cluster.fleet import FleetProfile
-from cluster.node import GB, GpuFacts
+from cluster.node import GB, GpuInfo
 from cluster.replica.ledger_view import ReplicaMemory
 from offload_core.host.budget import MemoryBudget
 from offload_core.planner.facts import ComponentProfile, LinkFacts, PipelineFacts, Stage, profile_component
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def link_facts(device: "torch.device | None" = None, gpu: GpuFacts | None = None,
+def link_facts(device: "torch.device | None" = None, gpu: GpuInfo | None = None,
                copier_cap: int | None = None) -> LinkFacts:
     """The replica's link to its device: measured on CUDA (staged fills split over at most ``copier_cap``
     threads, :func:`copier_cap`); elsewhere (nothing to measure) the GPU table's bandwidths for the
@@ -73,7 +73,7 @@ def copier_cap(memory: ReplicaMemory) -> int:
     return cap
 
 
-def replica_gpu(memory: ReplicaMemory) -> GpuFacts | None:
+def replica_gpu(memory: ReplicaMemory) -> GpuInfo | None:
     """The GPU whose pool the replica leases (None: it computes on the host)."""
     return next((g for g in memory.node.gpus if f"gpu:{g.index}" == memory.device_pool), None)
 

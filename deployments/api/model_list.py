@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.capacity.admission import ModelLimits, StageAdmission, model_limits
 from deployments.capacity.request_limits import Limits
-from deployments.models.families import FamilyFacts
+from deployments.models.families import FamilyTraits
 
 
 class ModelCard(BaseModel):
@@ -41,7 +41,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def model_card(model_id: str, facts: FamilyFacts, limits: Limits,
+def model_card(model_id: str, facts: FamilyTraits, limits: Limits,
                admissions: Sequence[StageAdmission]) -> ModelCard:
     return ModelCard(id=model_id, family=facts.family.value,
                      modalities=list(facts.modalities),

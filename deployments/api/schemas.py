@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from deployments.api.reference_images import ReferenceImageError, check_reference_image, from_data_url
 from deployments.capacity.request_limits import FieldError, Limits, parse_size
-from deployments.models.families import FamilyFacts, ReferenceImage
+from deployments.models.families import FamilyTraits, ReferenceImage
 from deployments.wire.spec import GenerationSpec
 
 # OpenAI does not bound ``user``; it is logged, so it is bounded here.
@@ -74,7 +74,7 @@ def check_model(requested: str | None, model_id: str) -> None:
                          status=404, code="model_not_found")
 
 
-def _check_prompt(req: _Generation, facts: FamilyFacts, limits: Limits) -> None:
+def _check_prompt(req: _Generation, facts: FamilyTraits, limits: Limits) -> None:
     if not req.prompt.strip():
         raise FieldError("prompt", "must not be empty")
     if len(req.prompt) > limits.max_prompt_chars:
@@ -94,7 +94,7 @@ def _steps(req: _Generation, limits: Limits) -> int:
     return steps
 
 
-def _check_reference(facts: FamilyFacts, reference: bytes | None) -> None:
+def _check_reference(facts: FamilyTraits, reference: bytes | None) -> None:
     if reference is not None and facts.reference_image is ReferenceImage.NONE:
         raise FieldError("input_reference", f"the {facts.family.value} model family generates from text only; "
                                             "it takes no reference image")
@@ -103,7 +103,7 @@ def _check_reference(facts: FamilyFacts, reference: bytes | None) -> None:
                                             "reference image (multipart file, or a data URL in JSON)")
 
 
-def _spec(req: _Generation, facts: FamilyFacts, limits: Limits, n: int, frames: int,
+def _spec(req: _Generation, facts: FamilyTraits, limits: Limits, n: int, frames: int,
           reference: bytes | None = None) -> GenerationSpec:
     _check_prompt(req, facts, limits)
     _check_reference(facts, reference)
@@ -114,7 +114,7 @@ def _spec(req: _Generation, facts: FamilyFacts, limits: Limits, n: int, frames: 
                           _steps(req, limits), guidance, seed, n, reference, req.cache_threshold)
 
 
-def image_spec(req: ImageRequest, facts: FamilyFacts, limits: Limits, model_id: str,
+def image_spec(req: ImageRequest, facts: FamilyTraits, limits: Limits, model_id: str,
                reference: bytes | None = None) -> GenerationSpec:
     """``reference``: the checked reference image's bytes (``deployments.api.reference_images``), if any."""
     check_model(req.model, model_id)
@@ -149,7 +149,7 @@ def reference_bytes(value: object) -> bytes | None:
         raise FieldError("input_reference", str(exc)) from None
 
 
-def video_spec(req: VideoRequest, facts: FamilyFacts, limits: Limits, model_id: str,
+def video_spec(req: VideoRequest, facts: FamilyTraits, limits: Limits, model_id: str,
                reference: bytes | None = None) -> GenerationSpec:
     """``reference``: the checked reference image's bytes (``deployments.api.reference_images``), if
     any; else the request's own ``input_reference`` data URL, checked here."""

@@ -30,7 +30,7 @@ from deployments.api.seams import ReplicaBoard, StagePipeline
 from deployments.capacity.admission import StageAdmission
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.jobs.queue import JobsArgs
-from deployments.models.families import FamilyFacts
+from deployments.models.families import FamilyTraits
 from deployments.wire import media
 from deployments.wire.failures import FailureKind
 from deployments.wire.spec import DenoiseProgress, GenerationSpec, StageOutput
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 class IngressConfig:
     app_name: str
     model_id: str
-    facts: FamilyFacts
+    facts: FamilyTraits
     limits: Limits
     api_token: str | None  # None: no auth; else every route but /health needs "Bearer <token>"
     retry_after_s: int

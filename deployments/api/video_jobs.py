@@ -33,7 +33,7 @@ from deployments.jobs.queue import JobQueue, JobsArgs
 from deployments.jobs.records import JobStatus, ListOrder, VideoJob, new_job, new_job_id
 from deployments.jobs.results import ResultFolder, Variant
 from deployments.jobs.runner import Generate, JobRunner, params_spec
-from deployments.models.families import FamilyFacts
+from deployments.models.families import FamilyTraits
 from deployments.wire.failures import FailureKind, FailureSorter
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ Admissions = Callable[[], Awaitable[Sequence[StageAdmission]]]
 @dataclass(frozen=True)
 class VideoJobsConfig:
     model_id: str
-    facts: FamilyFacts
+    facts: FamilyTraits
     limits: Limits
     args: JobsArgs
 

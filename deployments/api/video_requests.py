@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from deployments.api.schemas import MAX_USER_CHARS, Text, VideoRequest, reference_bytes, video_spec
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.jobs.records import JobParams
-from deployments.models.families import FamilyFacts
+from deployments.models.families import FamilyTraits
 
 # "4", "8", "12" from the official client; fractions allowed ("1.5"), never signs or exponents.
 SECONDS_PATTERN = re.compile(r"[0-9]{1,4}(\.[0-9]{1,3})?", re.ASCII)
@@ -60,7 +60,7 @@ def frames_for(seconds: str, fps: int, temporal_factor: int) -> int:
     return 1 + temporal_factor * max(1, math.ceil(intervals / temporal_factor))
 
 
-def job_params(req: VideoJobRequest, facts: FamilyFacts, limits: Limits, model_id: str) -> JobParams:
+def job_params(req: VideoJobRequest, facts: FamilyTraits, limits: Limits, model_id: str) -> JobParams:
     """The job's parameters, or :class:`FieldError` naming the first bad field."""
     reference = reference_bytes(req.input_reference)
     fps = req.fps or limits.default_fps

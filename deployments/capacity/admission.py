@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.models.activation_features import Regime, StageActivations
-from deployments.models.families import FamilyFacts
+from deployments.models.families import FamilyTraits
 from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core.planner.activation_model import ActivationModel
 
@@ -52,10 +52,10 @@ class StageAdmission:
     room_bytes: int
     models: tuple[tuple[Regime, ActivationModel], ...]
 
-    def need_bytes(self, facts: FamilyFacts, spec: GenerationSpec) -> int:
+    def need_bytes(self, facts: FamilyTraits, spec: GenerationSpec) -> int:
         return StageActivations(facts, self.stage, dict(self.models)).predict(spec)
 
-    def admits(self, facts: FamilyFacts, spec: GenerationSpec) -> bool:
+    def admits(self, facts: FamilyTraits, spec: GenerationSpec) -> bool:
         return self.need_bytes(facts, spec) <= self.room_bytes
 
 
@@ -79,12 +79,12 @@ class ModelLimits(BaseModel):
                                                    "activation room binds (encode, denoise, decode).")
 
 
-def _probe(facts: FamilyFacts, limits: Limits, width: int, height: int, frames: int, n: int) -> GenerationSpec:
+def _probe(facts: FamilyTraits, limits: Limits, width: int, height: int, frames: int, n: int) -> GenerationSpec:
     return GenerationSpec("limits", "limits", None, height, width, frames, limits.default_steps,
                           facts.default_guidance, 0, n)
 
 
-def _refusing_stage(admissions: Sequence[StageAdmission], facts: FamilyFacts, spec: GenerationSpec) -> str | None:
+def _refusing_stage(admissions: Sequence[StageAdmission], facts: FamilyTraits, spec: GenerationSpec) -> str | None:
     return next((a.stage.value for a in admissions if not a.admits(facts, spec)), None)
 
 
@@ -99,7 +99,7 @@ def _largest(candidates: Sequence, spec_of: Callable[[object], GenerationSpec], 
     return best, CONFIGURED
 
 
-def _sizes(facts: FamilyFacts, limits: Limits, aspect: tuple[int, int]) -> list[tuple[int, int]]:
+def _sizes(facts: FamilyTraits, limits: Limits, aspect: tuple[int, int]) -> list[tuple[int, int]]:
     """Sizes at ``aspect`` (width, height), multiples of size_multiple, within the configured maxima."""
     m, (aw, ah) = facts.size_multiple, aspect
     sizes = []
@@ -117,7 +117,7 @@ def _aspect(limits: Limits) -> tuple[int, int]:
     return int(width), int(height)
 
 
-def model_limits(facts: FamilyFacts, limits: Limits, admissions: Sequence[StageAdmission]) -> ModelLimits:
+def model_limits(facts: FamilyTraits, limits: Limits, admissions: Sequence[StageAdmission]) -> ModelLimits:
     """Configured limits ∩ what every reporting replica admits; 'configured' until every stage reported."""
     measured = {a.stage for a in admissions} >= set(PipelineStage)
     admissions = tuple(admissions) if measured else ()
@@ -172,7 +172,7 @@ class Nearest:
         return "the largest it admits like this request: " + ", or ".join(parts)
 
 
-def _last_admitted(admission: StageAdmission, facts: FamilyFacts, specs) -> GenerationSpec | None:
+def _last_admitted(admission: StageAdmission, facts: FamilyTraits, specs) -> GenerationSpec | None:
     best = None
     for spec in specs:
         if not admission.admits(facts, spec):
@@ -181,7 +181,7 @@ def _last_admitted(admission: StageAdmission, facts: FamilyFacts, specs) -> Gene
     return best
 
 
-def nearest_admitted(admission: StageAdmission, facts: FamilyFacts, spec: GenerationSpec) -> Nearest:
+def nearest_admitted(admission: StageAdmission, facts: FamilyTraits, spec: GenerationSpec) -> Nearest:
     """What ``admission`` admits along each of the request's axes (for its refusal to name); not bounded by
     the configured limits (the ingress checked those)."""
     m = facts.size_multiple
@@ -198,7 +198,7 @@ def nearest_admitted(admission: StageAdmission, facts: FamilyFacts, spec: Genera
                    None if frames is None else frames.num_frames, None if n is None else n.n)
 
 
-def memory_refusal(facts: FamilyFacts, admissions: Sequence[StageAdmission], spec: GenerationSpec) -> FieldError | None:
+def memory_refusal(facts: FamilyTraits, admissions: Sequence[StageAdmission], spec: GenerationSpec) -> FieldError | None:
     """The 4xx for a request some stage replica can never hold (as that replica would refuse it), or None.
 
     For the ingress, where a refusal would otherwise come only when the request reaches that stage

@@ -10,7 +10,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.models.families import FamilyFacts
+from deployments.models.families import FamilyTraits
 
 # ASCII digits only, matched in full: "\d" would take full-width and Arabic-Indic digits, and "$"
 # a trailing newline.
@@ -51,7 +51,7 @@ class Limits(BaseModel):
     default_fps: int = Field(8, ge=1)
 
 
-def parse_size(size: str, facts: FamilyFacts, limits: Limits) -> tuple[int, int]:
+def parse_size(size: str, facts: FamilyTraits, limits: Limits) -> tuple[int, int]:
     match = SIZE_PATTERN.fullmatch(size)
     if not match:
         raise FieldError("size", f"{size!r} is not of the form WIDTHxHEIGHT, e.g. '256x256'")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Mapping
 
 from cluster.fleet import profile_for_gpu
-from cluster.node import GpuFacts
+from cluster.node import GpuInfo
 from deployments.dev import local_ray
 from deployments.dev.doctor_config import ConfigNeeds
 from offload_core.host.budget_cap import format_bytes
@@ -183,7 +183,7 @@ def pin_budget(needs: ConfigNeeds, machine: Machine) -> tuple[int, str] | None:
     """The most one GPU replica may page-lock, and which stage: min(its host budget, its fleet
     profile's pin cap of spendable RAM), as cluster/replica/plan.py caps it. None: no GPU stage."""
     gpu = machine.gpus.seen[0] if machine.gpus.seen else None
-    facts = None if gpu is None else GpuFacts(gpu.index, gpu.name, gpu.total_bytes, None, None, "nvml")
+    facts = None if gpu is None else GpuInfo(gpu.index, gpu.name, gpu.total_bytes, None, None, "nvml")
     cap = int(machine.ram.spendable * profile_for_gpu(facts).host_pin_cap_fraction)
     budgets = [(min(cap, s.host_budget.resolve(machine.ram.spendable)) if s.host_budget else cap, s.deployment)
                for s in needs.stages if s.gpus_per_replica > 0]
@@ -286,10 +286,10 @@ def check_model(model_path: str | None, tiny_family: str) -> Check:
         return Check("model", Status.FAIL, f"no folder {folder}", fix)
     if not (folder / "model_index.json").is_file():
         return Check("model", Status.FAIL, f"{folder} has no model_index.json: not a diffusers folder", fix)
-    from deployments.models.registry import read_family_facts
+    from deployments.models.registry import read_family_traits
 
     try:
-        facts = read_family_facts(folder)
+        facts = read_family_traits(folder)
     except ValueError as exc:  # UnsupportedModelFolder (no adapter, a variant it refuses), unreadable json
         return Check("model", Status.FAIL, str(exc), "serve a folder of a supported family (docs/models.md)")
     return Check("model", Status.OK, f"{folder}: family {facts.family.value}")

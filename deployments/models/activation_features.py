@@ -20,7 +20,7 @@ import enum
 import math
 from typing import Callable, Sequence
 
-from deployments.models.families import FamilyFacts
+from deployments.models.families import FamilyTraits
 from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core.planner.activation_model import ActivationModel, ActivationSample, calibrate
 
@@ -50,13 +50,13 @@ def feature_names(stage: PipelineStage, spec: GenerationSpec) -> tuple[str, ...]
     return DECODE_FEATURES[regime(spec)] if stage is PipelineStage.DECODE else FEATURES[stage]
 
 
-def latent_tokens(facts: FamilyFacts, spec: GenerationSpec) -> int:
+def latent_tokens(facts: FamilyTraits, spec: GenerationSpec) -> int:
     """Latent positions the transformer attends over: latent frames x (H / multiple) x (W / multiple)."""
     latent_frames = 1 + (spec.num_frames - 1) // facts.temporal_factor
     return latent_frames * math.ceil(spec.height / facts.size_multiple) * math.ceil(spec.width / facts.size_multiple)
 
 
-def features(facts: FamilyFacts, stage: PipelineStage, spec: GenerationSpec) -> tuple[float, ...]:
+def features(facts: FamilyTraits, stage: PipelineStage, spec: GenerationSpec) -> tuple[float, ...]:
     n, pixels = spec.n, spec.height * spec.width
     if stage is PipelineStage.ENCODE:
         return (1.0, float(n))
@@ -70,7 +70,7 @@ def features(facts: FamilyFacts, stage: PipelineStage, spec: GenerationSpec) -> 
 class StageActivations:
     """One stage's calibrated models, one per regime, and their predictions."""
 
-    def __init__(self, facts: FamilyFacts, stage: PipelineStage, models: dict[Regime, ActivationModel]):
+    def __init__(self, facts: FamilyTraits, stage: PipelineStage, models: dict[Regime, ActivationModel]):
         self.facts, self.stage, self.models = facts, stage, models
 
     def predict(self, spec: GenerationSpec, dtype_bytes: int | None = None) -> int:
@@ -81,7 +81,7 @@ class StageActivations:
         return "; ".join(f"{r.value}: {m.explain()}" for r, m in self.models.items())
 
 
-def calibrate_stage(facts: FamilyFacts, stage: PipelineStage, shapes: Sequence[GenerationSpec],
+def calibrate_stage(facts: FamilyTraits, stage: PipelineStage, shapes: Sequence[GenerationSpec],
                     measure: Callable[[GenerationSpec], int], dtype_bytes: int) -> StageActivations:
     """Measure ``shapes`` (two per regime) with ``measure(spec) -> peak bytes`` and fit each regime."""
     by_regime: dict[Regime, list[GenerationSpec]] = {}
@@ -94,7 +94,7 @@ def calibrate_stage(facts: FamilyFacts, stage: PipelineStage, shapes: Sequence[G
     return StageActivations(facts, stage, models)
 
 
-def calibration_shapes(facts: FamilyFacts, steps: int = 1,
+def calibration_shapes(facts: FamilyTraits, steps: int = 1,
                        stage: PipelineStage | None = None) -> tuple[GenerationSpec, ...]:
     """Two shapes per regime, small enough to run at start-up, that separate each stage's features
     (they differ in n and in size). A family that makes at most ``facts.max_n`` outputs per request
@@ -120,7 +120,7 @@ def calibration_shapes(facts: FamilyFacts, steps: int = 1,
     return tuple(shapes)
 
 
-def stage_input(pipe, facts: FamilyFacts, stage: PipelineStage, spec: GenerationSpec):
+def stage_input(pipe, facts: FamilyTraits, stage: PipelineStage, spec: GenerationSpec):
     """A stand-in for the stage's input at ``spec``'s shape (zeros: activations depend on shapes, not
     values), so a replica calibrates without the other stages: the family adapter's."""
     from deployments.models.registry import adapter_for
@@ -128,7 +128,7 @@ def stage_input(pipe, facts: FamilyFacts, stage: PipelineStage, spec: Generation
     return adapter_for(facts).activation_input(pipe, facts, stage, spec)
 
 
-def run_stage(pipe, facts: FamilyFacts, stage: PipelineStage, spec: GenerationSpec, device, value):
+def run_stage(pipe, facts: FamilyTraits, stage: PipelineStage, spec: GenerationSpec, device, value):
     """The stage's own call (as the deployments make it) on ``value`` from :func:`stage_input`."""
     from deployments.models import families
 

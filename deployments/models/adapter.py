@@ -2,7 +2,7 @@
 
 A family module (``deployments/models/<family>.py``) defines ``ADAPTERS``: instances of a
 :class:`FamilyAdapter` subclass, each declaring how its folder is recognised (``model_index.json``),
-which components each stage loads, the request features it accepts (:class:`FamilyFacts`), how the
+which components each stage loads, the request features it accepts (:class:`FamilyTraits`), how the
 encoder encodes, how the Denoiser steps a batch (its stepper), how the decoder decodes, the input
 its activation model is calibrated on, the uses per request the planner weighs bytes by, and the
 in-process reference the conformance suite compares against. Nothing outside a family's module
@@ -46,7 +46,7 @@ class ReferenceImage(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class FamilyFacts:
+class FamilyTraits:
     """What the ingress needs to validate requests, read from the folder's configs (no weights)."""
 
     family: Family
@@ -134,27 +134,27 @@ class FamilyAdapter:
         handle), or None."""
         return None
 
-    def facts(self, folder: pathlib.Path, index: Mapping) -> FamilyFacts:
+    def facts(self, folder: pathlib.Path, index: Mapping) -> FamilyTraits:
         raise NotImplementedError
 
-    def check_request(self, facts: FamilyFacts, spec: GenerationSpec) -> tuple[str, str] | None:
+    def check_request(self, facts: FamilyTraits, spec: GenerationSpec) -> tuple[str, str] | None:
         """A family-specific fault of ``spec`` as (field, message), or None. The shared checks
         (size multiple, frame rule, reference image presence) are the ingress's."""
         return None
 
     # ---- loading (the stage replicas) ----
-    def modules(self, facts: FamilyFacts, stage: PipelineStage) -> tuple[str, ...]:
+    def modules(self, facts: FamilyTraits, stage: PipelineStage) -> tuple[str, ...]:
         return self.stage_modules[PipelineStage(stage)]
 
-    def helpers(self, facts: FamilyFacts, stage: PipelineStage) -> tuple[str, ...]:
+    def helpers(self, facts: FamilyTraits, stage: PipelineStage) -> tuple[str, ...]:
         return self.stage_helpers[PipelineStage(stage)]
 
-    def pipeline_type(self, facts: FamilyFacts):
+    def pipeline_type(self, facts: FamilyTraits):
         import diffusers
 
         return getattr(diffusers, facts.pipeline_class or self.pipeline_classes[0])
 
-    def load_stage_pipeline(self, facts: FamilyFacts, stage: PipelineStage, dtype: torch.dtype,
+    def load_stage_pipeline(self, facts: FamilyTraits, stage: PipelineStage, dtype: torch.dtype,
                             loaded: Mapping[str, torch.nn.Module] | None = None):
         """The pipeline with only ``stage``'s components loaded (the rest None), safetensors only.
 
@@ -171,69 +171,69 @@ class FamilyAdapter:
                     cls.__name__, facts.folder, sorted(keep), sorted(skipped))
         return pipe
 
-    def load_full_pipeline(self, facts: FamilyFacts, dtype: torch.dtype):
+    def load_full_pipeline(self, facts: FamilyTraits, dtype: torch.dtype):
         pipe = self.pipeline_type(facts).from_pretrained(facts.folder, use_safetensors=True, dtype=dtype)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    def restore_scale_factors(self, pipe, facts: FamilyFacts) -> None:
+    def restore_scale_factors(self, pipe, facts: FamilyTraits) -> None:
         """Without a VAE the pipelines fall back to default scale factors; set the folder's real ones."""
 
     # ---- the stages' calls ----
-    def encode(self, pipe, facts: FamilyFacts, spec: GenerationSpec, device: torch.device) -> EncodedPrompt:
+    def encode(self, pipe, facts: FamilyTraits, spec: GenerationSpec, device: torch.device) -> EncodedPrompt:
         raise NotImplementedError
 
-    def condition(self, pipe, facts: FamilyFacts, spec: GenerationSpec, device: torch.device) -> torch.Tensor | None:
+    def condition(self, pipe, facts: FamilyTraits, spec: GenerationSpec, device: torch.device) -> torch.Tensor | None:
         """The reference image's conditioning, computed where its weights are (the decoder stage's
         VAE); None for a family without one."""
         return None
 
-    def denoise(self, pipe, facts: FamilyFacts, encoded: EncodedPrompt, spec: GenerationSpec,
+    def denoise(self, pipe, facts: FamilyTraits, encoded: EncodedPrompt, spec: GenerationSpec,
                 device: torch.device, on_step=None) -> torch.Tensor:
         """Latents exactly as ``pipe(..., output_type="latent")`` returns them, on the CPU."""
         raise NotImplementedError
 
-    def decode(self, pipe, facts: FamilyFacts, latents: torch.Tensor, spec: GenerationSpec,
+    def decode(self, pipe, facts: FamilyTraits, latents: torch.Tensor, spec: GenerationSpec,
                device: torch.device) -> torch.Tensor:
         """Frames (n, frames, H, W, 3) float32 in [0, 1]: the pipeline's ``output_type="np"`` result."""
         raise NotImplementedError
 
-    def stepper(self, pipe, facts: FamilyFacts, device: torch.device):
+    def stepper(self, pipe, facts: FamilyTraits, device: torch.device):
         """The Denoiser's half of step batching (``deployments.models.steppers.Stepper``)."""
         raise NotImplementedError
 
-    def reference_frames(self, pipe, facts: FamilyFacts, spec: GenerationSpec) -> torch.Tensor:
+    def reference_frames(self, pipe, facts: FamilyTraits, spec: GenerationSpec) -> torch.Tensor:
         """The in-process pipeline's result for ``spec``, in the decoder's layout (the bitwise reference)."""
         raise NotImplementedError
 
     # ---- planning ----
-    def uses_per_request(self, facts: FamilyFacts, stage: PipelineStage, steps: int, guidance_scale: float,
+    def uses_per_request(self, facts: FamilyTraits, stage: PipelineStage, steps: int, guidance_scale: float,
                          batched: bool = False) -> dict[str, int]:
         """Forward passes per request of each of the stage's components (what the planner weighs bytes by).
         ``batched``: the Denoiser's step batching runs guidance's two branches in one forward."""
         raise NotImplementedError
 
-    def uses_by_stage(self, facts: FamilyFacts, stage: PipelineStage, *, encode: int, denoise: int) -> dict[str, int]:
+    def uses_by_stage(self, facts: FamilyTraits, stage: PipelineStage, *, encode: int, denoise: int) -> dict[str, int]:
         """``uses_per_request``'s answer when every component of a stage runs equally often (decode once)."""
         per_stage = {PipelineStage.ENCODE: encode, PipelineStage.DENOISE: denoise, PipelineStage.DECODE: 1}
         return {name: per_stage[PipelineStage(stage)] for name in self.modules(facts, stage)}
 
-    def phases(self, facts: FamilyFacts, stage: PipelineStage) -> tuple[tuple[str, ...], ...]:
+    def phases(self, facts: FamilyTraits, stage: PipelineStage) -> tuple[tuple[str, ...], ...]:
         """The stage's components grouped by what runs at once; the planner holds one group's working
         set on the device at a time and the replica switches residency between groups."""
         return (self.modules(facts, stage),)
 
-    def warmup_steps(self, facts: FamilyFacts) -> int:
+    def warmup_steps(self, facts: FamilyTraits) -> int:
         """Denoising steps a warm-up call runs so that every denoiser component runs (and is timed)."""
         return 1
 
-    def warmup_prompt(self, facts: FamilyFacts) -> str:
+    def warmup_prompt(self, facts: FamilyTraits) -> str:
         """The prompt of the warm-up and calibration calls: one that runs every component a prompt can
         make the encoder run (a family whose glyph encoder runs only for quoted text quotes some).
         A component it still leaves unrun is planned from its meta facts and timed on first use."""
         return "warm-up"
 
-    def activation_input(self, pipe, facts: FamilyFacts, stage: PipelineStage, spec: GenerationSpec):
+    def activation_input(self, pipe, facts: FamilyTraits, stage: PipelineStage, spec: GenerationSpec):
         """A stand-in for the stage's input at ``spec``'s shape (zeros: activations depend on shapes)."""
         raise NotImplementedError
 
@@ -253,7 +253,7 @@ class KLImageAdapter(FamilyAdapter):
 
     serves = ("image",)
 
-    def restore_scale_factors(self, pipe, facts: FamilyFacts) -> None:
+    def restore_scale_factors(self, pipe, facts: FamilyTraits) -> None:
         pipe.vae_scale_factor = kl_vae_scale(facts.folder)
 
     @torch.no_grad()

@@ -15,20 +15,20 @@ import torch
 from compat.diffusers import execution_device
 from deployments.models.adapter import (  # noqa: F401 (re-exported: the service's names for them)
     CPU,
-    FamilyFacts,
+    FamilyTraits,
     ReferenceImage,
     UnsupportedModelFolder,
     generator_for,
 )
-from deployments.models.registry import adapter_for, read_family_facts  # noqa: F401 (re-exported)
+from deployments.models.registry import adapter_for, read_family_traits  # noqa: F401 (re-exported)
 from deployments.wire.spec import DenoiseProgress, EncodedPrompt, GenerationSpec, PipelineStage
 
 
-def stage_component_names(facts: FamilyFacts, stage: PipelineStage) -> tuple[str, ...]:
+def stage_component_names(facts: FamilyTraits, stage: PipelineStage) -> tuple[str, ...]:
     return adapter_for(facts).modules(facts, stage)
 
 
-def uses_per_request(facts: FamilyFacts, stage: PipelineStage, steps: int, guidance_scale: float,
+def uses_per_request(facts: FamilyTraits, stage: PipelineStage, steps: int, guidance_scale: float,
                      batched: bool = False) -> dict[str, int]:
     """Forward passes per request of each of the stage's components (what the planner weighs bytes by).
 
@@ -37,48 +37,48 @@ def uses_per_request(facts: FamilyFacts, stage: PipelineStage, steps: int, guida
     return adapter_for(facts).uses_per_request(facts, stage, steps, guidance_scale, batched)
 
 
-def stage_phases(facts: FamilyFacts, stage: PipelineStage) -> tuple[tuple[str, ...], ...]:
+def stage_phases(facts: FamilyTraits, stage: PipelineStage) -> tuple[tuple[str, ...], ...]:
     """The stage's components grouped by what runs at once (Wan2.2 A14B's denoiser: one expert at a time)."""
     return adapter_for(facts).phases(facts, stage)
 
 
-def warmup_prompt(facts: FamilyFacts) -> str:
+def warmup_prompt(facts: FamilyTraits) -> str:
     """The warm-up's prompt: one that runs every prompt-dependent component (HunyuanVideo 1.5: quoted text)."""
     return adapter_for(facts).warmup_prompt(facts)
 
 
-def warmup_steps(facts: FamilyFacts) -> int:
+def warmup_steps(facts: FamilyTraits) -> int:
     """Denoising steps a warm-up call runs so that every denoiser component runs (Wan2.2 A14B: both experts)."""
     return adapter_for(facts).warmup_steps(facts)
 
 
-def load_stage_pipeline(facts: FamilyFacts, stage: PipelineStage, dtype: torch.dtype,
+def load_stage_pipeline(facts: FamilyTraits, stage: PipelineStage, dtype: torch.dtype,
                         loaded: dict[str, torch.nn.Module] | None = None):
     """The family's pipeline with only ``stage``'s components loaded (the rest None), safetensors only;
     ``loaded``: components loaded elsewhere (a tensor-parallel rank's slices), used as given."""
     return adapter_for(facts).load_stage_pipeline(facts, stage, dtype, loaded)
 
 
-def stage_modules(pipe, facts: FamilyFacts, stage: PipelineStage) -> dict[str, torch.nn.Module]:
+def stage_modules(pipe, facts: FamilyTraits, stage: PipelineStage) -> dict[str, torch.nn.Module]:
     return {name: getattr(pipe, name) for name in stage_component_names(facts, stage)}
 
 
-def encode(pipe, facts: FamilyFacts, spec: GenerationSpec, device: torch.device) -> EncodedPrompt:
+def encode(pipe, facts: FamilyTraits, spec: GenerationSpec, device: torch.device) -> EncodedPrompt:
     return adapter_for(facts).encode(pipe, facts, spec, device)
 
 
-def condition(pipe, facts: FamilyFacts, spec: GenerationSpec, device: torch.device) -> torch.Tensor | None:
+def condition(pipe, facts: FamilyTraits, spec: GenerationSpec, device: torch.device) -> torch.Tensor | None:
     """The reference image's conditioning (image-to-video), on the CPU; None without one."""
     return adapter_for(facts).condition(pipe, facts, spec, device)
 
 
-def denoise(pipe, facts: FamilyFacts, encoded: EncodedPrompt, spec: GenerationSpec, device: torch.device,
+def denoise(pipe, facts: FamilyTraits, encoded: EncodedPrompt, spec: GenerationSpec, device: torch.device,
             on_step: Callable[[DenoiseProgress], None] | None = None) -> torch.Tensor:
     """Latents exactly as ``pipe(..., output_type="latent")`` returns them, on the CPU."""
     return adapter_for(facts).denoise(pipe, facts, encoded, spec, device, on_step)
 
 
-def decode(pipe, facts: FamilyFacts, latents: torch.Tensor, spec: GenerationSpec,
+def decode(pipe, facts: FamilyTraits, latents: torch.Tensor, spec: GenerationSpec,
            device: torch.device | None = None) -> torch.Tensor:
     """Frames (n, frames, H, W, 3) float32 in [0, 1]: the pipeline's ``output_type="np"`` result.
 
@@ -88,10 +88,10 @@ def decode(pipe, facts: FamilyFacts, latents: torch.Tensor, spec: GenerationSpec
     return adapter_for(facts).decode(pipe, facts, latents, spec, device)
 
 
-def load_full_pipeline(facts: FamilyFacts, dtype: torch.dtype):
+def load_full_pipeline(facts: FamilyTraits, dtype: torch.dtype):
     return adapter_for(facts).load_full_pipeline(facts, dtype)
 
 
-def reference_frames(pipe, facts: FamilyFacts, spec: GenerationSpec) -> torch.Tensor:
+def reference_frames(pipe, facts: FamilyTraits, spec: GenerationSpec) -> torch.Tensor:
     """The in-process pipeline's result for ``spec``, in the decoder's layout (the bitwise reference)."""
     return adapter_for(facts).reference_frames(pipe, facts, spec)

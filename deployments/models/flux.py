@@ -16,7 +16,7 @@ from deployments.models.adapter import (
     DECODE,
     DENOISE,
     ENCODE,
-    FamilyFacts,
+    FamilyTraits,
     KLImageAdapter,
     generator_for,
     kl_vae_scale,
@@ -76,9 +76,9 @@ class FluxAdapter(KLImageAdapter):
     stage_modules = {ENCODE: ("text_encoder", "text_encoder_2"), DENOISE: ("transformer",), DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer", "tokenizer_2"), DENOISE: ("scheduler",), DECODE: ()}
 
-    def facts(self, folder, index) -> FamilyFacts:
+    def facts(self, folder, index) -> FamilyTraits:
         # x2: the transformer packs 2x2 latent patches into one token.
-        return FamilyFacts(self.family, str(folder), kl_vae_scale(folder) * 2, 1, False, False, FLUX_GUIDANCE,
+        return FamilyTraits(self.family, str(folder), kl_vae_scale(folder) * 2, 1, False, False, FLUX_GUIDANCE,
                            pipeline_class=index["_class_name"], modalities=self.serves)
 
     @torch.no_grad()

@@ -32,7 +32,7 @@ from deployments.models.adapter import (
     DENOISE,
     ENCODE,
     FamilyAdapter,
-    FamilyFacts,
+    FamilyTraits,
     generator_for,
     read_json,
 )
@@ -143,11 +143,11 @@ class HunyuanVideo15Adapter(FamilyAdapter):
                     f"(the adapter reproduces ClassifierFreeGuidance with {GUIDER_DEFAULTS})")
         return None
 
-    def facts(self, folder, index) -> FamilyFacts:
+    def facts(self, folder, index) -> FamilyTraits:
         vae = read_json(folder / "vae" / "config.json")
         patch = int(read_json(folder / "transformer" / "config.json").get("patch_size", 1))
         guidance = float(read_json(folder / "guider" / "guider_config.json").get("guidance_scale", 6.0))
-        return FamilyFacts(self.family, str(folder), int(vae.get("spatial_compression_ratio", 16)) * patch,
+        return FamilyTraits(self.family, str(folder), int(vae.get("spatial_compression_ratio", 16)) * patch,
                            int(vae.get("temporal_compression_ratio", 4)), True, True, guidance,
                            pipeline_class=index["_class_name"], modalities=self.serves, max_n=1)
 

@@ -27,7 +27,7 @@ from deployments.models.adapter import (
     DENOISE,
     ENCODE,
     FamilyAdapter,
-    FamilyFacts,
+    FamilyTraits,
     generator_for,
     pipeline_images,
     read_json,
@@ -96,7 +96,7 @@ class QwenImageStepper(TransformerStepper):
 
     family = Family.QWEN_IMAGE.value
 
-    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
+    def __init__(self, pipe, facts: FamilyTraits, device: torch.device):
         super().__init__(pipe, facts, device)
         # zero_cond_t (the edit variants) doubles temb's rows and adds a per-token modulate_index: a
         # sub-batch cannot be sliced by row, so those variants run every block.
@@ -168,11 +168,11 @@ class QwenImageAdapter(FamilyAdapter):
     stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
     serves = ("image",)
 
-    def facts(self, folder, index) -> FamilyFacts:
+    def facts(self, folder, index) -> FamilyTraits:
         vae = read_json(folder / "vae" / "config.json")
         # QwenImagePipeline: 2 ** len(temperal_downsample) spatial, x2 for the packed 2x2 patches.
         multiple = 2 ** len(vae.get("temperal_downsample", [False, True, True])) * 2
-        return FamilyFacts(self.family, str(folder), multiple, 1, False, True, QWEN_GUIDANCE,
+        return FamilyTraits(self.family, str(folder), multiple, 1, False, True, QWEN_GUIDANCE,
                            pipeline_class=index["_class_name"], modalities=self.serves)
 
     def restore_scale_factors(self, pipe, facts) -> None:

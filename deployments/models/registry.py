@@ -13,7 +13,7 @@ import pathlib
 import pkgutil
 from functools import lru_cache
 
-from deployments.models.adapter import FamilyAdapter, FamilyFacts, UnsupportedModelFolder, read_json
+from deployments.models.adapter import FamilyAdapter, FamilyTraits, UnsupportedModelFolder, read_json
 from deployments.wire.spec import Family
 
 
@@ -33,15 +33,15 @@ def supported() -> str:
     return "; ".join(f"{a.family.value} ({', '.join(a.pipeline_classes)})" for a in adapters())
 
 
-def adapter_for(facts: FamilyFacts | Family) -> FamilyAdapter:
-    family = facts.family if isinstance(facts, FamilyFacts) else Family(facts)
+def adapter_for(facts: FamilyTraits | Family) -> FamilyAdapter:
+    family = facts.family if isinstance(facts, FamilyTraits) else Family(facts)
     for adapter in adapters():
         if adapter.family is family:
             return adapter
     raise UnsupportedModelFolder(f"no adapter for family {family.value!r}; supported: {supported()}")
 
 
-def read_family_facts(folder: str | pathlib.Path) -> FamilyFacts:
+def read_family_traits(folder: str | pathlib.Path) -> FamilyTraits:
     """The folder's family and request features, from its json files (no weights)."""
     root = pathlib.Path(folder)
     index = read_json(root / "model_index.json")

@@ -19,7 +19,7 @@ from deployments.models.adapter import (
     DECODE,
     DENOISE,
     ENCODE,
-    FamilyFacts,
+    FamilyTraits,
     KLImageAdapter,
     generator_for,
     kl_vae_scale,
@@ -117,10 +117,10 @@ class SD3Adapter(KLImageAdapter):
                      DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer", "tokenizer_2", "tokenizer_3"), DENOISE: ("scheduler",), DECODE: ()}
 
-    def facts(self, folder, index) -> FamilyFacts:
+    def facts(self, folder, index) -> FamilyTraits:
         patch = int(read_json(folder / "transformer" / "config.json").get("patch_size", 2))
         # StableDiffusion3Pipeline.check_inputs: sides are multiples of vae_scale_factor x patch_size.
-        return FamilyFacts(self.family, str(folder), kl_vae_scale(folder) * patch, 1, False, True, SD3_GUIDANCE,
+        return FamilyTraits(self.family, str(folder), kl_vae_scale(folder) * patch, 1, False, True, SD3_GUIDANCE,
                            pipeline_class=index["_class_name"], modalities=self.serves)
 
     @torch.no_grad()

@@ -17,7 +17,7 @@ from typing import Callable, ClassVar, Protocol
 
 import torch
 
-from deployments.models.adapter import FamilyFacts
+from deployments.models.adapter import FamilyTraits
 from deployments.models.cancel import CancelFlag
 from deployments.models.step_cache import BlockForm, CachedRequest, step_cache_for
 from deployments.wire.spec import DenoiseProgress, EncodedPrompt, GenerationSpec
@@ -97,7 +97,7 @@ class TransformerStepper:
 
     family: ClassVar[str] = ""
 
-    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
+    def __init__(self, pipe, facts: FamilyTraits, device: torch.device):
         self.pipe, self.device = pipe, device
         self.dtype = pipe.transformer.dtype
 
@@ -151,7 +151,7 @@ def split_noise(batch: list[StepRequest], noise: torch.Tensor) -> list[torch.Ten
     return list(noise.split([r.latents.shape[0] for r in batch]))
 
 
-def stepper_for(pipe, facts: FamilyFacts, device: torch.device) -> Stepper:
+def stepper_for(pipe, facts: FamilyTraits, device: torch.device) -> Stepper:
     """The family's stepper (its adapter's, ``deployments/models/<family>.py``)."""
     from deployments.models.registry import adapter_for
 

@@ -14,7 +14,7 @@ import pathlib
 
 import torch
 
-from deployments.models.families import FamilyFacts, stage_component_names
+from deployments.models.families import FamilyTraits, stage_component_names
 from deployments.wire.spec import PipelineStage
 from offload_core.tensor_parallel.plans import classes_with_plans, has_plan, load_rank, shard_dit
 
@@ -25,20 +25,20 @@ class NoStagePlan(ValueError):
     """``tp_size > 1`` for a stage whose components have no tensor-parallel plan (refused at deploy)."""
 
 
-def stage_classes(facts: FamilyFacts, stage: PipelineStage) -> dict[str, tuple[str, str]]:
+def stage_classes(facts: FamilyTraits, stage: PipelineStage) -> dict[str, tuple[str, str]]:
     """(library, class name) of each of the stage's components, from the folder's model_index.json."""
     index = json.loads((pathlib.Path(facts.folder) / "model_index.json").read_text())
     return {name: tuple(index[name]) for name in stage_component_names(facts, stage)}
 
 
-def check_tp(facts: FamilyFacts, stage: PipelineStage, tp_size: int) -> None:
+def check_tp(facts: FamilyTraits, stage: PipelineStage, tp_size: int) -> None:
     """Refuse ``tp_size > 1`` for a stage unless every component it loads has a plan, naming what has one.
     The encoder's and the denoiser's deployments run ranks (deployments/replica/stages.py); the decoder's
     components (VAEs) have no plan, so its refusal is the plans'."""
     check_plans(facts, stage, tp_size)
 
 
-def check_plans(facts: FamilyFacts, stage: PipelineStage, tp_size: int) -> None:
+def check_plans(facts: FamilyTraits, stage: PipelineStage, tp_size: int) -> None:
     """Refuse ``tp_size > 1`` for a stage unless every component it loads has a plan, naming those that do."""
     if tp_size == 1:
         return
@@ -52,7 +52,7 @@ def check_plans(facts: FamilyFacts, stage: PipelineStage, tp_size: int) -> None:
             "ships a plan for), every other stage runs at tp_size 1")
 
 
-def rank_components(facts: FamilyFacts, stage: PipelineStage, dtype: torch.dtype, tp_size: int,
+def rank_components(facts: FamilyTraits, stage: PipelineStage, dtype: torch.dtype, tp_size: int,
                     rank: int) -> dict[str, torch.nn.Module]:
     """This rank's slice of each of the stage's components, to hand to the pipeline's ``from_pretrained``."""
     check_plans(facts, stage, tp_size)

@@ -26,7 +26,7 @@ from deployments.models.adapter import (
     DENOISE,
     ENCODE,
     FamilyAdapter,
-    FamilyFacts,
+    FamilyTraits,
     generator_for,
     read_json,
     step_callback,
@@ -47,12 +47,12 @@ def experts_of(index: Mapping) -> tuple[str, ...]:
     return ("transformer", "transformer_2") if isinstance(second, list) and second[0] is not None else ("transformer",)
 
 
-def wan_facts(adapter: FamilyAdapter, folder: pathlib.Path, index: Mapping, **extra) -> FamilyFacts:
+def wan_facts(adapter: FamilyAdapter, folder: pathlib.Path, index: Mapping, **extra) -> FamilyTraits:
     vae = read_json(folder / "vae" / "config.json")
     patch = read_json(folder / "transformer" / "config.json").get("patch_size", [1, 2, 2])
     spatial = int(vae.get("scale_factor_spatial", 8))
     multiple = math.lcm(16, spatial * int(patch[1]), spatial * int(patch[2]))
-    return FamilyFacts(adapter.family, str(folder), multiple, int(vae.get("scale_factor_temporal", 4)), True, True,
+    return FamilyTraits(adapter.family, str(folder), multiple, int(vae.get("scale_factor_temporal", 4)), True, True,
                        WAN_GUIDANCE, pipeline_class=index["_class_name"], modalities=adapter.serves,
                        experts=experts_of(index), **extra)
 
@@ -89,7 +89,7 @@ class WanStepper:
     one forward; requests whose current timestep falls on different experts (Wan2.2 A14B) run as
     separate forwards of the same step, each on its own expert's weights."""
 
-    def __init__(self, pipe, facts: FamilyFacts, device: torch.device):
+    def __init__(self, pipe, facts: FamilyTraits, device: torch.device):
         self.pipe, self.device, self.experts = pipe, device, facts.experts
         # Read once: ModelMixin.dtype walks the parameters, a quarter of the tiny Wan's step time
         # when read per forward (py-spy, bench/serve.py --quick).
@@ -176,7 +176,7 @@ class WanAdapter(FamilyAdapter):
         # A WanPipeline folder with expanded timesteps (TI2V-5B) is deployments.models.wan_ti2v's.
         return super().recognises(index) and not index.get("expand_timesteps")
 
-    def facts(self, folder, index) -> FamilyFacts:
+    def facts(self, folder, index) -> FamilyTraits:
         return wan_facts(self, folder, index)
 
     def modules(self, facts, stage):
@@ -255,7 +255,7 @@ class WanAdapter(FamilyAdapter):
         return torch.zeros(spec.n, pipe.vae.config.z_dim, frames, spec.height // scale, spec.width // scale)
 
 
-def expert_steps(facts: FamilyFacts, steps: int) -> dict[str, int]:
+def expert_steps(facts: FamilyTraits, steps: int) -> dict[str, int]:
     """Steps each expert runs for ``steps`` denoising steps: the folder's scheduler's timesteps split
     at the boundary (Wan2.2 A14B at 40 steps: flow_shift 3.0 as the diffusers folder writes it, 13
     high-noise and 27 low-noise; 12.0 as Wan2.2 samples, 26 and 14)."""

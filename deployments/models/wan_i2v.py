@@ -33,7 +33,7 @@ from deployments.models.adapter import (
     DECODE,
     DENOISE,
     ENCODE,
-    FamilyFacts,
+    FamilyTraits,
     ReferenceImage,
     generator_for,
     read_json,
@@ -165,7 +165,7 @@ class WanI2VAdapter(WanAdapter):
             return "WanImageToVideoPipeline with expand_timesteps (TI2V-5B image conditioning) is not handled"
         return None
 
-    def facts(self, folder, index) -> FamilyFacts:
+    def facts(self, folder, index) -> FamilyTraits:
         return wan_facts(self, folder, index, reference_image=ReferenceImage.REQUIRED, requirements=("ftfy",))
 
     @torch.no_grad()
@@ -221,7 +221,7 @@ class Wan21I2VAdapter(WanI2VAdapter):
     def recognises(self, index) -> bool:
         return index.get("_class_name") in self.pipeline_classes and has_image_encoder(index)
 
-    def facts(self, folder, index) -> FamilyFacts:
+    def facts(self, folder, index) -> FamilyTraits:
         # One video per request: diffusers 0.42.1 repeats the image embeddings per prompt, not per video.
         return wan_facts(self, folder, index, reference_image=ReferenceImage.REQUIRED, requirements=("ftfy",),
                          max_n=1)

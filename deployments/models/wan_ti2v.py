@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from deployments.models.adapter import CPU, FamilyFacts, ReferenceImage, generator_for
+from deployments.models.adapter import CPU, FamilyTraits, ReferenceImage, generator_for
 from deployments.models.steppers import StepRequest
 from deployments.models.wan import WanAdapter, WanStepper, wan_facts
 from deployments.models.wan_i2v import denoise_alone, image_latents, reference_image
@@ -59,7 +59,7 @@ class WanTI2VAdapter(WanAdapter):
     def recognises(self, index) -> bool:
         return index.get("_class_name") in self.pipeline_classes and bool(index.get("expand_timesteps"))
 
-    def facts(self, folder, index) -> FamilyFacts:
+    def facts(self, folder, index) -> FamilyTraits:
         return wan_facts(self, folder, index, reference_image=ReferenceImage.OPTIONAL)
 
     @torch.no_grad()

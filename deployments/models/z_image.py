@@ -20,7 +20,7 @@ from deployments.models.adapter import (
     DECODE,
     DENOISE,
     ENCODE,
-    FamilyFacts,
+    FamilyTraits,
     KLImageAdapter,
     generator_for,
     kl_vae_scale,
@@ -110,10 +110,10 @@ class ZImageAdapter(KLImageAdapter):
     stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
 
-    def facts(self, folder, index) -> FamilyFacts:
+    def facts(self, folder, index) -> FamilyTraits:
         patch = int(read_json(folder / "transformer" / "config.json").get("all_patch_size", [2])[0])
         # ZImagePipeline.__call__: sides are multiples of vae_scale_factor x 2 (the 2x2 patch).
-        return FamilyFacts(self.family, str(folder), kl_vae_scale(folder) * patch, 1, False, True, Z_IMAGE_GUIDANCE,
+        return FamilyTraits(self.family, str(folder), kl_vae_scale(folder) * patch, 1, False, True, Z_IMAGE_GUIDANCE,
                            pipeline_class=index["_class_name"], modalities=self.serves)
 
     @torch.no_grad()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deployments.models.families import FamilyFacts
+from deployments.models.families import FamilyTraits
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.warmup import WarmupShape
 from deployments.wire.spec import PipelineStage
@@ -25,7 +25,7 @@ class StageConfig:
     """What one stage replica needs; built by ``deployments.app.build_app``."""
 
     app_name: str
-    facts: FamilyFacts
+    facts: FamilyTraits
     stage: PipelineStage
     mode: PerformanceMode | None  # None: the fleet profile's for the GPU the replica got
     # Forward passes per request of each of the stage's components (the planner weighs bytes by it).

@@ -41,7 +41,7 @@ from cluster.replica.plan import replan_stage
 from deployments.capacity.request_limits import Limits, parse_size
 from deployments.models import activation_features, families
 from deployments.models.activation_features import ACTIVATION_MARGIN
-from deployments.models.families import FamilyFacts
+from deployments.models.families import FamilyTraits
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.stage_residency import StageResidency
 from deployments.wire.spec import GenerationSpec, PipelineStage
@@ -67,11 +67,11 @@ class WarmupShape:
     frames: int  # default_frames for a family that makes videos, 1 for image-only families
 
     @classmethod
-    def default_for(cls, limits: Limits, facts: FamilyFacts) -> WarmupShape:
+    def default_for(cls, limits: Limits, facts: FamilyTraits) -> WarmupShape:
         width, height = parse_size(limits.default_size, facts, limits)  # a default the API would refuse fails here
         return cls(width, height, limits.default_frames if facts.supports_video else 1)
 
-    def spec(self, facts: FamilyFacts, n: int = 1) -> GenerationSpec:
+    def spec(self, facts: FamilyTraits, n: int = 1) -> GenerationSpec:
         """One step (more when a family's experts need them all to run: Wan2.2 A14B), ``n`` outputs, the
         family's default guidance (Wan: both guidance passes run)."""
         return GenerationSpec(f"warmup-{self.width}x{self.height}x{self.frames}", families.warmup_prompt(facts), None,
@@ -85,7 +85,7 @@ class WarmupShape:
 class WarmupSettings(Protocol):
     """The stage's configuration, as far as the warm-up reads it."""
 
-    facts: FamilyFacts
+    facts: FamilyTraits
     stage: PipelineStage
     dtype: str
     batching: BatchingConfig | None

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from offload_core.host.budget import Lease, MemoryBudget, Refusal
-from offload_core.host.facts import ComponentFacts, LayerFacts
+from offload_core.host.on_host import ComponentOnHost, LayerOnHost
 from offload_core.host.pin_order import pin_order
 from offload_core.host.tier import STAGED_TIERS, HostingTier
 from offload_core.layout import (
@@ -112,8 +112,8 @@ class HostingPlan:
 class _Slot:
     """A layer's place in the pin order while the plan is being fitted."""
 
-    component: ComponentFacts
-    layer: LayerFacts
+    component: ComponentOnHost
+    layer: LayerOnHost
     tier: HostingTier
     wanted: HostingTier  # before the host was consulted, for the log's "why"
     staging_buffers: int  # the policy's, carried so a slot list alone prices its staging
@@ -167,7 +167,7 @@ class HostingPolicy:
     def best_tier(self, component: str, key: str) -> HostingTier:
         return self.wanted.get(component, {}).get(key, self.ceiling)
 
-    def check_names(self, components: Sequence[ComponentFacts]) -> None:
+    def check_names(self, components: Sequence[ComponentOnHost]) -> None:
         """Wanted tiers for unknown components or layers are a caller's mistake, not a no-op."""
         keys = {c.name: {layer.key for layer in c.layers} for c in components}
         unknown = [(c, k) for c, tiers in self.wanted.items() for k in tiers if k not in keys.get(c, ())]
@@ -176,7 +176,7 @@ class HostingPolicy:
 
 
 def plan_hosting(
-    components: Sequence[ComponentFacts],
+    components: Sequence[ComponentOnHost],
     budget: MemoryBudget,
     owner: str,
     policy: HostingPolicy | None = None,
@@ -216,7 +216,7 @@ def plan_hosting(
     return plan
 
 
-def _wanted(ranked: Sequence[ComponentFacts], policy: HostingPolicy) -> list[_Slot]:
+def _wanted(ranked: Sequence[ComponentOnHost], policy: HostingPolicy) -> list[_Slot]:
     """The tiers wanted before the host is consulted: pins along the pin order up to the cap."""
     slots, pinned, pin_open, cap = [], 0, True, policy.max_pinned_bytes
     for comp in ranked:
@@ -287,13 +287,13 @@ def _cost(slots: Sequence[_Slot]) -> int:
 
 
 def _request(budget: MemoryBudget, slots: list[_Slot], owner: str,
-             ranked: Sequence[ComponentFacts], purpose: str) -> Lease | Refusal:
+             ranked: Sequence[ComponentOnHost], purpose: str) -> Lease | Refusal:
     cost = _cost(slots)
     priority = float(ranked[0].priority) if ranked else 0.0
     return budget.request(cost, owner, priority=priority, purpose=purpose)
 
 
-def _summarize(comp: ComponentFacts, rank: int, slots: list[_Slot], available: int) -> ComponentHosting:
+def _summarize(comp: ComponentOnHost, rank: int, slots: list[_Slot], available: int) -> ComponentHosting:
     mine = [s for s in slots if s.component is comp]
     by_tier = {t: sum(s.layer.nbytes if t is HostingTier.MAPPED else s.layer.host_bytes
                       for s in mine if s.tier is t) for t in HostingTier}

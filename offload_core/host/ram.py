@@ -77,16 +77,16 @@ class HostRam:
                 f"reserve {_gib(self.reserve)}, reserved elsewhere {_gib(self.reserved_elsewhere)}")
 
 
-class MemoryFacts(NamedTuple):
+class MemoryReading(NamedTuple):
     """The two psutil figures used; tests pass their own instead of the machine's."""
 
     total: int
     available: int
 
 
-def _psutil_facts() -> MemoryFacts:
+def _psutil_facts() -> MemoryReading:
     vm = psutil.virtual_memory()
-    return MemoryFacts(int(vm.total), int(vm.available))
+    return MemoryReading(int(vm.total), int(vm.available))
 
 
 def default_reserve(total: int) -> int:
@@ -100,7 +100,7 @@ def host_ram_available(
     *,
     proc_root: str | os.PathLike = "/proc",
     cgroup_root: str | os.PathLike = "/sys/fs/cgroup",
-    memory_facts: Callable[[], MemoryFacts] = _psutil_facts,
+    memory_facts: Callable[[], MemoryReading] = _psutil_facts,
 ) -> HostRam:
     """What this process may spend on host memory now; see the module docstring for the formula."""
     if reserved_elsewhere < 0:

@@ -35,15 +35,15 @@ def host_leases(plan: PipelinePlan, components: Mapping[str, nn.Module], budget:
     plan is re-predicted from its facts (``search.retier``): the plan returned, the one the report
     shows, is the one that runs.
     """
-    from offload_core.host.facts import facts_from_module
     from offload_core.host.hosting import HostingPolicy, plan_hosting
+    from offload_core.host.on_host import layers_on_host
 
     planned = plan
     plan, shared_hosts = _shared(plan, components, shared, device)
     streamed = [c for c in plan.components if c.strategy is Strategy.LAYERWISE and c.name not in shared_hosts]
     if budget is None or not streamed:
         return _repredicted(planned, plan), None, budget, shared_hosts
-    facts = [facts_from_module(c.name, components[c.name], c.layer_groups or None, c.uses_per_request,
+    facts = [layers_on_host(c.name, components[c.name], c.layer_groups or None, c.uses_per_request,
                                resident_keys=[key for key, _ in c.hosting[:c.resident_layers]],
                                layer_order=[key for key, _ in c.hosting], weights=c.weights) for c in streamed]
     if host_budget_bytes is not None:

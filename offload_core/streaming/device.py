@@ -3,7 +3,7 @@
 One :class:`Device` exists per ``torch.device``, created lazily on first use (``get_device``).
 The same engine code runs on CUDA and on CPU: on CUDA copies run on a side stream and are
 ordered with events; on CPU every copy is synchronous, so the event methods are no-ops and the
-stream context is empty. Capacity on CPU is a configured fact (:class:`DeviceFacts`), so
+stream context is empty. Capacity on CPU is a configured fact (:class:`DeviceCapacity`), so
 headroom gates can be tested on machines without a GPU.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ CachedSource = Callable[[torch.device, bool], CachedBlocks]
 
 
 @dataclass(frozen=True)
-class DeviceFacts:
+class DeviceCapacity:
     """What cannot be asked of a CPU "device": how many bytes it may hold."""
 
     # None on CPU means "host RAM available now" (psutil); on CUDA the driver is asked instead.
@@ -56,7 +56,7 @@ class DeviceFacts:
 
     def __post_init__(self) -> None:
         if self.capacity_bytes is not None and self.capacity_bytes < 0:
-            raise ValueError(f"DeviceFacts.capacity_bytes must be >= 0, got {self.capacity_bytes}")
+            raise ValueError(f"DeviceCapacity.capacity_bytes must be >= 0, got {self.capacity_bytes}")
 
 
 def normalize_device(device: torch.device | str) -> torch.device:
@@ -72,7 +72,7 @@ def normalize_device(device: torch.device | str) -> torch.device:
 class Device:
     """Copy stream, events and headroom of one device. Use :func:`get_device`, not the constructor."""
 
-    def __init__(self, device: torch.device, facts: DeviceFacts):
+    def __init__(self, device: torch.device, facts: DeviceCapacity):
         self.device = device
         self.is_cuda = device.type == "cuda"
         self._facts = facts
@@ -84,10 +84,10 @@ class Device:
         self._cached: CachedSource | None = None
 
     @property
-    def facts(self) -> DeviceFacts:
+    def facts(self) -> DeviceCapacity:
         return self._facts
 
-    def configure(self, facts: DeviceFacts) -> None:
+    def configure(self, facts: DeviceCapacity) -> None:
         """Replace the configured facts (tests and CPU deployments set a capacity)."""
         logger.info("device %s: capacity set to %s B", self.device, facts.capacity_bytes)
         self._facts = facts
@@ -299,13 +299,13 @@ _devices: dict[torch.device, Device] = {}
 _devices_lock = threading.Lock()
 
 
-def get_device(device: torch.device | str, facts: DeviceFacts | None = None) -> Device:
+def get_device(device: torch.device | str, facts: DeviceCapacity | None = None) -> Device:
     """The one :class:`Device` for ``device``, created on first call; ``facts`` reconfigures it."""
     key = normalize_device(device)
     with _devices_lock:
         context = _devices.get(key)
         if context is None:
-            context = Device(key, facts or DeviceFacts())
+            context = Device(key, facts or DeviceCapacity())
             _devices[key] = context
             return context
     if facts is not None and facts != context.facts:

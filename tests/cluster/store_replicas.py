@@ -20,10 +20,10 @@ class StoreReplica:
     def host(self, identity: str, budget: int | None = None, spoil: bool = False) -> dict:
         from offload_core.residency.lifecycle import PipelineResidency
         from offload_core.shared_store.hosting import SharedWeights
-        from offload_core.streaming.device import DeviceFacts, get_device
+        from offload_core.streaming.device import DeviceCapacity, get_device
         from tests.offload_core.residency.test_lifecycle import Toy, toy_plan
 
-        get_device("cpu").configure(DeviceFacts(capacity_bytes=1 << 30))
+        get_device("cpu").configure(DeviceCapacity(capacity_bytes=1 << 30))
         self.models = {"a": Toy(0), "b": Toy(1)}
         if spoil:  # a bitwise-equal output then proves the layers came from the store
             for model in self.models.values():

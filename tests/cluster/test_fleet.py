@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 
 from cluster.fleet import FLEET_YAML, load_fleet, profile_for_gpu
-from cluster.node import GB, GpuFacts
+from cluster.node import GB, GpuInfo
 
 
-def _gpu(name: str, memory_gb: float) -> GpuFacts:
-    return GpuFacts(0, name, int(memory_gb * GB), 4, 16, "test")
+def _gpu(name: str, memory_gb: float) -> GpuInfo:
+    return GpuInfo(0, name, int(memory_gb * GB), 4, 16, "test")
 
 
 @pytest.mark.parametrize("name, memory_gb, profile", [

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import pytest
 
 from cluster.ledger.actor import LedgerConfig
-from cluster.node import GB, GpuFacts, NodeFacts, cuda_visible_ids, probe_host_ram, probe_nvml_gpus, visible_gpu_indices
+from cluster.node import GB, GpuInfo, NodeInfo, cuda_visible_ids, probe_host_ram, probe_nvml_gpus, visible_gpu_indices
 from cluster.replica.ledger_view import ReplicaMemory
 
 
@@ -80,15 +80,15 @@ def test_cuda_visible_devices_decides_which_gpu_a_local_cuda_replica_leases():
     assert cuda_visible_ids({}) is None and cuda_visible_ids({"CUDA_VISIBLE_DEVICES": "MIG-2222, 0"}) == [
         "MIG-2222", "0"]
     gpus = probe_nvml_gpus(FakeNvml())
-    node = NodeFacts(None, probe_host_ram(), False, gpus, None, 0)
+    node = NodeInfo(None, probe_host_ram(), False, gpus, None, 0)
     memory = ReplicaMemory.open_local("mig-replica", "cuda:0", config=LedgerConfig(), node=node, assigned=(3,))
     assert memory.device_pool == "gpu:3" and memory.gpu.memory_bytes == 10 * GB
 
 
 def test_a_local_cuda_replica_reads_cuda_visible_devices(monkeypatch):
-    gpus = (GpuFacts(0, "NVIDIA L4", 24 * GB, 4, 16, "nvml", "GPU-0000"),
-            GpuFacts(1, "NVIDIA L4", 24 * GB, 4, 16, "nvml", "GPU-1111"))
-    node = NodeFacts(None, probe_host_ram(), False, gpus, None, 0)
+    gpus = (GpuInfo(0, "NVIDIA L4", 24 * GB, 4, 16, "nvml", "GPU-0000"),
+            GpuInfo(1, "NVIDIA L4", 24 * GB, 4, 16, "nvml", "GPU-1111"))
+    node = NodeInfo(None, probe_host_ram(), False, gpus, None, 0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1111")
     memory = ReplicaMemory.open_local("second-card", "cuda:0", config=LedgerConfig(), node=node)
     assert memory.device_pool == "gpu:1", "cuda:0 is the first visible GPU, NVML's GPU 1"

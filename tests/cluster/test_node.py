@@ -6,7 +6,7 @@ import pytest
 
 from cluster.node import (
     GB,
-    GpuFacts,
+    GpuInfo,
     fake_gpus,
     injected_facts,
     probe_node,
@@ -45,6 +45,6 @@ def test_spendable_ram_is_available_less_reserve_and_object_store():
 
 
 def test_real_nvml_gpus_win_over_injected_ones():
-    seen = (GpuFacts(0, "NVIDIA H200", 150 * GB, 5, 16, "nvml"),)
+    seen = (GpuInfo(0, "NVIDIA H200", 150 * GB, 5, 16, "nvml"),)
     node = probe_node(resources={"GPU": 1, "accelerator_type:L4": 1}, nvml_gpus=seen)
     assert node.gpus == seen and node.accelerator_type == "L4"

@@ -16,7 +16,7 @@ from deployments.capacity.gpu_shares import PendingReplica
 from deployments.capacity.replica_report import ReplicaResidency
 from deployments.capacity.request_limits import Limits
 from deployments.ingress.failures import sort_failure
-from deployments.models.families import read_family_facts
+from deployments.models.families import read_family_traits
 from deployments.wire.failures import Failure
 from deployments.wire.spec import DenoiseProgress, EncodedPrompt, GenerationSpec, StageOutput, StageStats
 from zoo.tiny import ensure_tiny_wan
@@ -97,7 +97,7 @@ class FakeBoard:
 
 
 def fake_config(token: str | None = TOKEN, cors: tuple[str, ...] = ()) -> IngressConfig:
-    facts = read_family_facts(ensure_tiny_wan())  # only configs are read: sizes, families
+    facts = read_family_traits(ensure_tiny_wan())  # only configs are read: sizes, families
     return IngressConfig("fake-app", "tiny-wan", facts, LIMITS, token, 1, cors)
 
 

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 from deployments.app import AppArgs, build_app, resolve_model_folder, stage_configs
 from deployments.capacity.request_limits import Limits
 from deployments.ingress.deployment import IngressConfig
-from deployments.models.families import read_family_facts
+from deployments.models.families import read_family_traits
 from deployments.wire.spec import PipelineStage
 from offload_core.planner.search import PerformanceMode
 
@@ -16,7 +16,7 @@ ENCODE, DENOISE, DECODE = PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineS
 
 def test_each_stage_is_configured_with_its_mode_and_uses_per_request():
     args = AppArgs.model_validate({"tiny_family": "wan", "denoiser": {"offload_mode": "memory"}})
-    configs = stage_configs(args, read_family_facts(resolve_model_folder(args)))
+    configs = stage_configs(args, read_family_traits(resolve_model_folder(args)))
     # Left open: each replica takes the fleet profile's mode for the GPU it gets.
     assert {s: c.mode for s, c in configs.items()} == {ENCODE: None, DENOISE: PerformanceMode.MEMORY, DECODE: None}
     # 20 default steps, guidance's two branches in one forward (step batching): what the planner
@@ -34,7 +34,7 @@ def test_the_ingress_is_bound_to_the_three_stages_with_their_configs_and_serve_o
     ingress = build_app(args)._bound_deployment  # Serve keeps the bound graph here, unbuilt
     assert (ingress.name, ingress.ray_actor_options, ingress.max_ongoing_requests) == ("Ingress", {"num_cpus": 0.5}, 9)
     *stages, config = ingress.init_args
-    facts = read_family_facts(resolve_model_folder(args))
+    facts = read_family_traits(resolve_model_folder(args))
     assert config == IngressConfig("wired", "my-model", facts, Limits(max_steps=30), "s3cret", 3)
     expected = stage_configs(args, facts)
     bound = [stage._bound_deployment for stage in stages]
@@ -71,7 +71,7 @@ def test_a_folder_that_is_not_a_supported_pipeline_is_refused_at_build(tmp_path)
 def test_a_host_memory_budget_is_parsed_per_stage_at_build_and_a_typo_is_refused_there():
     args = AppArgs.model_validate({"denoiser": {"offload_mode": "memory", "host_memory_budget": "16GiB"},
                                    "encoder": {"host_memory_budget": 0.25}})
-    configs = stage_configs(args, read_family_facts(resolve_model_folder(args)))
+    configs = stage_configs(args, read_family_traits(resolve_model_folder(args)))
     assert configs[DENOISE].host_budget.nbytes == 16 * 1024**3
     assert configs[ENCODE].host_budget.fraction == 0.25 and configs[DECODE].host_budget is None
     with pytest.raises(ValidationError, match="host_memory_budget .*16 parsecs.* is not a size"):
@@ -84,7 +84,7 @@ def test_weights_are_set_per_stage_native_by_default_and_a_typo_is_refused_by_na
     from offload_core.quant import WeightFormat
 
     args = AppArgs.model_validate({"denoiser": {"weights": "fp8"}})
-    configs = stage_configs(args, read_family_facts(resolve_model_folder(args)))
+    configs = stage_configs(args, read_family_traits(resolve_model_folder(args)))
     assert configs[DENOISE].weights is WeightFormat.FP8
     assert configs[ENCODE].weights is WeightFormat.NATIVE is configs[DECODE].weights
     with pytest.raises(ValidationError, match="weights"):
@@ -93,10 +93,10 @@ def test_weights_are_set_per_stage_native_by_default_and_a_typo_is_refused_by_na
 
 def test_the_step_cache_threshold_is_the_denoisers_and_is_refused_on_other_stages():
     args = AppArgs.model_validate({"denoiser": {"cache_threshold": 0.1}})
-    configs = stage_configs(args, read_family_facts(resolve_model_folder(args)))
+    configs = stage_configs(args, read_family_traits(resolve_model_folder(args)))
     assert configs[DENOISE].cache_threshold == 0.1 and configs[ENCODE].cache_threshold == 0.0
     with pytest.raises(ValueError, match="encode: cache_threshold is the denoiser's step cache"):
         args = AppArgs.model_validate({"encoder": {"cache_threshold": 0.1}})
-        stage_configs(args, read_family_facts(resolve_model_folder(args)))
+        stage_configs(args, read_family_traits(resolve_model_folder(args)))
     with pytest.raises(ValidationError, match="cache_threshold"):
         AppArgs.model_validate({"denoiser": {"cache_threshold": 1.5}})

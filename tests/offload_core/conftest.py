@@ -5,7 +5,7 @@ import gc
 
 import pytest
 
-from offload_core.streaming.device import DeviceFacts, get_device
+from offload_core.streaming.device import DeviceCapacity, get_device
 
 
 def collect_lingering_meters(device) -> None:
@@ -31,7 +31,7 @@ def cpu_capacity():
     collect_lingering_meters(device)
     gc.disable()
     try:
-        yield lambda nbytes: device.configure(DeviceFacts(capacity_bytes=nbytes))
+        yield lambda nbytes: device.configure(DeviceCapacity(capacity_bytes=nbytes))
     finally:
         gc.enable()
         collect_lingering_meters(device)  # this test's own streamers go before the next test measures

@@ -89,7 +89,7 @@ def test_one_replica_cannot_take_more_than_its_cap(fleet_nodes):
 
 
 def test_a_replica_refused_pins_still_runs_on_mapped_layers_and_says_so(fleet_nodes):
-    from offload_core.host.facts import ComponentFacts, LayerFacts
+    from offload_core.host.on_host import ComponentOnHost, LayerOnHost
 
     node = fleet_nodes.small
     crowd = [on_node(node.node_id).remote(f"crowd-{i}", FAST) for i in range(2)]  # each under its cap
@@ -98,8 +98,8 @@ def test_a_replica_refused_pins_still_runs_on_mapped_layers_and_says_so(fleet_no
         free = _state(node.node_id).pool(HOST_POOL).capacity - _state(node.node_id).pool(HOST_POOL).leased
         taken = ray.get([c.pin.remote((free - 1200 * MiB) // 2) for c in crowd])  # leaves ~1.2 GiB
         assert all(isinstance(t, Lease) for (t,) in taken)
-        layers = tuple(LayerFacts(f"blocks.{i}", 500 * MiB, 500 * MiB, 0) for i in range(8))  # 4 GiB mapped
-        plan = ray.get(late.plan_hosting.remote([ComponentFacts("transformer", layers, 50)]), timeout=120)
+        layers = tuple(LayerOnHost(f"blocks.{i}", 500 * MiB, 500 * MiB, 0) for i in range(8))  # 4 GiB mapped
+        plan = ray.get(late.plan_hosting.remote([ComponentOnHost("transformer", layers, 50)]), timeout=120)
         assert plan["lease"].nbytes <= 1200 * MiB, "the plan must shrink to what the ledger has free"
         tiers = plan["tiers"]["transformer"]
         assert tiers["mapped"] >= 6 and tiers["pinned"] + tiers["pageable"] <= 2

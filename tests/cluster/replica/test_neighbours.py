@@ -12,7 +12,7 @@ import ray
 from cluster.ledger.actor import node_ledger
 from cluster.ledger.liveness import OwnerRef
 from cluster.ledger.pools import LeasePools
-from cluster.node import GpuFacts
+from cluster.node import GpuInfo
 from cluster.replica.ledger_client import LedgerClient
 from cluster.replica.neighbours import NeighbourLeases, neighbour_leases, nvml_used_by_process
 from tests.cluster.conftest import FAST, MiB
@@ -52,14 +52,14 @@ def test_nvml_used_by_process_reads_the_compute_processes_of_the_gpu_named_by_uu
         nvmlDeviceGetHandleByUUID=lambda uuid: calls.append(uuid) or "handle",
         nvmlDeviceGetComputeRunningProcesses=lambda handle: [SimpleNamespace(pid=1, usedGpuMemory=5),
                                                              SimpleNamespace(pid=2, usedGpuMemory=None)])
-    gpu = GpuFacts(0, "H200", 10, 5, 16, "nvml", "GPU-abc")
+    gpu = GpuInfo(0, "H200", 10, 5, 16, "nvml", "GPU-abc")
     assert nvml_used_by_process(gpu, fake)() == {1: 5, 2: 0}
     assert calls == ["init", "GPU-abc", "shutdown"]
 
 
 def test_only_a_gpu_pool_gets_a_provider_and_a_fake_gpu_sees_no_nvml():
     assert neighbour_leases("host", None) is None
-    fake_gpu = neighbour_leases("gpu:0", GpuFacts(0, "L4", 24 * 10**9, 4, 16, "injected:test"))
+    fake_gpu = neighbour_leases("gpu:0", GpuInfo(0, "L4", 24 * 10**9, 4, 16, "injected:test"))
     assert fake_gpu is not None and fake_gpu._used is None
 
 

@@ -6,7 +6,7 @@ from pydantic import ValidationError
 
 from deployments.api.schemas import ImageRequest, VideoRequest, image_spec, video_spec
 from deployments.capacity.request_limits import FieldError, Limits
-from deployments.models.families import read_family_facts
+from deployments.models.families import read_family_traits
 from zoo.tiny import ensure_tiny_flux, ensure_tiny_wan
 
 LIMITS = Limits(max_width=64, max_height=64, max_steps=4, max_n=2, max_prompt_chars=20, max_frames=9,
@@ -15,7 +15,7 @@ LIMITS = Limits(max_width=64, max_height=64, max_steps=4, max_n=2, max_prompt_ch
 
 @pytest.fixture(scope="module")
 def wan():
-    return read_family_facts(ensure_tiny_wan())
+    return read_family_traits(ensure_tiny_wan())
 
 
 @pytest.mark.parametrize("body, param, status", [
@@ -62,7 +62,7 @@ def test_an_invalid_video_field_is_refused_naming_it(wan, body, param):
 
 
 def test_video_and_negative_prompt_are_refused_for_an_image_only_family():
-    flux = read_family_facts(ensure_tiny_flux())
+    flux = read_family_traits(ensure_tiny_flux())
     with pytest.raises(FieldError) as caught:
         video_spec(VideoRequest(prompt="a cat"), flux, LIMITS, "tiny-flux")
     assert caught.value.param == "model"

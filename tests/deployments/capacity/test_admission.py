@@ -11,13 +11,13 @@ from deployments.capacity.admission import LimitSource, StageAdmission, model_li
 from deployments.capacity.replica_report import ReplicaResidency
 from deployments.capacity.request_limits import Limits
 from deployments.models.activation_features import Regime
-from deployments.models.families import read_family_facts
+from deployments.models.families import read_family_traits
 from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core.planner.activation_model import ActivationModel
 from tests.deployments.fakes import FakeBoard, FakeStages, fake_config
 from zoo.tiny import ensure_tiny_flux, ensure_tiny_wan
 
-WAN = read_family_facts(ensure_tiny_wan())  # size multiple 16, temporal factor 4
+WAN = read_family_traits(ensure_tiny_wan())  # size multiple 16, temporal factor 4
 LIMITS = Limits(max_width=512, max_height=512, max_n=16, max_frames=81, default_size="32x32", default_steps=2)
 ROOMY = 10**12  # a share no request of these tests comes near
 
@@ -93,7 +93,7 @@ def test_sizes_follow_the_default_sizes_aspect_and_frames_and_n_are_stated_at_th
 
 
 def test_an_image_only_family_states_one_frame():
-    flux = read_family_facts(ensure_tiny_flux())
+    flux = read_family_traits(ensure_tiny_flux())
     limits = model_limits(flux, LIMITS, _admissions(ROOMY))
     assert limits.frames == 1 and limits.limited_by["frames"] == "family"
 

@@ -12,7 +12,7 @@ import yaml
 from deployments.dev import cli, doctor
 from deployments.dev.doctor_checks import Gpus, GpuSeen, Machine, Shm, Status, probe_gpus
 from deployments.dev.doctor_config import read_config
-from offload_core.host.ram import MemoryFacts, host_ram_available
+from offload_core.host.ram import MemoryReading, host_ram_available
 
 REPO = Path(__file__).resolve().parents[3]
 LOCAL = REPO / "configs" / "local.yaml"
@@ -30,7 +30,7 @@ def _ram(tmp_path: Path, total: int = 64 * GiB, available: int = 60 * GiB, cgrou
     (cgroups / "pod" / "memory.max").write_text("max\n" if cgroup_limit is None else f"{cgroup_limit}\n")
     (cgroups / "pod" / "memory.current").write_text(f"{GiB}\n")
     return host_ram_available(reserved_elsewhere=OBJECT_STORE, proc_root=proc, cgroup_root=cgroups,
-                              memory_facts=lambda: MemoryFacts(total, available))
+                              memory_facts=lambda: MemoryReading(total, available))
 
 
 def _machine(tmp_path: Path, *, memlock: int | None = None, shm_free: int = 32 * GiB, gpus: bool = True,

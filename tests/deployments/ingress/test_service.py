@@ -66,7 +66,7 @@ def test_the_same_seed_gives_the_same_bytes_and_another_seed_does_not(client):
 def test_http_pngs_equal_the_in_process_pipeline_pngs(client):
     response = client.post(IMAGES, json={"prompt": "a cat on a mat", "negative_prompt": "blur", "size": "16x32",
                                          "n": 2, "seed": 5, "num_inference_steps": 3, "guidance_scale": 4.0})
-    facts = families.read_family_facts(ensure_tiny_wan())
+    facts = families.read_family_traits(ensure_tiny_wan())
     spec = GenerationSpec("r", "a cat on a mat", "blur", 32, 16, 1, 3, 4.0, 5, 2)
     reference = families.reference_frames(families.load_full_pipeline(facts, torch.float32), facts, spec)
     assert response_pngs(response) == [media.png_bytes(frames[0]) for frames in reference]
@@ -83,7 +83,7 @@ def test_stage_handles_compose_to_the_in_process_result(service):
     items = list(denoiser.options(stream=True).denoise.remote(encoded, spec))
     assert [(p.step, p.total) for p in items[:-1]] == [(1, 2), (2, 2)]
     frames = decoder.decode.remote(items[-1], spec).result(timeout_s=120).value
-    facts = families.read_family_facts(ensure_tiny_wan())
+    facts = families.read_family_traits(ensure_tiny_wan())
     reference = families.reference_frames(families.load_full_pipeline(facts, torch.float32), facts, spec)
     # The Denoiser batches guidance's two branches into one forward (tests/deployments/
     # test_batching.py pins bitwise equality with the plain model on the same batches); the

@@ -42,7 +42,7 @@ def client(ray_cluster):
 
 
 def _reference(spec: GenerationSpec) -> list[bytes]:
-    facts = families.read_family_facts(ensure_tiny_sd3())
+    facts = families.read_family_traits(ensure_tiny_sd3())
     frames = families.reference_frames(families.load_full_pipeline(facts, torch.float32), facts, spec)
     return [media.png_bytes(video[0]) for video in frames]
 

@@ -20,7 +20,7 @@ class StagePeaks:
     """Each stage of one zoo model run on its own, its activation peak measured per request shape."""
 
     def __init__(self, folder):
-        self.facts = families.read_family_facts(folder)
+        self.facts = families.read_family_traits(folder)
         self.pipes = {s: families.load_stage_pipeline(self.facts, s, torch.float32) for s in PipelineStage}
         self._cache: dict[GenerationSpec, dict[PipelineStage, int]] = {}
 
@@ -112,7 +112,7 @@ def test_shapes_that_do_not_separate_the_features_are_refused():
 
 
 def test_the_denoisers_tokens_follow_the_latent_grid():
-    facts = families.read_family_facts(tiny.ensure_tiny_wan())
+    facts = families.read_family_traits(tiny.ensure_tiny_wan())
     spec = GenerationSpec("t", "p", None, 32, 48, 9, 1, 5.0, 0, 1)
     assert activation_features.latent_tokens(facts, spec) == 3 * 2 * 3  # 3 latent frames of 2 x 3 positions
     assert activation_features.latent_tokens(facts, dataclasses.replace(spec, num_frames=1)) == 6
@@ -138,7 +138,7 @@ def test_a_request_whose_activations_never_fit_the_share_is_refused_naming_the_l
     from deployments.wire.spec import RequestRejected
     from tests.deployments.conftest import tiny_args
 
-    facts = families.read_family_facts(tiny.ensure_tiny_wan())
+    facts = families.read_family_traits(tiny.ensure_tiny_wan())
     worker = StageWorker(stage_configs(tiny_args(), facts)[PipelineStage.DECODE])
     try:
         small = GenerationSpec("small", "p", None, 32, 32, 1, 1, 5.0, 0, 1)

@@ -87,7 +87,7 @@ class Family:
 
     def __init__(self, case: Case):
         self.case = case
-        self.facts = families.read_family_facts(case.folder())
+        self.facts = families.read_family_traits(case.folder())
         self.pipes = {s: families.load_stage_pipeline(self.facts, s, F32) for s in PipelineStage}
 
     def spec(self, rid="a", prompt="a red fox", seed=1, n=1, guidance=None, side=None, frames=None,

@@ -24,7 +24,7 @@ def _staged(facts, spec):
 
 
 def test_staged_wan_video_with_guidance_equals_the_in_process_pipeline_bitwise():
-    facts = families.read_family_facts(ensure_tiny_wan())
+    facts = families.read_family_traits(ensure_tiny_wan())
     spec = GenerationSpec("r", "a red fox in snow", "blurry", 32, 16, 5, 3, 5.0, 11, 2)
     frames, steps = _staged(facts, spec)
     reference = families.reference_frames(families.load_full_pipeline(facts, F32), facts, spec)
@@ -34,7 +34,7 @@ def test_staged_wan_video_with_guidance_equals_the_in_process_pipeline_bitwise()
 
 
 def test_staged_flux_image_equals_the_in_process_pipeline_bitwise():
-    facts = families.read_family_facts(ensure_tiny_flux())
+    facts = families.read_family_traits(ensure_tiny_flux())
     spec = GenerationSpec("r", "a lighthouse", None, 16, 32, 1, 2, 3.5, 5, 1)
     frames, _ = _staged(facts, spec)
     reference = families.reference_frames(families.load_full_pipeline(facts, F32), facts, spec)
@@ -43,14 +43,14 @@ def test_staged_flux_image_equals_the_in_process_pipeline_bitwise():
 
 
 def test_a_different_seed_changes_the_output():
-    facts = families.read_family_facts(ensure_tiny_wan())
+    facts = families.read_family_traits(ensure_tiny_wan())
     one = GenerationSpec("r", "a cat", None, 16, 16, 1, 2, 5.0, 1, 1)
     two = GenerationSpec("r", "a cat", None, 16, 16, 1, 2, 5.0, 2, 1)
     assert not torch.equal(_staged(facts, one)[0], _staged(facts, two)[0])
 
 
 def test_each_stage_loads_only_its_own_components():
-    facts = families.read_family_facts(ensure_tiny_wan())
+    facts = families.read_family_traits(ensure_tiny_wan())
     encoder = families.load_stage_pipeline(facts, ENCODE, F32)
     assert encoder.text_encoder is not None and encoder.transformer is None and encoder.vae is None
     denoiser = families.load_stage_pipeline(facts, DENOISE, F32)
@@ -60,9 +60,9 @@ def test_each_stage_loads_only_its_own_components():
 
 
 def test_family_facts_read_size_rules_from_the_folder_configs():
-    wan = families.read_family_facts(ensure_tiny_wan())
+    wan = families.read_family_traits(ensure_tiny_wan())
     assert (wan.family, wan.size_multiple, wan.temporal_factor, wan.supports_video) == (Family.WAN, 16, 4, True)
-    flux = families.read_family_facts(ensure_tiny_flux())
+    flux = families.read_family_traits(ensure_tiny_flux())
     assert flux.family is Family.FLUX and not flux.supports_video
     # The pipeline's own rule: FluxPipeline packs 2x2 latent patches, so sizes step by twice its
     # VAE scale factor (2 ** (len(block_out_channels) - 1), read by diffusers from the same folder).
@@ -73,4 +73,4 @@ def test_family_facts_read_size_rules_from_the_folder_configs():
 def test_a_folder_of_another_pipeline_is_refused_by_name(tmp_path):
     (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
     with pytest.raises(families.UnsupportedModelFolder, match="StableDiffusionPipeline"):
-        families.read_family_facts(tmp_path)
+        families.read_family_traits(tmp_path)

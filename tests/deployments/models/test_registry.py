@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from deployments.app import AppArgs, build_app
-from deployments.models.registry import UnsupportedModelFolder, adapters, read_family_facts
+from deployments.models.registry import UnsupportedModelFolder, adapters, read_family_traits
 from deployments.wire.spec import Family
 from zoo import wan22
 
@@ -42,11 +42,11 @@ def test_a_variant_the_adapter_does_not_run_is_refused_with_why_and_the_supporte
     index["expand_timesteps"] = True
     (folder / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(UnsupportedModelFolder, match="expand_timesteps .* not handled.*supported families: .*wan-i2v"):
-        read_family_facts(folder)
+        read_family_traits(folder)
 
 
 def test_the_clip_image_encoder_layout_is_wan21_i2v_and_the_clip_less_one_wan22_i2v():
-    wan21, wan22_i2v = read_family_facts(wan22.ensure_tiny_wan21_i2v()), read_family_facts(wan22.ensure_tiny_wan22_i2v())
+    wan21, wan22_i2v = read_family_traits(wan22.ensure_tiny_wan21_i2v()), read_family_traits(wan22.ensure_tiny_wan22_i2v())
     assert (wan21.family, wan22_i2v.family) == (Family.WAN21_I2V, Family.WAN_I2V)
     assert wan21.max_n == 1 and wan21.experts == ("transformer",)
 
@@ -57,4 +57,4 @@ def test_a_family_whose_pipeline_needs_a_missing_package_is_refused_naming_it(mo
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ftfy" else real(name, *a))
     with pytest.raises(UnsupportedModelFolder, match=r"needs the Python package\(s\) \['ftfy'\]"):
-        read_family_facts(wan22.ensure_tiny_wan22_i2v())
+        read_family_traits(wan22.ensure_tiny_wan22_i2v())

@@ -43,7 +43,7 @@ def _rank(rank: int, port: int, folders: dict, out) -> None:
                                          timeout=datetime.timedelta(seconds=60))
     try:
         for family, folder in folders.items():
-            facts = families.read_family_facts(folder)
+            facts = families.read_family_traits(folder)
             sharded = rank_components(facts, PipelineStage.DENOISE, torch.float32, 2, rank)["transformer"]
             plain = getattr(diffusers, type(sharded).__name__).from_pretrained(folder, subfolder="transformer").eval()
             inputs = _inputs(family, plain.config)
@@ -84,8 +84,8 @@ def test_the_dits_over_2_gloo_ranks_with_diffusers_plan_answer_what_the_unsharde
 
 def test_the_denoiser_of_flux_and_qwen_image_accepts_tp_2_and_a_clip_encoder_is_refused_naming_the_plans():
     for ensure in FOLDERS.values():
-        check_tp(families.read_family_facts(ensure()), PipelineStage.DENOISE, 2)
+        check_tp(families.read_family_traits(ensure()), PipelineStage.DENOISE, 2)
     with pytest.raises(NoStagePlan, match=r"text_encoder \(CLIPTextModel\) has no tensor-parallel plan; plans exist "
                                           r"for \['FluxTransformer2DModel', 'QwenImageTransformer2DModel', "
                                           r"'T5EncoderModel', 'UMT5EncoderModel'\]"):
-        check_tp(families.read_family_facts(ensure_tiny_flux()), PipelineStage.ENCODE, 2)
+        check_tp(families.read_family_traits(ensure_tiny_flux()), PipelineStage.ENCODE, 2)

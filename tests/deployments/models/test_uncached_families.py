@@ -27,7 +27,7 @@ def _denoise(stepper, encoded, spec, threshold):
 def test_a_cache_threshold_on_a_family_without_a_step_cache_is_logged_once_and_every_block_runs(caplog):
     # Z-Image: its first block refines the image tokens alone and its last runs on image + caption tokens,
     # so the first block's residual has no place in the last block's output: every block runs.
-    facts = families.read_family_facts(ensure_tiny_zimage())
+    facts = families.read_family_traits(ensure_tiny_zimage())
     side = facts.size_multiple
     spec = GenerationSpec("r", "a red fox", None, side, side, 1, 3, 5.0, 1, 1)
     encoded = families.encode(families.load_stage_pipeline(facts, PipelineStage.ENCODE, F32), facts, spec, CPU)

@@ -13,7 +13,7 @@ CPU, ENCODE = torch.device("cpu"), PipelineStage.ENCODE
 
 
 def test_the_encoder_stage_calibrates_and_warms_up_without_a_reference_image():
-    facts = families.read_family_facts(ensure_tiny_wan21_i2v())
+    facts = families.read_family_traits(ensure_tiny_wan21_i2v())
     assert families.stage_component_names(facts, ENCODE) == ("text_encoder", "image_encoder")
     pipe = families.load_stage_pipeline(facts, ENCODE, torch.float32)
     for spec in activations.calibration_shapes(facts, stage=ENCODE):  # as the replica's warm-up makes them

@@ -24,7 +24,7 @@ def _png() -> bytes:
 
 
 def test_image_and_text_requests_share_forwards_and_each_matches_its_run_alone():
-    facts = families.read_family_facts(ensure_tiny_wan22_ti2v())
+    facts = families.read_family_traits(ensure_tiny_wan22_ti2v())
     pipes = {s: families.load_stage_pipeline(facts, s, F32) for s in PipelineStage}
     text = GenerationSpec("t", "a red fox", "blurry", 32, 32, 5, 3, 5.0, 1, 1)
     image = GenerationSpec("i", "a blue bird", "blurry", 32, 32, 5, 3, 5.0, 2, 1, _png())

@@ -24,7 +24,7 @@ ALONE_ATOL = 1e-4
 
 
 def _pipes(folder):
-    facts = families.read_family_facts(folder)
+    facts = families.read_family_traits(folder)
     return (facts, families.load_stage_pipeline(facts, PipelineStage.ENCODE, F32),
             families.load_stage_pipeline(facts, PipelineStage.DENOISE, F32))
 

@@ -10,7 +10,7 @@ import pytest
 
 from deployments.app import stage_configs
 from deployments.models.cancel import CancelFlag, RequestCancelled
-from deployments.models.families import read_family_facts
+from deployments.models.families import read_family_traits
 from deployments.replica.stages import Denoiser, TextEncoder
 from deployments.wire.spec import DenoiseProgress, GenerationSpec, PipelineStage
 from tests.deployments.conftest import tiny_args
@@ -22,7 +22,7 @@ SPEC = GenerationSpec("cancel-me", "a slow river", None, 64, 64, 9, STEPS, 1.0, 
 
 @pytest.fixture(scope="module")
 def stages():
-    configs = stage_configs(tiny_args(), read_family_facts(ensure_tiny_wan()))
+    configs = stage_configs(tiny_args(), read_family_traits(ensure_tiny_wan()))
     encoder = TextEncoder.func_or_class(configs[PipelineStage.ENCODE])
     denoiser = Denoiser.func_or_class(configs[PipelineStage.DENOISE])
     try:

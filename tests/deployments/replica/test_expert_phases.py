@@ -20,7 +20,7 @@ CAPACITY = 64 * 1024 * 1024
 
 @pytest.fixture(scope="module")
 def facts():
-    return families.read_family_facts(ensure_tiny_wan22_a14b())
+    return families.read_family_traits(ensure_tiny_wan22_a14b())
 
 
 def _denoise_under(facts, phases, remove_after):

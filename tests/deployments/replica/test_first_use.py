@@ -44,7 +44,7 @@ def _declared(module) -> tuple[str, ...]:
 
 
 def test_the_hunyuan_warmup_quotes_text_so_its_glyph_encoder_is_measured_at_start(workers):
-    facts = families.read_family_facts(tiny_families.ensure_tiny_hunyuan15())
+    facts = families.read_family_traits(tiny_families.ensure_tiny_hunyuan15())
     worker = workers(stage_configs(tiny_args(), facts)[ENCODE])
     compute = dict(worker.warmup.compute)
     assert compute["text_encoder_2"].estimated == () and compute["text_encoder_2"].per_use_s > 0
@@ -53,7 +53,7 @@ def test_the_hunyuan_warmup_quotes_text_so_its_glyph_encoder_is_measured_at_star
 
 def test_a_glyph_encoder_the_warmup_never_ran_is_estimated_then_measured_by_the_first_quoting_request(
         workers, monkeypatch, caplog):
-    facts = families.read_family_facts(tiny_families.ensure_tiny_hunyuan15())
+    facts = families.read_family_traits(tiny_families.ensure_tiny_hunyuan15())
     monkeypatch.setattr(HunyuanVideo15Adapter, "warmup_prompt", lambda self, facts: "a quiet street")
     caplog.set_level(logging.INFO)
     worker = workers(stage_configs(tiny_args(), facts)[ENCODE])  # used to fail: "the warm-up never ran layers"
@@ -91,7 +91,7 @@ def test_a_glyph_encoder_the_warmup_never_ran_is_estimated_then_measured_by_the_
 
 def test_a_second_expert_the_warmup_never_reached_is_estimated_then_measured_after_its_boundary(
         workers, monkeypatch, caplog):
-    facts = families.read_family_facts(wan22.ensure_tiny_wan22_a14b())
+    facts = families.read_family_traits(wan22.ensure_tiny_wan22_a14b())
     monkeypatch.setattr(WanAdapter, "warmup_steps", lambda self, facts: 1)  # 999: the high-noise expert only
     caplog.set_level(logging.INFO)
     worker = workers(stage_configs(tiny_args(), facts)[DENOISE])

@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from deployments.app import stage_configs
-from deployments.models.families import read_family_facts
+from deployments.models.families import read_family_traits
 from deployments.replica.stages import TextEncoder
 from deployments.wire.spec import GenerationSpec, PipelineStage, RequestRejected
 from tests.deployments.conftest import tiny_args
@@ -17,7 +17,7 @@ from zoo.tiny import ensure_tiny_flux
 def test_text_the_tokenizer_cannot_take_is_refused_naming_the_prompt():
     # Flux: diffusers' Wan pipelines clean every prompt with ftfy (installed for Wan image-to-video),
     # which turns a lone surrogate into U+FFFD before the tokenizer sees it; Flux's tokenizers get it raw.
-    config = stage_configs(tiny_args(tiny_family="flux"), read_family_facts(ensure_tiny_flux()))[PipelineStage.ENCODE]
+    config = stage_configs(tiny_args(tiny_family="flux"), read_family_traits(ensure_tiny_flux()))[PipelineStage.ENCODE]
     encoder = TextEncoder.func_or_class(config)
     try:
         # Validation refuses lone surrogates; this reaches the stage as a client bypassing it would.

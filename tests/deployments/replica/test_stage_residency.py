@@ -23,7 +23,7 @@ CAPACITY = 64 * 1024 * 1024
 
 @pytest.fixture(scope="module")
 def facts():
-    return families.read_family_facts(ensure_tiny_wan())
+    return families.read_family_traits(ensure_tiny_wan())
 
 
 def _denoise_under(facts, mode, remove_after, capacity=CAPACITY, weights=WeightFormat.NATIVE):
@@ -41,7 +41,7 @@ def _denoise_under(facts, mode, remove_after, capacity=CAPACITY, weights=WeightF
 
 
 def test_uses_per_request_count_guidance_passes():
-    wan = families.read_family_facts(ensure_tiny_wan())
+    wan = families.read_family_traits(ensure_tiny_wan())
     assert families.uses_per_request(wan, DENOISE, 20, 5.0) == {"transformer": 40}
     assert families.uses_per_request(wan, DENOISE, 20, 1.0) == {"transformer": 20}
     # Step batching runs guidance's two branches in one forward: one use per step.

@@ -20,7 +20,7 @@ STEPS = 6
 
 
 def _specs(guided: bool, folder=ensure_tiny_wan):
-    facts = families.read_family_facts(folder())
+    facts = families.read_family_traits(folder())
     side, frames = facts.size_multiple, 1 + facts.temporal_factor if facts.supports_video else 1
     scale = 5.0 if guided else 3.5
     return [GenerationSpec("a", "a red fox", None, side, side, frames, STEPS, scale, 1, 1),
@@ -36,7 +36,7 @@ CACHED_IDS = ["wan", "flux", "sd3", "qwen-image", "hunyuan-video-1.5"]
 
 def _run(folder, specs, thresholds, remove_after):
     """Both requests from the first boundary, the transformer streamed at depth 1; (latents, requests, streamer)."""
-    facts = families.read_family_facts(folder)
+    facts = families.read_family_traits(folder)
     encoder = families.load_stage_pipeline(facts, PipelineStage.ENCODE, F32)
     denoiser = families.load_stage_pipeline(facts, PipelineStage.DENOISE, F32)
     for param in denoiser.transformer.parameters():

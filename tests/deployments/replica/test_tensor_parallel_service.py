@@ -89,7 +89,7 @@ def test_the_encoder_at_tp_2_answers_the_in_process_result_with_each_rank_keepin
                  .denoise.remote(encoded, spec))
     frames = serve.get_deployment_handle("VaeDecoder", app_name=APP).decode.remote(items[-1], spec).result(
         timeout_s=120).value
-    facts = families.read_family_facts(ensure_tiny_wan())
+    facts = families.read_family_traits(ensure_tiny_wan())
     pipe = families.load_full_pipeline(facts, torch.float32)
     reference = families.reference_frames(pipe, facts, spec)
     diff = (frames - reference).abs().max().item()

@@ -29,7 +29,7 @@ SPEC = GenerationSpec("r", "a fox", None, 16, 16, 5, 2, 5.0, 3, 1)
 
 @pytest.fixture(scope="module")
 def facts():
-    return families.read_family_facts(tiny.ensure_tiny_wan())
+    return families.read_family_traits(tiny.ensure_tiny_wan())
 
 
 @pytest.fixture
@@ -141,5 +141,5 @@ def test_a_default_size_the_api_would_refuse_fails_the_build(facts):
     with pytest.raises(FieldError, match="multiples of 16"):
         WarmupShape.default_for(Limits(default_size="20x20"), facts)
     assert WarmupShape.default_for(Limits(default_size="32x16", default_frames=9), facts) == WarmupShape(32, 16, 9)
-    flux = families.read_family_facts(tiny.ensure_tiny_flux())
+    flux = families.read_family_traits(tiny.ensure_tiny_flux())
     assert dataclasses.astuple(WarmupShape.default_for(Limits(), flux)) == (256, 256, 1), "images only: one frame"

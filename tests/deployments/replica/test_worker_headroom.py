@@ -15,7 +15,7 @@ def test_a_prefetch_that_timed_out_beside_a_neighbours_lease_is_device_busy_with
     from deployments.replica.worker import StageWorker
     from tests.deployments.conftest import tiny_args
 
-    facts = families.read_family_facts(tiny.ensure_tiny_wan())
+    facts = families.read_family_traits(tiny.ensure_tiny_wan())
     worker = StageWorker(stage_configs(tiny_args(), facts)[PipelineStage.DECODE])
     try:
         calls = worker.leases.figures().calls  # calibration's

@@ -22,7 +22,7 @@ ENCODE, DENOISE = PipelineStage.ENCODE, PipelineStage.DENOISE
 
 @pytest.fixture(scope="module")
 def configs():
-    return stage_configs(tiny_args(), families.read_family_facts(tiny.ensure_tiny_wan()))
+    return stage_configs(tiny_args(), families.read_family_traits(tiny.ensure_tiny_wan()))
 
 
 @pytest.fixture

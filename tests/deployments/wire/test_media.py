@@ -14,7 +14,7 @@ from zoo.tiny import ensure_tiny_wan
 
 
 def test_png_pixels_equal_the_pipelines_pil_output():
-    facts = families.read_family_facts(ensure_tiny_wan())
+    facts = families.read_family_traits(ensure_tiny_wan())
     pipe = families.load_full_pipeline(facts, torch.float32)
     spec = GenerationSpec("r", "a kite", None, 16, 32, 1, 2, 5.0, 9, 1)
     frames = families.reference_frames(pipe, facts, spec)

@@ -17,7 +17,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_wan_embeddings_cross_without_their_zero_padding_and_unpack_bit_for_bit():
-    facts = families.read_family_facts(ensure_tiny_wan())
+    facts = families.read_family_traits(ensure_tiny_wan())
     pipe = families.load_stage_pipeline(facts, PipelineStage.ENCODE, torch.float32)
     spec = GenerationSpec("r", "a lighthouse at dawn", "blurry", 32, 32, 1, 2, 5.0, 0, 2)
     encoded = families.encode(pipe, facts, spec, CPU)

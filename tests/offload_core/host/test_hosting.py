@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from offload_core.host.budget import InProcessLedger, MemoryBudget
-from offload_core.host.facts import ComponentFacts, LayerFacts, facts_from_module
 from offload_core.host.hosting import GiB, HostingPolicy, plan_hosting
+from offload_core.host.on_host import ComponentOnHost, LayerOnHost, layers_on_host
 from offload_core.host.tier import HostingTier
 from offload_core.planner import real_models
 
@@ -24,8 +24,8 @@ def _policy(**fields) -> HostingPolicy:
     return HostingPolicy(staging_buffers=0, **fields)
 
 
-def _mapped_layers(prefix: str, n: int, nbytes: int, resident: int = 0) -> tuple[LayerFacts, ...]:
-    return tuple(LayerFacts(f"{prefix}.{i}", nbytes, nbytes, 0, resident=i >= n - resident) for i in range(n))
+def _mapped_layers(prefix: str, n: int, nbytes: int, resident: int = 0) -> tuple[LayerOnHost, ...]:
+    return tuple(LayerOnHost(f"{prefix}.{i}", nbytes, nbytes, 0, resident=i >= n - resident) for i in range(n))
 
 
 class RecordingLedger(MemoryBudget):
@@ -53,7 +53,7 @@ def test_one_lease_covers_pinned_and_pageable_together():
     # 3 layers pinned (cap 60 B) and 3 pageable want 120 B net; 100 B free. Asking per tier would
     # test 60 B pinned and 60 B pageable each against the same 100 B and take both.
     ledger = RecordingLedger(100)
-    comp = ComponentFacts("dit", _mapped_layers("blocks", 6, 20), uses_per_request=50)
+    comp = ComponentOnHost("dit", _mapped_layers("blocks", 6, 20), uses_per_request=50)
     plan = plan_hosting([comp], ledger, "replica-a", _policy(max_pinned_bytes=60))
     assert ledger.asked == [100], "exactly one request, for the plan's whole net cost"
     assert plan.lease.nbytes == plan.net_cost == 100 and ledger.leased() == 100
@@ -64,7 +64,7 @@ def test_one_lease_covers_pinned_and_pageable_together():
 
 def test_everything_wanted_gets_one_lease_when_it_fits():
     ledger = RecordingLedger(1000)
-    plan = plan_hosting([ComponentFacts("dit", _mapped_layers("blocks", 4, 50), 10)], ledger, "r", _policy())
+    plan = plan_hosting([ComponentOnHost("dit", _mapped_layers("blocks", 4, 50), 10)], ledger, "r", _policy())
     assert ledger.asked == [200] and set(plan.tiers_for("dit").values()) == {PINNED}
     assert ledger.outstanding("r") == (plan.lease,)
     plan.release(ledger)
@@ -73,10 +73,10 @@ def test_everything_wanted_gets_one_lease_when_it_fits():
 
 def test_net_cost_counts_only_bytes_copied_out_of_a_mapping():
     # Fused / converted layers are anonymous already: consolidating them is a wash.
-    anonymous = tuple(LayerFacts(f"blocks.{i}", 50, 0, 50) for i in range(4))
-    mixed = (LayerFacts("layers.0", 100, 30, 70),)
+    anonymous = tuple(LayerOnHost(f"blocks.{i}", 50, 0, 50) for i in range(4))
+    mixed = (LayerOnHost("layers.0", 100, 30, 70),)
     ledger = InProcessLedger(30)
-    plan = plan_hosting([ComponentFacts("dit", anonymous, 50), ComponentFacts("enc", mixed, 1)], ledger, "r", _policy())
+    plan = plan_hosting([ComponentOnHost("dit", anonymous, 50), ComponentOnHost("enc", mixed, 1)], ledger, "r", _policy())
     assert set(plan.tiers_for("dit").values()) == {PINNED}, "a zero-net layer must never be demoted"
     assert plan.tiers_for("enc") == {"layers.0": PINNED}, "30 B net fits 30 B free (gross 100 B would not)"
     assert plan.net_cost == 30 and plan.lease.nbytes == 30
@@ -84,7 +84,7 @@ def test_net_cost_counts_only_bytes_copied_out_of_a_mapping():
 
 
 def test_pins_are_given_back_from_the_tail_when_the_host_cannot_fit():
-    comp = ComponentFacts("dit", _mapped_layers("blocks", 10, 10, resident=2), uses_per_request=50)
+    comp = ComponentOnHost("dit", _mapped_layers("blocks", 10, 10, resident=2), uses_per_request=50)
     ledger = InProcessLedger(35)
     plan = plan_hosting([comp], ledger, "r", _policy())
     tiers = plan.tiers_for("dit")
@@ -96,22 +96,22 @@ def test_pins_are_given_back_from_the_tail_when_the_host_cannot_fit():
 
 
 def test_resident_layers_are_offered_pins_after_every_streamed_layer():
-    comp = ComponentFacts("dit", _mapped_layers("blocks", 4, 10, resident=1), uses_per_request=5)
+    comp = ComponentOnHost("dit", _mapped_layers("blocks", 4, 10, resident=1), uses_per_request=5)
     plan = plan_hosting([comp], InProcessLedger(30), "r", _policy())
     assert plan.tiers_for("dit") == {"blocks.0": PINNED, "blocks.1": PINNED, "blocks.2": PINNED,
                                      "blocks.3": MAPPED}
 
 
 def test_pageable_layers_are_demoted_before_any_pin_is_given_back():
-    comp = ComponentFacts("dit", _mapped_layers("blocks", 6, 10), uses_per_request=50)
+    comp = ComponentOnHost("dit", _mapped_layers("blocks", 6, 10), uses_per_request=50)
     plan = plan_hosting([comp], InProcessLedger(30), "r", _policy(max_pinned_bytes=30))
     assert [plan.tiers_for("dit")[f"blocks.{i}"] for i in range(6)] == [PINNED] * 3 + [MAPPED] * 3
 
 
 def test_ranking_is_weight_bytes_times_uses_not_raw_bytes():
     # The encoder is bigger, but the denoiser moves 40 B x 50 steps per request vs 100 B x 1.
-    dit = ComponentFacts("dit", _mapped_layers("blocks", 4, 10), uses_per_request=50)
-    enc = ComponentFacts("enc", _mapped_layers("encoder.block", 2, 50), uses_per_request=1)
+    dit = ComponentOnHost("dit", _mapped_layers("blocks", 4, 10), uses_per_request=50)
+    enc = ComponentOnHost("enc", _mapped_layers("encoder.block", 2, 50), uses_per_request=1)
     plan = plan_hosting([enc, dit], InProcessLedger(40), "r", _policy())
     assert set(plan.tiers_for("dit").values()) == {PINNED}
     assert set(plan.tiers_for("enc").values()) == {MAPPED}
@@ -121,15 +121,15 @@ def test_ranking_is_weight_bytes_times_uses_not_raw_bytes():
 @pytest.mark.parametrize("uses", [None, 0, 2.5])
 def test_a_missing_uses_figure_is_an_error_not_a_fallback_to_bytes(uses):
     with pytest.raises(ValueError, match="uses_per_request"):
-        ComponentFacts("enc", _mapped_layers("encoder.block", 2, 50), uses_per_request=uses)
+        ComponentOnHost("enc", _mapped_layers("encoder.block", 2, 50), uses_per_request=uses)
 
 
 def test_streamed_layers_must_come_before_resident_ones():
-    layers = (LayerFacts("blocks.0", 10, 10, 0, resident=True), LayerFacts("blocks.1", 10, 10, 0))
+    layers = (LayerOnHost("blocks.0", 10, 10, 0, resident=True), LayerOnHost("blocks.1", 10, 10, 0))
     with pytest.raises(ValueError, match="streamed first"):
-        ComponentFacts("dit", layers, 1)
+        ComponentOnHost("dit", layers, 1)
     with pytest.raises(ValueError, match="must equal"):
-        LayerFacts("blocks.0", 10, 5, 4)
+        LayerOnHost("blocks.0", 10, 5, 4)
 
 
 def test_a_refused_request_refits_to_what_the_ledger_reports_and_never_over_commits():
@@ -142,7 +142,7 @@ def test_a_refused_request_refits_to_what_the_ledger_reports_and_never_over_comm
             return super().request(nbytes, owner, priority, purpose)
 
     ledger = RacedLedger(100)
-    plan = plan_hosting([ComponentFacts("dit", _mapped_layers("blocks", 10, 10), 50)], ledger, "r", _policy())
+    plan = plan_hosting([ComponentOnHost("dit", _mapped_layers("blocks", 10, 10), 50)], ledger, "r", _policy())
     assert ledger.asked == [100, 50]
     assert plan.lease.nbytes == 50 and ledger.leased() == 100 == ledger.capacity()
     assert sum(t is PINNED for t in plan.tiers_for("dit").values()) == 5
@@ -150,7 +150,7 @@ def test_a_refused_request_refits_to_what_the_ledger_reports_and_never_over_comm
 
 
 def test_ceiling_mapped_copies_nothing_and_pageable_pins_nothing():
-    comp = ComponentFacts("dit", _mapped_layers("blocks", 3, 10) + (LayerFacts("blocks.3", 10, 0, 10),), 5)
+    comp = ComponentOnHost("dit", _mapped_layers("blocks", 3, 10) + (LayerOnHost("blocks.3", 10, 0, 10),), 5)
     mapped = plan_hosting([comp], InProcessLedger(1000), "a", _policy(ceiling=MAPPED))
     assert mapped.net_cost == 0
     assert mapped.tiers_for("dit") == {"blocks.0": MAPPED, "blocks.1": MAPPED, "blocks.2": MAPPED,
@@ -160,8 +160,8 @@ def test_ceiling_mapped_copies_nothing_and_pageable_pins_nothing():
 
 
 def test_one_info_line_per_component_with_counts_and_why(caplog):
-    dit = ComponentFacts("dit", _mapped_layers("blocks", 4, GiB), 50)
-    enc = ComponentFacts("enc", _mapped_layers("encoder.block", 2, GiB), 1)
+    dit = ComponentOnHost("dit", _mapped_layers("blocks", 4, GiB), 50)
+    enc = ComponentOnHost("enc", _mapped_layers("encoder.block", 2, GiB), 1)
     with caplog.at_level("INFO", logger="offload_core.host.hosting"):
         plan_hosting([dit, enc], InProcessLedger(2 * GiB), "r", _policy())
     lines = [r.getMessage() for r in caplog.records if r.name == "offload_core.host.hosting"]
@@ -178,7 +178,7 @@ def test_facts_from_a_loaded_model_measure_mapped_bytes(tmp_path):
     save_file(model.state_dict(), str(tmp_path / "w.safetensors"))
     model.load_state_dict(load_file(str(tmp_path / "w.safetensors")), assign=True)
     model[0][2].weight = torch.nn.Parameter(model[0][2].weight.clone())  # copied out: anonymous
-    facts = facts_from_module("m", model, ["0"], 1, resident_keys=["0.0"])
+    facts = layers_on_host("m", model, ["0"], 1, resident_keys=["0.0"])
     assert [l.key for l in facts.layers] == ["0.1", "0.2", "0.0"], "streamed first, then resident"
     by_key = {l.key: l for l in facts.layers}
     assert by_key["0.1"].mapped_bytes == 8 * 8 * 4 + 8 * 4 and by_key["0.1"].anon_bytes == 0
@@ -208,8 +208,8 @@ def test_real_scale_dit_pins_some_layers_not_zero_when_the_whole_does_not_fit(wa
     if dtype is not None:
         # Module.to() casts in place: cast a copy (meta, so no memory) to keep the fixture intact.
         dit_model = copy.deepcopy(dit_model).to(dtype)
-    dit = facts_from_module("transformer", dit_model, None, steps, mapped_fraction=MAPPED_SHARE)
-    enc = facts_from_module("text_encoder", enc_model, None, 1, mapped_fraction=1.0)
+    dit = layers_on_host("transformer", dit_model, None, steps, mapped_fraction=MAPPED_SHARE)
+    enc = layers_on_host("text_encoder", enc_model, None, 1, mapped_fraction=1.0)
     assert len(dit.layers) == 40
     assert dit.weight_bytes > (50 if dtype is torch.float32 else 25) * GiB
     ledger = InProcessLedger(SPENDABLE)
@@ -228,8 +228,8 @@ def test_real_scale_dit_pins_some_layers_not_zero_when_the_whole_does_not_fit(wa
 
 def test_real_scale_plan_with_room_for_the_dit_spends_the_rest_on_encoder_layers(wan14b):
     dit_model, enc_model, steps = wan14b
-    dit = facts_from_module("transformer", dit_model, ["blocks"], steps, mapped_fraction=MAPPED_SHARE)
-    enc = facts_from_module("text_encoder", enc_model, ["encoder.block"], 1, mapped_fraction=1.0)
+    dit = layers_on_host("transformer", dit_model, ["blocks"], steps, mapped_fraction=MAPPED_SHARE)
+    enc = layers_on_host("text_encoder", enc_model, ["encoder.block"], 1, mapped_fraction=1.0)
     enc_staging = 2 * max(l.host_bytes for l in enc.layers)
     room = sum(l.consolidation_cost for l in dit.layers) + enc_staging + 2 * GiB
     plan = plan_hosting([enc, dit], InProcessLedger(room), "r")
@@ -242,10 +242,10 @@ def test_real_scale_plan_with_room_for_the_dit_spends_the_rest_on_encoder_layers
 
 # --- the PINNED tier on this machine ------------------------------------------------------------
 def test_padding_of_the_flat_buffer_is_charged_even_for_anonymous_layers():
-    layers = (LayerFacts("blocks.0", 1000, 0, 1000, padding_bytes=24),)
-    plan = plan_hosting([ComponentFacts("dit", layers, 5)], InProcessLedger(24), "r", _policy())
+    layers = (LayerOnHost("blocks.0", 1000, 0, 1000, padding_bytes=24),)
+    plan = plan_hosting([ComponentOnHost("dit", layers, 5)], InProcessLedger(24), "r", _policy())
     assert plan.net_cost == 24 and plan.tiers_for("dit") == {"blocks.0": PINNED}
-    starved = plan_hosting([ComponentFacts("dit", layers, 5)], InProcessLedger(23), "r", _policy())
+    starved = plan_hosting([ComponentOnHost("dit", layers, 5)], InProcessLedger(23), "r", _policy())
     assert starved.net_cost == 0 and starved.tiers_for("dit") == {"blocks.0": MAPPED}, \
         "left as it is, an anonymous layer costs nothing; consolidated it costs its padding"
 
@@ -276,13 +276,13 @@ def test_bad_policy_and_duplicate_components_are_refused_with_a_clear_error():
         HostingPolicy(max_pinned_bytes=-1)
     with pytest.raises(TypeError, match="HostingTier"):
         HostingPolicy(ceiling="pinned")
-    comp = ComponentFacts("dit", _mapped_layers("blocks", 2, 10), 5)
+    comp = ComponentOnHost("dit", _mapped_layers("blocks", 2, 10), 5)
     with pytest.raises(ValueError, match="unique"):
         plan_hosting([comp, comp], InProcessLedger(100), "r")
 
 
 def test_a_planners_wanted_tiers_are_ceilings_that_still_fit_the_host():
-    comp = ComponentFacts("dit", _mapped_layers("blocks", 4, 10), 50)
+    comp = ComponentOnHost("dit", _mapped_layers("blocks", 4, 10), 50)
     wanted = {"dit": {"blocks.0": PINNED, "blocks.1": PINNED, "blocks.2": PAGEABLE, "blocks.3": MAPPED}}
     roomy = plan_hosting([comp], InProcessLedger(100), "a", _policy(wanted=wanted))
     assert roomy.tiers_for("dit") == wanted["dit"] and roomy.net_cost == 30
@@ -295,21 +295,21 @@ def test_a_planners_wanted_tiers_are_ceilings_that_still_fit_the_host():
 
 # --- staging buffers ------------------------------------------------------------------------------
 def test_a_component_with_a_pageable_or_mapped_layer_pays_two_staging_buffers_of_its_largest_layer():
-    comp = ComponentFacts("dit", _mapped_layers("blocks", 3, 10) + (LayerFacts("blocks.3", 30, 30, 0),), 5)
+    comp = ComponentOnHost("dit", _mapped_layers("blocks", 3, 10) + (LayerOnHost("blocks.3", 30, 30, 0),), 5)
     plan = plan_hosting([comp], InProcessLedger(1000), "r", HostingPolicy(ceiling=MAPPED))
     assert plan.component("dit").staging_bytes == 2 * 30 == plan.net_cost == plan.lease.nbytes
     assert "staging 0.00 GiB pinned" in plan.component("dit").log_line()
 
 
 def test_staging_is_sized_per_dtype_as_the_engine_carves_it():
-    layers = (LayerFacts("blocks.0", 110, 110, 0, flat_bytes=(("bf16", 100), ("f32", 10))),
-              LayerFacts("blocks.1", 80, 80, 0, flat_bytes=(("bf16", 50), ("f32", 30))))
-    plan = plan_hosting([ComponentFacts("dit", layers, 5)], InProcessLedger(1000), "r", HostingPolicy(ceiling=MAPPED))
+    layers = (LayerOnHost("blocks.0", 110, 110, 0, flat_bytes=(("bf16", 100), ("f32", 10))),
+              LayerOnHost("blocks.1", 80, 80, 0, flat_bytes=(("bf16", 50), ("f32", 30))))
+    plan = plan_hosting([ComponentOnHost("dit", layers, 5)], InProcessLedger(1000), "r", HostingPolicy(ceiling=MAPPED))
     assert plan.component("dit").staging_bytes == 2 * (100 + 30), "per dtype the largest, not the largest layer"
 
 
 def test_giving_a_pin_back_adds_the_staging_buffers_the_component_now_needs():
-    comp = ComponentFacts("dit", _mapped_layers("blocks", 4, 10), 50)
+    comp = ComponentOnHost("dit", _mapped_layers("blocks", 4, 10), 50)
     everything = plan_hosting([comp], InProcessLedger(40), "a")
     assert set(everything.tiers_for("dit").values()) == {PINNED} and everything.net_cost == 40
     # 39 B: one pin back would cost 30 + 20 staging = 50; it takes three back (10 + 20 = 30).
@@ -321,7 +321,7 @@ def test_giving_a_pin_back_adds_the_staging_buffers_the_component_now_needs():
 def test_a_host_that_cannot_hold_even_the_staging_buffers_is_a_clear_error():
     from offload_core.host.hosting import HostingError
 
-    comp = ComponentFacts("dit", _mapped_layers("blocks", 4, 10), 50)
+    comp = ComponentOnHost("dit", _mapped_layers("blocks", 4, 10), 50)
     with pytest.raises(HostingError, match="staging buffers"):
         plan_hosting([comp], InProcessLedger(19), "r")
     with pytest.raises(ValueError, match="staging_buffers"):
@@ -329,8 +329,8 @@ def test_a_host_that_cannot_hold_even_the_staging_buffers_is_a_clear_error():
 
 
 def test_a_planners_wider_staging_ring_is_leased_for_its_component_only():
-    dit = ComponentFacts("dit", _mapped_layers("blocks", 4, 30), 50)
-    enc = ComponentFacts("enc", _mapped_layers("layers", 4, 10), 1)
+    dit = ComponentOnHost("dit", _mapped_layers("blocks", 4, 30), 50)
+    enc = ComponentOnHost("enc", _mapped_layers("layers", 4, 10), 1)
     plan = plan_hosting([dit, enc], InProcessLedger(1000), "r", HostingPolicy(ceiling=MAPPED, staging={"dit": 4}))
     assert (plan.component("dit").staging_bytes, plan.component("dit").staging_buffers) == (4 * 30, 4)
     assert (plan.component("enc").staging_bytes, plan.component("enc").staging_buffers) == (2 * 10, 2)
@@ -338,7 +338,7 @@ def test_a_planners_wider_staging_ring_is_leased_for_its_component_only():
 
 
 def test_a_short_host_narrows_a_wider_staging_ring_before_it_moves_any_tier():
-    comp = ComponentFacts("dit", _mapped_layers("blocks", 4, 30), 50)
+    comp = ComponentOnHost("dit", _mapped_layers("blocks", 4, 30), 50)
     # Pageable layers cost 120 B and a 4-buffer ring 120 B; 200 B fit them with 2 buffers (60 B).
     plan = plan_hosting([comp], InProcessLedger(200), "r",
                         HostingPolicy(ceiling=PAGEABLE, staging={"dit": 4}))

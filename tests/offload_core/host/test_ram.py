@@ -8,7 +8,7 @@ import pytest
 from offload_core.host.ram import (
     Bound,
     GiB,
-    MemoryFacts,
+    MemoryReading,
     default_reserve,
     host_ram_available,
 )
@@ -22,7 +22,7 @@ def _write(path: Path, text: str) -> None:
 
 
 def _facts(total_gib: float, available_gib: float):
-    return lambda: MemoryFacts(int(total_gib * GiB), int(available_gib * GiB))
+    return lambda: MemoryReading(int(total_gib * GiB), int(available_gib * GiB))
 
 
 def _v2_tree(tmp_path: Path, groups: dict[str, tuple[str, int]], rel: str) -> tuple[Path, Path]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.models.registry import adapter_for, read_family_facts
+from deployments.models.registry import adapter_for, read_family_traits
 from deployments.wire.spec import PipelineStage
 from offload_core.planner.cli import main
 from zoo.tiny import ensure_tiny_flux, ensure_tiny_wan
@@ -48,7 +48,7 @@ def test_a_folder_of_every_served_family_plans_the_components_its_stages_load(ca
     code = main([str(folder), "--gpu", "L4", "--host-ram", "64GiB", "--json"])
     plan = json.loads(capsys.readouterr().out)
     assert code == 0 and plan["feasible"] is True
-    facts = read_family_facts(folder)
+    facts = read_family_traits(folder)
     adapter = adapter_for(facts)
     planned: dict[PipelineStage, list[str]] = {}
     for stage in plan["stages"]:  # a two-expert denoiser is one planned stage per expert: denoise:<expert>

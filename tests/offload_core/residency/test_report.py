@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from offload_core.host.budget import InProcessLedger
-from offload_core.host.facts import facts_from_module
 from offload_core.host.hosting import HostingPolicy, plan_hosting
+from offload_core.host.on_host import layers_on_host
 from offload_core.host.tier import HostingTier
 from offload_core.residency.parking import Parking
 from offload_core.residency.report import component_residency, residency_report
@@ -55,7 +55,7 @@ def test_a_planned_streamed_model_is_bitwise_equal_and_reported_where_the_plan_p
     with torch.no_grad():
         expected = _load(wan_folder)(**_inputs())[0]
     model = _load(wan_folder)
-    facts = facts_from_module("transformer", model, ["blocks"], uses_per_request=50)
+    facts = layers_on_host("transformer", model, ["blocks"], uses_per_request=50)
     per_layer = facts.layers[0].mapped_bytes
     assert per_layer == facts.layers[0].nbytes > 0, "from_pretrained keeps same-dtype weights mapped"
     # Room for three layers' net cost and the staging buffers (two of the largest layer) the
@@ -69,7 +69,7 @@ def test_a_planned_streamed_model_is_bitwise_equal_and_reported_where_the_plan_p
 
     streamer = remove_after(apply_layer_streaming(model, CPU, StreamingConfig(hosting=tiers)))
     with pytest.raises(ValueError, match="before apply_layer_streaming"):
-        facts_from_module("transformer", model, ["blocks"], uses_per_request=50)
+        layers_on_host("transformer", model, ["blocks"], uses_per_request=50)
     with torch.no_grad():
         streamer.prepare_for_use()
         got = model(**_inputs())[0]

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core.streaming.device import DeviceFacts, get_device, normalize_device
+from offload_core.streaming.device import DeviceCapacity, get_device, normalize_device
 from offload_core.streaming.meter import DeviceWeightMeter
 
 
@@ -56,7 +56,7 @@ def test_without_a_configured_capacity_cpu_headroom_is_host_ram_available():
     device = get_device("cpu")
     saved = device.facts
     try:
-        device.configure(DeviceFacts())
+        device.configure(DeviceCapacity())
         assert abs(device.headroom_bytes() - psutil.virtual_memory().available) < 512 * 2**20
     finally:
         device.configure(saved)
@@ -64,7 +64,7 @@ def test_without_a_configured_capacity_cpu_headroom_is_host_ram_available():
 
 def test_negative_capacity_is_refused():
     with pytest.raises(ValueError, match="capacity_bytes"):
-        DeviceFacts(capacity_bytes=-1)
+        DeviceCapacity(capacity_bytes=-1)
 
 
 def test_devices_are_normalized_to_one_key():

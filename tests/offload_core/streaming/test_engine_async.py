@@ -17,7 +17,7 @@ from offload_core.host.tier import HostingTier
 from offload_core.layout import declared_layer_groups, resolve_layer_group
 from offload_core.streaming import engine as streaming
 from offload_core.streaming.copier import InlineCopier
-from offload_core.streaming.device import Device, DeviceFacts
+from offload_core.streaming.device import Device, DeviceCapacity
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
 from tests.offload_core.tiny_models import FLUX, WAN
 
@@ -49,7 +49,7 @@ class DeferredCopyDevice(Device):
     """
 
     def __init__(self, honour_waits: bool = True):
-        super().__init__(torch.device("cpu"), DeviceFacts())
+        super().__init__(torch.device("cpu"), DeviceCapacity())
         self.queue: list = []
         self.ran = 0  # copies of the queue executed so far
         self.deferring = True

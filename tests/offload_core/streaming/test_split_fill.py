@@ -13,7 +13,7 @@ from offload_core.quant import WeightFormat
 from offload_core.residency.lifecycle import streaming_config
 from offload_core.streaming import copier
 from offload_core.streaming.copier import FillSplitter, InlineCopier, ThreadCopier, split_pairs
-from offload_core.streaming.device import Device, DeviceFacts
+from offload_core.streaming.device import Device, DeviceCapacity
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
 from offload_core.streaming.fill_threads import default_cap, probe
 from tests.offload_core.streaming.test_fp8 import _reference
@@ -119,7 +119,7 @@ class SplitCpuDevice(Device):
     """CPU with a real copier thread (as on CUDA) whose fills split over the configured threads."""
 
     def __init__(self):
-        super().__init__(torch.device("cpu"), DeviceFacts())
+        super().__init__(torch.device("cpu"), DeviceCapacity())
         self.threads_asked: list[int | None] = []
 
     def host_copier(self, name: str, threads: int | None = None):
@@ -150,7 +150,7 @@ def test_streaming_with_split_fills_is_bitwise_equal_for_pageable_and_mapped_lay
 
 
 def test_the_cpu_device_fills_on_one_thread_unless_told():
-    device = Device(torch.device("cpu"), DeviceFacts())
+    device = Device(torch.device("cpu"), DeviceCapacity())
     assert device.host_copier("x").threads == 1
     assert device.host_copier("x", 2).threads == 2
     assert isinstance(device.host_copier("x"), InlineCopier)

@@ -7,7 +7,7 @@ import torch
 from offload_core.host.tier import HostingTier
 from offload_core.layout import RegionMap, declared_layer_groups, resolve_layer_group
 from offload_core.streaming.copier import CopyFailed, ThreadCopier
-from offload_core.streaming.device import Device, DeviceFacts
+from offload_core.streaming.device import Device, DeviceCapacity
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
 from testing.sim import SimDevice, SimLink
 from tests.offload_core.tiny_models import ALL_CASES, FLUX, WAN
@@ -28,7 +28,7 @@ class ThreadedCpuDevice(Device):
     """CPU, with a real host copier thread, as on CUDA: fills run concurrently with the forward."""
 
     def __init__(self):
-        super().__init__(torch.device("cpu"), DeviceFacts())
+        super().__init__(torch.device("cpu"), DeviceCapacity())
 
     def host_copier(self, name: str, threads: int | None = None):
         return ThreadCopier(name, threads or 1)

@@ -77,7 +77,7 @@ def holder(ray_cluster):
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    facts = families.read_family_facts(ensure_tiny_wan())
+    facts = families.read_family_traits(ensure_tiny_wan())
     config = stage_configs(tiny_args(encoder=StageArgs(tp_size=2)), facts)[PipelineStage.ENCODE]
     group = placement_group([{"CPU": 0.5}, {"CPU": 0.5}], strategy="STRICT_PACK")
     ray.get(group.ready(), timeout=120)

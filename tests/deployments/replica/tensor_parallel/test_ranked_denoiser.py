@@ -52,7 +52,7 @@ def _rank(rank: int, port: int, folder: str, inbox, outbox) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                          timeout=datetime.timedelta(seconds=60))
-    worker = StageWorker(_config(families.read_family_facts(folder)), rank=RankSpec(rank, 2, "tp-denoise-test"))
+    worker = StageWorker(_config(families.read_family_traits(folder)), rank=RankSpec(rank, 2, "tp-denoise-test"))
     try:
         while (item := inbox.get()) is not None:
             fn, args = item
@@ -112,7 +112,7 @@ TP_FAMILIES = {"flux": ensure_tiny_flux, "qwen-image": ensure_tiny_qwen_image}
 @pytest.mark.parametrize("family", sorted(TP_FAMILIES))
 def test_the_batched_denoiser_over_2_gloo_ranks_answers_what_tp_size_1_does(family):
     folder = str(TP_FAMILIES[family]())
-    facts = families.read_family_facts(folder)
+    facts = families.read_family_traits(folder)
     encoder = families.load_stage_pipeline(facts, PipelineStage.ENCODE, F32)
     encoded = [families.encode(encoder, facts, s, CPU) for s in SPECS]
     plain = families.load_stage_pipeline(facts, PipelineStage.DENOISE, F32)
@@ -136,7 +136,7 @@ def test_the_batched_denoiser_over_2_gloo_ranks_answers_what_tp_size_1_does(fami
 
 
 def test_the_flux_denoiser_accepts_tp_2_at_deploy_and_refuses_the_step_cache_there():
-    facts = families.read_family_facts(ensure_tiny_flux())
+    facts = families.read_family_traits(ensure_tiny_flux())
     check_tp(facts, PipelineStage.DENOISE, 2)
     config = _config(facts)
     with pytest.raises(StepCacheAtTensorParallel, match=r"cache_threshold 0.1 for the denoise stage at tp_size 2"):

@@ -18,7 +18,7 @@ from offload_core.quant import WeightFormat, layer_layout
 
 
 @dataclass(frozen=True)
-class LayerFacts:
+class LayerOnHost:
     """One streamed (or resident) layer as the host sees it now."""
 
     key: str  # "blocks.3": the engine's layer key
@@ -63,11 +63,11 @@ class LayerFacts:
 
 
 @dataclass(frozen=True)
-class ComponentFacts:
+class ComponentOnHost:
     """A component's layers in streamed order then resident, and how often a request uses it."""
 
     name: str
-    layers: tuple[LayerFacts, ...]
+    layers: tuple[LayerOnHost, ...]
     # Denoiser: the pipeline's default num_inference_steps; encoder/decoder: 1. Required: ranking
     # by raw bytes would give a 25 GiB text encoder used once the pins a 27 GiB DiT uses 50 times.
     uses_per_request: int | None
@@ -101,7 +101,7 @@ class ComponentFacts:
         return self.claim().priority
 
 
-def facts_from_module(
+def layers_on_host(
     name: str,
     model,
     layer_groups: Sequence[str] | None,
@@ -112,7 +112,7 @@ def facts_from_module(
     mapped_fraction: float | None = None,
     layer_order: Sequence[str] | None = None,
     weights: WeightFormat = WeightFormat.NATIVE,
-) -> ComponentFacts:
+) -> ComponentOnHost:
     """Per-layer facts of a model: bytes from shapes and dtypes, mapped bytes measured or given.
 
     Layers and their tensors are the engine's: ``layer_groups`` None means the class's declared
@@ -141,7 +141,7 @@ def facts_from_module(
         mapped = (int(nbytes * mapped_fraction) if mapped_fraction is not None
                   else maps.mapped_bytes(tensors))
         layout = layer_layout(key, ordered.module, weights)
-        facts = LayerFacts(key, nbytes, mapped, nbytes - mapped, resident=key in resident_keys,
+        facts = LayerOnHost(key, nbytes, mapped, nbytes - mapped, resident=key in resident_keys,
                            padding_bytes=max(0, layout.nbytes - nbytes),
                            flat_bytes=tuple((str(d), n) for d, n in layout.host_flat_bytes),
                            quantized=bool(layout.quantized), quantized_host_bytes=layout.host_nbytes)
@@ -149,4 +149,4 @@ def facts_from_module(
     unknown = set(resident_keys) - known
     if unknown:
         raise ValueError(f"component {name}: resident keys {sorted(unknown)} are not layers of {list(groups)}")
-    return ComponentFacts(name, tuple(streamed + resident), uses_per_request)
+    return ComponentOnHost(name, tuple(streamed + resident), uses_per_request)
