@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_models import (  # noqa: E402  (bench/, this script's directory)
+from bench.gpu_models import (  # noqa: E402  (the repository root is on the path: run as a script or imported)
     file_mapped_fraction,
     inputs,
     layer_bytes,
@@ -56,8 +56,7 @@ from gpu_models import (  # noqa: E402  (bench/, this script's directory)
     medium_denoiser,
     real_denoiser,
 )
-from gpu_summary import summary  # noqa: E402
-
+from bench.gpu_summary import summary  # noqa: E402
 from offload_core.host.tier import HostingTier  # noqa: E402
 from offload_core.layout import declared_layer_groups, resolve_layer_group  # noqa: E402
 from offload_core.quant import WeightFormat, fake_quantize_  # noqa: E402

@@ -125,11 +125,12 @@ def test_tp_exits_1_when_a_rank_holds_over_its_share():
 
 
 GPU_CHECK = """
-def run_case(name, build, shape, steps, device, link, mapped=False):
-    way = {{"step_s": 1.0, "step_vs_speed": 1.0, "peak_allocated_bytes": 0, "bitwise_equal_to_speed": {bitwise},
+def run_case(name, build, shape, steps, device, link, **options):
+    way = {{"step_s": 1.0, "median_step_s": 1.0, "step_vs_speed": 1.0, "peak_allocated_bytes": 0,
+           "bitwise_equal_to_speed": {bitwise},
            "predicted_weight_peak_bytes": 100, "measured_weight_peak_bytes": {peak}}}
     return {{"case": name, "input_shape": list(shape), "streamed_bytes_per_step": 1,
-            "rows": {{"speed": {{"step_s": 1.0, "step_vs_speed": 1.0, "peak_allocated_bytes": 0,
+            "rows": {{"speed": {{"step_s": 1.0, "median_step_s": 1.0, "step_vs_speed": 1.0, "peak_allocated_bytes": 0,
                                "bitwise_equal_to_speed": True}},
                      "layerwise": way, "group_offload": {{"skipped": "needs CUDA"}}}}}}
 bench.run_case = run_case
@@ -143,7 +144,9 @@ def test_gpu_check_exits_1_when_a_streamed_way_is_not_bitwise_equal_or_its_peak_
     assert report["failed"] == ["medium-wan-denoiser/layerwise: bitwise_equal_to_speed",
                                 "medium-wan-denoiser/layerwise: measured_weight_peak_bytes 101 != predicted 100",
                                 "wan2.1-1.3b-random/layerwise: bitwise_equal_to_speed",
-                                "wan2.1-1.3b-random/layerwise: measured_weight_peak_bytes 101 != predicted 100"]
+                                "wan2.1-1.3b-random/layerwise: measured_weight_peak_bytes 101 != predicted 100",
+                                "wan2.1-1.3b-random-1frame/layerwise: bitwise_equal_to_speed",
+                                "wan2.1-1.3b-random-1frame/layerwise: measured_weight_peak_bytes 101 != predicted 100"]
     code, report, _ = run_bench("gpu_check", GPU_CHECK.format(bitwise=True, peak=100), "--steps", "1")
     assert (code, report["failed"]) == (0, [])
 
