@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 
 from deployments.app import stage_configs
 from deployments.models import families
 from deployments.models.hunyuan_video15 import HunyuanVideo15Adapter
 from deployments.models.wan import WanAdapter
-from deployments.replica.worker import StageWorker
 from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core.order import declared_layers
 from offload_core.planner.facts import streamable_groups
@@ -24,19 +22,6 @@ from zoo import tiny_families, wan22
 
 CPU, F32 = torch.device("cpu"), torch.float32
 ENCODE, DENOISE, DECODE = PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineStage.DECODE
-
-
-@pytest.fixture
-def workers():
-    made = []
-
-    def make(config) -> StageWorker:
-        made.append(StageWorker(config))
-        return made[-1]
-
-    yield make
-    for worker in made:
-        worker.close()
 
 
 def _declared(module) -> tuple[str, ...]:

@@ -13,7 +13,6 @@ from deployments.models.activation_features import ACTIVATION_MARGIN
 from deployments.replica import worker as worker_module
 from deployments.replica.stage_residency import predicted_kept_bytes
 from deployments.replica.warmup import WarmupShape
-from deployments.replica.worker import StageWorker
 from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core.planner.facts import profile_component
 from offload_core.planner.search import PerformanceMode
@@ -30,19 +29,6 @@ SPEC = GenerationSpec("r", "a fox", None, 16, 16, 5, 2, 5.0, 3, 1)
 @pytest.fixture(scope="module")
 def facts():
     return families.read_family_traits(tiny.ensure_tiny_wan())
-
-
-@pytest.fixture
-def workers():
-    made = []
-
-    def make(config) -> StageWorker:
-        made.append(StageWorker(config))
-        return made[-1]
-
-    yield make
-    for worker in made:
-        worker.close()
 
 
 @pytest.mark.parametrize("stage", list(PipelineStage), ids=lambda s: s.value)
