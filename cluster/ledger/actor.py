@@ -30,10 +30,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.fleet import profile_for_gpu
 from cluster.ledger.liveness import OwnerRef, actor_info, find_dead
 from cluster.ledger.pools import LeasePools, PoolState
-from cluster.ledger.shared_stores import SharedStores, StoreState
 from cluster.node import GB, probe_node
 from offload_core.host.budget import Lease, Refusal
 from offload_core.shared_store.files import sweep_orphans
+from offload_core.shared_store.ledger_record import SharedStores, StoreState
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class NodeLedger:
         self._pools.readopt(held, ref)
         return self._epoch
 
-    # ---- shared weight stores (cluster/ledger/shared_stores.py) --------------------------------------
+    # ---- shared weight stores (offload_core/shared_store/ledger_record.py) ----
     async def store_attach(self, digest: str, component: str, path: str, nbytes: int, budget_bytes: int | None,
                            ref: OwnerRef, client_epoch: str | None = None):
         self._ensure_reclaimer()

@@ -5,11 +5,12 @@ import pytest
 from ray.exceptions import RayActorError
 
 from cluster.ledger import shared_stores
-from cluster.ledger.shared_stores import LedgerStoreRegistry, StoreWait
+from cluster.ledger.shared_stores import LedgerStoreRegistry
 from cluster.replica import ledger_client
 from cluster.replica.ledger_client import LedgerUnavailable, call_through_restart
 from offload_core.host.budget import Refusal
 from offload_core.shared_store.files import StoreKey, StoreRole
+from offload_core.shared_store.ledger_record import StoreWait
 from offload_core.shared_store.registry import StoreTicket
 
 
