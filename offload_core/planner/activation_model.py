@@ -9,6 +9,8 @@ prediction scales with the element size: a model calibrated in float32 predicts 
 (ops that compute in float32 make that an underestimate; calibrate in the dtype served).
 
 Pure arithmetic: the planner imports it, and no runtime module.
+
+Run by each stage replica (its warm-up fits the model, its calls predict) and by whichever process plans.
 """
 from __future__ import annotations
 

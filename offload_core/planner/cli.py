@@ -7,6 +7,8 @@ Plans a real-size model from configs/models/real_model_configs.json (``--model``
 diffusers folder of any family the service serves (``--model-dir FOLDER`` or just ``FOLDER``; its
 requests at its flagship's published defaults, offload_core/planner/folders.py), built on torch's meta device, and prints a readable table, or
 one JSON object with ``--json``. Bad arguments exit with status 2 and a message naming them.
+
+Run by ``offload-serve plan`` in the user's own process.
 """
 from __future__ import annotations
 

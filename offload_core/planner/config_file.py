@@ -3,6 +3,8 @@
 Torch-free, so that the GPU table (:mod:`offload_core.planner.gpus`), and through it the node ledger
 actor's node facts, read the file without importing torch (1.0 s of CPU on a quiet 2-core machine);
 the meta-device models built from it are :mod:`offload_core.planner.real_models`'.
+
+Run by ``offload-serve plan`` and by whichever process reads the GPU table.
 """
 from __future__ import annotations
 

@@ -21,6 +21,8 @@ bytes at the measured staged rate, ``LinkFacts.rate``; unmeasured, the pageable 
 driver's pageable copy is itself a memcpy into its own staging overlapped with a DMA), plus what
 the plan's window makes it wait beyond that (``planner.window``: the ring replayed on the layers'
 copy and compute times; none for equal layers, some for an uneven stack in too narrow a window).
+
+Runs in whichever process plans: ``offload-serve plan`` and each stage replica (through ``cluster/replica/plan.py``).
 """
 from __future__ import annotations
 

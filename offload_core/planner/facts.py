@@ -5,6 +5,8 @@ device: shapes and dtypes are all the byte figures need) plus a few measured or 
 figures. Layers are laid out by the engine's own ``plan_layer_layout`` and slots sized by its
 ``RegionMap.covering``, in the engine's execution order (``offload_core.order``), so predicted
 bytes equal measured ones by construction, not by a second copy of the arithmetic.
+
+Runs in whichever process plans: ``offload-serve plan`` and each stage replica (through ``cluster/replica/plan.py``).
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ type, a replica's link) and the service's configured link all ask here.
 Memory is in GiB: an "80 GB" H100 reports 81559 MiB (79.6 GiB) through NVML and a "24 GB" L4
 23034 MiB (22.5 GiB), so the nominal figure read as GiB is, as the table says, a little above
 what the driver reports.
+
+Runs in whichever process plans: ``offload-serve plan`` and each stage replica (through ``cluster/replica/plan.py``).
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ Shapes and dtypes are all the byte figures need, so components are built under
 
 Uses per request and tokens per use follow the pipelines' defaults; per-layer compute is
 estimated from FLOPs at a sustained fraction of the GPU's dense BF16 rate.
+
+Runs in whichever process plans: ``offload-serve plan`` and each stage replica (through ``cluster/replica/plan.py``).
 """
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ the VAE decoder once per latent frame), so counting beats guessing. The figures 
 :func:`offload_core.residency.compute_meter.measure_warmup` (hooks on a running model: runtime
 state, which the planner never holds); here they become plain facts: :class:`WarmupFigures` per
 component, :class:`MeasuredCompute` per use, and profiles carrying them.
+
+Run by each stage replica (its warm-up and first uses) and by whichever process plans.
 """
 from __future__ import annotations
 

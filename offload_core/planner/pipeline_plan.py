@@ -3,6 +3,8 @@
 A plan is frozen and explainable (``explain()`` gives one line per decision with its numbers).
 It configures the engine directly (``ComponentPlan.streaming_config()``), so nothing downstream
 reads loose flags. Users pin fields by hand with :class:`ComponentOverride`.
+
+Runs in whichever process plans: ``offload-serve plan`` and each stage replica (through ``cluster/replica/plan.py``).
 """
 from __future__ import annotations
 

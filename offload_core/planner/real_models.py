@@ -8,6 +8,8 @@ describe small variants (T5's default d_model is 512, umT5-XXL's is 4096).
 diffusers and transformers are imported inside :func:`build_meta` only: offload_core stays
 importable with torch alone. The planner builds from the committed skeletons instead where they
 match the installed libraries (offload_core/planner/skeletons.py): same shapes, no library import.
+
+Runs in whichever process plans: ``offload-serve plan`` and each stage replica (through ``cluster/replica/plan.py``).
 """
 from __future__ import annotations
 

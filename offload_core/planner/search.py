@@ -18,6 +18,8 @@
   lease has the bytes beside the pins, else the default two, said in the plan.
 - BALANCED: the fastest plan within max(half the weight budget, the memory plan's peak).
 Ties go to fewer bytes moved, then to the smaller peak. Overrides pin any field by hand.
+
+Runs in whichever process plans: ``offload-serve plan`` and each stage replica (through ``cluster/replica/plan.py``).
 """
 from __future__ import annotations
 

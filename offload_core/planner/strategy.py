@@ -1,4 +1,7 @@
-"""How one pipeline component keeps its weights across the stages of a request."""
+"""How one pipeline component keeps its weights across the stages of a request.
+
+Runs in whichever process plans: ``offload-serve plan`` and each stage replica (through ``cluster/replica/plan.py``).
+"""
 from __future__ import annotations
 
 import enum

@@ -24,6 +24,8 @@ not done with two layers banked waits for a later exit, one with fewer is waited
 uses (the caller synchronises) no exit issues anything; this reproduces the simulator's figures for
 2-4 buffers exactly (``bench/sim_overlap.py``, overheads off). The cost model adds :func:`window_wait_s` (what the plan's window makes a use take beyond
 the bound) to its predicted time, so a plan says what its window costs.
+
+Runs in whichever process plans: ``offload-serve plan`` and each stage replica (through ``cluster/replica/plan.py``).
 """
 from __future__ import annotations
 
