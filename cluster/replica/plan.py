@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from cluster.fleet import FleetProfile
@@ -100,6 +101,18 @@ def replica_facts(memory: ReplicaMemory, components: Sequence[ComponentProfile],
                          gpu.name if gpu else str(memory.device))
 
 
+def process_note(link: LinkFacts) -> str:
+    """What Ray gave this process and what the engine chose, for the plan's explanation: Ray starts
+    workers at a higher niceness than the raylet and sets OMP_NUM_THREADS to an actor's num_cpus (1
+    when unset), which bounds the threads compute launches from; the staging fills use the copier's
+    own threads instead (on the H200, one thread filled at 5.4 GB/s where memcpy reached 28.6)."""
+    import torch
+
+    return (f"process: nice {os.nice(0)}, {torch.get_num_threads()} intra-op thread(s) for compute "
+            f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, as Ray set it); the engine's staging "
+            f"fills split over {link.copier_threads} copier thread(s) of their own")
+
+
 def plan_for_replica(profile: FleetProfile, facts: PipelineFacts, mode: PerformanceMode | None = None,
                      owner: str = "replica") -> PipelinePlan:
     """Plan in ``mode`` (None: the profile's), within the profile's prefetch depth and resident-fraction limit."""
@@ -113,6 +126,7 @@ def plan_for_replica(profile: FleetProfile, facts: PipelineFacts, mode: Performa
             capped[c.name] = dataclasses.replace(overrides[c.name], resident_layers=limit)
     if capped:
         plan = plan_pipeline(facts, mode, {**overrides, **capped})
+    plan = dataclasses.replace(plan, notes=(*plan.notes, process_note(facts.link)))
     logger.info("%s: plan on %s (profile %s, mode %s, depth %d): %s; peak %.2f GB of %.2f GB, %.2f GB moved per "
                 "request%s", owner, facts.device_name, profile.name, mode.value, profile.prefetch_depth,
                 ", ".join(f"{c.name}={c.strategy.value}" for c in plan.components), plan.peak_device_bytes / GB,
