@@ -66,8 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         if not args.config.is_file():
             parser.error(f"serve: no config file {args.config}")
-        from deployments.dev import serve_local
+        from deployments.dev import doctor, serve_local
+        from deployments.dev.local_ray import OBJECT_STORE_BYTES
 
+        # The doctor's checks first (a second; only problems are printed): a blocker found now, not
+        # minutes into start-up.
+        if not doctor.preflight(args.config, OBJECT_STORE_BYTES):
+            return 1
         return serve_local.main(args.config, args.port)
     return residency(args.url, args.token, args.json)
 

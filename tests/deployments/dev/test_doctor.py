@@ -191,3 +191,15 @@ def test_doctor_has_help_and_imports_neither_torch_nor_ray():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.stdout.splitlines()[-1] == "0 []", done.stdout + done.stderr
     assert Status.FAIL.value not in done.stdout
+
+
+def test_serve_runs_the_checks_first_and_starts_nothing_on_a_blocker(monkeypatch):
+    from deployments.dev import cli, serve_local
+    from deployments.dev import doctor as doctor_module
+
+    started = []
+    monkeypatch.setattr(doctor_module, "preflight", lambda config, object_store_bytes: False)
+    monkeypatch.setattr(serve_local, "main", lambda config, port: started.append(config) or 0)
+    assert cli.main(["serve", "configs/local.yaml"]) == 1 and started == []
+    monkeypatch.setattr(doctor_module, "preflight", lambda config, object_store_bytes: True)
+    assert cli.main(["serve", "configs/local.yaml"]) == 0 and len(started) == 1
