@@ -56,6 +56,7 @@ class _Place(NamedTuple):
     carved: dict[torch.dtype, torch.Tensor]  # the copy's target regions
     views: tuple[torch.Tensor, ...]  # its parameters' views
     end: int  # its bytes are [start, end)
+    pairs: tuple | None  # the host->device (dst, src) copies into ``carved`` (None: staged, filled per copy)
 
 
 class PrefetchRing:
@@ -303,7 +304,7 @@ class PrefetchRing:
                 if self._staging is not None and self._staging.stages(layer):
                     self.bytes_copied += self._staging.copy_to(layer, place.carved)
                 else:
-                    self.bytes_copied += layer.host.copy_to(place.carved)
+                    self.bytes_copied += layer.host.copy_to(place.carved, place.pairs)
                 event = self._device.record_copy()
                 if self.copy_log is not None:
                     self.copy_log.end(getattr(layer, "key", str(position)))
@@ -327,8 +328,12 @@ class PrefetchRing:
         carved = own.carve(self._buffer[start:start + own.nbytes])
         if self.landing is not None:
             carved[FP8_HOST_DTYPE] = self.landing
-        place = self._places[(position, start)] = _Place(carved, self._layers[position].views(carved),
-                                                         start + own.nbytes)
+        layer = self._layers[position]
+        # The copy's targets too, sliced once per place as the views are (they follow the window's
+        # storage across deallocate/allocate alike); a staged layer is filled through staging instead.
+        staged = self._staging is not None and self._staging.stages(layer)
+        pairs = None if staged else tuple(layer.host.fill_pairs(carved))
+        place = self._places[(position, start)] = _Place(carved, layer.views(carved), start + own.nbytes, pairs)
         return place
 
     def _release(self, position: int) -> None:
