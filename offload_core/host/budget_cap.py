@@ -10,11 +10,10 @@ against the budget first; a budget below them fits no plan and is an error at st
 """
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from dataclasses import dataclass
-
-from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from offload_core.host.budget import Lease, MemoryBudget, Refusal
 
@@ -24,7 +23,15 @@ KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
 _ONE_LETTER = re.compile(r"(?<=[\d\s])([kmgtKMGT])\s*$")
 # The whole text is one number and one unit (ByteSize alone would read "16GiB of RAM" as 16 GiB).
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_BYTE_SIZE = TypeAdapter(ByteSize)
+
+
+@functools.cache
+def _byte_size():
+    """pydantic's ByteSize parser, imported on the first parse, not with the engine: offload_core runs
+    on torch alone (a GPU image without pydantic could not import the engine, nor run its CUDA tests)."""
+    from pydantic import ByteSize, TypeAdapter
+
+    return TypeAdapter(ByteSize)
 
 
 class BudgetTooSmall(ValueError):
@@ -82,9 +89,9 @@ def parse_host_budget(value: str | int | float) -> HostBudgetSpec:
     try:
         if match is None:
             raise ValueError("not one number and one unit")
-        nbytes = int(_BYTE_SIZE.validate_python(_ONE_LETTER.sub(r"\1iB", value)))
+        nbytes = int(_byte_size().validate_python(_ONE_LETTER.sub(r"\1iB", value)))
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        why = exc.errors()[0]["msg"] if hasattr(exc, "errors") else str(exc)  # pydantic's ValidationError
         raise ValueError(f"host_memory_budget {value!r} is not a size ({why}): write e.g. '16GiB', '512MiB', "
                          "'20GB' or a fraction of the node's spendable RAM such as 0.25") from None
     return parse_host_budget(nbytes)
