@@ -43,11 +43,14 @@ def merged(estimate: MeasuredCompute, figures: WarmupFigures) -> MeasuredCompute
 class FirstUse:
     """The stage's compute per component, and the components whose layers are still estimated."""
 
-    def __init__(self, replica: str, modules: Mapping[str, nn.Module], compute: Mapping[str, MeasuredCompute],
-                 device: torch.device):
+    def __init__(self, replica: str, modules: Mapping[str, nn.Module], device: torch.device):
         self.replica, self._modules, self._device = replica, modules, device
-        self.compute = dict(compute)
+        self.compute: dict[str, MeasuredCompute] = {}  # none until the warm-up's figures are tracked
         self._changed = False
+
+    def track(self, compute: Mapping[str, MeasuredCompute]) -> None:
+        """Start from the warm-up's figures: what is still estimated there is timed on first use."""
+        self.compute, self._changed = dict(compute), False
 
     @property
     def pending(self) -> tuple[str, ...]:

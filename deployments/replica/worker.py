@@ -115,10 +115,10 @@ class StageWorker:
         # call lock for as long as its batch runs, and a report waits for that lock.
         self._batch_sender = Throttled(self._send_batch, PUBLISH_INTERVAL_S, f"batch-{config.stage.value}")
         self.picture = None
-        self.first_use = FirstUse(self.replica, modules, {}, self.device)  # nothing pending during the warm-up
-        self.warmup = self._apply_warmup(warmup.warm_up(self, modules, plan), self._applier)
+        self.first_use = FirstUse(self.replica, modules, self.device)  # nothing to time during the warm-up
+        self.warmup = self._apply_warmup(warmup.warm_up(self, modules, plan))
         # Components the warm-up's request did not run are timed on the first call that runs them.
-        self.first_use = FirstUse(self.replica, modules, dict(self.warmup.compute), self.device)
+        self.first_use.track(dict(self.warmup.compute))
         # Drawn from the plan that runs and what the warm-up measured (GET /v1/residency/picture).
         self.picture = self._picture()
         self.publish()
@@ -221,14 +221,13 @@ class StageWorker:
             refusal = Refusal(self.replica, exc.nbytes, exc.headroom.usable_bytes, str(exc))
             raise DeviceBusy(self.replica, self.memory.device_pool, exc.nbytes, refusal, exc.waited_s) from None
 
-    def _apply_warmup(self, outcome: warmup.WarmupOutcome, applier: Callable[..., StageResidency]
-                      ) -> warmup.WarmupOutcome:
+    def _apply_warmup(self, outcome: warmup.WarmupOutcome) -> warmup.WarmupOutcome:
         """Keep the warm-up's calibrated activations and its plan: re-applied if it changed, else adopted
         (the applied residency keeps its weights and reports the re-predicted figures)."""
         start = time.perf_counter()
         self.activations = outcome.activations
         if outcome.changes:
-            self._reapply(lambda: applier(plan=outcome.plan), predicted_kept_bytes(outcome.plan))
+            self._reapply(lambda: self._applier(plan=outcome.plan), predicted_kept_bytes(outcome.plan))
         else:
             self.residency.adopt(outcome.plan)
         outcome = dataclasses.replace(outcome, seconds=outcome.seconds + time.perf_counter() - start)
