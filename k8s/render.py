@@ -38,6 +38,7 @@ APP_NAME = "offload-serve"
 # max_ongoing_requests, as build_app sets it, so Serve hands a replica exactly what one batch holds.
 DENOISER_MAX_BATCH = 4
 ACCELERATOR_PREFIX = "accelerator_type:"  # Ray's resource name for accelerator_type placement
+GPU_TYPE_LABEL = "offload-serve/gpu-type"  # each worker group's Ray node label: its accelerator_type
 
 
 @dataclass(frozen=True)
@@ -81,13 +82,33 @@ class StagePlacement:
 
     deployment: str  # TextEncoder | Denoiser | VaeDecoder (deployments/replica/stages.py)
     args_key: str  # encoder | denoiser | decoder (deployments.app.AppArgs)
-    accelerator_type: str
+    # One type: the stage is pinned to it (accelerator_type). Several: the stage spans them; its
+    # replicas ask for a GPU and a label selector over the groups' offload-serve/gpu-type label, so
+    # each replica lands on whichever of those groups has room and plans for the GPU it got.
+    accelerator_type: str | tuple[str, ...]
     num_gpus: float  # fraction of one GPU; stages sharing a GPU lease its memory from the node ledger
-    offload_mode: str  # deployments.wire.spec.OffloadMode value
+    # deployments.wire.spec.OffloadMode value; None: each replica takes its fleet profile's mode for
+    # the GPU it landed on (a spanning stage: SPEED on an H100, BALANCED on an L4).
+    offload_mode: str | None
     min_replicas: int
     max_replicas: int
     target_ongoing_requests: float
     tp_size: int = 1  # ranks per replica: one whole GPU each, all in one pod (deployments/replica/tensor_parallel/group.py)
+
+    @property
+    def gpu_types(self) -> tuple[str, ...]:
+        """The GPU types a replica may land on (one for a pinned stage)."""
+        return (self.accelerator_type,) if isinstance(self.accelerator_type, str) else self.accelerator_type
+
+    @property
+    def spans(self) -> bool:
+        return len(self.gpu_types) > 1
+
+    def placement_options(self) -> dict:
+        """The ray_actor_options that place it: a pinned type, or a GPU on any group of its types."""
+        if not self.spans:
+            return {"accelerator_type": self.accelerator_type}
+        return {"label_selector": {GPU_TYPE_LABEL: f"in({','.join(self.gpu_types)})"}}
 
 
 @dataclass(frozen=True)
@@ -102,6 +123,16 @@ class ServiceVariant:
     stages: tuple[StagePlacement, ...]
     about: str
     extra_groups: tuple[GpuGroup, ...] = ()  # beyond the fleet: multi-GPU pods for tensor-parallel stages
+    # (accelerator_type, minReplicas, maxReplicas) of the groups this variant sizes itself; every
+    # other group keeps the fleet's: from zero up to its max_replicas.
+    group_replicas: tuple[tuple[str, int, int], ...] = ()
+
+    def replicas_of(self, group: GpuGroup) -> tuple[int, int]:
+        """minReplicas and maxReplicas of ``group`` in this variant."""
+        for accelerator_type, low, high in self.group_replicas:
+            if accelerator_type == group.accelerator_type and group.gpus == 1:
+                return low, high
+        return 0, group.max_replicas
 
 
 VARIANTS: tuple[ServiceVariant, ...] = (
@@ -137,6 +168,23 @@ VARIANTS: tuple[ServiceVariant, ...] = (
             StagePlacement("VaeDecoder", "decoder", "A10G", 0.5, "auto", 1, 4, 2),
         ),
         "FLUX.1-dev: encoders and decoder share A10Gs, the denoiser runs on an L40S.",
+    ),
+    ServiceVariant(
+        "rayservice-mixed.yaml", "offload-serve-wan14b-mixed", "wan2.1-t2v-14b", "/models/Wan2.1-T2V-14B-Diffusers",
+        "bfloat16",
+        (
+            StagePlacement("TextEncoder", "encoder", "L4", 0.5, "auto", 1, 4, 4),
+            # One Denoiser over both groups: an H100 replica holds the 28.6 GB DiT resident (its
+            # profile's SPEED), an L4 replica streams it (BALANCED, a third resident); the router and
+            # the autoscaling policy weigh each replica's queue by its measured seconds per step.
+            StagePlacement("Denoiser", "denoiser", ("L4", "H100"), 1.0, None, 1, 6, 1),
+            StagePlacement("VaeDecoder", "decoder", "L4", 0.5, "auto", 1, 4, 2),
+        ),
+        "Wan2.1-T2V-14B on a mixed fleet: one Denoiser deployment over L4 and H100 groups; encoder and "
+        "decoder share L4s.",
+        # The encoder and decoder keep one L4 up anyway (min_replicas 1 each, half an L4 apiece); H100s
+        # only while the Denoiser's load asks for them.
+        group_replicas=(("L4", 1, 6), ("H100", 0, 2)),
     ),
 )
 
@@ -174,8 +222,9 @@ SHARED_LAYER_GIB = {
 
 def shared_store_gi(variant: ServiceVariant, group: GpuGroup) -> int:
     """/dev/shm the node weight stores of the stages placed on ``group`` need (speed mode streams nothing)."""
+    # A stage in its fleet profile's mode (None) may stream: counted (a sizeLimit caps, reserves nothing).
     gib = sum(SHARED_LAYER_GIB[(variant.real_model, s.deployment)] for s in variant.stages
-              if s.accelerator_type == group.accelerator_type and s.offload_mode != "speed")
+              if group.accelerator_type in s.gpu_types and s.offload_mode != "speed")
     return math.ceil(gib)
 
 
@@ -244,11 +293,12 @@ def head_group() -> dict:
 
 
 def worker_group(group: GpuGroup, variant: ServiceVariant) -> dict:
+    low, high = variant.replicas_of(group)
     return {
         "groupName": group.name,
-        "replicas": 0,
-        "minReplicas": 0,  # scale from zero: the autoscaler reads num-gpus and resources below
-        "maxReplicas": group.max_replicas,
+        "replicas": low,
+        "minReplicas": low,  # 0: scale from zero; the autoscaler reads num-gpus and resources below
+        "maxReplicas": high,
         "rayStartParams": {
             "num-cpus": str(group.cpus),
             "num-gpus": str(group.gpus),
@@ -258,11 +308,11 @@ def worker_group(group: GpuGroup, variant: ServiceVariant) -> dict:
         },
         # Ray node labels (for label_selector and the v2 autoscaler). KubeRay rejects `labels` in
         # rayStartParams ("use the top-level Labels field"), and the autoscaler ignores it there.
-        "labels": {"offload-serve/gpu-type": group.accelerator_type,
+        "labels": {GPU_TYPE_LABEL: group.accelerator_type,
                    "offload-serve/gpu-memory-gb": str(group.gpu_memory_gb)},
         "template": {
             "metadata": {"labels": {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/component": "worker",
-                                    "offload-serve/gpu-type": group.accelerator_type}},
+                                    GPU_TYPE_LABEL: group.accelerator_type}},
             "spec": {
                 "nodeSelector": {"nvidia.com/gpu.product": group.gpu_product},
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
@@ -318,7 +368,7 @@ def serve_config(variant: ServiceVariant) -> dict:
             # A tensor-parallel stage asks for no GPU itself: build_app gives its replica one bundle
             # with a whole GPU per rank (strict pack, so one pod of the multi-GPU group).
             "ray_actor_options": {"num_cpus": 1, **({"num_gpus": s.num_gpus} if s.tp_size == 1 else {}),
-                                  "accelerator_type": s.accelerator_type},
+                                  **s.placement_options()},
         })
     return {
         # A proxy on every node with a replica: KubeRay's serve Service selects every worker pod whose

@@ -170,7 +170,11 @@ def test_cluster_has_a_gpu_less_head_and_one_zero_scaled_worker_group_per_gpu_ty
         start, spec = group["rayStartParams"], group["template"]["spec"]
         (container,) = spec["containers"]
         limits, requests = container["resources"]["limits"], container["resources"]["requests"]
-        assert group["minReplicas"] == 0 and group["maxReplicas"] >= 1, f"{name} must scale from zero"
+        assert group["maxReplicas"] >= 1 and group["replicas"] == group["minReplicas"] >= 0
+        # A group kept up (minReplicas > 0) hosts a pinned stage that keeps a replica anyway; every
+        # other group scales from zero, or its GPUs idle at no one's request.
+        if group["minReplicas"] > 0:
+            assert _accelerator(group) in _kept_up_types(manifest), f"{name} must scale from zero"
         assert limits == requests, f"{name}: requests == limits, or the ledger budgets a cgroup that can shrink"
         assert limits["nvidia.com/gpu"] == start["num-gpus"] == "1"
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
@@ -181,6 +185,24 @@ def test_cluster_has_a_gpu_less_head_and_one_zero_scaled_worker_group_per_gpu_ty
         (shm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
         assert _gi(shm["emptyDir"]["sizeLimit"]) >= store, f"{name}: /dev/shm must hold the object store"
         assert group["labels"]["offload-serve/gpu-type"] == _accelerator(group)
+
+
+def _kept_up_types(manifest: dict) -> set[str]:
+    """GPU types a stage pinned to one type keeps at least one replica on (min_replicas >= 1)."""
+    (app,) = _serve(manifest)["applications"]
+    return {d["ray_actor_options"]["accelerator_type"] for d in app["deployments"]
+            if d["name"] in STAGES and "accelerator_type" in d["ray_actor_options"]
+            and d["autoscaling_config"]["min_replicas"] >= 1}
+
+
+def spanned_types(options: dict) -> tuple[str, ...]:
+    """The GPU types a stage's ray_actor_options let its replicas land on: its accelerator_type, or
+    the ``in(...)`` of its label selector over the groups' offload-serve/gpu-type label."""
+    if "accelerator_type" in options:
+        return (options["accelerator_type"],)
+    selector = options["label_selector"]["offload-serve/gpu-type"]
+    assert selector.startswith("in(") and selector.endswith(")"), selector
+    return tuple(selector[3:-1].split(","))
 
 
 def _gi(quantity: str) -> int:
@@ -209,8 +231,9 @@ def _stage_placements(manifest: dict) -> list[tuple[str, dict, dict]]:
         if d["name"] in STAGES:
             options = d["ray_actor_options"]
             assert options["num_gpus"] > 0, f"{d['name']} without a GPU would land on the head"
-            assert options["accelerator_type"] in by_type, f"{d['name']}: no worker group offers it"
-            placed.append((d["name"], d, by_type[options["accelerator_type"]]))
+            for gpu_type in spanned_types(options):  # a stage over several types: once per group
+                assert gpu_type in by_type, f"{d['name']}: no worker group offers {gpu_type}"
+                placed.append((d["name"], d, by_type[gpu_type]))
     assert {name for name, _, _ in placed} == STAGES
     return placed
 
