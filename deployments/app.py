@@ -7,6 +7,7 @@ override the defaults set below; the offload mode per stage, the model and the l
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pathlib
@@ -20,12 +21,13 @@ from deployments.capacity.request_limits import Limits
 from deployments.ingress.deployment import Ingress, IngressConfig
 from deployments.jobs.queue import JobsArgs
 from deployments.models.families import FamilyTraits, read_family_traits, uses_per_request
+from deployments.models.lora_rows import ServedLora
 from deployments.models.tensor_parallel import check_tp
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.stages import Denoiser, TextEncoder, VaeDecoder
 from deployments.replica.warmup import WarmupShape
 from deployments.replica.worker import DTYPES, StageConfig
-from deployments.wire.spec import PipelineStage
+from deployments.wire.spec import Family, PipelineStage
 from offload_core.host.budget_cap import HostBudgetSpec, parse_host_budget
 from offload_core.planner.search import PerformanceMode
 from offload_core.quant import WeightFormat
@@ -98,6 +100,24 @@ class BatchingArgs(BaseModel):
         return BatchingConfig(self.max_batch, self.max_wait_s, self.gather_s)
 
 
+class LoraArgs(BaseModel):
+    """One LoRA adapter a request may name (``lora`` in the body); the Denoiser loads it at start."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # What requests name it by (``"lora": "<name>"``); GET /v1/models lists it.
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    # A local diffusers/PEFT LoRA .safetensors file, or a folder holding one (only safetensors load).
+    path: str
+    # The adapter's strength for requests that set no lora_scale.
+    scale: float = Field(1.0, ge=-4.0, le=4.0)
+    # The model families it was trained for (wan, flux, ...): build_app refuses it for another family.
+    families: tuple[Family, ...] = Field(min_length=1)
+
+    def served(self) -> ServedLora:
+        return ServedLora(self.name, str(pathlib.Path(self.path).expanduser().resolve()), self.scale)
+
+
 class AppArgs(BaseModel):
     """Everything ``build_app`` needs; ``serve run`` passes the config file's ``args`` here."""
 
@@ -157,6 +177,22 @@ class AppArgs(BaseModel):
     # when the configured maximum replicas x num_gpus can never be placed on their GPUs. null: detected
     # (Ray's autoscaler v2 in the GCS), else false.
     cluster_autoscaler: bool | None = None
+    # LoRA adapters requests may choose by name (docs/models.md, "LoRA adapters"); applied unmerged per
+    # request in the Denoiser, so requests with different adapters (or none) share a step batch.
+    lora_adapters: tuple[LoraArgs, ...] = ()
+    # Device memory the Denoiser's adapters may hold (A and B matrices of every adapter loaded; least
+    # recently used ones are evicted beyond it and loaded again when named): a size ("1GiB", "256MB").
+    lora_device_budget: str | int = "1GiB"
+
+    @field_validator("lora_device_budget")
+    @classmethod
+    def _parse_lora_budget(cls, value):
+        if parse_host_budget(value).nbytes is None:
+            raise ValueError("lora_device_budget is a size (\"1GiB\"), not a fraction")
+        return value
+
+    def lora_budget_bytes(self) -> int:
+        return int(parse_host_budget(self.lora_device_budget).nbytes)
 
 
 def _mode(stage: StageArgs) -> str:
@@ -171,12 +207,34 @@ def resolve_model_folder(args: AppArgs) -> pathlib.Path:
     return tiny.ensure_tiny_wan() if args.tiny_family == "wan" else tiny.ensure_tiny_flux()
 
 
+def served_loras(args: AppArgs, facts: FamilyTraits) -> tuple[ServedLora, ...]:
+    """The configured adapters, checked before any replica starts: unique names, the served family among
+    each one's, a safetensors file or folder that exists (the Denoiser checks their modules and ranks)."""
+    names = [lora.name for lora in args.lora_adapters]
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora_adapters: names must be unique, got {names}")
+    if args.lora_adapters and (facts.experts != ("transformer",) or args.denoiser.tp_size > 1):
+        raise ValueError(f"lora_adapters: adapters apply to one unsharded transformer; this deployment has "
+                         f"{facts.experts} at denoiser.tp_size {args.denoiser.tp_size}")
+    for lora in args.lora_adapters:
+        if facts.family not in lora.families:
+            raise ValueError(f"lora_adapters: {lora.name!r} fits {[f.value for f in lora.families]}, not the served "
+                             f"{facts.family.value} model")
+        path = pathlib.Path(lora.served().path)
+        found = (path.is_file() and path.suffix == ".safetensors") or (path.is_dir() and any(path.glob("*.safetensors")))
+        if not found:
+            raise ValueError(f"lora_adapters: {lora.name!r}: {path} is neither a .safetensors file nor a folder "
+                             "holding one")
+    return tuple(lora.served() for lora in args.lora_adapters)
+
+
 def stage_configs(args: AppArgs, facts: FamilyTraits) -> dict[str, StageConfig]:
     """What each stage replica is built with, by stage."""
     options = {PipelineStage.ENCODE: args.encoder, PipelineStage.DENOISE: args.denoiser,
                PipelineStage.DECODE: args.decoder}
     configs = {}
     shape = WarmupShape.default_for(args.limits, facts)  # a default size the API would refuse fails the build
+    loras = served_loras(args, facts)
     for stage, stage_args in options.items():
         if stage is not PipelineStage.DENOISE and stage_args.cache_threshold:
             raise ValueError(f"{stage.value}: cache_threshold is the denoiser's step cache; the {stage.value} "
@@ -191,6 +249,9 @@ def stage_configs(args: AppArgs, facts: FamilyTraits) -> dict[str, StageConfig]:
                                      share_host_weights=stage_args.share_host_weights, warmup_shape=shape,
                                      weights=stage_args.weights, cache_threshold=stage_args.cache_threshold,
                                      tp_size=stage_args.tp_size, host_tables=stage_args.tables())
+        if stage is PipelineStage.DENOISE and loras:
+            configs[stage] = dataclasses.replace(configs[stage], loras=loras,
+                                                 lora_device_budget=args.lora_budget_bytes())
     return configs
 
 
@@ -265,6 +326,6 @@ def build_app_with(args: AppArgs | dict, options: Mapping[str, Mapping]) -> Appl
     denoiser = Denoiser.options(**chosen["Denoiser"]).bind(configs[PipelineStage.DENOISE])
     decoder = VaeDecoder.options(**chosen["VaeDecoder"]).bind(configs[PipelineStage.DECODE])
     config = IngressConfig(args.app_name, model_id, facts, args.limits, token, args.retry_after_s,
-                           tuple(args.cors_allow_origins), jobs=args.video_jobs)
+                           tuple(args.cors_allow_origins), jobs=args.video_jobs, loras=served_loras(args, facts))
     unplaced.warn_if_unplaceable(args.app_name, chosen, autoscaler=args.cluster_autoscaler)
     return Ingress.options(**chosen["Ingress"]).bind(encoder, denoiser, decoder, config)

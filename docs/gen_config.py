@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 from pydantic import BaseModel  # noqa: E402
 
 from cluster.fleet import FleetProfile  # noqa: E402
-from deployments.app import AppArgs, BatchingArgs, StageArgs  # noqa: E402
+from deployments.app import AppArgs, BatchingArgs, LoraArgs, StageArgs  # noqa: E402
 from deployments.capacity.request_limits import Limits  # noqa: E402
 from deployments.jobs.queue import JobsArgs  # noqa: E402
 
@@ -40,6 +40,8 @@ SECTIONS: tuple[tuple[str, type, str], ...] = (
     ("args.encoder / args.denoiser / args.decoder", StageArgs,
      "Each stage's options; the same keys for all three (`cache_threshold` is the Denoiser's only)."),
     ("args.batching", BatchingArgs, "The Denoiser's step-level batching."),
+    ("args.lora_adapters[]", LoraArgs, "One LoRA adapter requests may name (`lora`, `lora_scale` in the body; "
+     "docs/models.md, LoRA adapters)."),
     ("args.limits", Limits, "What one request may ask for. `GET /v1/models` states the limits in force."),
     ("args.video_jobs", JobsArgs, "The Videos API's jobs (`POST /v1/videos`)."),
     ("profiles[] in configs/fleet/fleet.yaml", FleetProfile,
@@ -127,7 +129,8 @@ def rows(cls: type) -> list[tuple[str, str, str, str]]:
     """(key, type, default, meaning) per field of a pydantic model or a dataclass; Undocumented if one has no comment."""
     comments = field_comments(cls)
     if issubclass(cls, BaseModel):
-        fields = [(name, f.annotation, _bounds(f.metadata), f.default) for name, f in cls.model_fields.items()]
+        fields = [(name, f.annotation, _bounds(f.metadata), "(required)" if f.is_required() else f.default)
+                  for name, f in cls.model_fields.items()]
     else:
         hints = typing.get_type_hints(cls)
         fields = [(f.name, hints[f.name], "", "(required)" if f.default is dataclasses.MISSING else f.default)

@@ -12,6 +12,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from deployments.capacity.admission import ModelLimits, StageAdmission, model_limits
 from deployments.capacity.request_limits import Limits
 from deployments.models.families import FamilyTraits
+from deployments.models.lora_rows import ServedLora
+
+
+class LoraCard(BaseModel):
+    """One configured LoRA adapter: its name and default scale (never its path)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    scale: float
 
 
 class ModelCard(BaseModel):
@@ -32,6 +42,8 @@ class ModelCard(BaseModel):
                           "for this model get 503 with Retry-After until it does (not_serving says why).")
     not_serving: str | None = Field(None, description="Which stage is down and Serve's reason, while serving "
                                     "is false.")
+    loras: list[LoraCard] = Field(default_factory=list, description="The LoRA adapters a request may name in "
+                                  "'lora' (extra_body), with the scale it gets without 'lora_scale'.")
 
 
 class ModelList(BaseModel):
@@ -42,8 +54,8 @@ class ModelList(BaseModel):
 
 
 def model_card(model_id: str, facts: FamilyTraits, limits: Limits,
-               admissions: Sequence[StageAdmission]) -> ModelCard:
+               admissions: Sequence[StageAdmission], loras: Sequence[ServedLora] = ()) -> ModelCard:
     return ModelCard(id=model_id, family=facts.family.value,
                      modalities=list(facts.modalities),
                      size_multiple=facts.size_multiple, limits=model_limits(facts, limits, admissions),
-                     configured_limits=limits)
+                     configured_limits=limits, loras=[LoraCard(name=lora.name, scale=lora.scale) for lora in loras])

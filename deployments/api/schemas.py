@@ -6,15 +6,17 @@ check what depends on the configured model and limits. Either way a bad field be
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import uuid
-from typing import Annotated
+from typing import Annotated, Sequence
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from deployments.api.reference_images import ReferenceImageError, check_reference_image, from_data_url
 from deployments.capacity.request_limits import FieldError, Limits, parse_size
 from deployments.models.families import FamilyTraits, ReferenceImage
+from deployments.models.lora_rows import MAX_LORA_SCALE, ServedLora
 from deployments.wire.spec import GenerationSpec
 
 # OpenAI does not bound ``user``; it is logged, so it is bounded here.
@@ -49,6 +51,11 @@ class _Generation(BaseModel):
     # this fraction since the request's last full step skips the remaining blocks. 0: off; null:
     # the deployment's default (denoiser.cache_threshold). Lossy when > 0; 0.05-0.15 is the usual range.
     cache_threshold: float | None = Field(None, ge=0.0, le=1.0)
+    # A LoRA adapter by its configured name (GET /v1/models lists them; never a path), applied to this
+    # request only: requests with other adapters or none share its step batch. null: the base model.
+    lora: Text | None = Field(None, max_length=128)
+    # The adapter's strength; null: its configured scale. Needs ``lora``.
+    lora_scale: float | None = Field(None, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
     # Server-Sent Events: "progress" events (denoising step k of n), then one "result" event.
     stream: bool = False
     user: Text | None = Field(None, max_length=MAX_USER_CHARS)  # OpenAI's end-user id; accepted and ignored
@@ -87,6 +94,22 @@ def _check_prompt(req: _Generation, facts: FamilyTraits, limits: Limits) -> None
                                                 f"of {limits.max_prompt_chars}")
 
 
+def with_lora(spec: GenerationSpec, req: _Generation, loras: Sequence[ServedLora]) -> GenerationSpec:
+    """``spec`` with the request's adapter and its scale resolved, or :class:`FieldError` naming
+    ``lora`` (an unknown name) or ``lora_scale`` (a scale without an adapter)."""
+    if req.lora is None:
+        if req.lora_scale is not None:
+            raise FieldError("lora_scale", "applies to an adapter: name one in 'lora' (GET /v1/models lists them)")
+        return spec
+    served = {lora.name: lora for lora in loras}
+    if req.lora not in served:
+        known = ", ".join(sorted(served)) or "none are configured"
+        raise FieldError("lora", f"unknown LoRA adapter {req.lora!r}; this server serves: {known} (GET /v1/models)",
+                         status=404, code="lora_not_found")
+    scale = served[req.lora].scale if req.lora_scale is None else req.lora_scale
+    return dataclasses.replace(spec, lora=req.lora, lora_scale=scale)
+
+
 def _steps(req: _Generation, limits: Limits) -> int:
     steps = req.num_inference_steps or limits.default_steps
     if steps > limits.max_steps:
@@ -115,8 +138,9 @@ def _spec(req: _Generation, facts: FamilyTraits, limits: Limits, n: int, frames:
 
 
 def image_spec(req: ImageRequest, facts: FamilyTraits, limits: Limits, model_id: str,
-               reference: bytes | None = None) -> GenerationSpec:
-    """``reference``: the checked reference image's bytes (``deployments.api.reference_images``), if any."""
+               reference: bytes | None = None, loras: Sequence[ServedLora] = ()) -> GenerationSpec:
+    """``reference``: the checked reference image's bytes (``deployments.api.reference_images``), if any;
+    ``loras``: the adapters a request may name."""
     check_model(req.model, model_id)
     if "image" not in facts.modalities:
         raise FieldError("model", f"the {facts.family.value} model family makes {', '.join(facts.modalities)} only; "
@@ -133,7 +157,7 @@ def image_spec(req: ImageRequest, facts: FamilyTraits, limits: Limits, model_id:
     if facts.max_n is not None and req.n > facts.max_n:
         raise FieldError("n", f"{req.n} exceeds what the {facts.family.value} model family makes per request "
                               f"({facts.max_n})")
-    return _spec(req, facts, limits, req.n, 1, reference)
+    return with_lora(_spec(req, facts, limits, req.n, 1, reference), req, loras)
 
 
 def reference_bytes(value: object) -> bytes | None:
@@ -150,7 +174,7 @@ def reference_bytes(value: object) -> bytes | None:
 
 
 def video_spec(req: VideoRequest, facts: FamilyTraits, limits: Limits, model_id: str,
-               reference: bytes | None = None) -> GenerationSpec:
+               reference: bytes | None = None, loras: Sequence[ServedLora] = ()) -> GenerationSpec:
     """``reference``: the checked reference image's bytes (``deployments.api.reference_images``), if
     any; else the request's own ``input_reference`` data URL, checked here."""
     check_model(req.model, model_id)
@@ -167,4 +191,4 @@ def video_spec(req: VideoRequest, facts: FamilyTraits, limits: Limits, model_id:
     if (frames - 1) % facts.temporal_factor:
         raise FieldError("num_frames", f"must be 1 + a multiple of {facts.temporal_factor} for this model "
                                        f"(its VAE's temporal factor), got {frames}")
-    return _spec(req, facts, limits, 1, frames, reference)
+    return with_lora(_spec(req, facts, limits, 1, frames, reference), req, loras)

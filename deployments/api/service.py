@@ -31,6 +31,7 @@ from deployments.capacity.admission import StageAdmission
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.jobs.queue import JobsArgs
 from deployments.models.families import FamilyTraits
+from deployments.models.lora_rows import ServedLora
 from deployments.wire import media
 from deployments.wire.failures import FailureKind
 from deployments.wire.spec import DenoiseProgress, GenerationSpec, StageOutput
@@ -48,6 +49,7 @@ class IngressConfig:
     retry_after_s: int
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers (see deployments.api.guard)
     jobs: JobsArgs = JobsArgs()  # the Videos API's jobs (deployments.api.video_jobs)
+    loras: tuple[ServedLora, ...] = ()  # the LoRA adapters a request may name (args.lora_adapters)
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ class Service:
         try:
             body = parse_object(await request.body())
             parsed = model.model_validate(body)
-            spec = to_spec(parsed, self.config.facts, self.config.limits, self.config.model_id)
+            spec = to_spec(parsed, self.config.facts, self.config.limits, self.config.model_id,
+                           loras=self.config.loras)
         except BodyError as exc:
             return errors.error_json(exc.status, exc.message, "body", exc.code, "invalid_request_error")
         except ValidationError as exc:
@@ -202,7 +205,8 @@ class Service:
         """The served model with the largest request it accepts, from the replicas' reports (capacity.admission);
         the configured limits (``source: configured``) until every stage has reported."""
         admissions = await self.admissions()
-        return ModelList(data=[model_card(self.config.model_id, self.config.facts, self.config.limits, admissions)])
+        return ModelList(data=[model_card(self.config.model_id, self.config.facts, self.config.limits, admissions,
+                                          self.config.loras)])
 
     def video_renderer(self, spec: GenerationSpec, parsed: VideoRequest) -> Callable[[Generated], Response | dict]:
         fps = parsed.fps or self.config.limits.default_fps

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from deployments.models.families import FamilyTraits
+from deployments.models.lora_rows import ServedLora
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.warmup import WarmupShape
 from deployments.wire.spec import PipelineStage
@@ -50,3 +51,7 @@ class StageConfig:
     tp_size: int = 1
     # Which token tables the stage's replicas consider hosting (offload_core.tables); a sharded one never is.
     host_tables: HostTablesConfig = HostTablesConfig()
+    # The Denoiser's LoRA adapters (AppArgs.lora_adapters), loaded and checked at start, and the device
+    # bytes their A/B matrices may hold (least recently used ones evicted beyond it).
+    loras: tuple[ServedLora, ...] = ()
+    lora_device_budget: int = 0

@@ -64,6 +64,10 @@ class GenerationSpec:
     # The step cache's threshold for this request (deployments/models/step_cache.py): 0 is off;
     # None: the Denoiser's configured default.
     cache_threshold: float | None = None
+    # The LoRA adapter this request applies in the Denoiser, by its configured name (never a path),
+    # and its scale (the ingress resolves the adapter's configured scale); None: the base model.
+    lora: str | None = None
+    lora_scale: float = 1.0
 
 
 @dataclass(frozen=True)
