@@ -14,6 +14,20 @@ from offload_core.planner.picture import PlanPicture
 
 
 @dataclass(frozen=True)
+class AdapterResidency:
+    """One configured LoRA adapter of a Denoiser replica: its A/B bytes and where they live now
+    (the replica's device while loaded, "host" once evicted under the adapters' device budget)."""
+
+    name: str
+    nbytes: int
+    place: str  # "cuda:0", "cpu" (the device of a CPU replica) or "host"
+    rank: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "bytes": self.nbytes, "place": self.place, "rank": self.rank}
+
+
+@dataclass(frozen=True)
 class ReplicaResidency:
     """One replica's report: its stage, device, offload mode and per-component placements."""
 
@@ -37,6 +51,8 @@ class ReplicaResidency:
     # The plan drawn as data (GET /v1/residency/picture renders it): strips, predicted and measured
     # passes; made once after the warm-up. Not in to_json: the picture is its own route.
     picture: PlanPicture | None = field(default=None, compare=False)
+    # The Denoiser's LoRA adapters (none elsewhere): their bytes and where each lives.
+    loras: tuple[AdapterResidency, ...] = ()
 
     def to_json(self) -> dict:
         return {"replica": self.replica, "stage": self.stage, "device": self.device, "mode": self.mode,
@@ -46,7 +62,8 @@ class ReplicaResidency:
                 "last_bytes_streamed": self.last_bytes_streamed, "weights": self.weights,
                 "host_memory": self.host_memory, "leases": self.leases,
                 "activation_room_bytes": None if self.admission is None else self.admission.room_bytes,
-                **({"batch": self.batch.to_json()} if self.batch is not None else {})}
+                **({"batch": self.batch.to_json()} if self.batch is not None else {}),
+                **({"loras": [lora.to_json() for lora in self.loras]} if self.loras else {})}
 
 
 # A replica sends its report again after this long without a change (one report: 2.5-6.6 ms of CPU

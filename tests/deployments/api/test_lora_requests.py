@@ -8,6 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from deployments.api.routes import build_api
+from deployments.capacity.replica_report import AdapterResidency, ReplicaResidency
 from deployments.models.lora_rows import ServedLora
 from deployments.wire.spec import GenerationSpec
 from tests.deployments.fakes import TOKEN, FakeBoard, FakeStages, fake_config
@@ -85,3 +86,14 @@ def test_no_adapter_is_known_when_none_is_configured():
 def test_a_bad_adapter_field_is_a_400_naming_it(body, param):
     client, _ = _client()
     assert _error(client.post(IMAGES, json={"prompt": "a fox", **body}), 400)["param"] == param
+
+
+def test_residency_lists_each_replicas_adapters_with_their_bytes_and_place():
+    loras = (AdapterResidency("ink", 1 << 20, "cuda:0", 16), AdapterResidency("neon", 2 << 20, "host", 32))
+    board = FakeBoard((ReplicaResidency("den-1", "denoise", "cuda:0", "memory", (), 0, 0, 0, {}, loras=loras),
+                       ReplicaResidency("enc-1", "encode", "cuda:0", "memory", (), 0, 0, 0, {})))
+    client = TestClient(build_api(fake_config(), FakeStages(), board), headers=AUTH)
+    denoiser, encoder = client.get("/v1/residency").json()["replicas"]
+    assert denoiser["loras"] == [{"name": "ink", "bytes": 1 << 20, "place": "cuda:0", "rank": 16},
+                                 {"name": "neon", "bytes": 2 << 20, "place": "host", "rank": 32}]
+    assert "loras" not in encoder
