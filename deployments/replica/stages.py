@@ -19,6 +19,7 @@ from deployments.models import families
 from deployments.models.cancel import CancelFlag, RequestCancelled
 from deployments.models.steppers import StepRequest, stepper_for
 from deployments.replica.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
+from deployments.replica.load_tracker import tracker_for
 from deployments.replica.metrics import BatchMetrics
 from deployments.replica.rank_spec import RankIdentity
 from deployments.replica.stage_thread import StageThread
@@ -113,6 +114,7 @@ class Denoiser:
         batch = StepBatch(self.stepper, config.batching or BatchingConfig(), fits=self._fits,
                           bytes_streamed=self.worker.residency.bytes_streamed_so_far, on_forward=self._on_forward)
         self._leased_activation_bytes = 0  # what the running busy period leased for activations
+        self.load = tracker_for(batch, self.worker)  # its routing stats (deployments/routing)
         self.batcher = StepBatcher(batch, around_busy=self._busy_period)
         self.in_flight: dict[str, CancelFlag] = {}  # request id -> its flag, while its call runs
         self.last_spec: GenerationSpec | None = None
@@ -201,11 +203,17 @@ class Denoiser:
         return True
 
     def _on_forward(self, figures: ForwardFigures) -> None:
+        self.load.on_forward(figures)
         self.batch_metrics.record_forward(figures)
         self.worker.set_batch(figures.requests, self.batcher.batch.mean_batch)
 
     def residency(self) -> ReplicaResidency:
         return self.worker.report()
+
+    def record_routing_stats(self) -> dict[str, float]:
+        """Serve's controller polls this every request_routing_stats_period_s for the request router:
+        GPU type, plan, queue, measured seconds per step (deployments.capacity.replica_load)."""
+        return self.load.snapshot().to_stats()
 
     def ranks(self) -> list[RankIdentity]:
         """Where each rank runs (pid, node, GPU); empty at tp_size 1."""

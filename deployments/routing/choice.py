@@ -1,0 +1,90 @@
+"""The router's decision, without Serve: which replicas a request may go to, in which order, and why.
+
+Pure (runs in the process holding the Denoiser's handle, called by
+:class:`deployments.routing.router.PredictedFinishRouter`; unit-tested with plain data). The rules, in
+order:
+
+1. A replica whose stats are older than ``stale_after_s`` (two stats periods: the controller could not
+   get an answer twice, the replica is hung or gone) gets no more work.
+2. A replica without readable stats yet (just started) leaves the whole decision to Serve's default:
+   power of two choices on queue length (two random replicas; Serve probes both, the shorter queue wins).
+3. Otherwise each replica's predicted finish for this request (:func:`predicted_finish_s`: its
+   running batch, its queue and the requests this router sent since its stats, at its measured
+   seconds per step for the shape and batch size) ranks it; the earliest first.
+"""
+from __future__ import annotations
+
+import enum
+import random
+from dataclasses import dataclass, replace
+
+from deployments.capacity.finish_model import Prediction, predicted_finish_s, with_peer_timings
+from deployments.capacity.replica_load import QueuedWork, ReplicaLoad, Shape
+
+
+class Rule(enum.Enum):
+    PREDICTED = "predicted"  # ranked by predicted finish
+    DEFAULT = "default"  # a replica without stats or timings: Serve's power of two choices
+    NONE_FRESH = "none_fresh"  # every replica's stats are stale: nothing is sent until one answers
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One replica as the decision sees it."""
+
+    replica: str
+    load: ReplicaLoad | None  # None: no readable stats yet
+    sent: tuple[QueuedWork, ...] = ()  # what this router sent there after its stats were taken
+
+
+@dataclass(frozen=True)
+class Choice:
+    rule: Rule
+    ranked: tuple[tuple[str, ...], ...]  # ranks of replica ids, most preferred first (Serve's shape)
+    predictions: tuple[tuple[str, Prediction], ...] = ()  # by replica, in rank order (PREDICTED only)
+    stale: tuple[str, ...] = ()  # replicas excluded by rule 1
+    why: str = ""
+
+    def prediction(self, replica: str) -> Prediction | None:
+        return dict(self.predictions).get(replica)
+
+    def describe(self) -> str:
+        ranked = ", ".join(f"{r} {p.finish_s:.3f} s{' (joins its batch)' if p.joins_running else ''}"
+                           for r, p in self.predictions)
+        stale = f"; stale, skipped: {', '.join(self.stale)}" if self.stale else ""
+        return f"{self.rule.value}: {ranked or self.why}{stale}"
+
+
+def choose(candidates: list[Candidate], shape: Shape, steps: int, now_s: float, stale_after_s: float,
+           rng: random.Random | None = None) -> Choice:
+    stale = tuple(c.replica for c in candidates if c.load is not None and c.load.age_s(now_s) > stale_after_s)
+    fresh = [c for c in candidates if c.replica not in stale]
+    if not fresh:
+        return Choice(Rule.NONE_FRESH, (), stale=stale, why="no replica with fresh stats")
+    if any(c.load is None for c in fresh):
+        return _default(fresh, stale, "a replica has no stats yet", rng)
+    peers = [c.load for c in fresh]
+    predictions = []
+    for c in fresh:
+        load = with_peer_timings(replace(c.load, waiting=c.load.waiting + c.sent), peers)
+        prediction = predicted_finish_s(load, shape, steps)
+        if prediction is None:
+            return _default(fresh, stale, f"{c.replica} ({c.load.gpu_type}) has measured no step yet", rng)
+        predictions.append((c.replica, prediction))
+    predictions.sort(key=lambda p: (p[1].finish_s, p[0]))
+    return Choice(Rule.PREDICTED, tuple((r,) for r, _ in predictions), tuple(predictions), stale)
+
+
+def _default(fresh: list[Candidate], stale: tuple[str, ...], why: str, rng: random.Random | None) -> Choice:
+    picked = (rng or random).sample([c.replica for c in fresh], min(2, len(fresh)))
+    return Choice(Rule.DEFAULT, (tuple(picked),), stale=stale, why=why)
+
+
+def spread(candidates: list[Candidate], now_s: float, stale_after_s: float,
+           rng: random.Random | None = None) -> Choice:
+    """A call that is not a denoise (nothing to predict): Serve's default over the fresh replicas."""
+    stale = tuple(c.replica for c in candidates if c.load is not None and c.load.age_s(now_s) > stale_after_s)
+    fresh = [c for c in candidates if c.replica not in stale]
+    if not fresh:
+        return Choice(Rule.NONE_FRESH, (), stale=stale, why="no replica with fresh stats")
+    return _default(fresh, stale, "not a denoise call", rng)

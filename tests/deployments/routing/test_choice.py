@@ -1,0 +1,73 @@
+"""The router's decision rules, one test each (deployments/routing/choice.py), on plain loads."""
+import random
+
+from deployments.capacity.replica_load import PlanSummary, QueuedWork, ReplicaLoad, Shape, StepTiming
+from deployments.routing.choice import Candidate, Rule, choose
+
+IMAGE = Shape(512, 512, 1)
+VIDEO = Shape(512, 512, 9)
+NOW = 1000.0
+STALE_AFTER = 2.0
+
+
+def load(timings: dict, running=(), waiting=(), gpu="L4", at=NOW - 0.1) -> ReplicaLoad:
+    steps = tuple(StepTiming(shape, 1, s, 10) for shape, s in timings.items())
+    return ReplicaLoad(gpu, PlanSummary("balanced", 0, 40, 1.0), 4, tuple(running), tuple(waiting), steps, at)
+
+
+def first(choice) -> str:
+    return choice.ranked[0][0]
+
+
+def test_earliest_predicted_finish_wins_over_a_shorter_queue_on_a_slower_replica():
+    # fast: 2 requests queued (16 steps at 0.1 s: 1.6 s); slow: 1 request (4 steps at 0.5 s: 2 s). The
+    # new image finishes at 2.6 s on fast, 7 s on slow: the longer queue is the shorter wait.
+    fast = load({IMAGE: 0.1, VIDEO: 0.1}, running=[QueuedWork(IMAGE, 8)], waiting=[QueuedWork(VIDEO, 8)], gpu="H100")
+    slow = load({IMAGE: 0.5, VIDEO: 0.5}, running=[QueuedWork(VIDEO, 4)], gpu="L4")
+    made = choose([Candidate("slow", slow), Candidate("fast", fast)], IMAGE, 10, NOW, STALE_AFTER)
+    assert made.rule is Rule.PREDICTED
+    assert first(made) == "fast"
+    assert made.prediction("fast").finish_s < made.prediction("slow").finish_s
+
+
+def test_joining_a_running_batch_costs_less_than_waiting_behind_less_work():
+    # a: an image batch with room, 10 steps left (10 s of work) - the new image joins it: 10 x 1.25 s.
+    # b: a video with 3 steps left (3 s of work) - the image waits for it: 3 + 10 x 1 s = 13 s.
+    a = load({IMAGE: 1.0, VIDEO: 1.0}, running=[QueuedWork(IMAGE, 10)])
+    b = load({IMAGE: 1.0, VIDEO: 1.0}, running=[QueuedWork(VIDEO, 3)])
+    made = choose([Candidate("b", b), Candidate("a", a)], IMAGE, 10, NOW, STALE_AFTER)
+    assert first(made) == "a"
+    assert made.prediction("a").joins_running and not made.prediction("b").joins_running
+
+
+def test_a_replica_without_stats_leaves_the_choice_to_serves_power_of_two():
+    made = choose([Candidate("new", None), Candidate("a", load({IMAGE: 0.1})), Candidate("b", load({IMAGE: 0.2}))],
+                  IMAGE, 4, NOW, STALE_AFTER, random.Random(0))
+    assert made.rule is Rule.DEFAULT
+    assert len(made.ranked) == 1 and len(made.ranked[0]) == 2  # one rank of two: Serve probes both queues
+    assert made.predictions == ()
+
+
+def test_stale_stats_exclude_the_replica_however_fast():
+    hung = load({IMAGE: 0.01}, gpu="H100", at=NOW - STALE_AFTER - 0.01)
+    made = choose([Candidate("hung", hung), Candidate("slow", load({IMAGE: 1.0}))], IMAGE, 4, NOW, STALE_AFTER)
+    assert [r for rank in made.ranked for r in rank] == ["slow"]
+    assert made.stale == ("hung",)
+    only_hung = choose([Candidate("hung", hung)], IMAGE, 4, NOW, STALE_AFTER)
+    assert only_hung.rule is Rule.NONE_FRESH and only_hung.ranked == ()
+
+
+def test_the_cost_of_a_step_is_the_replicas_own_at_the_requests_shape():
+    # a is quick at images and slow at videos (it streams more at a video's activations), b the reverse.
+    a = load({IMAGE: 0.1, VIDEO: 2.0})
+    b = load({IMAGE: 0.3, VIDEO: 0.5})
+    assert first(choose([Candidate("a", a), Candidate("b", b)], IMAGE, 8, NOW, STALE_AFTER)) == "a"
+    assert first(choose([Candidate("a", a), Candidate("b", b)], VIDEO, 8, NOW, STALE_AFTER)) == "b"
+
+
+def test_requests_sent_since_the_stats_count_as_queued():
+    a, b = load({IMAGE: 0.1}), load({IMAGE: 0.15})
+    assert first(choose([Candidate("a", a), Candidate("b", b)], IMAGE, 10, NOW, STALE_AFTER)) == "a"
+    # Five images sent to a since its stats: the batch of 4 and one behind it (~3.1 s) beat b's idle 1.5 s.
+    sent = (QueuedWork(IMAGE, 10),) * 5
+    assert first(choose([Candidate("a", a, sent), Candidate("b", b)], IMAGE, 10, NOW, STALE_AFTER)) == "b"
