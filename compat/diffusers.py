@@ -71,3 +71,10 @@ def execution_device(pipe: Any) -> torch.device:
 def keep_in_fp32_modules(model: Any) -> frozenset[str]:
     """Module names a model class keeps in fp32 whatever dtype it is loaded in (empty when none)."""
     return frozenset(getattr(model, "_keep_in_fp32_modules", None) or ())
+
+
+@relies_on("diffusers", "ModelMixin._repeated_blocks", CHECKED,
+           "diffusers declares a model's repeated block classes (compile_repeated_blocks' targets) only there")
+def repeated_block_names(model_class: type) -> tuple[str, ...]:
+    """The class names of ``model_class``'s repeated blocks, as diffusers declares them (empty: none)."""
+    return tuple(getattr(model_class, "_repeated_blocks", None) or ())

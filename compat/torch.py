@@ -94,3 +94,53 @@ def tree_leaves(tree: Any) -> list[Any]:
 def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
     """``tree`` with every leaf replaced by ``fn(leaf)``, same nesting."""
     return _pytree.tree_map(fn, tree)
+
+
+# -- torch.compile's dynamo and inductor (offload_core.compile) --------------------------------------
+COMPILE_WHY = "torch.compile has no public counter of compiled graphs, dynamic-dim marker or cache-size knob"
+
+
+@relies_on("torch", "torch._dynamo.utils.counters", CHECKED, COMPILE_WHY)
+def compiled_graph_count() -> int:
+    """Graphs dynamo has compiled in this process (first compiles and recompiles alike)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@relies_on("torch", "torch._dynamo.mark_dynamic", CHECKED, COMPILE_WHY)
+def mark_dynamic(tensor: torch.Tensor, dim: int, low: int, high: int) -> None:
+    """Compile ``tensor``'s ``dim`` as a symbol in ``[low, high]`` (not one graph per size)."""
+    import torch._dynamo
+
+    torch._dynamo.mark_dynamic(tensor, dim, min=low, max=high)
+
+
+@relies_on("torch", "torch._dynamo.config.recompile_limit", CHECKED, COMPILE_WHY)
+def raise_recompile_limit(limit: int) -> int:
+    """At least ``limit`` compiled entries per code object before dynamo falls back to eager; returns
+    the limit now in force."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, int(limit))
+    return torch._dynamo.config.recompile_limit
+
+
+@relies_on("torch", "torch._dynamo.exc.Unsupported", CHECKED, COMPILE_WHY)
+def is_unsupported_trace(error: BaseException) -> bool:
+    """True when ``error`` is dynamo refusing to trace something (a full graph is not possible)."""
+    from torch._dynamo.exc import Unsupported
+
+    return isinstance(error, Unsupported)
+
+
+@relies_on("torch", "torch._inductor.config.fx_graph_cache", CHECKED, COMPILE_WHY)
+def use_inductor_cache(directory: str) -> None:
+    """Inductor's on-disk caches (FX graph cache, compiled kernels) under ``directory``: a restarted
+    process finds the graphs it compiled before."""
+    import os
+
+    import torch._inductor.config
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = directory  # read by inductor at each cache lookup
+    torch._inductor.config.fx_graph_cache = True

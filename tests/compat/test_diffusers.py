@@ -72,3 +72,9 @@ def test_keep_in_fp32_modules_is_what_wan_keeps():
     kept = seam.keep_in_fp32_modules(diffusers.WanTransformer3DModel)
     assert {"time_embedder", "scale_shift_table"} <= kept, use("keep_in_fp32_modules").mismatch(f"is {kept}")
     assert seam.keep_in_fp32_modules(nn.Linear(1, 1)) == frozenset()
+
+
+def test_repeated_blocks_are_declared_on_the_model_class():
+    assert seam.repeated_block_names(diffusers.FluxTransformer2DModel) == (
+        "FluxTransformerBlock", "FluxSingleTransformerBlock"), use("repeated_block_names").mismatch("moved")
+    assert seam.repeated_block_names(nn.Linear) == ()

@@ -1,6 +1,7 @@
 """torch's private API as compat/torch.py relies on it: each test fails, naming the seam, when an upgrade moved it."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -86,3 +87,30 @@ def test_pytree_leaves_and_map_keep_the_nesting():
     assert seam.tree_leaves(tree) == [1, 2, 3, 4, 5], use("tree_leaves").mismatch("changed the order")
     assert seam.tree_map(lambda x: x * 10, tree) == ((10, [20, 30]), {"a": 40, "b": (50,)}), \
         use("tree_map").mismatch("changed the nesting")
+
+
+def test_dynamo_counts_graphs_marks_dims_dynamic_and_names_refused_traces(monkeypatch, tmp_path):
+    def double(x):
+        return x * 2
+
+    compiled = torch.compile(double, backend="eager", fullgraph=True)
+    before = seam.compiled_graph_count()
+    a, b = torch.ones(2, 4), torch.ones(2, 6)
+    seam.mark_dynamic(a, 1, 2, 8)
+    seam.mark_dynamic(b, 1, 2, 8)
+    compiled(a), compiled(b)
+    assert seam.compiled_graph_count() - before == 1, use("mark_dynamic").mismatch("no longer makes one graph")
+    assert seam.raise_recompile_limit(1) >= 8 and seam.raise_recompile_limit(99) == 99, \
+        use("raise_recompile_limit").mismatch("changed")
+
+    def refused(x):
+        return x + 1 if torch.is_inference_mode_enabled() else x
+
+    with pytest.raises(Exception) as caught:
+        torch.compile(refused, backend="eager", fullgraph=True)(torch.ones(1))
+    assert seam.is_unsupported_trace(caught.value), use("is_unsupported_trace").mismatch("is not what dynamo raises")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unchanged")
+    seam.use_inductor_cache(str(tmp_path))
+    import os
+
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
