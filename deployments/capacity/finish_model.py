@@ -10,7 +10,9 @@ requests at a shape costs the replica's measured seconds per step there (:func:`
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from deployments.capacity.replica_load import QueuedWork, ReplicaLoad, Shape, StepTiming
 
@@ -65,54 +67,66 @@ def step_seconds(load: ReplicaLoad, shape: Shape, batch: int) -> float | None:
     return step_seconds(replace(load, step_s=(scaled,)), shape, batch)
 
 
-def _replay(load: ReplicaLoad, extra: QueuedWork | None) -> tuple[float, float | None, bool] | None:
-    """Run the batcher's admission over running + waiting (+ ``extra`` last). Returns (seconds until
-    idle, ``extra``'s finish, whether ``extra`` joined the batch running at the start), or None when
-    a step cannot be priced."""
-    running = [[w.shape, w.steps, False] for w in load.running]
-    queue = [[w.shape, w.steps, False] for w in load.waiting]
-    if extra is not None:
-        queue.append([extra.shape, extra.steps, True])
+def _replay(load: ReplicaLoad, later: Sequence[tuple[float, QueuedWork]] = (),
+            track: int | None = None) -> tuple[float, float | None, bool] | None:
+    """Run the batcher's admission from the stats' time over running + waiting, then ``later``: work
+    arriving ``offset`` seconds after the stats were taken (ascending), which can join only at a step
+    boundary after it arrived. Returns (seconds until idle, the finish of ``later[track]``, whether it
+    joined the batch running at the start), or None when a step cannot be priced."""
+    running = [[w.shape, w.steps, None] for w in load.running]
+    queue = [[0.0, w.shape, w.steps, None] for w in load.waiting]
+    queue += [[offset, w.shape, w.steps, i] for i, (offset, w) in enumerate(later)]
     first_batch = bool(running)
-    clock, extra_finish, joined = 0.0, None, False
+    clock, finish, joined = 0.0, None, False
     while running or queue:
-        while queue and len(running) < load.max_batch and (not running or queue[0][0] == running[0][0]):
-            head = queue.pop(0)
-            joined = joined or (head[2] and first_batch)
-            running.append(head)
+        if not running and queue[0][0] > clock:  # idle until the next arrival
+            clock, first_batch = queue[0][0], False
+        while (queue and queue[0][0] <= clock and len(running) < load.max_batch
+               and (not running or queue[0][1] == running[0][0])):
+            _, shape, steps, index = queue.pop(0)
+            joined = joined or (index == track and first_batch)
+            running.append([shape, steps, index])
         cost = step_seconds(load, running[0][0], len(running))
         if cost is None:
             return None
-        # Run to the next boundary anything changes at: a member finishing (room, maybe a new shape).
+        # Run to the next boundary anything changes at: a member finishing (room, maybe a new shape),
+        # or the first one after a compatible request arrives (it joins there).
         advance = min(member[1] for member in running)
+        head = queue[0] if queue else None
+        if head is not None and head[0] > clock and len(running) < load.max_batch and head[1] == running[0][0]:
+            advance = min(advance, max(1, math.ceil((head[0] - clock) / cost)))
         clock += advance * cost
         for member in running:
             member[1] -= advance
         for member in [m for m in running if m[1] <= 0]:
             running.remove(member)
-            if member[2]:
-                extra_finish = clock
+            if member[2] is not None and member[2] == track:
+                finish = clock
         if not running:
             first_batch = False
-    return clock, extra_finish, joined
+    return clock, finish, joined
 
 
-def predicted_finish_s(load: ReplicaLoad, shape: Shape, steps: int) -> Prediction | None:
-    """When a new request of ``shape`` and ``steps`` would finish on this replica (None: unmeasured)."""
-    replayed = _replay(load, QueuedWork(shape, steps))
+def predicted_finish_s(load: ReplicaLoad, shape: Shape, steps: int, elapsed_s: float = 0.0,
+                       sent: Sequence[tuple[float, QueuedWork]] = ()) -> Prediction | None:
+    """When a new request of ``shape`` and ``steps`` would finish on this replica, in seconds from
+    now: ``elapsed_s`` after the stats were taken (the replica ran on meanwhile), after ``sent`` (work
+    sent there since the stats, at its offsets from them). None: the replica has measured nothing."""
+    later = sorted(sent, key=lambda s: s[0]) + [(max(elapsed_s, 0.0), QueuedWork(shape, steps))]
+    replayed = _replay(load, later, track=len(later) - 1)
     if replayed is None:
         return None
     _, finish, joined = replayed
     own = step_seconds(load, shape, 1)
-    return Prediction(float(finish), joined, float(own))
+    return Prediction(float(finish) - max(elapsed_s, 0.0), joined, float(own))
 
 
 def work_seconds(load: ReplicaLoad) -> float | None:
-    """Seconds of work the replica holds (running batch and queue, batched as its batcher would);
-    0 when idle, None when it holds work it has measured nothing for."""
+    """Seconds of work the replica holds (running batch and queue, batched as its batcher would) at
+    the stats' time; 0 when idle, None when it holds work it has measured nothing for."""
     if not load.running and not load.waiting:
         return 0.0
-    replayed = _replay(load, None)
+    replayed = _replay(load)
     return None if replayed is None else replayed[0]
 
 

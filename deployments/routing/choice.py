@@ -9,14 +9,15 @@ order:
 2. A replica without readable stats yet (just started) leaves the whole decision to Serve's default:
    power of two choices on queue length (two random replicas; Serve probes both, the shorter queue wins).
 3. Otherwise each replica's predicted finish for this request (:func:`predicted_finish_s`: its
-   running batch, its queue and the requests this router sent since its stats, at its measured
-   seconds per step for the shape and batch size) ranks it; the earliest first.
+   running batch, its queue and the requests this router sent since its stats, replayed from the
+   stats' time, at its measured seconds per step for the shape and batch size) ranks it; the
+   earliest first.
 """
 from __future__ import annotations
 
 import enum
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from deployments.capacity.finish_model import Prediction, predicted_finish_s, with_peer_timings
 from deployments.capacity.replica_load import QueuedWork, ReplicaLoad, Shape
@@ -34,7 +35,8 @@ class Candidate:
 
     replica: str
     load: ReplicaLoad | None  # None: no readable stats yet
-    sent: tuple[QueuedWork, ...] = ()  # what this router sent there after its stats were taken
+    # What this router sent there after its stats were taken: (seconds after the stats, the work).
+    sent: tuple[tuple[float, QueuedWork], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,8 @@ def choose(candidates: list[Candidate], shape: Shape, steps: int, now_s: float, 
     peers = [c.load for c in fresh]
     predictions = []
     for c in fresh:
-        load = with_peer_timings(replace(c.load, waiting=c.load.waiting + c.sent), peers)
-        prediction = predicted_finish_s(load, shape, steps)
+        load = with_peer_timings(c.load, peers)
+        prediction = predicted_finish_s(load, shape, steps, c.load.age_s(now_s), c.sent)
         if prediction is None:
             return _default(fresh, stale, f"{c.replica} ({c.load.gpu_type}) has measured no step yet", rng)
         predictions.append((c.replica, prediction))

@@ -129,7 +129,8 @@ class PredictedFinishRouter(RequestRouter):
         for replica in candidate_replicas:
             load = self.load_of(replica)
             since = () if load is None else tuple(
-                s.work for s in self._sent[replica.replica_id].values() if s.sent_at_s > load.at_s)
+                (s.sent_at_s - load.at_s, s.work) for s in self._sent[replica.replica_id].values()
+                if s.sent_at_s > load.at_s)
             candidates.append(Candidate(replica.replica_id.unique_id, load, since))
         spec = spec_of(pending)
         work = None if spec is None else QueuedWork(Shape.of(spec), int(spec.steps))

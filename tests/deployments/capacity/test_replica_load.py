@@ -77,3 +77,14 @@ def test_a_new_replica_borrows_step_times_from_a_peer_of_its_type():
     other = load([StepTiming(IMAGE, 1, 0.1, 9)], gpu="H100")
     borrowed = with_peer_timings(load(), [other, peer])
     assert step_seconds(borrowed, IMAGE, 1) == 0.5
+
+
+def test_a_request_arriving_after_the_stats_joins_at_the_next_boundary_and_counts_from_now():
+    busy = load([StepTiming(IMAGE, 1, 1.0, 5)], running=[QueuedWork(IMAGE, 4)])
+    # 0.5 s after the stats: it joins after the first step (1 s), runs 3 steps with it at 1.25 s, then 1
+    # more alone: 1 + 3.75 + 1 = 5.75 s from the stats, 5.25 s from now.
+    prediction = predicted_finish_s(busy, IMAGE, 4, elapsed_s=0.5)
+    assert prediction.joins_running and prediction.finish_s == pytest.approx(5.25)
+    # Sent there 0.2 s after the stats (before this one): it takes the boundary first, this one joins too.
+    sent = [(0.2, QueuedWork(IMAGE, 4))]
+    assert predicted_finish_s(busy, IMAGE, 4, 0.5, sent).finish_s == pytest.approx(1 + 3 * 1.5 + 1.25 - 0.5)

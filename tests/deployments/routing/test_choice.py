@@ -1,6 +1,8 @@
 """The router's decision rules, one test each (deployments/routing/choice.py), on plain loads."""
 import random
 
+import pytest
+
 from deployments.capacity.replica_load import PlanSummary, QueuedWork, ReplicaLoad, Shape, StepTiming
 from deployments.routing.choice import Candidate, Rule, choose
 
@@ -31,13 +33,15 @@ def test_earliest_predicted_finish_wins_over_a_shorter_queue_on_a_slower_replica
 
 
 def test_joining_a_running_batch_costs_less_than_waiting_behind_less_work():
-    # a: an image batch with room, 10 steps left (10 s of work) - the new image joins it: 10 x 1.25 s.
-    # b: a video with 3 steps left (3 s of work) - the image waits for it: 3 + 10 x 1 s = 13 s.
+    # a: an image batch with room, 10 steps left (10 s of work): the new image joins it at the next
+    # boundary (1 s), 9 steps together at 1.25 s, its last alone: 13.25 s (less the 0.1 s since the stats).
+    # b: a video with 4 steps left (4 s of work): the image waits for it, 4 + 10 x 1 s = 14 s (less 0.1 s).
     a = load({IMAGE: 1.0, VIDEO: 1.0}, running=[QueuedWork(IMAGE, 10)])
-    b = load({IMAGE: 1.0, VIDEO: 1.0}, running=[QueuedWork(VIDEO, 3)])
+    b = load({IMAGE: 1.0, VIDEO: 1.0}, running=[QueuedWork(VIDEO, 4)])
     made = choose([Candidate("b", b), Candidate("a", a)], IMAGE, 10, NOW, STALE_AFTER)
     assert first(made) == "a"
     assert made.prediction("a").joins_running and not made.prediction("b").joins_running
+    assert made.prediction("a").finish_s == pytest.approx(13.15)
 
 
 def test_a_replica_without_stats_leaves_the_choice_to_serves_power_of_two():
@@ -69,5 +73,5 @@ def test_requests_sent_since_the_stats_count_as_queued():
     a, b = load({IMAGE: 0.1}), load({IMAGE: 0.15})
     assert first(choose([Candidate("a", a), Candidate("b", b)], IMAGE, 10, NOW, STALE_AFTER)) == "a"
     # Five images sent to a since its stats: the batch of 4 and one behind it (~3.1 s) beat b's idle 1.5 s.
-    sent = (QueuedWork(IMAGE, 10),) * 5
+    sent = ((0.0, QueuedWork(IMAGE, 10)),) * 5
     assert first(choose([Candidate("a", a, sent), Candidate("b", b)], IMAGE, 10, NOW, STALE_AFTER)) == "b"
