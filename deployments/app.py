@@ -16,8 +16,9 @@ from typing import Mapping
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray.serve import Application
 
-from deployments.capacity import unplaced
+from deployments.capacity import unplaced, work_autoscaling
 from deployments.capacity.request_limits import Limits
+from deployments.capacity.work_autoscaling import DEFAULT_TARGET_WORK_S, ScalingSignal
 from deployments.ingress.deployment import Ingress, IngressConfig
 from deployments.jobs.queue import JobsArgs
 from deployments.models.families import FamilyTraits, read_family_traits, uses_per_request
@@ -177,6 +178,14 @@ class AppArgs(BaseModel):
     # when the configured maximum replicas x num_gpus can never be placed on their GPUs. null: detected
     # (Ray's autoscaler v2 in the GCS), else false.
     cluster_autoscaler: bool | None = None
+    # What the Denoiser's autoscaling counts, when its Serve options autoscale: "work" (predicted
+    # work-seconds per replica, each replica's queue at its own measured seconds per step, so a slow
+    # GPU's queue weighs more: deployments/capacity/work_autoscaling.py) or "requests" (Serve's ongoing
+    # requests). A Serve config file's autoscaling_config replaces build_app's whole: name the policy
+    # there (configs/local.yaml and the k8s manifests do); build_app warns when one does not.
+    denoiser_scales_on: ScalingSignal = ScalingSignal.WORK
+    # The work policy's target: predicted seconds of queued work per Denoiser replica.
+    denoiser_target_work_s: float = Field(DEFAULT_TARGET_WORK_S, gt=0)
     # LoRA adapters requests may choose by name (docs/models.md, "LoRA adapters"); applied unmerged per
     # request in the Denoiser, so requests with different adapters (or none) share a step batch.
     lora_adapters: tuple[LoraArgs, ...] = ()
@@ -316,6 +325,12 @@ def build_app_with(args: AppArgs | dict, options: Mapping[str, Mapping]) -> Appl
     chosen = {name: {**defaults, **options.get(name, {})} for name, defaults in chosen.items()}
     for name, stage_args in (("TextEncoder", args.encoder), ("Denoiser", args.denoiser), ("VaeDecoder", args.decoder)):
         chosen[name] = tp_options(name, chosen[name], stage_args)
+    chosen["Denoiser"] = work_autoscaling.with_policy(chosen["Denoiser"], args.denoiser_scales_on,
+                                                      args.denoiser_target_work_s)
+    dropped = work_autoscaling.dropped_policy("Denoiser", unplaced.deployed_overrides(args.app_name).get(
+        "Denoiser", {}), args.denoiser_scales_on)
+    if dropped is not None:
+        logger.warning("%s: %s", args.app_name, dropped)
     logger.info("building %s: %s model %r from %s; offload modes encoder=%s denoiser=%s decoder=%s; "
                 "host budgets encoder=%s denoiser=%s decoder=%s", args.app_name, facts.family.value, model_id,
                 facts.folder, _mode(args.encoder), _mode(args.denoiser), _mode(args.decoder),

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # k8s/pod_probes.py beside this file
 import pod_probes  # noqa: E402  (the pods' startup, liveness and readiness probes)
 
+from deployments.capacity.work_autoscaling import POLICY_PATH  # noqa: E402  (the Denoiser's policy)
 from offload_core.planner.gpus import gpu_model  # noqa: E402  (the one GPU table)
 
 K8S_DIR = Path(__file__).resolve().parent
@@ -37,6 +38,11 @@ APP_NAME = "offload-serve"
 # Requests sharing one Denoiser forward (the app's batching.max_batch): also the Denoiser's
 # max_ongoing_requests, as build_app sets it, so Serve hands a replica exactly what one batch holds.
 DENOISER_MAX_BATCH = 4
+# The Denoiser scales on predicted work-seconds per replica (AppArgs.denoiser_scales_on: work), and a
+# config file's autoscaling_config replaces build_app's, so the policy is named here. 60 s of queued
+# work per replica: one 50-step 81-frame Wan2.1-14B video on an H100 is ~90 s (the app's graceful
+# shutdown figure), so a replica holding more than two thirds of one asks for another.
+DENOISER_TARGET_WORK_S = 60.0
 ACCELERATOR_PREFIX = "accelerator_type:"  # Ray's resource name for accelerator_type placement
 GPU_TYPE_LABEL = "offload-serve/gpu-type"  # each worker group's Ray node label: its accelerator_type
 
@@ -364,6 +370,9 @@ def serve_config(variant: ServiceVariant) -> dict:
                 "target_ongoing_requests": s.target_ongoing_requests,
                 "upscale_delay_s": 10,
                 "downscale_delay_s": 300,  # a GPU node takes minutes to come back: keep it a while
+                **({"policy": {"policy_function": POLICY_PATH,
+                               "policy_kwargs": {"target_work_s": DENOISER_TARGET_WORK_S}}}
+                   if s.deployment == "Denoiser" else {}),
             },
             # A tensor-parallel stage asks for no GPU itself: build_app gives its replica one bundle
             # with a whole GPU per rank (strict pack, so one pod of the multi-GPU group).

@@ -91,6 +91,13 @@ class FleetWork:
     target_ongoing_requests: float  # Serve's rule, for the fallback
 
 
+class ScalingSignal(enum.Enum):
+    """What a stage's autoscaling counts (``AppArgs.denoiser_scales_on``)."""
+
+    WORK = "work"  # predicted work-seconds per replica: WorkPolicy
+    REQUESTS = "requests"  # ongoing requests per replica: Serve's default policy
+
+
 class Basis(enum.Enum):
     WORK = "work"  # every request priced from fresh stats
     NO_STATS = "no fresh stats: ongoing requests"  # Serve's rule for this tick
@@ -179,3 +186,39 @@ class WorkPolicy:
         if ctx.policy_state.get("work_policy.said") != list(said):
             logger.info("%s", decision.describe(ctx.deployment_name, ctx.current_num_replicas, self.target_work_s))
         return decision.replicas, {"work_policy.said": list(said)}
+
+
+def _plain(config: Any) -> dict:
+    """An autoscaling_config as a dict of what was set (a dict, or Serve's pydantic AutoscalingConfig)."""
+    return config.model_dump(exclude_unset=True) if hasattr(config, "model_dump") else dict(config)
+
+
+def with_policy(options: Mapping[str, Any], signal: ScalingSignal, target_work_s: float) -> dict:
+    """A deployment's Serve options with :class:`WorkPolicy` in its ``autoscaling_config`` when it
+    autoscales, scales on work and names no policy of its own; else unchanged."""
+    options = dict(options)
+    config = options.get("autoscaling_config")
+    if signal is not ScalingSignal.WORK or not config:
+        return options
+    config = _plain(config)
+    if config.get("policy"):
+        return options  # the caller's policy, whichever it is
+    config["policy"] = {"policy_function": POLICY_PATH, "policy_kwargs": {"target_work_s": target_work_s}}
+    options["autoscaling_config"] = config
+    return options
+
+
+def dropped_policy(name: str, override: Mapping[str, Any], signal: ScalingSignal) -> str | None:
+    """The WARNING to log when a Serve config file's ``autoscaling_config`` for ``name`` (which replaces
+    build_app's whole) names no policy while the app scales it on work; None when it does."""
+    config = override.get("autoscaling_config")
+    if signal is not ScalingSignal.WORK or not config:
+        return None
+    policy = _plain(config).get("policy") or {}
+    function = policy.get("policy_function") if isinstance(policy, Mapping) else getattr(policy, "policy_function", "")
+    if function == POLICY_PATH:
+        return None
+    return (f"{name}: the config file's autoscaling_config replaces build_app's and names "
+            f"{function or 'no'} policy, so it scales on {'that policy' if function else 'ongoing requests'}, "
+            f"not on work; add policy: {{policy_function: {POLICY_PATH}}} to it, or set "
+            f"denoiser_scales_on: requests to mean it")

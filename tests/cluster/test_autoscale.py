@@ -1,6 +1,8 @@
-"""Under load the denoiser scales 1 -> 2 -> 1, its second replica leasing from the same node ledger."""
+"""Under load the denoiser scales 1 -> 2 -> 1 on work (the app's WorkPolicy, run by Serve's controller),
+its second replica leasing from the same node ledger."""
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -9,6 +11,7 @@ from ray import serve
 
 from cluster.ledger.actor import HOST_POOL, node_ledger
 from cluster.replica.ledger_view import ReplicaMemory
+from deployments.capacity.work_autoscaling import POLICY_PATH, REQUEST_S, REQUESTS, WORK_S
 from tests.cluster.conftest import FAST
 from tests.conftest import free_port
 from tests.waiting import wait_for
@@ -19,13 +22,17 @@ APP = "cluster-autoscale-test"
 
 # A replica being stopped (the scale-down, the delete) checks for requests left every 0.2 s, not
 # Serve's 2 s (each stop took 2.1 s); scale-down 0.5 s after the load is gone, not 2 s (during the load
-# the desired count is 4, capped at 2, so no earlier scale-down can come of it).
+# the desired count is 4, capped at 2, so no earlier scale-down can come of it). Scaled on work: 1 s of
+# work per replica; 4 clients of 1-s requests hold ~4 s. Serve's own rule (the policy's fallback when
+# no stats are fresh) would want 4 ongoing / 100 per replica: one replica, so a second one shows the
+# work policy ran in the controller on the replicas' stats.
 @serve.deployment(
     max_ongoing_requests=1,
     ray_actor_options={"num_cpus": 0, "num_gpus": 0.25, "accelerator_type": "L4"},
-    autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+    autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 100,
                         "metrics_interval_s": 0.2, "look_back_period_s": 1.0,
-                        "upscale_delay_s": 0.2, "downscale_delay_s": 0.5},
+                        "upscale_delay_s": 0.2, "downscale_delay_s": 0.5,
+                        "policy": {"policy_function": POLICY_PATH, "policy_kwargs": {"target_work_s": 1.0}}},
     graceful_shutdown_wait_loop_s=0.2,
 )
 class Denoiser:
@@ -37,11 +44,24 @@ class Denoiser:
         self.leases = self.memory.device_leases(idle_s=0.2)  # as a stage worker's, kept between calls
         self.weights = self.memory.host_budget.request(GB, self.memory.owner, 50.0, "pinned:transformer")
         assert self.weights, f"the test node has room for two replicas' pins: {self.weights}"
+        self.ends: dict[int, float] = {}  # request -> when it will be done (a stand-in's queue)
+        self.calls = itertools.count()
 
     def __call__(self, hold_s: float) -> str:
-        with self.leases.call(2 * GB, timeout_s=30):
-            time.sleep(hold_s)
+        call = next(self.calls)
+        self.ends[call] = time.monotonic() + hold_s
+        try:
+            with self.leases.call(2 * GB, timeout_s=30):
+                time.sleep(hold_s)
+        finally:
+            self.ends.pop(call, None)
         return self.memory.owner
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What a Denoiser reports (deployments.capacity.work_autoscaling.autoscaling_stats): its work."""
+        now = time.monotonic()
+        return {WORK_S: sum(max(0.0, end - now) for end in self.ends.values()), REQUESTS: float(len(self.ends)),
+                REQUEST_S: 1.0}
 
     def __del__(self):
         self.memory.close()

@@ -384,3 +384,16 @@ def test_a_typo_in_the_app_args_fails_app_args_validation():
     args["dtyp"] = args.pop("dtype")
     with pytest.raises(ValidationError, match="dtyp"):
         AppArgs.model_validate(args)
+
+
+def test_the_denoiser_names_the_work_policy_its_app_scales_it_on(manifest):
+    # The config file's autoscaling_config replaces build_app's whole: without the policy named here
+    # the Denoiser would scale on ongoing requests, whatever AppArgs.denoiser_scales_on says.
+    from deployments.app import AppArgs
+    from deployments.capacity.work_autoscaling import dropped_policy
+
+    (app,) = _serve(manifest)["applications"]
+    args = AppArgs.model_validate(app["args"])
+    [denoiser] = [d for d in app["deployments"] if d["name"] == "Denoiser"]
+    assert dropped_policy("Denoiser", denoiser, args.denoiser_scales_on) is None
+    assert AutoscalingConfig(**denoiser["autoscaling_config"]).policy.get_policy().__name__ == "WorkPolicy"
