@@ -17,6 +17,7 @@ from ray import serve
 from deployments.capacity.replica_report import ReplicaResidency
 from deployments.models import families
 from deployments.models.cancel import CancelFlag, RequestCancelled
+from deployments.models.lora_rows import LoraStepper
 from deployments.models.steppers import StepRequest, stepper_for
 from deployments.replica.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
 from deployments.replica.load_tracker import tracker_for
@@ -110,6 +111,8 @@ class Denoiser:
         else:
             self.worker = StageWorker(config)
         self.stepper = stepper_for(self.worker.pipe, config.facts, self.worker.device)
+        if getattr(self.worker, "loras", None) is not None:  # each request's adapter on its own rows
+            self.stepper = LoraStepper(self.stepper, self.worker.loras)
         self.batch_metrics = BatchMetrics()
         batch = StepBatch(self.stepper, config.batching or BatchingConfig(), fits=self._fits,
                           bytes_streamed=self.worker.residency.bytes_streamed_so_far, on_forward=self._on_forward)
@@ -200,7 +203,18 @@ class Denoiser:
                         self.worker.replica, batch[-1].spec.request_id, len(batch), need,
                         self._leased_activation_bytes)
             return False
-        return True
+        return self._adapters_fit(batch)
+
+    def _adapters_fit(self, batch: list[StepRequest]) -> bool:
+        """A request joins only if every adapter the batch would use fits the adapters' device budget at
+        once (a forward needs all its adapters on the device); otherwise it waits for others to leave."""
+        names = {r.spec.lora for r in batch if r.spec.lora is not None}
+        if not names or getattr(self.worker, "loras", None) is None or self.worker.adapters_fit(names):
+            return True
+        logger.info("%s: request %s waits: adapters %s together exceed the %d B adapter budget",
+                    self.worker.replica, batch[-1].spec.request_id, sorted(names),
+                    self.worker.config.lora_device_budget)
+        return False
 
     def _on_forward(self, figures: ForwardFigures) -> None:
         self.load.on_forward(figures)

@@ -26,7 +26,7 @@ from cluster.replica.ledger_view import DeviceBusy
 from cluster.replica.plan import replan_stage
 from deployments.capacity.admission import StageAdmission, nearest_admitted, size_text
 from deployments.capacity.batch_state import BatchState
-from deployments.capacity.replica_report import REPUBLISH_S, ReplicaResidency
+from deployments.capacity.replica_report import REPUBLISH_S, AdapterResidency, ReplicaResidency
 from deployments.models import activation_features, families
 from deployments.models.activation_features import ACTIVATION_MARGIN
 from deployments.replica import warmup
@@ -85,17 +85,23 @@ class StageWorker:
         # The start, step by step (deployments/replica/worker_setup.py): load, open the ledger view,
         # plan provisionally, lease what the plan keeps, apply it; then warm up and plan again.
         self.pipe = setup.load_pipeline(config, rank)
+        # The Denoiser's LoRA adapters, read and checked now (a misfit fails the start before any lease);
+        # their device bytes are standing memory beside what the plan keeps.
+        self.lora_adapters = setup.read_loras(config, self.pipe, self.replica)
+        self.lora_device_bytes = setup.lora_device_bytes(self.lora_adapters, DTYPES[config.dtype])
+        self.lora_bytes = min(sum(self.lora_device_bytes.values()), config.lora_device_budget)
         self.memory = open_replica_memory(self.replica, self.device)
         budget = setup.host_budget_bytes(config, self.memory, self.replica)
         self.leases = open_device_leases(self.memory, self.device)
         modules = families.stage_modules(self.pipe, config.facts, config.stage)
         plan = setup.provisional_plan(config, modules, self.device, self.memory, budget)
         # What the plan keeps on the device is leased before applying it moves anything there.
-        self.leases.hold_standing(predicted_kept_bytes(plan), config.device_timeout_s)
+        self.leases.hold_standing(predicted_kept_bytes(plan) + self.lora_bytes, config.device_timeout_s)
         shared = setup.shared_weights(config, modules, self.memory, self.replica, budget, rank)
         self._applier = setup.residency_applier(config, modules, self.device, self.memory, self.replica, budget,
                                                 shared)
         self.residency = self._applier(plan=plan)
+        self.loras = setup.lora_set(config, self.pipe, self.device, self.lora_adapters, self.replica)
         self.activations: activation_features.StageActivations | None = None
         self.metrics = StageMetrics(config.stage.value)
         self.gauges = ReplicaGauges(config.stage.value, f"{(self.memory.node.node_id or 'local')[:8]}/{self.memory.device_pool}")
@@ -160,6 +166,9 @@ class StageWorker:
     def admit(self, spec: GenerationSpec) -> None:
         """Refuse (4xx naming the limit) a request whose activations can never fit the replica's share;
         one that does not fit now waits for its lease and may get 503 instead."""
+        if spec.lora is not None and spec.lora not in {lora.name for lora in self.config.loras}:
+            raise RequestRejected("lora", f"unknown LoRA adapter {spec.lora!r}; this replica serves "
+                                          f"{sorted(lora.name for lora in self.config.loras)}", status=404)
         admission = self.admission()
         if admission is None or admission.admits(self.config.facts, spec):
             return
@@ -192,7 +201,7 @@ class StageWorker:
                     self.residency.finish_use()
                     self.metrics.record_components(self.residency.bytes_streamed_by_component())
                 kept = self.residency.kept_bytes()
-            self.leases.hold_standing(kept, self.config.device_timeout_s)
+            self.leases.hold_standing(kept + self.lora_bytes, self.config.device_timeout_s)
         measured = self.first_use.take_changed()
         if measured is not None:
             self._replan(measured)
@@ -207,7 +216,8 @@ class StageWorker:
 
     def call_bytes(self, activation_bytes: int = 0) -> int:
         """What a call adds on the device beyond the standing lease: streamed slots, restores, activation_features."""
-        return max(0, self.residency.predicted_peak_bytes() - self.leases.figures().standing_bytes) + activation_bytes
+        kept = self.leases.figures().standing_bytes - self.lora_bytes  # the adapters' share is theirs alone
+        return max(0, self.residency.predicted_peak_bytes() - kept) + activation_bytes
 
     @contextlib.contextmanager
     def _call_lease(self, activation_bytes: int):
@@ -262,12 +272,12 @@ class StageWorker:
         calls kept (it covers the old plan's peak).
         """
         timeout_s = self.config.device_timeout_s
-        if kept > self.leases.figures().standing_bytes:
-            self.leases.hold_standing(kept, timeout_s)
+        if kept + self.lora_bytes > self.leases.figures().standing_bytes:
+            self.leases.hold_standing(kept + self.lora_bytes, timeout_s)
         with self._lock:  # no call or report running
             self.residency.remove()
             self.residency = make()
-        self.leases.hold_standing(self.residency.kept_bytes(), timeout_s)
+        self.leases.hold_standing(self.residency.kept_bytes() + self.lora_bytes, timeout_s)
 
     def _picture(self) -> PlanPicture | None:
         """The plan that runs, drawn as data with the warm-up's measured pass (None: a plan without facts)."""
@@ -284,7 +294,21 @@ class StageWorker:
                                 self.residency.plan.explain(), self.residency.predicted_peak_bytes(),
                                 self._last.device_peak_bytes, self._last.bytes_streamed, weights.to_json(),
                                 self.residency.host_status(weights).to_json(), self._batch,
-                                self.leases.figures(with_headroom=True).to_json(), self.admission(), self.picture)
+                                self.leases.figures(with_headroom=True).to_json(), self.admission(), self.picture,
+                                loras=self._lora_report())
+
+    def adapters_fit(self, names: set[str]) -> bool:
+        """Whether the adapters ``names`` fit the adapters' device budget together (one forward needs them all)."""
+        return sum(self.lora_device_bytes[name] for name in names) <= self.config.lora_device_budget
+
+    def _lora_report(self) -> tuple[AdapterResidency, ...]:
+        """Every configured adapter: on the device while loaded, on the host once evicted."""
+        if self.loras is None:
+            return ()
+        loaded = {entry.name: entry for entry in self.loras.loaded()}
+        return tuple(AdapterResidency(a.name, loaded[a.name].nbytes, str(loaded[a.name].device), a.rank)
+                     if a.name in loaded else AdapterResidency(a.name, a.nbytes, "host", a.rank)
+                     for a in self.lora_adapters)
 
     def set_batch(self, size: int, mean: float) -> None:
         """The Denoiser's batch size; the board gets it within PUBLISH_INTERVAL_S when it changed."""
@@ -303,6 +327,8 @@ class StageWorker:
         self._publisher.close()
         self._batch_sender.close()
         self.residency.remove()
+        if self.loras is not None:
+            self.loras.close()
         self.leases.close()
         logger.info("%s: shut down, released %d B of leases", self.replica, self.memory.close())
 

@@ -5,7 +5,9 @@
 3. :func:`provisional_plan`: planned before anything ran (0 s of compute, no working set), against the
    replica's share of its GPU; the worker then leases what the plan keeps on the device;
 4. :func:`shared_weights`: the node weight store the streamed layers are hosted from, if any;
-5. :func:`residency_applier`: what applies a plan (the provisional one now, the warm-up's later).
+5. :func:`residency_applier`: what applies a plan (the provisional one now, the warm-up's later);
+6. :func:`read_loras` (before planning: an adapter that does not fit fails the start before any lease)
+   and :func:`lora_set`: the Denoiser's LoRA adapters, checked against its transformer, then on the device.
 
 Each step takes what the ones before produced and returns a value, so each can be run and checked
 alone (tests/deployments/replica/test_worker_setup.py). Run by the stage replica (and each rank actor).
@@ -88,4 +90,53 @@ def residency_applier(config: StageConfig, modules: Mapping[str, nn.Module], dev
         tables=config.host_tables)
 
 
-__all__ = ["host_budget_bytes", "load_pipeline", "provisional_plan", "residency_applier", "shared_weights"]
+def read_loras(config: StageConfig, pipe, replica: str) -> tuple:
+    """The configured adapters read into host memory (``offload_core.lora.LoraAdapter``) and checked
+    against the transformer: one whose modules or shapes do not match fails the replica's start,
+    naming the adapter and the module, instead of a shape error at some request's step."""
+    if not config.loras:
+        return ()
+    from offload_core.lora import LoraError, check_fits, load_lora
+
+    adapters = []
+    for served in config.loras:
+        try:
+            adapter = load_lora(served.path, served.name, served.scale)
+            check_fits(adapter, pipe.transformer)
+        except LoraError as exc:
+            raise LoraError(f"{replica}: LoRA adapter {served.name!r} from {served.path} does not fit the "
+                            f"{config.facts.family.value} transformer of {config.facts.folder}: {exc}") from exc
+        logger.info("%s: LoRA adapter %r: rank %d, %d Linear layers, %d B (scale %g)", replica, adapter.name,
+                    adapter.rank, len(adapter.weights), adapter.nbytes, adapter.scale)
+        adapters.append(adapter)
+    return tuple(adapters)
+
+
+def lora_device_bytes(adapters: tuple, dtype: torch.dtype) -> dict[str, int]:
+    """Each adapter's device bytes: A and B in the transformer's ``dtype``, as ``LoraSet.load`` copies
+    them. The standing lease covers them all, at most their budget: adapters loaded again on demand
+    never outgrow it."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return {adapter.name: sum((a.numel() + b.numel()) * size for a, b in adapter.weights.values())
+            for adapter in adapters}
+
+
+def lora_set(config: StageConfig, pipe, device: torch.device, adapters: tuple, replica: str):
+    """The transformer's ``offload_core.lora.LoraSet`` with the adapters loaded, least recently
+    loaded evicted beyond the budget (None without adapters)."""
+    if not adapters:
+        return None
+    from offload_core.lora import apply_lora
+
+    loras = apply_lora(pipe.transformer, device, config.lora_device_budget)
+    for adapter in adapters:
+        loras.load(adapter)
+    loaded = loras.loaded()
+    logger.info("%s: %d of %d LoRA adapters on %s (%d B of a %d B budget): %s", replica, len(loaded),
+                len(adapters), device, sum(a.nbytes for a in loaded), config.lora_device_budget,
+                ", ".join(a.name for a in loaded))
+    return loras
+
+
+__all__ = ["host_budget_bytes", "load_pipeline", "lora_device_bytes", "lora_set", "provisional_plan",
+           "read_loras", "residency_applier", "shared_weights"]
