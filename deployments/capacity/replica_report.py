@@ -53,9 +53,13 @@ class ReplicaResidency:
     picture: PlanPicture | None = field(default=None, compare=False)
     # The Denoiser's LoRA adapters (none elsewhere): their bytes and where each lives.
     loras: tuple[AdapterResidency, ...] = ()
+    # The GPU type the replica plans for ("L4", "H100": its fleet profile's accelerator type, else the
+    # GPU's name; "CPU" without one): on a mixed fleet one deployment's replicas differ by it.
+    gpu_type: str | None = None
 
     def to_json(self) -> dict:
-        return {"replica": self.replica, "stage": self.stage, "device": self.device, "mode": self.mode,
+        return {"replica": self.replica, "stage": self.stage, "device": self.device, "gpu_type": self.gpu_type,
+                "mode": self.mode,
                 "plan": list(self.plan),
                 "predicted_peak_bytes": self.predicted_peak_bytes,
                 "last_device_peak_bytes": self.last_device_peak_bytes,

@@ -84,9 +84,10 @@ BATCH_BUCKETS = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0]
 
 
 class BatchMetrics:
-    """The Denoiser's step batching: batch size, queue wait, step time."""
+    """The Denoiser's step batching: batch size, queue wait, step time (by GPU type: on a mixed fleet one
+    deployment's replicas step at their own GPU's speed)."""
 
-    def __init__(self):
+    def __init__(self, gpu_type: str = "unknown"):
         self._size = metrics.Histogram(
             "offload_serve_batch_size", description="Requests sharing one denoiser forward.",
             boundaries=BATCH_BUCKETS)
@@ -95,7 +96,8 @@ class BatchMetrics:
             boundaries=LATENCY_BUCKETS_S)
         self._step = metrics.Histogram(
             "offload_serve_step_seconds", description="One batched denoiser forward and its scheduler steps.",
-            boundaries=LATENCY_BUCKETS_S)
+            boundaries=LATENCY_BUCKETS_S, tag_keys=("gpu_type",))
+        self._step.set_default_tags({"gpu_type": gpu_type})
 
     def record_forward(self, figures: ForwardFigures) -> None:
         self._size.observe(float(figures.requests))
@@ -103,6 +105,27 @@ class BatchMetrics:
 
     def record_wait(self, seconds: float) -> None:
         self._wait.observe(seconds)
+
+
+class WorkGauges:
+    """A Denoiser replica's queue as the router and the autoscaler see it, by GPU type: requests held
+    and their predicted work-seconds at its own step times (the Grafana dashboard's "Queue per GPU
+    type"). Set whenever Serve polls the replica's routing or autoscaling stats."""
+
+    def __init__(self, gpu_type: str):
+        tags = ("gpu_type",)
+        self._requests = metrics.Gauge("offload_serve_queued_requests", description="Requests this replica holds "
+                                       "(its running batch and its queue).", tag_keys=tags)
+        self._work = metrics.Gauge("offload_serve_queued_work_seconds", description="Predicted seconds until this "
+                                   "replica is idle, at its measured seconds per step (absent: nothing measured).",
+                                   tag_keys=tags)
+        for gauge in (self._requests, self._work):
+            gauge.set_default_tags({"gpu_type": gpu_type})
+
+    def record(self, requests: int, work_s: float | None) -> None:
+        self._requests.set(float(requests))
+        if work_s is not None:
+            self._work.set(work_s)
 
 
 # Host tiers as the residency report totals them (offload_core.residency.report), by the tier's name.
