@@ -14,14 +14,16 @@ from typing import AsyncIterator, Callable
 
 from ray import serve
 
+from deployments.capacity.finish_model import work_seconds
 from deployments.capacity.replica_report import ReplicaResidency
+from deployments.capacity.work_autoscaling import REQUEST_S, REQUESTS, WORK_S, autoscaling_stats
 from deployments.models import families
 from deployments.models.cancel import CancelFlag, RequestCancelled
 from deployments.models.lora_rows import LoraStepper
 from deployments.models.steppers import StepRequest, stepper_for
 from deployments.replica.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
 from deployments.replica.load_tracker import tracker_for
-from deployments.replica.metrics import BatchMetrics
+from deployments.replica.metrics import BatchMetrics, WorkGauges
 from deployments.replica.rank_spec import RankIdentity
 from deployments.replica.stage_thread import StageThread
 from deployments.replica.tensor_parallel.group import ShardGroup
@@ -113,11 +115,13 @@ class Denoiser:
         self.stepper = stepper_for(self.worker.pipe, config.facts, self.worker.device)
         if getattr(self.worker, "loras", None) is not None:  # each request's adapter on its own rows
             self.stepper = LoraStepper(self.stepper, self.worker.loras)
-        self.batch_metrics = BatchMetrics()
         batch = StepBatch(self.stepper, config.batching or BatchingConfig(), fits=self._fits,
                           bytes_streamed=self.worker.residency.bytes_streamed_so_far, on_forward=self._on_forward)
         self._leased_activation_bytes = 0  # what the running busy period leased for activations
         self.load = tracker_for(batch, self.worker)  # its routing stats (deployments/routing)
+        self.batch_metrics = BatchMetrics(self.load.gpu_type)  # before the first forward, which records in it
+        self.work_gauges = WorkGauges(self.load.gpu_type)
+        self._request_s: float | None = None  # its seconds per request, from the last time it held any
         self.batcher = StepBatcher(batch, around_busy=self._busy_period)
         self.in_flight: dict[str, CancelFlag] = {}  # request id -> its flag, while its call runs
         self.last_spec: GenerationSpec | None = None
@@ -227,7 +231,17 @@ class Denoiser:
     def record_routing_stats(self) -> dict[str, float]:
         """Serve's controller polls this every request_routing_stats_period_s for the request router:
         GPU type, plan, queue, measured seconds per step (deployments.capacity.replica_load)."""
-        return self.load.snapshot().to_stats()
+        load = self.load.snapshot()
+        self.work_gauges.record(load.running_batch + len(load.waiting), work_seconds(load))
+        return load.to_stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's replica calls this every autoscaling metrics_interval_s for the work policy
+        (deployments.capacity.work_autoscaling): the work it holds at its own measured step times."""
+        stats = autoscaling_stats(self.load.snapshot(), self._request_s)
+        self._request_s = stats.get(REQUEST_S, self._request_s)
+        self.work_gauges.record(int(stats[REQUESTS]), stats.get(WORK_S))
+        return stats
 
     def ranks(self) -> list[RankIdentity]:
         """Where each rank runs (pid, node, GPU); empty at tp_size 1."""

@@ -35,6 +35,7 @@ from deployments.replica.board import get_board, pack
 from deployments.replica.board_publisher import Throttled
 from deployments.replica.first_use import FirstUse
 from deployments.replica.leases import LEASE_REFUSED, open_device_leases, open_replica_memory
+from deployments.replica.load_tracker import gpu_type_of
 from deployments.replica.metrics import ReplicaGauges, StageMetrics
 from deployments.replica.rank_spec import RankSpec
 from deployments.replica.stage_config import DTYPES, StageConfig  # noqa: F401 (re-exported: importers name it here)
@@ -286,7 +287,8 @@ class StageWorker:
             logger.info("%s: no picture of the plan: it carries no facts to draw from", self.replica)
             return None
         return plan_picture(plan, dict(self.warmup.compute), title=f"{self.config.stage.value} replica "
-                            f"{self.replica} on {self.device}: {plan.explain()[0].split(':')[0]}")
+                            f"{self.replica} on {self.device} ({gpu_type_of(self.memory)}): "
+                            f"{plan.explain()[0].split(':')[0]}")
 
     def report(self) -> ReplicaResidency:
         weights = self.residency.report()
@@ -295,7 +297,7 @@ class StageWorker:
                                 self._last.device_peak_bytes, self._last.bytes_streamed, weights.to_json(),
                                 self.residency.host_status(weights).to_json(), self._batch,
                                 self.leases.figures(with_headroom=True).to_json(), self.admission(), self.picture,
-                                loras=self._lora_report())
+                                loras=self._lora_report(), gpu_type=gpu_type_of(self.memory))
 
     def adapters_fit(self, names: set[str]) -> bool:
         """Whether the adapters ``names`` fit the adapters' device budget together (one forward needs them all)."""
