@@ -103,6 +103,11 @@ class _LinearHook:
         self.owner = owner
         self.module_name = module_name
 
+    # Opaque to dynamo: traced inside a compiled block (offload_core.compile), the routing read here
+    # (a new object per forward, its scales, its rows) was guarded on and recompiled the block at each
+    # new routing (tiny Wan: 9 graphs for 6 forwards). Disabled, it runs eagerly at a graph break
+    # around each adapted Linear, whatever the routing.
+    @torch.compiler.disable
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor):
         routing = self.owner._routing()
         if routing is None:
