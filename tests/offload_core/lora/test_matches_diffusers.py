@@ -90,3 +90,23 @@ def test_a_peft_folder_scales_by_alpha_over_rank_as_peft_does(case, tmp_path):
     with loras.rows([("p", SCALE)]):
         got = case.run(model, case.inputs())
     assert (got - want).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("case", [WAN, FLUX], ids=lambda c: c.name)
+def test_in_bf16_the_adapter_is_copied_in_the_models_dtype_and_gives_what_diffusers_gives(case, tmp_path):
+    """The real models' dtype: the fp32 file's A/B land as bf16, as peft casts them (0.0 apart today)."""
+    path = save_diffusers(random_weights(case.build(), rank=4, seed=3), tmp_path / "x.safetensors")
+    inputs = {k: v.to(torch.bfloat16) if v.is_floating_point() and k not in ("timestep", "img_ids", "txt_ids") else v
+              for k, v in case.inputs().items()}
+    want = case.run(with_diffusers_lora(case.build().to(torch.bfloat16), [("x", path, SCALE)]), inputs)
+    model = case.build().to(torch.bfloat16)
+    loras = apply_lora(model, "cpu", budget_bytes=1 << 24)
+    loras.load(load_lora(path, "x"))
+    streamer = apply_layer_streaming(model, "cpu", StreamingConfig(hosting=_hosting(model, HostingTier.PINNED)))
+    try:
+        with loras.rows([("x", SCALE)]):
+            got = case.run(model, inputs)
+    finally:
+        streamer.remove()
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()  # bf16: 8 bits of mantissa
