@@ -20,6 +20,10 @@ logger = logging.getLogger(__name__)
 
 # num_replicas: "auto" is Serve's default autoscaling, whose max_replicas is 100 (AutoscalingConfig.default()).
 AUTO_MAX_REPLICAS = 100
+# Serve warns of a replica still starting 30 s after it was asked for (RAY_SERVE_SLOW_STARTUP_WARNING_S).
+# One placed on a node by then is loading its weights, or waiting for its node ledger to grant the
+# device bytes its plan keeps (deployments/replica/leases.py: it waits rather than failing its start).
+SLOW_START_S = 30.0
 
 
 def gpu_nodes(free: bool = False) -> tuple[GpuNode, ...]:
@@ -121,9 +125,18 @@ def serve_details() -> dict:
     return {} if client is None else client.get_serve_details()
 
 
-def replica_waits(replica: Mapping) -> bool:
-    """A replica (a dict of :func:`serve_details`) Serve has asked for that Ray has not placed on a node."""
-    return replica.get("state") == "STARTING" and replica.get("node_id") is None
+def replica_waits(replica: Mapping, now: float) -> bool:
+    """A replica (a dict of :func:`serve_details`) Serve has asked for that Ray has not placed on a node,
+    or that is still starting on one :data:`SLOW_START_S` after it was asked for."""
+    if replica.get("state") != "STARTING":
+        return False
+    return replica.get("node_id") is None or now - float(replica.get("start_time_s") or now) > SLOW_START_S
+
+
+def _still_starting(node_id: str, waited_s: float) -> str:
+    return (f"placed on node {node_id[:8]} {waited_s:.0f} s ago and still starting: loading its weights, or "
+            "waiting for its node ledger to grant the device bytes its plan keeps (each refusal is a line "
+            "in the replica's log)")
 
 
 def pending_replicas(app_name: str, now: float | None = None, details: Mapping | None = None
@@ -134,14 +147,15 @@ def pending_replicas(app_name: str, now: float | None = None, details: Mapping |
 
     details = serve_details() if details is None else details
     raw = details.get("applications", {}).get(app_name)
-    if raw is None or not any(replica_waits(r) for d in raw.get("deployments", {}).values()
+    now = time.time() if now is None else now
+    if raw is None or not any(replica_waits(r, now) for d in raw.get("deployments", {}).values()
                               for r in d.get("replicas", ())):
         return ()  # the usual answer, without the schema's models or the GCS's nodes
     app = ApplicationDetails.model_validate(raw)
-    now = time.time() if now is None else now
     nodes, pending = None, []
     for name, deployment in app.deployments.items():
-        waiting = [r for r in deployment.replicas if r.state == ReplicaState.STARTING and r.node_id is None]
+        waiting = [r for r in deployment.replicas if r.state == ReplicaState.STARTING
+                   and replica_waits({"state": "STARTING", "node_id": r.node_id, "start_time_s": r.start_time_s}, now)]
         if not waiting:
             continue
         nodes = gpu_nodes(free=True) if nodes is None else nodes
@@ -154,6 +168,7 @@ def pending_replicas(app_name: str, now: float | None = None, details: Mapping |
         if demand.accelerator_type:
             wanted += ((f"{ACCELERATOR_PREFIX}{demand.accelerator_type}", 0.001),)
         reason = why_pending(demand, nodes)
-        pending += [PendingReplica(name, r.replica_id, wanted, max(0.0, now - r.start_time_s), reason,
+        pending += [PendingReplica(name, r.replica_id, wanted, max(0.0, now - r.start_time_s),
+                                   reason if r.node_id is None else _still_starting(r.node_id, now - r.start_time_s),
                                    deployment.message or "") for r in waiting]
     return tuple(pending)

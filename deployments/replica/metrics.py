@@ -168,7 +168,8 @@ class PendingGauge:
 
     def __init__(self):
         self._pending = ray_metrics.Gauge("offload_serve_pending_replicas", description="Replicas of the deployment "
-                                      "waiting for a node (GET /v1/residency -> pending says why).",
+                                      "waiting for a node, or placed and still starting after 30 s (GET "
+                                      "/v1/residency -> pending says why).",
                                       tag_keys=("deployment",))
 
     def record(self, counts: dict[str, int]) -> None:

@@ -34,7 +34,12 @@ from deployments.replica import worker_setup as setup
 from deployments.replica.board import get_board, pack
 from deployments.replica.board_publisher import Throttled
 from deployments.replica.first_use import FirstUse
-from deployments.replica.leases import LEASE_REFUSED, open_device_leases, open_replica_memory
+from deployments.replica.leases import (
+    LEASE_REFUSED,
+    hold_standing_at_start,
+    open_device_leases,
+    open_replica_memory,
+)
 from deployments.replica.load_tracker import gpu_type_of
 from deployments.replica.metrics import ReplicaGauges, StageMetrics
 from deployments.replica.rank_spec import RankSpec
@@ -97,7 +102,9 @@ class StageWorker:
         modules = families.stage_modules(self.pipe, config.facts, config.stage)
         plan = setup.provisional_plan(config, modules, self.device, self.memory, budget)
         # What the plan keeps on the device is leased before applying it moves anything there.
-        self.leases.hold_standing(predicted_kept_bytes(plan) + self.lora_bytes, config.device_timeout_s)
+        # Refused (neighbours' calls hold the GPU): it waits, STARTING and listed as pending, never a crash loop.
+        hold_standing_at_start(self.leases, predicted_kept_bytes(plan) + self.lora_bytes, config.device_timeout_s,
+                               self.memory.device_budget.capacity(), self.replica)
         shared = setup.shared_weights(config, modules, self.memory, self.replica, budget, rank)
         self._applier = setup.residency_applier(config, modules, self.device, self.memory, self.replica, budget,
                                                 shared)

@@ -76,7 +76,8 @@ def test_no_pending_replica_is_found_without_the_schemas_models_or_the_gcs(monke
     monkeypatch.setattr(schema.ApplicationDetails, "model_validate", lambda raw: pytest.fail("validated"))
     monkeypatch.setattr(watch.unplaced, "gpu_nodes", lambda free=False: pytest.fail("read the GCS's nodes"))
     details = _details(Denoiser={"status": "HEALTHY", "message": "",
-                                 "replicas": [_replica("d1", "RUNNING"), _replica("d2", "STARTING")]})
+                                 "replicas": [_replica("d1", "RUNNING"),
+                                              {**_replica("d2", "STARTING"), "start_time_s": time.time()}]})
     assert watch.unplaced.pending_replicas("app", details=details) == ()
     assert watch.unplaced.pending_replicas("other", details=details) == ()
 
