@@ -7,6 +7,8 @@ The public API. Everything a user needs for a model the project does not ship:
 - host and copy 8-bit weights:  ``StreamingConfig(weights=WeightFormat.FP8)``; ``fake_quantize_`` makes
   the plain reference with the same loss
 - keep huge token tables on the host: ``apply_host_tables``
+- LoRA adapters per request, unmerged: ``load_lora`` -> ``apply_lora(model, device, budget).load(adapter)``,
+  then ``with lora_set.rows([(name, scale) | None per batch row]): model(...)``
 - run a pipeline's components per plan: ``PipelineResidency``
 - plan without a GPU:           ``profile_component`` -> ``PipelineFacts`` -> ``plan_pipeline``
 - see where the weights are:    ``residency_report``
@@ -14,7 +16,8 @@ The public API. Everything a user needs for a model the project does not ship:
   (``get_device(d).headroom(min_block)``) then leaves their leased bytes alone
 
 Subpackages, one concept each: ``streaming`` (the engine), ``host`` (host memory), ``residency``
-(component lifecycle and report), ``planner`` (facts, cost model, plan; no runtime state).
+(component lifecycle and report), ``planner`` (facts, cost model, plan; no runtime state), ``lora``
+(adapters per request, unmerged, on resident or streamed Linears).
 """
 # Lazy: ``offload_core.X`` imports X's module on first use (PEP 562). Each process that imports any
 # offload_core module (the node ledger actor, the residency board) runs this file; eager imports here
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
     from offload_core.host.pinned import PinError
     from offload_core.host.tier import HostingTier
     from offload_core.layout import LayoutError
+    from offload_core.lora import LoadedAdapter, LoraAdapter, LoraError, LoraSet, apply_lora, check_fits, load_lora
     from offload_core.planner.facts import ComponentProfile, LinkFacts, PipelineFacts, profile_component
     from offload_core.planner.pipeline_plan import ComponentOverride, ComponentPlan, PerformanceMode, PipelinePlan
     from offload_core.planner.search import plan_pipeline
@@ -60,6 +64,13 @@ _HOME = {
     "PinError": "offload_core.host.pinned",
     "HostingTier": "offload_core.host.tier",
     "LayoutError": "offload_core.layout",
+    "LoadedAdapter": "offload_core.lora",
+    "LoraAdapter": "offload_core.lora",
+    "LoraError": "offload_core.lora",
+    "LoraSet": "offload_core.lora",
+    "apply_lora": "offload_core.lora",
+    "check_fits": "offload_core.lora",
+    "load_lora": "offload_core.lora",
     "ComponentProfile": "offload_core.planner.facts",
     "LinkFacts": "offload_core.planner.facts",
     "PipelineFacts": "offload_core.planner.facts",
@@ -103,9 +114,11 @@ __all__ = [
     # planning
     "profile_component", "ComponentProfile", "LinkFacts", "PipelineFacts", "plan_pipeline",
     "PerformanceMode", "ComponentOverride", "ComponentPlan", "PipelinePlan",
+    # LoRA adapters per request
+    "load_lora", "check_fits", "apply_lora", "LoraSet", "LoraAdapter", "LoadedAdapter",
     # exceptions a user may catch
     "LayoutError", "AlreadyStreamedError", "ConcurrentForwardError", "LifecycleError", "PinError",
-    "HostingError",
+    "HostingError", "LoraError",
 ]
 
 

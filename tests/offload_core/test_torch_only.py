@@ -12,6 +12,7 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError(f'{name} is not installed on this image')
 sys.meta_path.insert(0, Block())
 import offload_core, offload_core.residency.lifecycle, offload_core.streaming.engine, offload_core.planner.cli
+import offload_core.lora
 from offload_core.host.budget_cap import CappedBudget
 print('ok')
 """
