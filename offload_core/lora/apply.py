@@ -72,6 +72,9 @@ class _Group:
     """The rows of one forward that use one adapter at one scale."""
 
     name: str
+    # Its device matrices by module, held for the forward: an eviction meanwhile (another thread's
+    # load) cannot take them from under it.
+    matrices: dict[str, tuple[torch.Tensor, torch.Tensor]]
     rows: torch.Tensor  # long, on the device: the batch rows
     scaling: float  # the request's scale x alpha / rank
     all_rows: bool  # every row of the forward: added without indexing
@@ -125,6 +128,7 @@ class LoraSet:
         self.budget_bytes = int(budget_bytes)
         self._known: dict[str, LoraAdapter] = {}  # every adapter loaded once: reloaded from here after eviction
         self._on_device: dict[str, _OnDevice] = {}
+        self._in_use: dict[str, int] = {}  # adapter -> forwards routing it now (never evicted meanwhile)
         self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
         self._ticks = itertools.count(1)
         self._local = threading.local()
@@ -207,7 +211,7 @@ class LoraSet:
 
     def _make_room(self, nbytes: int, keep: frozenset[str]) -> None:
         while self.device_bytes + nbytes > self.budget_bytes:
-            evictable = [e for n, e in self._on_device.items() if n not in keep]
+            evictable = [e for n, e in self._on_device.items() if n not in keep and not self._in_use.get(n)]
             if not evictable:
                 raise LoraError(f"LoRA adapters {sorted(keep)} need {nbytes} B more on {self.device}; the budget is "
                                 f"{self.budget_bytes} B and {self.device_bytes} B are held by adapters this forward "
@@ -233,11 +237,15 @@ class LoraSet:
         :class:`LoraError`. Not reentrant on one thread (one forward at a time)."""
         if self._routing() is not None:
             raise LoraError("LoraSet.rows is already active on this thread: one forward at a time")
-        self._local.routing = self._plan(list(per_row))
+        routing = self._plan(list(per_row))
+        self._local.routing = routing
         try:
             yield
         finally:
             self._local.routing = None
+            with self._lock:
+                for group in routing.groups:
+                    self._in_use[group.name] -= 1
 
     def _routing(self) -> _Routing | None:
         return getattr(self._local, "routing", None)
@@ -256,9 +264,12 @@ class LoraSet:
         with self._lock:
             for name in sorted(names):
                 self._to_device(name, keep=names)
-        groups = tuple(_Group(name, torch.tensor(rows, dtype=torch.long, device=self.device),
-                              scale * self._known[name].scaling, len(rows) == len(per_row))
-                       for (name, scale), rows in grouped.items())
+            groups = tuple(_Group(name, self._on_device[name].matrices,
+                                  torch.tensor(rows, dtype=torch.long, device=self.device),
+                                  scale * self._known[name].scaling, len(rows) == len(per_row))
+                           for (name, scale), rows in grouped.items())
+            for group in groups:
+                self._in_use[group.name] = self._in_use.get(group.name, 0) + 1
         return _Routing(len(per_row), groups)
 
     def _add_terms(self, module_name: str, routing: _Routing, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -266,8 +277,7 @@ class LoraSet:
         k = self._row_multiple(module_name, routing, x)
         out = output if not output.requires_grad else output.clone()
         for index, group in enumerate(routing.groups):
-            entry = self._on_device.get(group.name)
-            matrices = None if entry is None else entry.matrices.get(module_name)
+            matrices = group.matrices.get(module_name)
             if matrices is None:
                 continue  # this adapter does not target this Linear
             a, b = matrices

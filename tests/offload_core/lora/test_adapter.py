@@ -132,3 +132,19 @@ def test_the_device_copy_takes_each_linears_dtype(tmp_path):
 def test_lora_flops_count_both_low_rank_matmuls():
     assert lora_flops(4, [(24, 32)], tokens=10) == 2 * 10 * 4 * (24 + 32)
     assert linear_flops([(24, 32)], tokens=10) == 2 * 10 * 24 * 32
+
+
+def test_an_adapter_a_forward_routes_is_not_evicted_until_the_forward_ends(wan):
+    adapters = {name: _adapter(random_weights(wan, rank=4, seed=i), name) for i, name in enumerate("abc")}
+    loras = apply_lora(wan, "cpu", budget_bytes=2 * adapters["a"].nbytes)
+    try:
+        loras.load(adapters["a"])
+        loras.load(adapters["b"])
+        with loras.rows([("a", 1.0)]):
+            loras.load(adapters["b"])  # b is the most recently used now, a the least, but a is routed
+            loras.load(adapters["c"])  # (another thread's load, say): b goes, not a
+            assert sorted(entry.name for entry in loras.loaded()) == ["a", "c"]
+        loras.load(adapters["b"])  # a's forward is over: a, now least recently used, goes
+        assert sorted(entry.name for entry in loras.loaded()) == ["b", "c"]
+    finally:
+        loras.close()
