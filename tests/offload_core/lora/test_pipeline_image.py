@@ -47,8 +47,10 @@ def _levels(image: np.ndarray) -> np.ndarray:
     return np.round(np.clip(image, 0, 1) * 255).astype(np.int16)
 
 
-@pytest.mark.parametrize("family", [_wan, _flux], ids=["wan", "flux"])
-def test_a_pipeline_with_an_adapter_gives_diffusers_image_within_one_level(family, tmp_path):
+# Wan's layers pinned; FLUX's left MAPPED on the checkpoint's file mapping (from_pretrained keeps them there).
+@pytest.mark.parametrize("family,tier", [(_wan, HostingTier.PINNED), (_flux, HostingTier.MAPPED)],
+                         ids=["wan-pinned", "flux-mapped"])
+def test_a_pipeline_with_an_adapter_gives_diffusers_image_within_one_level(family, tier, tmp_path):
     reference, call_reference = family()
     path = save_diffusers(random_weights(reference.transformer, rank=4, seed=11), tmp_path / "x.safetensors")
     base = _levels(call_reference())
@@ -59,7 +61,7 @@ def test_a_pipeline_with_an_adapter_gives_diffusers_image_within_one_level(famil
     pipe, call = family()
     loras = apply_lora(pipe.transformer, "cpu", budget_bytes=1 << 24)
     loras.load(load_lora(path, "x"))
-    groups = {f"{name}.{i}": HostingTier.PINNED for name, child in pipe.transformer.named_children()
+    groups = {f"{name}.{i}": tier for name, child in pipe.transformer.named_children()
               if isinstance(child, torch.nn.ModuleList) for i in range(len(child))}
     streamer = apply_layer_streaming(pipe.transformer, "cpu", StreamingConfig(hosting=groups))
     try:
