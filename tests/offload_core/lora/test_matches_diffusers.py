@@ -39,15 +39,22 @@ def _reference(case: TinyCase, path, inputs: dict, fp8: bool) -> torch.Tensor:
 
 
 def _ours(case: TinyCase, path, inputs: dict, hosting: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(with the adapter, outside rows()) from a model whose base weights are hosted as ``hosting``."""
+    """(with the adapter, outside rows()) from a model whose base weights are hosted as ``hosting``.
+
+    Pinned: LoRA applied before streaming; pageable and FP8: after it (the Linears' weights are
+    placeholders then: check_fits and the device copy read only shapes and dtypes)."""
     model = case.build()
-    loras = apply_lora(model, "cpu", budget_bytes=1 << 24)
-    loras.load(load_lora(path, "x", scale=SCALE))
     streamer = None
+    if hosting == "pinned":
+        loras = apply_lora(model, "cpu", budget_bytes=1 << 24)
+        loras.load(load_lora(path, "x", scale=SCALE))
     if hosting != "resident":
         tier = HostingTier.PINNED if hosting == "pinned" else HostingTier.PAGEABLE
         weights = WeightFormat.FP8 if hosting == "fp8" else WeightFormat.NATIVE
         streamer = apply_layer_streaming(model, "cpu", StreamingConfig(hosting=_hosting(model, tier), weights=weights))
+    if hosting != "pinned":
+        loras = apply_lora(model, "cpu", budget_bytes=1 << 24)
+        loras.load(load_lora(path, "x", scale=SCALE))
     try:
         with loras.rows([("x", SCALE)]):
             adapted = case.run(model, inputs)
