@@ -100,6 +100,9 @@ def _peft_alpha(folder: pathlib.Path, name: str) -> float | None:
         if config.get(key):
             raise LoraError(f"LoRA adapter {name!r}: {PEFT_CONFIG} has a {key} (per-module ranks or alphas), "
                             "which is not supported: one rank and one alpha per adapter")
+    for key, what in (("use_rslora", "rank-stabilized scaling (alpha / sqrt(rank))"), ("use_dora", "DoRA")):
+        if config.get(key):
+            raise LoraError(f"LoRA adapter {name!r}: {PEFT_CONFIG} sets {key} ({what}), which is not supported")
     alpha = config.get("lora_alpha")
     return None if alpha is None else float(alpha)
 

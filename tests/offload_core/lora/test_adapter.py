@@ -2,6 +2,7 @@
 LRU eviction, reload on use, and an adapter larger than the budget refused."""
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from offload_core.lora import LoraAdapter, LoraError, apply_lora, check_fits, linear_flops, load_lora, lora_flops
-from tests.offload_core.lora.adapters import random_weights, save_diffusers
+from tests.offload_core.lora.adapters import random_weights, save_diffusers, save_peft
 from tests.offload_core.tiny_models import WAN
 
 
@@ -148,3 +149,13 @@ def test_an_adapter_a_forward_routes_is_not_evicted_until_the_forward_ends(wan):
         assert sorted(entry.name for entry in loras.loaded()) == ["b", "c"]
     finally:
         loras.close()
+
+
+@pytest.mark.parametrize("setting,words", [({"use_rslora": True}, "use_rslora"), ({"use_dora": True}, "use_dora"),
+                                           ({"rank_pattern": {"blocks.0.attn1.to_q": 8}}, "rank_pattern")])
+def test_a_peft_config_asking_for_another_scaling_is_refused(wan, tmp_path, setting, words):
+    folder = save_peft(random_weights(wan, rank=4, modules=["blocks.0.attn1.to_q"]), tmp_path / "p", alpha=8.0)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **setting}))
+    with pytest.raises(LoraError, match=f"'p'.*{words}"):
+        load_lora(folder, "p")
