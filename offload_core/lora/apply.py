@@ -274,13 +274,13 @@ class LoraSet:
 
     def _add_terms(self, module_name: str, routing: _Routing, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """``output`` plus each group's low-rank term in its rows (other rows untouched, bit for bit)."""
+        targeting = [(index, group, group.matrices[module_name]) for index, group in enumerate(routing.groups)
+                     if module_name in group.matrices]
+        if not targeting:
+            return output  # no adapter of this forward targets this Linear
         k = self._row_multiple(module_name, routing, x)
         out = output if not output.requires_grad else output.clone()
-        for index, group in enumerate(routing.groups):
-            matrices = group.matrices.get(module_name)
-            if matrices is None:
-                continue  # this adapter does not target this Linear
-            a, b = matrices
+        for index, group, (a, b) in targeting:
             if x.device != a.device:
                 raise LoraError(f"LoRA adapter {group.name!r}: module {module_name!r} ran on {x.device}, the "
                                 f"adapter is on {a.device}")

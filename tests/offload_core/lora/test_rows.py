@@ -87,6 +87,9 @@ def test_routing_names_rows_only_of_this_forward(streamed):
     with pytest.raises(LoraError, match="already active"):
         with loras.rows([None]), loras.rows([None]):
             pass
+    base = case.run(model, _batch(case, 2))
+    with loras.rows([]):  # no rows routed, no input checked: the base model
+        assert torch.equal(case.run(model, _batch(case, 2)), base)
 
 
 class _Flat(torch.nn.Module):
