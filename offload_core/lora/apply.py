@@ -20,7 +20,15 @@ Rows: the Linear's input must have the forward's batch rows first (``[B, seq, in
 what Wan's and FLUX's transformers pass), or a row-major flattening of them (``[B * k, in]``, Wan
 2.2's per-token timestep embedder): row ``i`` belongs to batch row ``i // k``. Any other first
 dimension raises :class:`LoraError` naming the module (a Linear that folds the batch otherwise
-cannot be routed per row).
+cannot be routed per row). A ``[B, k, in]`` input whose rows are not the batch's cannot be told
+apart from a batch-first one: no diffusers transformer we serve passes one to an adapted Linear.
+
+Under block compile (``offload_core.compile``) the hook runs eagerly at a graph break around each
+adapted Linear, for every forward once adapters are loaded: a new routing never recompiles, at the
+price of one break per adapted Linear.
+
+Not covered: Linears replaced by tensor-parallel shards (``check_fits`` refuses a non-``nn.Linear``
+target); adapters do not stream with their layer (they stay on the device, within the budget).
 
 Runs in the process that runs the model's forwards (a Denoiser replica), on the forward's thread;
 the routing is per thread, so a forward on another thread is not routed by this one's ``rows``.
