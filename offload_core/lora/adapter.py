@@ -23,6 +23,8 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from offload_core.tensor_parallel.sharded import is_sharded
+
 logger = logging.getLogger(__name__)
 
 # The files a folder may hold, in the order they are looked for: diffusers' save_lora_weights, PEFT's
@@ -204,6 +206,9 @@ def check_fits(adapter: LoraAdapter, model: nn.Module) -> None:
         if not isinstance(target, nn.Linear):
             raise LoraError(f"LoRA adapter {adapter.name!r}: module {module!r} is a {type(target).__name__}, "
                             "not an nn.Linear (only Linear layers take a LoRA here)")
+        if is_sharded(target.weight):
+            raise LoraError(f"LoRA adapter {adapter.name!r}: module {module!r} is sharded over tensor-parallel "
+                            "ranks (a DTensor weight); adapters apply to unsharded Linears only")
         if a.shape[0] != adapter.rank or b.shape[1] != adapter.rank:
             raise LoraError(f"LoRA adapter {adapter.name!r}: module {module!r} has rank {a.shape[0]}/{b.shape[1]}, "
                             f"the adapter's rank is {adapter.rank}")

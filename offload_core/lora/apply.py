@@ -27,8 +27,8 @@ Under block compile (``offload_core.compile``) the hook runs eagerly at a graph 
 adapted Linear, for every forward once adapters are loaded: a new routing never recompiles, at the
 price of one break per adapted Linear.
 
-Not covered: Linears replaced by tensor-parallel shards (``check_fits`` refuses a non-``nn.Linear``
-target); adapters do not stream with their layer (they stay on the device, within the budget).
+Not covered: Linears sharded over tensor-parallel ranks (``check_fits`` refuses a DTensor weight);
+adapters do not stream with their layer (they stay on the device, within the budget).
 
 Runs in the process that runs the model's forwards (a Denoiser replica), on the forward's thread;
 the routing is per thread, so a forward on another thread is not routed by this one's ``rows``.

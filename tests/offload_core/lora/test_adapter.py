@@ -159,3 +159,17 @@ def test_a_peft_config_asking_for_another_scaling_is_refused(wan, tmp_path, sett
     (folder / "adapter_config.json").write_text(json.dumps({**config, **setting}))
     with pytest.raises(LoraError, match=f"'p'.*{words}"):
         load_lora(folder, "p")
+
+
+def test_a_linear_sharded_over_tensor_parallel_ranks_is_refused(tmp_path):
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from tests.offload_core.tp_fixtures import fake_world
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    adapter = _adapter(random_weights(model, rank=2, modules=["0"]))
+    check_fits(adapter, model)
+    with fake_world(2) as mesh:
+        parallelize_module(model, mesh, {"0": ColwiseParallel()})
+        with pytest.raises(LoraError, match="'a'.*module '0' is sharded over tensor-parallel ranks"):
+            check_fits(adapter, model)
