@@ -29,6 +29,7 @@ from deployments.replica.stages import Denoiser, TextEncoder, VaeDecoder
 from deployments.replica.warmup import WarmupShape
 from deployments.replica.worker import DTYPES, StageConfig
 from deployments.wire.spec import Family, PipelineStage
+from offload_core.compile import CompileConfig, CompileMode, parse_bucket
 from offload_core.host.budget_cap import HostBudgetSpec, parse_host_budget
 from offload_core.planner.search import PerformanceMode
 from offload_core.quant import WeightFormat
@@ -68,6 +69,22 @@ class StageArgs(BaseModel):
     # Token tables at least this large are considered for the host (offload_core.tables); None: 256 MiB.
     # A tensor-parallel (sharded) table never is: the report says so.
     host_tables_min_bytes: int | None = Field(None, ge=0)
+    # torch.compile of the stage's repeated blocks (docs/compile.md): none (eager) or blocks (each block
+    # class compiled once, streamed and resident layers alike, before the replica reports ready).
+    compile: CompileMode = CompileMode.NONE
+    # With compile: blocks, the request shapes compiled at start, one bucket per entry: shapes "WxH" or
+    # "WxHxF" joined by "," share one graph. Empty: the default request, at batch 1 and max_batch.
+    compile_buckets: list[str] = []
+    # Inductor's on-disk cache folder (a restarted replica loads its graphs instead of compiling them);
+    # null: torch's default (a folder under /tmp).
+    compile_cache_dir: str | None = None
+
+    @field_validator("compile_buckets")
+    @classmethod
+    def _parse_buckets(cls, value):
+        for text in value:
+            parse_bucket(text)  # a typo fails build_app, not a replica's start
+        return value
 
     @field_validator("host_memory_budget")
     @classmethod
@@ -81,6 +98,12 @@ class StageArgs(BaseModel):
 
     def host_budget(self) -> HostBudgetSpec | None:
         return None if self.host_memory_budget is None else parse_host_budget(self.host_memory_budget)
+
+    def compile_config(self) -> CompileConfig | None:
+        if self.compile is CompileMode.NONE:
+            return None
+        return CompileConfig(self.compile, buckets=tuple(parse_bucket(t) for t in self.compile_buckets),
+                             cache_dir=self.compile_cache_dir)
 
 
 class BatchingArgs(BaseModel):
@@ -257,7 +280,8 @@ def stage_configs(args: AppArgs, facts: FamilyTraits) -> dict[str, StageConfig]:
                                      args.dtype, args.device_timeout_s, stage_args.host_budget(), batching,
                                      share_host_weights=stage_args.share_host_weights, warmup_shape=shape,
                                      weights=stage_args.weights, cache_threshold=stage_args.cache_threshold,
-                                     tp_size=stage_args.tp_size, host_tables=stage_args.tables())
+                                     tp_size=stage_args.tp_size, host_tables=stage_args.tables(),
+                                     compile=stage_args.compile_config())
         if stage is PipelineStage.DENOISE and loras:
             configs[stage] = dataclasses.replace(configs[stage], loras=loras,
                                                  lora_device_budget=args.lora_budget_bytes())

@@ -56,6 +56,9 @@ class ReplicaResidency:
     # The GPU type the replica plans for ("L4", "H100": its fleet profile's accelerator type, else the
     # GPU's name; "CPU" without one): on a mixed fleet one deployment's replicas differ by it.
     gpu_type: str | None = None
+    # compile: blocks (deployments/replica/compile_stage.py's StageCompile.to_json()): the compiled
+    # block classes per component and each bucket's shapes, compile seconds and graphs; None: eager.
+    compile: dict | None = None
 
     def to_json(self) -> dict:
         return {"replica": self.replica, "stage": self.stage, "device": self.device, "gpu_type": self.gpu_type,
@@ -67,7 +70,8 @@ class ReplicaResidency:
                 "host_memory": self.host_memory, "leases": self.leases,
                 "activation_room_bytes": None if self.admission is None else self.admission.room_bytes,
                 **({"batch": self.batch.to_json()} if self.batch is not None else {}),
-                **({"loras": [lora.to_json() for lora in self.loras]} if self.loras else {})}
+                **({"loras": [lora.to_json() for lora in self.loras]} if self.loras else {}),
+                "compile": self.compile or {"mode": "none"}}
 
 
 # A replica sends its report again after this long without a change (one report: 2.5-6.6 ms of CPU

@@ -56,6 +56,16 @@ class StageMetrics:
                        self._steps_after_cancel, self._free_after_cancel, self._component_total, self._cache_skips,
                        self._cache_skip_fraction):
             metric.set_default_tags({"stage": stage})
+        self._stage = stage
+
+    def record_compile(self, figures) -> None:
+        """Compile seconds per bucket (and component) at the replica's start (compile: blocks)."""
+        gauge = metrics.Gauge("offload_serve_compile_seconds", description="Seconds one bucket's compiled "
+                              "warm-up call took at the replica's start (compile included).",
+                              tag_keys=("stage", "bucket"))
+        gauge.set_default_tags({"stage": self._stage})
+        for figure in figures:
+            gauge.set(figure.compile_s, tags={"bucket": figure.bucket})
 
     def record(self, stats: StageStats) -> None:
         self._latency.observe(stats.seconds)

@@ -13,6 +13,7 @@ from deployments.models.lora_rows import ServedLora
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.warmup import WarmupShape
 from deployments.wire.spec import PipelineStage
+from offload_core.compile import CompileConfig
 from offload_core.host.budget_cap import HostBudgetSpec
 from offload_core.planner.search import PerformanceMode
 from offload_core.quant import WeightFormat
@@ -55,3 +56,5 @@ class StageConfig:
     # bytes their A/B matrices may hold (least recently used ones evicted beyond it).
     loras: tuple[ServedLora, ...] = ()
     lora_device_budget: int = 0
+    # torch.compile of the stage's repeated blocks (StageArgs.compile): None: eager.
+    compile: CompileConfig | None = None

@@ -29,7 +29,7 @@ from deployments.capacity.batch_state import BatchState
 from deployments.capacity.replica_report import REPUBLISH_S, AdapterResidency, ReplicaResidency
 from deployments.models import activation_features, families
 from deployments.models.activation_features import ACTIVATION_MARGIN
-from deployments.replica import warmup
+from deployments.replica import compile_stage, warmup
 from deployments.replica import worker_setup as setup
 from deployments.replica.board import get_board, pack
 from deployments.replica.board_publisher import Throttled
@@ -131,6 +131,11 @@ class StageWorker:
         self.picture = None
         self.first_use = FirstUse(self.replica, modules, self.device)  # nothing to time during the warm-up
         self.warmup = self._apply_warmup(warmup.warm_up(self, modules, plan))
+        # Compiled after the residency settled, before first-use timing starts (compile is no compute).
+        self.compiled = None if config.compile is None else compile_stage.apply_stage_compile(
+            self, modules, config.compile, self.warmup.shape, self.warmup.batch)
+        if self.compiled is not None:
+            self.metrics.record_compile(self.compiled.figures)
         # Components the warm-up's request did not run are timed on the first call that runs them.
         self.first_use.track(dict(self.warmup.compute))
         # Drawn from the plan that runs and what the warm-up measured (GET /v1/residency/picture).
@@ -300,11 +305,13 @@ class StageWorker:
     def report(self) -> ReplicaResidency:
         weights = self.residency.report()
         return ReplicaResidency(self.replica, self.config.stage.value, str(self.device), self.residency.mode.value,
-                                self.residency.plan.explain(), self.residency.predicted_peak_bytes(),
+                                self.residency.plan.explain() + ((self.compiled.describe(),) if self.compiled else ()),
+                                self.residency.predicted_peak_bytes(),
                                 self._last.device_peak_bytes, self._last.bytes_streamed, weights.to_json(),
                                 self.residency.host_status(weights).to_json(), self._batch,
                                 self.leases.figures(with_headroom=True).to_json(), self.admission(), self.picture,
-                                loras=self._lora_report(), gpu_type=gpu_type_of(self.memory))
+                                loras=self._lora_report(), gpu_type=gpu_type_of(self.memory),
+                                compile=self.compiled.to_json() if self.compiled else None)
 
     def adapters_fit(self, names: set[str]) -> bool:
         """Whether the adapters ``names`` fit the adapters' device budget together (one forward needs them all)."""

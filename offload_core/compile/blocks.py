@@ -22,7 +22,7 @@ import logging
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -58,8 +58,21 @@ class BlockKernel:
         return torch.compile(self.cls.forward, fullgraph=fullgraph, backend=self.config.backend,
                              mode=self.config.mode_name)
 
+    def bind(self, module: nn.Module) -> Callable:
+        """``module``'s forward through this kernel, with the original's signature (a step cache reads it)."""
+        original = self.cls.forward.__get__(module)
+
+        def forward(*args, **kwargs):
+            return self(module, *args, **kwargs)
+
+        return functools.update_wrapper(forward, original)
+
     def __call__(self, module: nn.Module, *args, **kwargs):
         leaves = tree_leaves((args, kwargs))
+        if any(isinstance(leaf, torch.Tensor) and leaf.is_meta for leaf in leaves):
+            # The engine's order trace runs a forward on meta tensors (offload_core.order): eager,
+            # never a graph compiled for meta.
+            return self.cls.forward(module, *args, **kwargs)
         seen = signature(leaves)
         if self._recording is not None:  # a warm-up's eager pass: learn the shapes, compile nothing
             run = self._recording[-1]
@@ -213,8 +226,14 @@ def apply_block_compile(model: nn.Module, config: CompileConfig | None = None) -
     classes = block_classes(model)
     kernels = {cls: kernel_for(cls, config) for cls in classes}
     instances = tuple(m for m in model.modules() if type(m) in kernels)
+    wrapped = [type(m).__name__ for m in instances if "forward" in vars(m)]
+    if wrapped:
+        # A wrapper already there (a step cache's) calls the eager forward it captured: compile first,
+        # then wrap (the step cache wraps at the first cached forward, after the replica's warm-up).
+        raise BlockCompileError(f"{len(wrapped)} {wrapped[0]} blocks of {type(model).__name__} already have their "
+                                "forward wrapped: compile the blocks before wrapping them")
     for module in instances:
-        module.forward = functools.partial(kernels[type(module)], module)
+        module.forward = kernels[type(module)].bind(module)
     blocks = CompiledBlocks(model, config, kernels, instances)
     setattr(model, COMPILED_ATTRIBUTE, blocks)
     logger.info("compile %s: %d blocks of %s compiled once per class (fullgraph %s, backend %s, mode %s); "

@@ -114,3 +114,15 @@ def learn_rules(bucket: str, runs: Sequence[Sequence[Signature]]) -> tuple[Bucke
                     dynamic.append(DynamicDim(leaf, dim, min(sizes), max(sizes)))
         rules.append(BucketRule(bucket, base, tuple(dynamic)))
     return tuple(rules)
+
+
+def parse_bucket(text: str) -> ShapeBucket:
+    """``"832x480x1,1280x720"``: shapes ``WxH`` or ``WxHxF`` (frames 1 when left out) that share a bucket."""
+    shapes = []
+    for part in text.split(","):
+        fields = part.strip().lower().split("x")
+        if len(fields) not in (2, 3) or not all(f.isdigit() and int(f) > 0 for f in fields):
+            raise ValueError(f"compile bucket {text!r}: {part.strip()!r} is not WxH or WxHxF (positive integers)")
+        width, height, frames = (*map(int, fields), 1)[:3]
+        shapes.append(RequestShape(height, width, frames))
+    return ShapeBucket(text.replace(" ", ""), tuple(shapes))

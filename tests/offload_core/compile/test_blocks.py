@@ -86,7 +86,7 @@ def test_a_bucket_compiles_once_and_requests_after_warmup_never_recompile(warmed
     assert streamer.ring.n_slots < len(streamer.layers)
 
 
-@pytest.mark.parametrize("tier", [HostingTier.PINNED, HostingTier.PAGEABLE], ids=lambda t: t.value)
+@pytest.mark.parametrize("tier", [HostingTier.PINNED, HostingTier.PAGEABLE, HostingTier.MAPPED], ids=lambda t: t.value)
 def test_streamed_compiled_is_bitwise_the_resident_compiled(warmed, tier, remove_after):
     resident = WAN.build()
     remove_after(apply_block_compile(resident, CompileConfig(buckets=(BUCKET,))))
@@ -138,3 +138,17 @@ def test_streamed_blocks_compile_their_declared_class_and_none_compiles_nothing(
 def test_cuda_graph_modes_are_refused_since_streamed_weights_move():
     with pytest.raises(ValueError, match="CUDA graphs"):
         CompileConfig(mode_name="reduce-overhead")
+
+
+def test_compiled_forward_keeps_the_block_signature_and_refuses_a_wrapped_block():
+    import inspect
+
+    model = WAN.build()
+    blocks = apply_block_compile(model, CompileConfig())
+    try:
+        assert "rotary_emb" in inspect.signature(model.blocks[0].forward).parameters  # a step cache reads it
+    finally:
+        blocks.remove()
+    model.blocks[1].forward = lambda *a, **k: None
+    with pytest.raises(BlockCompileError, match="already have their forward wrapped"):
+        apply_block_compile(model, CompileConfig())
