@@ -4,7 +4,7 @@ The medium Wan denoiser in memory mode (every layer streamed, depth 1), stepped 
 replica steps it (``StepBatch``; the adapters through ``LoraStepper`` over ``offload_core.lora``'s
 ``LoraSet``): rounds alternate a batch of 4 requests without adapters and a batch of 4 requests
 each naming another adapter (random A/B, rank ``--rank``, on every attention and feed-forward
-Linear), all 4 joining at the first boundary. Figures: the step (forward) time ratio, the bytes
+Linear), all 4 joining at the first boundary, in alternating order. Figures: the step (forward) time ratio, the bytes
 streamed per request ratio (adapters stay on the device: the base layer streams once per step for
 all), the adapters' device bytes, and a projection at real size: FLUX.1-dev at 1024x1024, rank 64
 on the same Linears, the low-rank term's FLOPs over the step's (from
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -100,36 +101,37 @@ def flux_projection(rank: int) -> dict:
             "adapter_bytes_bf16": adapter_bytes}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 rounds of each, 4 steps")
-    parser.add_argument("--rank", type=int, default=16)
-    args = parser.parse_args()
-    rounds, steps = (3, 4) if args.quick else (6, 8)
-    torch.set_num_threads(1)
+def adapters_for(transformer, rank: int) -> list:
+    """CLIENTS random adapters at ``rank`` on the transformer's attention and feed-forward Linears, read
+    into host memory (their files are gone when this returns)."""
+    folder = Path(tempfile.mkdtemp(prefix="bench-lora-"))
+    try:
+        return [load_lora(str(write_adapter(transformer, folder / f"style-{c}.safetensors", rank=rank, seed=c)),
+                          f"style-{c}") for c in range(CLIENTS)]
+    finally:
+        shutil.rmtree(folder)
+
+
+def measure(rank: int, rounds: int, steps: int) -> dict:
+    """Rounds alternating 4 requests without adapters and 4 with 4 different ones: the figures."""
     facts = families.read_family_traits(ensure_medium_wan())
     encoder = families.load_stage_pipeline(facts, PipelineStage.ENCODE, torch.float32)
     pipe = families.load_stage_pipeline(facts, PipelineStage.DENOISE, torch.float32)
     encoded = families.encode(encoder, facts, specs_for(steps, [None], 0)[0], CPU)
-    names = [f"style-{c}" for c in range(CLIENTS)]
-    folder = Path(tempfile.mkdtemp(prefix="bench-lora-"))
-    adapters = [load_lora(str(write_adapter(pipe.transformer, folder / f"{name}.safetensors", rank=args.rank, seed=c)),
-                          name) for c, name in enumerate(names)]
-    for c, name in enumerate(names):
-        (folder / f"{name}.safetensors").unlink()  # read into host memory: the files are not needed again
-    folder.rmdir()
+    adapters = adapters_for(pipe.transformer, rank)
+    names = [a.name for a in adapters]
     streamer = apply_layer_streaming(pipe.transformer, CPU, StreamingConfig(prefetch_depth=1))
     loras = apply_lora(pipe.transformer, CPU, sum(a.nbytes for a in adapters))
     for adapter in adapters:
         loras.load(adapter)
-    stepper = _Counted(stepper_for(pipe, facts, CPU), loras, streamer)
-    config = BatchingConfig(max_batch=CLIENTS)
+    stepper, config = _Counted(stepper_for(pipe, facts, CPU), loras, streamer), BatchingConfig(max_batch=CLIENTS)
     times: dict[str, list[float]] = {"base": [], "adapters": []}
     per_request: dict[str, list[float]] = {"base": [], "adapters": []}
     try:
         run_batch(stepper, config, encoded, specs_for(steps, names, 0))  # warm both paths once
         for r in range(1, rounds + 1):
-            for kind, chosen in (("base", [None] * CLIENTS), ("adapters", names)):
+            kinds = (("base", [None] * CLIENTS), ("adapters", names))
+            for kind, chosen in kinds if r % 2 else kinds[::-1]:  # either order as often: drift cancels
                 forwards, streamed = run_batch(stepper, config, encoded, specs_for(steps, chosen, r))
                 times[kind] += forwards
                 per_request[kind] += streamed
@@ -138,31 +140,44 @@ def main() -> None:
     step = {k: statistics.median(v) for k, v in times.items()}
     bytes_per = {k: statistics.mean(v) for k, v in per_request.items()}
     loaded = loras.loaded()
-    projection = flux_projection(64)
-    result = {
-        "bench": "lora", "model": "medium-wan", "clients": CLIENTS, "rank": args.rank, "steps": steps,
-        "rounds": rounds, "linears_adapted": len(target_linears(pipe.transformer)),
+    return {
+        "bench": "lora", "model": "medium-wan", "clients": CLIENTS, "rank": rank, "steps": steps, "rounds": rounds,
+        "layers_streamed": len(streamer.layers), "linears_adapted": len(target_linears(pipe.transformer)),
         "step_s_base": round(step["base"], 5), "step_s_4_adapters": round(step["adapters"], 5),
         "step_ratio_4_adapters": round(step["adapters"] / step["base"], 4),
         "bytes_per_request_base": int(bytes_per["base"]), "bytes_per_request_4_adapters": int(bytes_per["adapters"]),
         "bytes_per_request_ratio": round(bytes_per["adapters"] / bytes_per["base"], 4),
         "adapter_device_bytes": sum(a.nbytes for a in loaded), "adapters_loaded": len(loaded),
-        "projection": projection}
-    print(f"medium Wan denoiser, memory mode ({len(streamer.layers)} layers streamed, depth 1), {CLIENTS} requests "
-          f"per batch, {steps} steps, guided, {rounds} rounds each; {result['linears_adapted']} Linears adapted at "
-          f"rank {args.rank}")
-    print(f"step: {step['base'] * 1e3:.2f} ms without adapters, {step['adapters'] * 1e3:.2f} ms with 4 different "
-          f"adapters: {result['step_ratio_4_adapters']:.3f}x")
-    print(f"bytes streamed per request: {result['bytes_per_request_base']:,} vs "
-          f"{result['bytes_per_request_4_adapters']:,} ({result['bytes_per_request_ratio']:.4f}x)")
-    print(f"adapters on the device: {result['adapters_loaded']} x {adapters[0].nbytes:,} B = "
-          f"{result['adapter_device_bytes']:,} B")
+        "projection": flux_projection(64)}
+
+
+def print_figures(r: dict) -> None:
+    projection = r["projection"]
+    print(f"medium Wan denoiser, memory mode ({r['layers_streamed']} layers streamed, depth 1), {r['clients']} "
+          f"requests per batch, {r['steps']} steps, guided, {r['rounds']} rounds each; {r['linears_adapted']} "
+          f"Linears adapted at rank {r['rank']}")
+    print(f"step: {r['step_s_base'] * 1e3:.2f} ms without adapters, {r['step_s_4_adapters'] * 1e3:.2f} ms with "
+          f"4 different adapters: {r['step_ratio_4_adapters']:.3f}x")
+    print(f"bytes streamed per request: {r['bytes_per_request_base']:,} vs {r['bytes_per_request_4_adapters']:,} "
+          f"({r['bytes_per_request_ratio']:.4f}x)")
+    print(f"adapters on the device: {r['adapters_loaded']}, {r['adapter_device_bytes']:,} B")
     print(f"projection, FLUX.1-dev 1024x1024 rank 64: low-rank {projection['low_rank_gflops']} GFLOP of "
           f"{projection['step_gflops']} GFLOP per forward ({projection['low_rank_flops_fraction']:.2%}); "
           f"adapter {projection['adapter_bytes_bf16'] / 2**20:.0f} MiB in bf16")
-    sys.exit(finish(result, [at_most("step_ratio_4_adapters", result["step_ratio_4_adapters"], 1.15),
-                             equal("bytes_per_request_ratio", result["bytes_per_request_ratio"], 1.0)]))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 rounds of each, 4 steps")
+    parser.add_argument("--rank", type=int, default=16)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rounds, steps = (4, 4) if args.quick else (8, 8)
+    result = measure(args.rank, rounds, steps)
+    print_figures(result)
+    return finish(result, [at_most("step_ratio_4_adapters", result["step_ratio_4_adapters"], 1.15),
+                           equal("bytes_per_request_ratio", result["bytes_per_request_ratio"], 1.0)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
