@@ -1,7 +1,7 @@
 """Compiled repeated blocks, resident and streamed: recompiles, compile seconds, eager/compiled ratios.
 
     .venv/bin/python bench/compile.py --quick                     # CPU: the tiny zoo Wan and Flux, inductor's C++ backend
-    .venv/bin/python bench/compile.py --device cuda --model wan2.1-1.3b [--blocks N]   # GPU (prepared, not run here)
+    .venv/bin/python bench/compile.py --device cuda [--model wan2.1-1.3b --model flux-sized] [--blocks N]   # GPU
 
 Per model, four copies: resident (plain), streamed (every layer PINNED, 2 slots), streamed with FP8
 host weights, and the resident reference for FP8 (fake-quantized). Eager first (resident and
@@ -50,11 +50,43 @@ from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
 # (a static graph per shape: the fastest kernels, the issue's two shapes).
 SHAPES = {"tiny-wan": (RequestShape(64, 64), RequestShape(64, 128), RequestShape(128, 128)),
           "tiny-flux": (RequestShape(128, 128), RequestShape(128, 256), RequestShape(256, 256)),
-          "wan2.1-1.3b": (RequestShape(480, 832, 1), RequestShape(480, 832, 6))}
+          "wan2.1-1.3b": (RequestShape(480, 832, 1), RequestShape(480, 832, 6)),
+          "flux-sized": (RequestShape(1024, 1024),)}
+# flux-sized: FLUX.1-dev's transformer config (configs/models/real_model_configs.json) with the block
+# stack cut to --blocks double and 2 x --blocks single blocks (default 6: ~3.7 B parameters, 7.4 GB
+# in bf16 per copy, four copies on the host), random weights: a FLUX-sized block at the real width.
+FLUX_SIZED_BLOCKS = 6
 
 
 def layers_of(model) -> list:
     return [m for g in declared_layer_groups(model) for m in resolve_layer_group(model, g).layers]
+
+
+_FLUX_WEIGHTS: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
+def flux_sized(dtype: torch.dtype, blocks: int | None):
+    """FLUX.1-dev's transformer at real width, ``blocks`` double and 2 x ``blocks`` single blocks,
+    random weights drawn once per run (as bench/gpu_models.real_denoiser draws Wan's)."""
+    from diffusers import FluxTransformer2DModel
+
+    config = json.loads((Path(__file__).resolve().parents[1] / "configs/models/real_model_configs.json").read_text())
+    cfg = dict(config["flux.1-dev"]["transformer"]["config"])
+    n = blocks or FLUX_SIZED_BLOCKS
+    cfg["num_layers"], cfg["num_single_layers"] = min(cfg["num_layers"], n), min(cfg["num_single_layers"], 2 * n)
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(cfg)
+    model = model.to_empty(device="cpu")
+    weights = _FLUX_WEIGHTS.get((dtype, n))
+    if weights is None:
+        generator = torch.Generator().manual_seed(0)
+        weights = _FLUX_WEIGHTS[(dtype, n)] = {name: (torch.randn(p.shape, generator=generator) * 0.02).to(dtype)
+                                                for name, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.data = weights[name].clone()
+    for b in model.buffers():
+        b.zero_()
+    return model.eval()
 
 
 def load(name: str, dtype: torch.dtype, blocks: int | None):
@@ -62,6 +94,8 @@ def load(name: str, dtype: torch.dtype, blocks: int | None):
         from bench.gpu_models import real_denoiser
 
         return real_denoiser(dtype, blocks)
+    if name == "flux-sized":
+        return flux_sized(dtype, blocks)
     from diffusers import FluxTransformer2DModel, WanTransformer3DModel
 
     from zoo.tiny import ensure_tiny_flux, ensure_tiny_wan
@@ -77,13 +111,13 @@ def load(name: str, dtype: torch.dtype, blocks: int | None):
 def inputs(name: str, model, shape: RequestShape, device, dtype) -> dict:
     g = torch.Generator().manual_seed(shape.height * 31 + shape.width + shape.frames)
     cfg, b = model.config, shape.batch
-    if name == "tiny-flux":
-        tokens = (shape.height // 16) * (shape.width // 16)
+    if name in ("tiny-flux", "flux-sized"):
+        tokens, text = (shape.height // 16) * (shape.width // 16), 8 if name == "tiny-flux" else 512
         found = {"hidden_states": torch.randn(b, tokens, cfg.in_channels, generator=g),
-                 "encoder_hidden_states": torch.randn(b, 8, cfg.joint_attention_dim, generator=g),
+                 "encoder_hidden_states": torch.randn(b, text, cfg.joint_attention_dim, generator=g),
                  "pooled_projections": torch.randn(b, cfg.pooled_projection_dim, generator=g),
                  "timestep": torch.full((b,), 0.5), "guidance": torch.full((b,), 3.5),
-                 "img_ids": torch.zeros(tokens, 3), "txt_ids": torch.zeros(8, 3)}
+                 "img_ids": torch.zeros(tokens, 3), "txt_ids": torch.zeros(text, 3)}
     else:
         found = {"hidden_states": torch.randn(b, cfg.in_channels, shape.frames, shape.height // 8, shape.width // 8,
                                               generator=g),
@@ -244,10 +278,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="5 repeats per step")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", choices=sorted(SHAPES), action="append", default=None,
-                        help="repeatable; default: tiny-wan and tiny-flux (cpu), wan2.1-1.3b (cuda)")
+                        help="repeatable; default: tiny-wan and tiny-flux (cpu), wan2.1-1.3b and flux-sized (cuda)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="default: float32 on cpu, bfloat16 on cuda")
-    parser.add_argument("--blocks", type=int, default=None, help="cap the real model's block count")
+    parser.add_argument("--blocks", type=int, default=None,
+                        help="cap the real-size models' blocks (flux-sized: N double + 2N single, default 6)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (CPU default 1: inductor's OpenMP kernels spin-wait on a shared 2-core VM)")
@@ -263,7 +298,7 @@ def main() -> int:
     if args.cache_probe:
         print(json.dumps({"compile_s": cache_probe(args)}))
         return 0
-    models = args.model or (["tiny-wan", "tiny-flux"] if args.device.type == "cpu" else ["wan2.1-1.3b"])
+    models = args.model or (["tiny-wan", "tiny-flux"] if args.device.type == "cpu" else ["wan2.1-1.3b", "flux-sized"])
     results = []
     for name in models:
         args.model = name
