@@ -64,7 +64,8 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
     for router in (status.router, residency.router, generations.router):
         api.include_router(router)
     if jobs is not None:
-        video_jobs.mount(api, video_jobs.VideoJobsConfig(config.model_id, config.facts, config.limits, config.jobs),
+        video_jobs.mount(api, video_jobs.VideoJobsConfig(config.model_id, config.facts, config.limits, config.jobs,
+                                                                   loras=config.loras),
                          jobs, service.generate, config.retry_after_s, stages.failure, service.admissions)
     if serving is not None:  # inside the Guard (added after): a request without the token is still a 401
         api.add_middleware(NotServingGate, check=serving, paths=frozenset({IMAGES, VIDEOS, video_jobs.CREATE}),

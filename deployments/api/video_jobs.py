@@ -34,6 +34,7 @@ from deployments.jobs.records import JobStatus, ListOrder, VideoJob, new_job, ne
 from deployments.jobs.results import ResultFolder, Variant
 from deployments.jobs.runner import Generate, JobRunner, params_spec
 from deployments.models.families import FamilyTraits
+from deployments.models.lora_rows import ServedLora
 from deployments.wire.failures import FailureKind, FailureSorter
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class VideoJobsConfig:
     facts: FamilyTraits
     limits: Limits
     args: JobsArgs
+    loras: tuple[ServedLora, ...] = ()  # the LoRA adapters a job may name (IngressConfig.loras)
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class VideoJobs:
         cfg = self.config
         try:
             req = VideoJobRequest.model_validate(await self._read_body(request))
-            params = job_params(req, cfg.facts, cfg.limits, cfg.model_id)
+            params = job_params(req, cfg.facts, cfg.limits, cfg.model_id, cfg.loras)
             if self.admissions is not None:
                 refusal = memory_refusal(cfg.facts, await self.admissions(), params_spec(params, "create"))
                 if refusal is not None:  # a job's length is asked in seconds

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import math
 import re
+from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -18,6 +19,7 @@ from deployments.api.schemas import MAX_USER_CHARS, Text, VideoRequest, referenc
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.jobs.records import JobParams
 from deployments.models.families import FamilyTraits
+from deployments.models.lora_rows import MAX_LORA_SCALE, ServedLora
 
 # "4", "8", "12" from the official client; fractions allowed ("1.5"), never signs or exponents.
 SECONDS_PATTERN = re.compile(r"[0-9]{1,4}(\.[0-9]{1,3})?", re.ASCII)
@@ -39,6 +41,8 @@ class VideoJobRequest(BaseModel):
     guidance_scale: float | None = Field(None, ge=0.0, le=100.0)
     negative_prompt: Text | None = None
     fps: int | None = Field(None, ge=1, le=60)
+    lora: Text | None = Field(None, max_length=128)  # a configured LoRA adapter's name (VideoRequest's)
+    lora_scale: float | None = Field(None, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
 
     @field_validator("seconds", mode="before")
     @classmethod
@@ -60,16 +64,19 @@ def frames_for(seconds: str, fps: int, temporal_factor: int) -> int:
     return 1 + temporal_factor * max(1, math.ceil(intervals / temporal_factor))
 
 
-def job_params(req: VideoJobRequest, facts: FamilyTraits, limits: Limits, model_id: str) -> JobParams:
-    """The job's parameters, or :class:`FieldError` naming the first bad field."""
+def job_params(req: VideoJobRequest, facts: FamilyTraits, limits: Limits, model_id: str,
+               loras: Sequence[ServedLora] = ()) -> JobParams:
+    """The job's parameters, or :class:`FieldError` naming the first bad field; ``loras``: the adapters
+    a request may name."""
     reference = reference_bytes(req.input_reference)
     fps = req.fps or limits.default_fps
     frames = limits.default_frames if req.seconds is None else frames_for(req.seconds, fps, facts.temporal_factor)
     as_sync = VideoRequest(prompt=req.prompt, model=req.model, size=req.size, seed=req.seed,
                            num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale,
-                           negative_prompt=req.negative_prompt, num_frames=frames, fps=fps)
+                           negative_prompt=req.negative_prompt, num_frames=frames, fps=fps, lora=req.lora,
+                           lora_scale=req.lora_scale)
     try:
-        spec = video_spec(as_sync, facts, limits, model_id, reference)
+        spec = video_spec(as_sync, facts, limits, model_id, reference, loras)
     except FieldError as exc:
         if exc.param != "num_frames":
             raise
@@ -78,4 +85,4 @@ def job_params(req: VideoJobRequest, facts: FamilyTraits, limits: Limits, model_
                                     f"{limits.max_frames} frames ({longest} s at {fps} fps)") from None
     return JobParams(spec.prompt, spec.negative_prompt, spec.width, spec.height, spec.num_frames, fps, spec.steps,
                      spec.guidance_scale, spec.seed, format_seconds(spec.num_frames, fps),
-                     None if reference is None else base64.b64encode(reference).decode())
+                     None if reference is None else base64.b64encode(reference).decode(), spec.lora, spec.lora_scale)

@@ -61,6 +61,10 @@ class JobParams:
     seconds: str  # as the client sees it in the video object ("1", "2.25")
     # Image-to-video: the checked reference image, base64 (the record is JSON); None for text only.
     reference_image: str | None = None
+    # The LoRA adapter by its configured name and its resolved scale (GenerationSpec.lora); None: the
+    # base model. Records written before adapters existed read as None.
+    lora: str | None = None
+    lora_scale: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ def params_spec(params: JobParams, request_id: str) -> GenerationSpec:
     p = params
     reference = None if p.reference_image is None else base64.b64decode(p.reference_image)
     return GenerationSpec(request_id, p.prompt, p.negative_prompt, p.height, p.width, p.num_frames, p.steps,
-                          p.guidance_scale, p.seed, 1, reference)
+                          p.guidance_scale, p.seed, 1, reference, lora=p.lora, lora_scale=p.lora_scale)
 
 
 def job_spec(job: VideoJob) -> GenerationSpec:

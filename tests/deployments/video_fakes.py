@@ -85,7 +85,8 @@ def jobs_args(tmp_path, **overrides) -> JobsArgs:
 
 @contextlib.asynccontextmanager
 async def harness(tmp_path, token: str | None = None, pipeline: FakePipeline | None = None,
-                  stages: FakeStages | None = None, board: FakeBoard | None = None, **arg_overrides):
+                  stages: FakeStages | None = None, board: FakeBoard | None = None, loras: tuple = (),
+                  **arg_overrides):
     """The whole HTTP API (guard, error handlers, routes) as :func:`build_api` makes it, over the
     jobs backend in-process. The runner drives ``pipeline``, or with ``stages`` the service's own
     encode -> denoise -> decode over them."""
@@ -96,7 +97,7 @@ async def harness(tmp_path, token: str | None = None, pipeline: FakePipeline | N
     pipeline = None if stages is not None else pipeline or FakePipeline()
     backend = video_jobs.JobsBackend(InProcessJobQueue(service), service.results, "test-runner", pipeline)
     # No Retry-After wait on overload: the clock is frozen (test_jobs pins the wait itself).
-    config = dataclasses.replace(fake_config(token), limits=LIMITS, jobs=args, retry_after_s=0)
+    config = dataclasses.replace(fake_config(token), limits=LIMITS, jobs=args, retry_after_s=0, loras=loras)
     api = build_api(config, stages or FakeStages(), board or FakeBoard(), backend)
     jobs: video_jobs.VideoJobs = api.state.video_jobs
     jobs.clock = clock

@@ -2,6 +2,7 @@
 (4xx in the OpenAI error shape naming the field) when unknown; over fake stages, no Ray."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -12,6 +13,7 @@ from deployments.capacity.replica_report import AdapterResidency, ReplicaResiden
 from deployments.models.lora_rows import ServedLora
 from deployments.wire.spec import GenerationSpec
 from tests.deployments.fakes import TOKEN, FakeBoard, FakeStages, fake_config
+from tests.deployments.video_fakes import harness
 
 IMAGES, VIDEOS = "/v1/images/generations", "/v1/videos/generations"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -97,3 +99,18 @@ def test_residency_lists_each_replicas_adapters_with_their_bytes_and_place():
     assert denoiser["loras"] == [{"name": "ink", "bytes": 1 << 20, "place": "cuda:0", "rank": 16},
                                  {"name": "neon", "bytes": 2 << 20, "place": "host", "rank": 32}]
     assert "loras" not in encoder
+
+
+def test_a_video_job_carries_its_adapter_to_the_denoiser_and_an_unknown_one_is_refused_at_creation(tmp_path):
+    stages = _SpecStages()
+
+    async def scenario():
+        async with harness(tmp_path, stages=stages, loras=LORAS) as h:
+            created = await h.client.post("/v1/videos", json={"prompt": "waves", "lora": "ink"})
+            assert created.status_code == 200, created.text
+            assert (await h.wait_for(created.json()["id"]))["status"] == "completed"
+            refused = await h.client.post("/v1/videos", json={"prompt": "waves", "lora": "mist"})
+            assert refused.status_code == 404 and refused.json()["error"]["param"] == "lora"
+
+    asyncio.run(scenario())
+    assert [(s.lora, s.lora_scale) for s in stages.specs] == [("ink", 0.8)]
