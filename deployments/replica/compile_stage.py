@@ -87,8 +87,7 @@ def apply_stage_compile(host: CompileHost, modules: Mapping[str, nn.Module], con
                     host.replica, stage.value)
         return None
     buckets = stage_buckets(config, default, max_batch)
-    config = CompileConfig(config.mode, config.fullgraph, config.backend, config.mode_name, buckets, config.cache_dir,
-                           config.recompile_limit)
+    config = dataclasses.replace(config, buckets=buckets)
 
     stepper = stepper_for(host.pipe, facts, host.device) if stage is PipelineStage.DENOISE else None
 
