@@ -99,12 +99,16 @@ class ScalingSignal(enum.Enum):
 
 
 class Basis(enum.Enum):
+    """What a decision stood on."""
+
     WORK = "work"  # every request priced from fresh stats
     NO_STATS = "no fresh stats: ongoing requests"  # Serve's rule for this tick
 
 
 @dataclass(frozen=True)
 class ScalingDecision:
+    """One tick's replica count and the numbers behind it (its log line)."""
+
     replicas: int
     wanted: float  # before the min/max clamp
     work_s: float  # total predicted work-seconds (0 on the fallback)
