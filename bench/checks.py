@@ -21,6 +21,7 @@ TARGETS_ENV = "BENCH_TARGETS"
 
 class Kind(enum.Enum):
     AT_MOST = "<="
+    AT_LEAST = ">="
     EQUAL = "=="
 
 
@@ -35,6 +36,8 @@ class TargetCheck:
     def missed(self) -> bool:
         if self.kind is Kind.AT_MOST:
             return not self.value <= self.target
+        if self.kind is Kind.AT_LEAST:
+            return not self.value >= self.target
         return self.value != self.target
 
     def describe(self) -> str:
@@ -61,6 +64,11 @@ def check(name: str, value: object, kind: Kind, target: object) -> TargetCheck:
 
 def at_most(name: str, value: float, target: float) -> TargetCheck:
     return check(name, value, Kind.AT_MOST, target)
+
+
+def at_least(name: str, value: float, target: float) -> TargetCheck:
+    """A figure that must not fall below its target (bench/mixed_fleet.py: throughput, ours / default)."""
+    return check(name, value, Kind.AT_LEAST, target)
 
 
 def equal(name: str, value: object, target: object) -> TargetCheck:

@@ -28,6 +28,7 @@ from deployments.replica.batching import BatchingConfig
 from deployments.replica.stages import Denoiser, TextEncoder, VaeDecoder
 from deployments.replica.warmup import WarmupShape
 from deployments.replica.worker import DTYPES, StageConfig
+from deployments.routing.config import RoutingMode, router_options
 from deployments.wire.spec import Family, PipelineStage
 from offload_core.compile import CompileConfig, CompileMode, parse_bucket
 from offload_core.host.budget_cap import HostBudgetSpec, parse_host_budget
@@ -201,6 +202,13 @@ class AppArgs(BaseModel):
     # when the configured maximum replicas x num_gpus can never be placed on their GPUs. null: detected
     # (Ray's autoscaler v2 in the GCS), else false.
     cluster_autoscaler: bool | None = None
+    # How requests reach the Denoiser's replicas: "predicted" (each to the replica with the earliest
+    # predicted finish, from every replica's queue and its measured seconds per step: a mixed fleet's
+    # fast GPUs take more; deployments/routing) or "default" (Serve's power of two choices on queue length).
+    routing: RoutingMode = RoutingMode.PREDICTED
+    # How often Serve's controller asks each Denoiser replica for its routing stats; the router stops
+    # sending work to a replica whose stats are two periods old (hung or gone).
+    routing_stats_period_s: float = Field(1.0, gt=0)
     # What the Denoiser's autoscaling counts, when its Serve options autoscale: "work" (predicted
     # work-seconds per replica, each replica's queue at its own measured seconds per step, so a slow
     # GPU's queue weighs more: deployments/capacity/work_autoscaling.py) or "requests" (Serve's ongoing
@@ -340,7 +348,8 @@ def build_app_with(args: AppArgs | dict, options: Mapping[str, Mapping]) -> Appl
                  max_surge_percent=args.update_surge_percent)
     stage = dict(ray_actor_options=actor, max_ongoing_requests=1, max_queued_requests=args.stage_max_queued_requests,
                  **drain)
-    chosen = {"TextEncoder": stage, "Denoiser": {**stage, "max_ongoing_requests": args.batching.max_batch},
+    chosen = {"TextEncoder": stage, "Denoiser": {**stage, "max_ongoing_requests": args.batching.max_batch,
+                                                 **router_options(args.routing, args.routing_stats_period_s)},
               "VaeDecoder": stage,
               "Ingress": dict(ray_actor_options=actor, max_ongoing_requests=args.ingress_max_ongoing_requests, **drain)}
     unknown = set(options) - set(chosen)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -89,11 +90,11 @@ def node_gpu_type(default: str) -> str:
 
 @dataclass(frozen=True)
 class SimFaults:
-    """Faults for the tests: replicas of ``hang_stats_type`` stop answering stats polls at ``hang_stats_at_s``
-    (wall clock) while still serving requests, as a replica whose loop is wedged for the controller."""
+    """Faults for the tests: replicas of ``hang_stats_type`` do not answer stats polls while the file
+    ``hang_stats_file`` exists (they still serve requests), as a replica wedged for the controller."""
 
     hang_stats_type: str | None = None
-    hang_stats_at_s: float = 0.0
+    hang_stats_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -129,9 +130,10 @@ class SimDenoiser:
         return SimResult(spec.request_id, self.replica, self.gpu_type, time.perf_counter() - start)
 
     async def record_routing_stats(self) -> dict[str, float]:
-        """The Denoiser's stats; never answers once its :class:`SimFaults` hang is due."""
-        if self.faults.hang_stats_type == self.gpu_type and time.time() >= self.faults.hang_stats_at_s:
-            await asyncio.Event().wait()
+        """The Denoiser's stats; no answer while its :class:`SimFaults` hang is on."""
+        if self.faults.hang_stats_type == self.gpu_type and self.faults.hang_stats_file:
+            while os.path.exists(self.faults.hang_stats_file):
+                await asyncio.sleep(0.05)
         return self.load.snapshot().to_stats()
 
     def identity(self) -> tuple[str, str]:

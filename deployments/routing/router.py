@@ -5,8 +5,9 @@ mixed-fleet bench's driver) from ``request_router_config.request_router_class``;
 it (``AppArgs.routing``). The decision is :func:`deployments.routing.choice.choose`; this class feeds
 it the replicas' routing stats (:class:`deployments.capacity.replica_load.ReplicaLoad`) plus what it
 sent each replica since those stats were taken, logs one line per routed request (decision and
-prediction) and records predicted vs actual finish per GPU type (metrics, and :data:`OUTCOMES` for
-the bench, in this process).
+prediction) and records predicted vs actual finish per GPU type (metrics, and
+:mod:`deployments.routing.outcomes` for the bench, in this process: Serve ships this module by value,
+so no state here is shared with the rest of the process).
 
 Serve calls :meth:`choose_replicas` for one pending request (without Serve's FIFO mixin a replica
 found for a request fulfils that request, so its prediction is the one logged); it probes the queue
@@ -26,6 +27,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from deployments.capacity.replica_load import QueuedWork, ReplicaLoad, Shape, StatsError
 from deployments.routing import choice as decide
+from deployments.routing import outcomes
 from deployments.routing.choice import Candidate, Choice, Rule
 
 logger = logging.getLogger(__name__)
@@ -37,25 +39,8 @@ STALE_PERIODS = 2.0
 # Finish-time buckets: 0.1 s (a tiny-zoo image) to 10 min (a 14B video queued behind others).
 FINISH_BUCKETS_S = [0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 600.0]
 ERROR_BUCKETS = [0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0]
-# The last outcomes, for the bench (same process); a deque so a long-running ingress holds a bounded tail.
-OUTCOMES_KEPT = 100_000
 # Decisions waiting for their request to be routed; more means requests were cancelled unrouted.
 CHOICES_KEPT = 10_000
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One routed request's predicted and actual finish (from routing to its last item)."""
-
-    request_id: str
-    replica: str
-    gpu_type: str
-    rule: str
-    predicted_s: float | None  # None: routed by Serve's default (no prediction)
-    actual_s: float
-
-
-OUTCOMES: collections.deque[Outcome] = collections.deque(maxlen=OUTCOMES_KEPT)
 
 
 @dataclass(frozen=True)
@@ -101,7 +86,8 @@ class PredictedFinishRouter(RequestRouter):
         self.stats_period_s = float(stats_period_s)
         self._loads: dict[ReplicaID, tuple[float, ReplicaLoad | None]] = {}
         self._sent: dict[ReplicaID, dict[str, _Sent]] = collections.defaultdict(dict)
-        self._choices: dict[str, tuple[Choice, QueuedWork | None, str]] = {}
+        # internal request id -> (decision, its work, its request id, the future Serve routes it by)
+        self._choices: dict[str, tuple[Choice, QueuedWork | None, str, Any]] = {}
         self._metrics = _Metrics()
 
     @property
@@ -142,7 +128,15 @@ class PredictedFinishRouter(RequestRouter):
             while len(self._choices) >= CHOICES_KEPT:  # requests cancelled before they were routed
                 self._choices.pop(next(iter(self._choices)))
             request_id = getattr(spec, "request_id", None) or pending.metadata.request_id
-            self._choices[pending.metadata.internal_request_id] = (made, work, request_id)
+            internal = pending.metadata.internal_request_id
+            watched = self._choices.get(internal, (None,) * 4)[3]
+            future = getattr(pending, "future", None)
+            self._choices[internal] = (made, work, request_id, future)
+            if future is not None and future is not watched:
+                # Serve sets the future to the replica it picked for this request (without the FIFO
+                # mixin, this request's own). Serve 2.60 calls on_request_routed only when strict
+                # max_ongoing_requests is on, so this is how the router learns where each request went.
+                future.add_done_callback(lambda done: self._routed_by_future(pending, done))
         return made
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -151,16 +145,23 @@ class PredictedFinishRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         return [[by_id[i] for i in rank if i in by_id] for rank in made.ranked]
 
+    def _routed_by_future(self, pending: PendingRequest, done) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        self.on_request_routed(pending, done.result().replica_id, None)
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        made, work, request_id = self._choices.pop(pending_request.metadata.internal_request_id,
-                                                   (None, None, pending_request.metadata.request_id))
+        internal = pending_request.metadata.internal_request_id
+        if internal in self._sent.get(replica_id, {}):
+            return  # told twice (the future's callback and Serve's hook)
+        made, work, request_id, _ = self._choices.pop(internal, (None, None, pending_request.metadata.request_id, None))
         if work is None:  # not a denoise call: nothing to predict or measure
             return
         cached = self._loads.get(replica_id)
         gpu = cached[1].gpu_type if cached is not None and cached[1] is not None else "unknown"
         prediction = made.prediction(replica_id.unique_id) if made is not None else None
         rule = made.rule if made is not None else Rule.DEFAULT
-        self._sent[replica_id][pending_request.metadata.internal_request_id] = _Sent(
+        self._sent[replica_id][internal] = _Sent(
             request_id, work, time.time(), gpu, rule, None if prediction is None else prediction.finish_s)
         self._metrics.decisions.inc(tags={"rule": rule.value})
         if prediction is not None:
@@ -177,14 +178,14 @@ class PredictedFinishRouter(RequestRouter):
         if sent is None:
             return
         actual = time.time() - sent.sent_at_s
-        OUTCOMES.append(Outcome(sent.request_id, replica_id.unique_id, sent.gpu_type, sent.rule.value,
-                                sent.predicted_s, actual))
+        outcomes.OUTCOMES.append(outcomes.Outcome(sent.request_id, replica_id.unique_id, sent.gpu_type, sent.rule.value,
+                                sent.predicted_s, actual, sent.sent_at_s))
         self._metrics.actual.observe(actual, tags={"gpu_type": sent.gpu_type})
         if sent.predicted_s is not None and actual > 0:
             self._metrics.error.observe(abs(sent.predicted_s - actual) / actual, tags={"gpu_type": sent.gpu_type})
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        """What it had been sent is lost with it (Serve fails those calls); nothing more goes there."""
+        """Nothing more goes there (Serve drops it from the candidates); what it had been sent fails
+        with it, and each of those still completes (as an error) through :meth:`on_request_completed`."""
         super().on_replica_actor_died(replica_id)
-        self._sent.pop(replica_id, None)
         self._loads.pop(replica_id, None)

@@ -1,11 +1,13 @@
 """PredictedFinishRouter in-process: Serve's interface (ranks, routed/completed hooks) over fake replicas."""
 import asyncio
+import concurrent.futures
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 
 from deployments.capacity.replica_load import PlanSummary, QueuedWork, ReplicaLoad, Shape, StepTiming
+from deployments.routing import outcomes
 from deployments.routing import router as routing
 from deployments.routing.router import PredictedFinishRouter, spec_of
 from deployments.wire.spec import GenerationSpec
@@ -34,7 +36,8 @@ def stats(step_s: float, at_s: float, gpu: str = "L4", running=()) -> dict:
 def pending(request_id: str, steps: int = 10):
     spec = GenerationSpec(request_id, "a fox", None, IMAGE.height, IMAGE.width, 1, steps, 5.0, 0, 1)
     metadata = SimpleNamespace(request_id=request_id, internal_request_id=f"internal-{request_id}")
-    return SimpleNamespace(args=["encoded", spec], kwargs={}, metadata=metadata)
+    # Serve sets the future to the replica it picked (an asyncio future; this one runs its callbacks at once).
+    return SimpleNamespace(args=["encoded", spec], kwargs={}, metadata=metadata, future=concurrent.futures.Future())
 
 
 @pytest.fixture
@@ -80,9 +83,9 @@ def test_a_completed_request_records_predicted_and_actual_finish(router, monkeyp
     fast = FakeReplica("fast", stats(0.1, 99.9, "H100"))
     request = pending("done-1")
     asyncio.run(router.choose_replicas([fast], request))
-    router.on_request_routed(request, fast.replica_id, result=None)
+    request.future.set_result(fast)  # Serve routed it there (its on_request_routed hook may not come)
     clock[0] = 101.1
     router.on_request_completed(fast.replica_id, request.metadata.internal_request_id)
-    outcome = routing.OUTCOMES[-1]
+    outcome = outcomes.OUTCOMES[-1]
     assert (outcome.request_id, outcome.gpu_type, outcome.rule) == ("done-1", "H100", "predicted")
     assert outcome.predicted_s == pytest.approx(1.0) and outcome.actual_s == pytest.approx(1.1)
