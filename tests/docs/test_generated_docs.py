@@ -98,10 +98,10 @@ def test_a_made_up_commit_or_date_format_fails():
         gen_benchmarks.check_result(name, {**result, "date": "Tuesday"})
 
 
-def test_the_readme_shows_at_most_six_headline_figures():
+def test_the_readme_shows_at_most_seven_headline_figures():
     results = gen_benchmarks.load_results()
     more = copy.deepcopy(results)
     name = next(iter(more))
-    more[name]["figures"] = [{"name": f"f{i}", "value": "1", "headline": f"h{i}"} for i in range(7)]
-    with pytest.raises(gen_benchmarks.ResultError, match="at most 6"):
+    more[name]["figures"] = [{"name": f"f{i}", "value": "1", "headline": f"h{i}"} for i in range(8)]
+    with pytest.raises(gen_benchmarks.ResultError, match="at most 7"):
         gen_benchmarks.headline_table(more)
