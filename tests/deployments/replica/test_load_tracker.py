@@ -82,3 +82,28 @@ def test_a_tiny_wan_denoiser_reports_its_type_and_plan(workers):
     assert load.gpu_type == "CPU"  # no GPU here; on one, its fleet profile's type ("L4", "H100")
     # tiny_args streams every layer of the denoiser (memory mode): none resident, all pinned-planned.
     assert load.plan.mode == "memory" and load.plan.resident_layers == 0 and load.plan.streamed_layers > 0
+
+
+def test_the_denoiser_answers_serves_stats_poll_with_the_steps_it_ran(workers):
+    """The deployment's own record_routing_stats, on the tiny Wan outside Serve: one request run, its
+    shape's step time measured, nothing left queued."""
+    import asyncio
+
+    from deployments.replica.stages import Denoiser, encode_on
+
+    configs = stage_configs(tiny_args(), families.read_family_traits(ensure_tiny_wan()))
+    request = spec("r", Shape(16, 16, 1), 3)
+    encoded = encode_on(workers(configs[PipelineStage.ENCODE]), request)
+    denoiser = Denoiser.func_or_class(configs[PipelineStage.DENOISE])
+    try:
+        async def run():
+            return [item async for item in denoiser.denoise(encoded, request, progress=False)]
+
+        asyncio.run(run())
+        load = ReplicaLoad.from_stats(denoiser.record_routing_stats())
+    finally:
+        denoiser.batcher.close()
+        denoiser.worker.close()
+    assert [(t.shape, t.batch, t.forwards) for t in load.step_s] == [(Shape(16, 16, 1), 1, 3)]
+    assert load.running == () and load.waiting == () and load.gpu_type == "CPU"
+    assert load.plan.mode == "memory" and load.plan.streamed_layers > 0

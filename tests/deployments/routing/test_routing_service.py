@@ -124,3 +124,25 @@ def _outcomes(request_ids: list[str], timeout_s: float = 10.0) -> dict:
         if len(found) == len(request_ids) or time.time() > deadline:
             return found
         time.sleep(0.05)
+
+
+def test_a_replica_drained_mid_trace_finishes_what_it_has_and_nothing_is_lost(fleet):
+    from ray import serve
+
+    faults = SimFaults(hang_stats_type="FAST", hang_stats_file=HANG_FILE)
+
+    async def trace():
+        tasks = []
+        for i in range(30):  # 30 requests over 1.5 s; the deployment is scaled 2 -> 1 after 0.5 s
+            tasks.append(asyncio.ensure_future(fleet.denoise.remote(None, spec(f"drain-{i}", 20))))
+            if i == 10:
+                scale = asyncio.ensure_future(asyncio.to_thread(
+                    serve.run, sim_app(COST, RoutingMode.PREDICTED, 1, PERIOD_S, faults=faults,
+                                       graceful_shutdown_timeout_s=5), name=APP, route_prefix=None))
+            await asyncio.sleep(0.05)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await scale
+        return results
+
+    results = asyncio.run(trace())
+    assert [r for r in results if isinstance(r, BaseException)] == []
