@@ -67,6 +67,30 @@ PANELS: tuple[Panel, ...] = (
           "each request moves."),
     Panel("Denoising step time", "s", _quantiles("ray_offload_serve_step_seconds", "replica"),
           "One batched Denoiser forward and its scheduler steps."),
+    # Mixed fleets: one Denoiser deployment over several GPU types (k8s/rayservice-mixed.yaml). The
+    # replicas tag their step times and queues with their GPU type; the request router (in the ingress)
+    # tags its predicted and actual finish times with the chosen replica's.
+    Panel("Denoising step time per GPU type", "s", _quantiles("ray_offload_serve_step_seconds", "gpu_type"),
+          "One batched Denoiser forward on each GPU type: the speeds the router and the autoscaler weigh "
+          "each replica's queue by."),
+    Panel("Queued work per GPU type", "s",
+          (("sum by (gpu_type) (ray_offload_serve_queued_work_seconds)", "work {{gpu_type}}"),),
+          "Predicted seconds until the Denoiser replicas of each GPU type are idle, each replica's queue at "
+          "its own measured step times: what the autoscaling policy sums (target_work_s per replica)."),
+    Panel("Queued requests per GPU type", "short",
+          (("sum by (gpu_type) (ray_offload_serve_queued_requests)", "requests {{gpu_type}}"),),
+          "Requests the Denoiser replicas of each GPU type hold (running batch and queue); those waiting at "
+          "the handles are in Queue wait."),
+    Panel("Predicted vs actual finish per GPU type", "s",
+          (("sum by (gpu_type) (rate(ray_offload_serve_route_predicted_finish_seconds_sum[$__rate_interval])) / "
+            "sum by (gpu_type) (rate(ray_offload_serve_route_predicted_finish_seconds_count[$__rate_interval]))",
+            "predicted {{gpu_type}}"),
+           ("sum by (gpu_type) (rate(ray_offload_serve_route_actual_finish_seconds_sum[$__rate_interval])) / "
+            "sum by (gpu_type) (rate(ray_offload_serve_route_actual_finish_seconds_count[$__rate_interval]))",
+            "actual {{gpu_type}}"),
+           *_quantiles("ray_offload_serve_route_prediction_error_ratio", "gpu_type")),
+          "The request router's predicted finish for the replica it chose against the request's actual one "
+          "(means, s), and |predicted - actual| / actual (p50, p95: a ratio, not seconds)."),
     Panel("Bytes streamed per request", "bytes", (_mean("ray_offload_serve_bytes_streamed_per_request", "stage"),),
           "Host->device weight bytes per stage call: the link's cost of each request."),
     Panel("Host bytes by tier", "bytes",

@@ -32,7 +32,9 @@ def test_the_committed_dashboard_and_configmap_are_what_grafana_py_renders():
     titles = [p["title"] for p in grafana.dashboard()["panels"]]
     for wanted in ("Requests per second by route", "Latency by route", "Queue wait", "Batch size",
                    "Denoising step time", "Bytes streamed per request", "Host bytes by tier",
-                   "Device leases against capacity per GPU", "Pending replicas"):
+                   "Device leases against capacity per GPU", "Pending replicas", "Denoising step time per GPU type",
+                   "Queued work per GPU type", "Queued requests per GPU type",
+                   "Predicted vs actual finish per GPU type"):
         assert wanted in titles
 
 
@@ -43,3 +45,12 @@ def queried_metrics() -> set[str]:
     names = {name for expr in exprs for name in re.findall(r"\bray_[A-Za-z0-9_:]+", expr)}
     assert names and all(re.search(r"\bray_", e) for e in exprs), "a query names no exported metric"
     return names
+
+
+def test_the_mixed_fleet_panels_split_every_query_by_gpu_type():
+    panels = [p for p in grafana.dashboard()["panels"] if p["title"].endswith("per GPU type")]
+    assert len(panels) == 4
+    for panel in panels:
+        for target in panel["targets"]:
+            assert re.search(r"by \((le, )?gpu_type\)", target["expr"]) and "{{gpu_type}}" in target["legendFormat"], \
+                (panel["title"], target["expr"])
