@@ -118,7 +118,7 @@ class Case:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class CaseResult:
     case: Case
     depth: int  # the depth run (the planner's, for a planned case)
     step_s: float
@@ -172,7 +172,7 @@ def with_overheads(link: SimLink, model: nn.Module, streamer) -> SimLink:
                                copier_jitter=JITTER, seed=0)
 
 
-def run_case(case: Case, layers: int, dim: int, steps: int, base: SimLink) -> Outcome:
+def run_case(case: Case, layers: int, dim: int, steps: int, base: SimLink) -> CaseResult:
     torch.manual_seed(0)
     model = Stack(layers, dim, uneven=case.shape == "uneven").eval()
     x = torch.randn(4, dim, generator=torch.Generator().manual_seed(1))
@@ -211,7 +211,7 @@ def run_case(case: Case, layers: int, dim: int, steps: int, base: SimLink) -> Ou
     streamer.remove()
     bound = max(sum_copy, sum(compute.values())) + max(seconds for seconds, _ in stages.values())
     by = sorted({stage for _, stage in stages.values()})
-    return Outcome(case, depth, ends[-1] - ends[-2], bound, "+".join(by), equal, peak_ok,
+    return CaseResult(case, depth, ends[-1] - ends[-2], bound, "+".join(by), equal, peak_ok,
                    device.blocked_s - blocked, device.copier_wait_s - waited, buffers)
 
 

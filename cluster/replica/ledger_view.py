@@ -138,6 +138,15 @@ class LocalBudget(MemoryBudget):
     def outstanding(self, owner: str | None = None) -> tuple[Lease, ...]:
         return self._ledger.outstanding(owner)
 
+    def release_owner(self, owner: str) -> int:
+        with self._freed:  # at once: a reservation given back on another thread is not released twice
+            taken = self._ledger.take_owner(owner)
+            for lease in taken:
+                self._recallable.pop(lease.lease_id, None)
+                self._recalled.discard(lease.lease_id)
+            self._freed.notify_all()
+            return sum(lease.nbytes for lease in taken)
+
     def capacity(self) -> int:
         return self._ledger.capacity()
 

@@ -155,6 +155,31 @@ def test_the_last_pass_is_kept_as_it_ran_with_the_copy_that_fed_each_streamed_la
     assert sum(b - a for _, a, b in recorded.waits) >= sum(b - a for a, b in copies.values() if a >= 0)
 
 
+def test_the_first_layers_copy_is_drawn_however_long_before_the_forward_the_use_was_prepared():
+    # prepare_for_use issues the first copy; a loaded host may start the forward much later than
+    # a tiny model's whole pass (CI at 9c6cdb9 dropped blocks.0 from the copy lane so).
+    from tests.offload_core.tiny_models import WAN
+
+    model, inputs, streamer = _streamed_wan()
+
+    def late_step():
+        for _ in range(2):
+            streamer.prepare_for_use()
+            time.sleep(0.2)
+            WAN.run(model, inputs)
+            streamer.finish_use()
+
+    try:
+        figures = measure_warmup({"dit": model}, late_step)["dit"]
+        keys = [layer.key for layer in streamer.layers]
+    finally:
+        streamer.remove()
+    recorded = figures.last_pass
+    assert recorded.pass_s < 0.2, "the pass must be shorter than the delay for this test to mean anything"
+    assert [key for key, _, _ in recorded.copies] == keys
+    assert recorded.copies[0][1] <= -0.2, "the first copy is the one this pass's use issued, 0.2 s before"
+
+
 def test_a_pass_without_streaming_has_no_copy_lane_and_kept_resident_layers_no_copy():
     from tests.offload_core.tiny_models import WAN
 
