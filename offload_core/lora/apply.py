@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from offload_core.lora.adapter import LoraAdapter, LoraError, check_fits
+from offload_core.lora.terms import GroupTerm, add_terms
 
 logger = logging.getLogger(__name__)
 
@@ -287,24 +288,13 @@ class LoraSet:
         if not targeting:
             return output  # no adapter of this forward targets this Linear
         k = self._row_multiple(module_name, routing, x)
-        out = output if not output.requires_grad else output.clone()
-        for index, group, (a, b) in targeting:
+        for _, group, (a, _) in targeting:
             if x.device != a.device:
                 raise LoraError(f"LoRA adapter {group.name!r}: module {module_name!r} ran on {x.device}, the "
                                 f"adapter is on {a.device}")
-            if group.all_rows:
-                out.add_(self._term(x, a, b, group.scaling, out.dtype))
-            else:
-                rows = routing.rows_for(index, k)
-                out.index_add_(0, rows, self._term(x.index_select(0, rows), a, b, group.scaling, out.dtype))
-        return out
-
-    @staticmethod
-    def _term(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
-        """``scaling * (x A^T) B^T``, in the order PEFT computes it (``lora_B(lora_A(x)) * scaling``)."""
-        x = x if x.dtype == a.dtype else x.to(a.dtype)
-        term = torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * scaling
-        return term if term.dtype == dtype else term.to(dtype)
+        out = output if not output.requires_grad else output.clone()
+        return add_terms(x, out, [GroupTerm(a, b, routing.rows_for(index, k), group.scaling, group.all_rows)
+                                  for index, group, (a, b) in targeting])
 
     @staticmethod
     def _row_multiple(module_name: str, routing: _Routing, x: torch.Tensor) -> int:
