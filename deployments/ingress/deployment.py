@@ -28,6 +28,7 @@ from deployments.jobs.actor import get_job_queue
 from deployments.jobs.queue import JobsArgs
 from deployments.jobs.results import ResultFolder
 from deployments.replica.board import get_board, live_replicas, unpack
+from deployments.replica.logs import into_replica_log
 from deployments.wire.failures import Failure
 from deployments.wire.spec import DenoiseProgress, GenerationSpec, StageOutput
 
@@ -91,6 +92,7 @@ class Ingress:
 
     def __init__(self, encoder: DeploymentHandle, denoiser: DeploymentHandle, decoder: DeploymentHandle,
                  config: IngressConfig):
+        into_replica_log()  # this process also runs the Denoiser's router: its lines too
         self.stages = HandleStages(encoder, denoiser, decoder)
         self.config = config
         self.board = ResidencyBoardClient(config.app_name)

@@ -23,6 +23,7 @@ from deployments.models.lora_rows import LoraStepper
 from deployments.models.steppers import StepRequest, stepper_for
 from deployments.replica.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
 from deployments.replica.load_tracker import tracker_for
+from deployments.replica.logs import into_replica_log
 from deployments.replica.metrics import BatchMetrics, WorkGauges
 from deployments.replica.rank_spec import RankIdentity
 from deployments.replica.stage_thread import StageThread
@@ -60,6 +61,7 @@ class TextEncoder:
     """At ``tp_size > 1`` the replica holds no model itself: its ranks do (deployments/replica/tensor_parallel/group.py)."""
 
     def __init__(self, config: StageConfig):
+        into_replica_log()
         self.group: ShardGroup | None = None
         if config.tp_size > 1:
             self.group = ShardGroup(config, replica_id(config.stage), config.tp_size)
@@ -105,6 +107,7 @@ class Denoiser:
     def __init__(self, config: StageConfig):
         """At ``tp_size > 1`` the ranks hold the transformer and run its forwards
         (deployments/replica/tensor_parallel/ranked_denoiser.py); the batching stays here."""
+        into_replica_log()
         self.group: ShardGroup | None = None
         if config.tp_size > 1:
             refuse_step_cache(config)  # before any rank starts
@@ -262,6 +265,7 @@ class Denoiser:
 @serve.deployment(name="VaeDecoder")
 class VaeDecoder:
     def __init__(self, config: StageConfig):
+        into_replica_log()
         self.worker = StageWorker(config)
         self.thread = StageThread(config.stage.value)
 

@@ -5,7 +5,11 @@ Pure (runs in the process holding the Denoiser's handle, called by
 order:
 
 1. A replica whose stats are older than ``stale_after_s`` (two stats periods: the controller could not
-   get an answer twice, the replica is hung or gone) gets no more work.
+   get an answer twice, the replica is hung or gone) gets no more work while another replica's stats
+   are fresh. When every replica's are stale, the controller is the likelier cause (it polled no
+   Denoiser for 35 s during a config update in CI, while the old replica served and its requests
+   waited 120 s in the router for fresh stats), so the decision is Serve's default over all of them:
+   a hung replica is Serve's health check's to remove, never a reason to hold every request.
 2. A replica without readable stats yet (just started) leaves the whole decision to Serve's default:
    power of two choices on queue length (two random replicas; Serve probes both, the shorter queue wins).
 3. Otherwise each replica's predicted finish for this request (:func:`predicted_finish_s`: its
@@ -26,7 +30,7 @@ from deployments.capacity.replica_load import QueuedWork, ReplicaLoad, Shape
 class Rule(enum.Enum):
     PREDICTED = "predicted"  # ranked by predicted finish
     DEFAULT = "default"  # a replica without stats or timings: Serve's power of two choices
-    NONE_FRESH = "none_fresh"  # every replica's stats are stale: nothing is sent until one answers
+    NONE_FRESH = "none_fresh"  # every replica's stats are stale: Serve's power of two choices over all
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ def choose(candidates: list[Candidate], shape: Shape, steps: int, now_s: float, 
     stale = tuple(c.replica for c in candidates if c.load is not None and c.load.age_s(now_s) > stale_after_s)
     fresh = [c for c in candidates if c.replica not in stale]
     if not fresh:
-        return Choice(Rule.NONE_FRESH, (), stale=stale, why="no replica with fresh stats")
+        return _all_stale(candidates, stale, rng)
     if any(c.load is None for c in fresh):
         return _default(fresh, stale, "a replica has no stats yet", rng)
     peers = [c.load for c in fresh]
@@ -88,5 +92,13 @@ def spread(candidates: list[Candidate], now_s: float, stale_after_s: float,
     stale = tuple(c.replica for c in candidates if c.load is not None and c.load.age_s(now_s) > stale_after_s)
     fresh = [c for c in candidates if c.replica not in stale]
     if not fresh:
-        return Choice(Rule.NONE_FRESH, (), stale=stale, why="no replica with fresh stats")
+        return _all_stale(candidates, stale, rng)
     return _default(fresh, stale, "not a denoise call", rng)
+
+
+def _all_stale(candidates: list[Candidate], stale: tuple[str, ...], rng: random.Random | None) -> Choice:
+    if not candidates:
+        return Choice(Rule.NONE_FRESH, (), why="no replica")
+    picked = (rng or random).sample([c.replica for c in candidates], min(2, len(candidates)))
+    return Choice(Rule.NONE_FRESH, (tuple(picked),), stale=stale,
+                  why="every replica's stats are stale (the controller polls late): Serve's default over all")

@@ -34,6 +34,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.replica.board import RANK_ACTOR_PREFIX
+from deployments.replica.logs import into_replica_log
 from deployments.replica.rank_spec import RankIdentity, RankSpec
 from deployments.replica.worker import StageWorker
 from deployments.wire.spec import RankLost, RequestRejected
@@ -61,6 +62,7 @@ class RankWorker:
     """One rank: joins the replica's process group, loads its slice, runs each call it is sent."""
 
     def __init__(self, spec: RankSpec):
+        into_replica_log()
         self.spec = spec
         self.worker = None
 

@@ -6,6 +6,7 @@ import base64
 import concurrent.futures
 import io
 import json
+import pathlib
 import time
 import urllib.request
 
@@ -210,6 +211,21 @@ def test_stage_metrics_reach_prometheus_with_a_series_per_stage(client, ray_clus
                 if line.startswith(w) and (w in batching or 'stage="denoise"' in line)}
         time.sleep(1)
     assert seen == wanted, f"missing from Prometheus: {wanted - seen}"
+
+
+def test_each_replicas_decisions_are_in_its_serve_log(client, ray_cluster):
+    # Serve configures only its own logger in a replica: before deployments/replica/logs.py not one
+    # plan, lease or routing line of the project reached any log (CI's session logs at 9c6cdb9).
+    response_pngs(client.post(IMAGES, json={"prompt": "logged", "num_inference_steps": 2}))
+    serve_logs = pathlib.Path(ray_cluster.head_node.get_logs_dir_path()) / "serve"
+
+    def lines(deployment: str) -> str:
+        return "".join(path.read_text() for path in serve_logs.glob(f"replica_{APP}_{deployment}_*.log"))
+
+    denoiser, ingress = lines("Denoiser"), lines("Ingress")
+    assert "plan on cpu" in denoiser and "standing device lease" in denoiser, denoiser[-2000:]
+    assert "ingress for" in ingress, ingress[-2000:]
+    assert "-> Denoiser replica" in ingress, "the router's line per routed request, in the ingress's log"
 
 
 def test_concurrent_requests_all_succeed_with_their_own_results(client):

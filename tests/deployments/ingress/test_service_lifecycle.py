@@ -50,6 +50,14 @@ def _leases_of(replicas: set[str]) -> int:
         probe.close()
 
 
+def _wait_for(condition, what: str, timeout_s: float = 180.0) -> None:
+    """Poll ``condition``; fail naming ``what`` after ``timeout_s`` (a hang would stop the whole suite)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.1)
+
+
 def _cancel_metrics(ray_cluster) -> dict[str, dict[str, float]]:
     """The Denoiser's cancellation series, scraped from every node's metrics agent, by series (a replica's
     labels): the shared app's Denoiser may have been replaced, and its old replica's series still be there."""
@@ -138,22 +146,23 @@ def test_a_config_change_under_steady_traffic_loses_no_request_and_gives_every_l
     def client(seed: int) -> None:
         with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120) as c:
             while not stop.is_set():
-                response = c.post(IMAGES, json={"prompt": "steady", "seed": seed, "num_inference_steps": 4,
-                                                "size": "32x32"})
-                results.append((time.monotonic(), response.status_code, response.text[:200]))
+                try:
+                    response = c.post(IMAGES, json={"prompt": "steady", "seed": seed, "num_inference_steps": 4,
+                                                    "size": "32x32"})
+                    results.append((time.monotonic(), response.status_code, response.text[:200]))
+                except httpx.HTTPError as error:  # a lost request is a failure to report, not a dead client
+                    results.append((time.monotonic(), None, f"{type(error).__name__}: {error}"))
                 stop.wait(CLIENT_PAUSE_S)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
     for t in threads:
         t.start()
     try:
-        while len(results) < 4:  # traffic is flowing through the old replicas
-            time.sleep(0.1)
+        _wait_for(lambda: len(results) >= 4, "traffic through the old replicas")
         started = time.monotonic()
         serve.run(build_app_with(changed, SHARED_OPTIONS), name=APP, route_prefix=PREFIX)  # the change
         updated = time.monotonic()
-        while sum(1 for at, _, _ in results if at > updated) < 4:  # and through the new ones
-            time.sleep(0.1)
+        _wait_for(lambda: sum(1 for at, _, _ in results if at > updated) >= 4, "traffic through the new replicas")
     finally:
         stop.set()
         for t in threads:

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from deployments.capacity.replica_load import PlanSummary, QueuedWork, ReplicaLoad, Shape, StepTiming
-from deployments.routing.choice import Candidate, Rule, choose
+from deployments.routing.choice import Candidate, Rule, choose, spread
 
 IMAGE = Shape(512, 512, 1)
 VIDEO = Shape(512, 512, 9)
@@ -57,8 +57,19 @@ def test_stale_stats_exclude_the_replica_however_fast():
     made = choose([Candidate("hung", hung), Candidate("slow", load({IMAGE: 1.0}))], IMAGE, 4, NOW, STALE_AFTER)
     assert [r for rank in made.ranked for r in rank] == ["slow"]
     assert made.stale == ("hung",)
+
+
+def test_when_every_replica_is_stale_requests_still_go_to_one_of_them():
+    # CI: during a config update the controller polled no Denoiser for 35 s; holding requests until
+    # stats were fresh again kept two of them 120 s in the router, until their clients gave up.
+    hung = load({IMAGE: 0.01}, gpu="H100", at=NOW - STALE_AFTER - 0.01)
+    slow = load({IMAGE: 1.0}, at=NOW - 10 * STALE_AFTER)
     only_hung = choose([Candidate("hung", hung)], IMAGE, 4, NOW, STALE_AFTER)
-    assert only_hung.rule is Rule.NONE_FRESH and only_hung.ranked == ()
+    assert only_hung.rule is Rule.NONE_FRESH and only_hung.ranked == (("hung",),)
+    both = choose([Candidate("hung", hung), Candidate("slow", slow)], IMAGE, 4, NOW, STALE_AFTER, random.Random(0))
+    assert both.rule is Rule.NONE_FRESH and sorted(both.ranked[0]) == ["hung", "slow"]
+    assert both.stale == ("hung", "slow")
+    assert spread([Candidate("hung", hung)], NOW, STALE_AFTER).ranked == (("hung",),)
 
 
 def test_the_cost_of_a_step_is_the_replicas_own_at_the_requests_shape():
