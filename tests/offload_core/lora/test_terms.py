@@ -50,10 +50,24 @@ def test_groups_of_different_ranks_each_add_their_own_term():
     assert torch.equal(got[3], base[3])
 
 
-def test_one_adapter_on_every_row_is_peft_bit_for_bit():
+def test_one_adapter_on_every_row_accumulates_peft_s_term_into_the_output():
     x, base = torch.randn(3, 5, 24), torch.randn(3, 5, 40)
     group = _group([0, 1, 2], 3, 4, 1, 0.8)
-    assert torch.equal(add_terms(x, base.clone(), [group]), base + _peft(x, group))
+    out = base.clone()
+    got = add_terms(x, out, [group])
+    want = base + _peft(x, group)
+    assert got is out and (got - want).abs().max() <= TOLERANCE * want.abs().max()
+
+
+def test_a_non_contiguous_output_still_gets_every_rows_term():
+    x = torch.randn(4, 5, 24)
+    base = torch.randn(4, 40, 5).transpose(1, 2)  # [4, 5, 40], not contiguous
+    groups = [_group([0, 2], 4, 4, 1, 1.0), _group([1, 3], 4, 4, 2, 0.5)]
+    got = add_terms(x, base.clone(), groups)
+    for group in groups:
+        for row in group.rows.tolist():
+            want = base[row] + _peft(x[row:row + 1], group)[0]
+            assert (got[row] - want).abs().max() <= TOLERANCE * want.abs().max()
 
 
 def test_a_half_precision_output_gets_the_term_in_its_dtype():
