@@ -179,7 +179,10 @@ class StageWorker:
     def admit(self, spec: GenerationSpec) -> None:
         """Refuse (4xx naming the limit) a request whose activations can never fit the replica's share;
         one that does not fit now waits for its lease and may get 503 instead."""
-        if spec.lora is not None and spec.lora not in {lora.name for lora in self.config.loras}:
+        # Adapters apply in the Denoiser alone: the encoder and the decoder see the request's
+        # adapter and carry on (checked here, every stage refused every adapter request over Serve).
+        applies = self.config.stage is PipelineStage.DENOISE
+        if applies and spec.lora is not None and spec.lora not in {lora.name for lora in self.config.loras}:
             raise RequestRejected("lora", f"unknown LoRA adapter {spec.lora!r}; this replica serves "
                                           f"{sorted(lora.name for lora in self.config.loras)}", status=404)
         admission = self.admission()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -73,11 +74,32 @@ def tiny_args(**overrides):
 SHARED_JOBS = dict(lease_s=10.0, poll_after_ms=100, replica_retry_delay_s=3.0)
 
 
+# The shared app serves one LoRA adapter (a random rank-4 one for the tiny Wan's attention and
+# feed-forward Linears), so a request naming it crosses the real ingress, Ray and the Denoiser.
+SHARED_LORA = "ink"
+
+
+def shared_lora_file() -> str:
+    """The shared adapter's file, written once per session next to the job queues (seeded: the same bytes)."""
+    from diffusers import WanTransformer3DModel
+
+    from tests.deployments.models.lora_files import write_adapter
+    from zoo.tiny import ensure_tiny_wan
+
+    path = pathlib.Path(jobs_directory()) / "loras" / f"{SHARED_LORA}.safetensors"
+    if not path.exists():
+        transformer = WanTransformer3DModel.from_pretrained(ensure_tiny_wan(), subfolder="transformer")
+        write_adapter(transformer, path, rank=4, seed=11, strength=4.0)
+    return str(path)
+
+
 def shared_args():
-    """The shared app's arguments: :func:`tiny_args` with :data:`SHARED_JOBS`."""
+    """The shared app's arguments: :func:`tiny_args` with :data:`SHARED_JOBS` and :data:`SHARED_LORA`."""
     from deployments.jobs.queue import JobsArgs
 
-    return tiny_args(video_jobs=JobsArgs(directory=jobs_directory(), **SHARED_JOBS))
+    return tiny_args(video_jobs=JobsArgs(directory=jobs_directory(), **SHARED_JOBS),
+                     lora_adapters=[{"name": SHARED_LORA, "path": shared_lora_file(), "scale": 1.0,
+                                     "families": ["wan"]}])
 
 
 # Serve health-checks the replicas the video jobs tests kill (the ingress, a Denoiser) every second, not

@@ -20,7 +20,7 @@ from PIL import Image
 from deployments.models import families
 from deployments.wire import media
 from deployments.wire.spec import GenerationSpec
-from tests.deployments.conftest import APP, MAX_STEPS
+from tests.deployments.conftest import APP, MAX_STEPS, SHARED_LORA
 from tests.k8s.test_dashboard import queried_metrics
 from zoo.tiny import ensure_tiny_wan
 
@@ -226,6 +226,19 @@ def test_each_replicas_decisions_are_in_its_serve_log(client, ray_cluster):
     assert "plan on cpu" in denoiser and "standing device lease" in denoiser, denoiser[-2000:]
     assert "ingress for" in ingress, ingress[-2000:]
     assert "-> Denoiser replica" in ingress, "the router's line per routed request, in the ingress's log"
+
+
+def test_a_request_naming_the_served_adapter_gets_its_own_image_and_an_unknown_one_a_404(client):
+    (card,) = client.get("/v1/models").json()["data"]
+    assert card["loras"] == [{"name": SHARED_LORA, "scale": 1.0}]
+    body = {"prompt": "a red fox", "seed": 5, "num_inference_steps": 2}
+    plain = response_pngs(client.post(IMAGES, json=body))
+    inked = response_pngs(client.post(IMAGES, json={**body, "lora": SHARED_LORA}))
+    assert inked != plain, "the adapter changes the image"
+    assert response_pngs(client.post(IMAGES, json={**body, "lora": SHARED_LORA})) == inked  # deterministic
+    assert response_pngs(client.post(IMAGES, json=body)) == plain  # and leaves the next request alone
+    refused = client.post(IMAGES, json={**body, "lora": "../ink"})
+    assert refused.status_code == 404 and refused.json()["error"]["param"] == "lora", refused.text
 
 
 def test_concurrent_requests_all_succeed_with_their_own_results(client):
