@@ -22,7 +22,7 @@ import ray
 from PIL import Image
 
 from deployments.jobs.actor import drop_job_queue, queue_name
-from tests.deployments.conftest import APP, MAX_STEPS, TOKEN, deploy_shared, shared_args
+from tests.deployments.conftest import APP, MAX_STEPS, SHARED_LORA, TOKEN, deploy_shared, shared_args
 from tests.deployments.ingress.test_service import IMAGES, VIDEOS, replica_name, response_pngs, sse_events
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
@@ -91,6 +91,22 @@ def test_the_openai_client_makes_a_video_of_the_asked_frames_and_size(client, se
     assert client.videos.delete(video.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.videos.retrieve(video.id)
+
+
+def test_a_video_job_naming_the_served_adapter_makes_the_synchronous_adapters_video(client, service):
+    # The job runner carries the adapter to every stage (JobParams -> the runner's spec); the encoder
+    # and the decoder pass it on, the Denoiser applies it.
+    body = {"fps": 4, "seed": 6, "num_inference_steps": 2, "lora": SHARED_LORA}
+    video = client.videos.create_and_poll(prompt="ink waves", seconds="1", size="32x32", poll_interval_ms=100,
+                                          extra_body=body)
+    assert video.status == "completed", video
+    mp4 = client.videos.download_content(video.id).content
+    sync = {"prompt": "ink waves", "size": "32x32", "num_frames": 5, "response_format": "mp4", **body}
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    inked = httpx.post(service + VIDEOS, headers=headers, timeout=120, json=sync)
+    plain = httpx.post(service + VIDEOS, headers=headers, timeout=120, json={**sync, "lora": None})
+    assert inked.content == mp4 and plain.status_code == 200 and plain.content != mp4
+    client.videos.delete(video.id)
 
 
 def readme_example(heading: str) -> str:
