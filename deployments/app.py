@@ -74,7 +74,8 @@ class StageArgs(BaseModel):
     # class compiled once, streamed and resident layers alike, before the replica reports ready).
     compile: CompileMode = CompileMode.NONE
     # With compile: blocks, the request shapes compiled at start, one bucket per entry: shapes "WxH" or
-    # "WxHxF" joined by "," share one graph. Empty: the default request, at batch 1 and max_batch.
+    # "WxHxF" joined by "," share one graph. Empty: the default request (and the default image for a
+    # family serving both), at batch 1 and max_batch.
     compile_buckets: list[str] = []
     # Inductor's on-disk cache folder (a restarted replica loads its graphs instead of compiling them);
     # null: torch's default (a folder under /tmp).

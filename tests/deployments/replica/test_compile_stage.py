@@ -30,6 +30,7 @@ SPEC = GenerationSpec("c", "a red fox", None, 16, 16, 5, 3, 5.0, 3, 1)  # the de
 SECOND = dataclasses.replace(SPEC, request_id="d", seed=4)
 CACHED = dataclasses.replace(SPEC, request_id="cached", steps=4, cache_threshold=0.5)
 LONG = dataclasses.replace(SPEC, request_id="cancel-me", steps=8)
+IMAGE = dataclasses.replace(SPEC, request_id="image", num_frames=1)  # the tiny Wan serves images too
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ def _serve(facts, encoded, mode: PerformanceMode, compile: CompileMode, cancel: 
         pair, alone = _denoise(denoiser, encoded, SPEC, SECOND), _denoise(denoiser, encoded, SPEC)[0]
         streamed = denoiser.worker.residency.bytes_streamed()
         cached = _denoise(denoiser, encoded, CACHED)[0]
+        _denoise(denoiser, encoded, IMAGE)  # the default image: in the default bucket, not compiled on demand
         recompiles = compiled_graph_count() - before
         transformer = denoiser.worker.pipe.transformer
         wrapped = transformer.blocks[0].forward.__kwdefaults__["_f"]  # what the step cache's wrapper calls
@@ -117,11 +119,12 @@ def test_a_compiled_replica_reports_its_buckets_and_serves_batches_without_recom
     report = served["streamed"].report["compile"]
     assert report["components"] == {"transformer": ["WanTransformerBlock"]}
     (bucket,) = report["buckets"]
-    assert bucket["shapes"] == ["16x16x5", "16x16x5*4"] and bucket["compile_s"] > 0  # batch 1 and max_batch
+    # The default video and the default image, each at batch 1 and max_batch: one graph, dynamic in tokens.
+    assert bucket["shapes"] == ["16x16x5", "16x16x5*4", "16x16x1", "16x16x1*4"] and bucket["compile_s"] > 0
     assert any(line.startswith("compile: blocks (transformer: WanTransformerBlock)")
                for line in served["streamed"].report["plan"])
     assert served["eager"].report["compile"] == {"mode": "none"}
-    # 1 request, a step batch of 2 (4 rows with guidance), a cached one: all inside the warmed bucket.
+    # 1 request, a step batch of 2 (4 rows with guidance), a cached one, an image: all inside the warmed bucket.
     assert served["streamed"].recompiles == 0 and served["resident"].recompiles == 0
 
 
