@@ -13,7 +13,7 @@ scaling goes on the rank-wide intermediate, and the second matmul accumulates in
   output-wide temporary, multiply or scatter (one group: the same with ``mm`` / ``addmm_``).
   The output-wide passes were the cost: on the medium Wan at 4 adapters (8 rows, its cross-attention
   K/V over 512 text tokens), a forward took 1.186x the one without adapters per group (index_select,
-  two matmuls, the output-wide multiply, index_add_), 1.147x with bmm and a separate term, 1.074x
+  two matmuls, the output-wide multiply, index_add_), 1.147x with bmm and a separate term, 1.074-1.092x
   accumulating in place (20 interleaved forwards each, 1 thread; bench/results/lora-cpu-2026-12-05.json).
 * **Otherwise** (rows without an adapter, ranks that differ): per group, its rows gathered, the
   term scattered back with ``index_add_``.
