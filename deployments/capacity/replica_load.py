@@ -105,6 +105,9 @@ class ReplicaLoad:
     waiting: tuple[QueuedWork, ...]  # FIFO
     step_s: tuple[StepTiming, ...]
     at_s: float
+    # When the running batch last made progress (its last forward ended, or it was first seen running),
+    # on the replica's clock; None: nothing running, or a reporter that does not say.
+    progress_at_s: float | None = None
 
     @property
     def running_batch(self) -> int:
@@ -123,12 +126,21 @@ class ReplicaLoad:
     def age_s(self, now_s: float) -> float:
         return now_s - self.at_s
 
+    def stalled_s(self) -> float:
+        """How long the running batch had gone without a forward when the stats were taken (0: nothing
+        running, or no progress time reported)."""
+        if not self.running or self.progress_at_s is None:
+            return 0.0
+        return max(0.0, self.at_s - self.progress_at_s)
+
     def to_stats(self) -> dict[str, float]:
         stats = {"v": STATS_VERSION, "at_s": float(self.at_s), "max_batch": float(self.max_batch),
                  f"gpu|{self.gpu_type}": 1.0, f"mode|{self.plan.mode}": 1.0,
                  "plan.resident_layers": float(self.plan.resident_layers),
                  "plan.streamed_layers": float(self.plan.streamed_layers),
                  "plan.pinned_share": float(self.plan.pinned_share)}
+        if self.progress_at_s is not None:
+            stats["progress_at_s"] = float(self.progress_at_s)
         for name, pool in (("run", self.running), ("wait", self.waiting)):
             for i, work in enumerate(pool):
                 stats[f"{name}|{i}|{work.shape.key}"] = float(work.steps)
@@ -160,7 +172,8 @@ class ReplicaLoad:
                        tuple(w for _, w in sorted(pools["run"], key=lambda p: p[0])),
                        tuple(w for _, w in sorted(pools["wait"], key=lambda p: p[0])),
                        tuple(StepTiming(shape, batch, s, int(n)) for (shape, batch), (s, n) in sorted(timings.items())),
-                       float(stats["at_s"]))
+                       float(stats["at_s"]),
+                       float(stats["progress_at_s"]) if "progress_at_s" in stats else None)
         except (KeyError, IndexError, ValueError, TypeError) as exc:
             if isinstance(exc, StatsError):
                 raise

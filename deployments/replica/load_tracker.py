@@ -60,6 +60,9 @@ class LoadTracker:
         self.batch, self.gpu_type, self._plan, self._clock = batch, gpu_type, plan, clock
         self._lock = threading.Lock()  # the batch's thread writes timings; Serve's loop reads them
         self._timings: dict[tuple[Shape, int], StepTiming] = {}
+        # When the running batch last made progress: its last forward's end, or the first snapshot that
+        # saw it running after an idle one (a batch starting from idle has no forward yet to date it).
+        self._progress_at: float | None = None
 
     def on_forward(self, figures: ForwardFigures) -> None:
         """After each forward (the batch's thread, before done requests leave: ``running`` is the batch
@@ -70,6 +73,7 @@ class LoadTracker:
         shape = Shape.of(running[0].request.spec)
         key = (shape, figures.requests)
         with self._lock:
+            self._progress_at = self._clock()
             old = self._timings.get(key)
             if old is None:
                 self._timings[key] = StepTiming(shape, figures.requests, figures.seconds, 1)
@@ -82,11 +86,17 @@ class LoadTracker:
         """The replica's load now. The lists are copied first (one C-level copy each, atomic under the
         GIL): the batch's thread moves requests between them at step boundaries."""
         running, waiting = list(self.batch.running), list(self.batch.waiting)
+        now = self._clock()
         with self._lock:
             timings = tuple(self._timings.values())
+            if not running:
+                self._progress_at = None
+            elif self._progress_at is None:
+                self._progress_at = now
+            progress = self._progress_at
         return ReplicaLoad(self.gpu_type, self._plan(), self.batch.config.max_batch,
                            tuple(_work(e.request) for e in running), tuple(_work(e.request) for e in waiting),
-                           timings, self._clock())
+                           timings, now, progress)
 
 
 def _work(request) -> QueuedWork:

@@ -10,6 +10,10 @@ order:
    Denoiser for 35 s during a config update in CI, while the old replica served and its requests
    waited 120 s in the router for fresh stats), so the decision is Serve's default over all of them:
    a hung replica is Serve's health check's to remove, never a reason to hold every request.
+   A replica whose stats stay fresh while its running batch makes no progress (the batch's thread
+   hung in a kernel or a lock, while the actor's event loop still answers the controller) counts as
+   stale once the batch has gone :data:`STUCK_STEPS` of its own step times, and at least
+   :data:`STUCK_FLOOR_S`, without a forward.
 2. A replica without readable stats yet (just started) leaves the whole decision to Serve's default:
    power of two choices on queue length (two random replicas; Serve probes both, the shorter queue wins).
 3. Otherwise each replica's predicted finish for this request (:func:`predicted_finish_s`: its
@@ -25,6 +29,12 @@ from dataclasses import dataclass
 
 from deployments.capacity.finish_model import Prediction, predicted_finish_s, with_peer_timings
 from deployments.capacity.replica_load import QueuedWork, ReplicaLoad, Shape
+
+# A running batch without a forward for this many of its measured step times is stuck; never sooner
+# than the floor: a shape compiled on demand (tens of seconds on a GPU for a real model) or a first use
+# measured on the request path legitimately holds a forward that long.
+STUCK_STEPS = 10
+STUCK_FLOOR_S = 30.0
 
 
 class Rule(enum.Enum):
@@ -61,9 +71,22 @@ class Choice:
         return f"{self.rule.value}: {ranked or self.why}{stale}"
 
 
+def excluded(load: ReplicaLoad | None, now_s: float, stale_after_s: float) -> bool:
+    """Rule 1: stats too old, or a running batch stuck (see the module docstring)."""
+    if load is None:
+        return False
+    if load.age_s(now_s) > stale_after_s:
+        return True
+    if not load.running:
+        return False
+    timing = load.timing(load.running[0].shape, len(load.running))
+    limit = max(STUCK_FLOOR_S, STUCK_STEPS * timing.seconds) if timing is not None else STUCK_FLOOR_S
+    return load.stalled_s() + load.age_s(now_s) > limit
+
+
 def choose(candidates: list[Candidate], shape: Shape, steps: int, now_s: float, stale_after_s: float,
            rng: random.Random | None = None) -> Choice:
-    stale = tuple(c.replica for c in candidates if c.load is not None and c.load.age_s(now_s) > stale_after_s)
+    stale = tuple(c.replica for c in candidates if excluded(c.load, now_s, stale_after_s))
     fresh = [c for c in candidates if c.replica not in stale]
     if not fresh:
         return _all_stale(candidates, stale, rng)
@@ -89,7 +112,7 @@ def _default(fresh: list[Candidate], stale: tuple[str, ...], why: str, rng: rand
 def spread(candidates: list[Candidate], now_s: float, stale_after_s: float,
            rng: random.Random | None = None) -> Choice:
     """A call that is not a denoise (nothing to predict): Serve's default over the fresh replicas."""
-    stale = tuple(c.replica for c in candidates if c.load is not None and c.load.age_s(now_s) > stale_after_s)
+    stale = tuple(c.replica for c in candidates if excluded(c.load, now_s, stale_after_s))
     fresh = [c for c in candidates if c.replica not in stale]
     if not fresh:
         return _all_stale(candidates, stale, rng)

@@ -24,7 +24,10 @@ class ClockedStepper(SimStepper):
         super().__init__(SimCost(), 1.0)
         self.clock, self.costs = clock, costs
 
+    during_forward = staticmethod(lambda: None)
+
     def forward(self, batch):
+        self.during_forward()
         self.clock[0] += self.costs[(Shape.of(batch[0].spec), len(batch))].pop(0)
         return [torch.zeros_like(r.latents) for r in batch]
 
@@ -33,13 +36,13 @@ def spec(request_id: str, shape: Shape, steps: int) -> GenerationSpec:
     return GenerationSpec(request_id, "p", None, shape.height, shape.width, shape.frames, steps, 5.0, 0, shape.n)
 
 
-def batch_with(costs: dict) -> tuple[StepBatch, LoadTracker, ClockedStepper]:
+def batch_with(costs: dict, tracker_clock=lambda: 50.0) -> tuple[StepBatch, LoadTracker, ClockedStepper]:
     clock = [0.0]
     stepper = ClockedStepper(clock, costs)
     tracker: LoadTracker | None = None
     batch = StepBatch(stepper, BatchingConfig(max_batch=2), clock=lambda: clock[0],
                       on_forward=lambda figures: tracker.on_forward(figures))
-    tracker = LoadTracker(batch, "L4", lambda: PlanSummary("speed", 4, 0, 0.0), clock=lambda: 50.0)
+    tracker = LoadTracker(batch, "L4", lambda: PlanSummary("speed", 4, 0, 0.0), clock=tracker_clock)
     return batch, tracker, stepper
 
 
@@ -72,6 +75,27 @@ def test_the_snapshot_has_the_running_batch_and_the_queue_with_their_steps_left(
     load = ReplicaLoad.from_stats(tracker.snapshot().to_stats())
     assert [w.steps for w in load.running] == [3, 5] and [w.steps for w in load.waiting] == [5]
     assert (load.gpu_type, load.max_batch, load.at_s) == ("L4", 2, 50.0)
+
+
+def test_progress_is_dated_by_the_last_forward_or_the_first_snapshot_that_saw_the_batch_running():
+    now, seen = [10.0], []
+    batch, tracker, stepper = batch_with({(IMAGE, 1): [0.1] * 5}, tracker_clock=lambda: now[0])
+    assert tracker.snapshot().progress_at_s is None  # idle
+    # The first forward of a batch started from idle: no forward dates it yet, the snapshot does.
+    stepper.during_forward = lambda: seen.append(tracker.snapshot().progress_at_s)
+    batch.submit(stepper.start(None, spec("a", IMAGE, 4)))
+    batch.step()
+    assert seen == [10.0]
+    stepper.during_forward = lambda: None
+    now[0] = 25.0  # a thread hung after the forward that ended at 10.0: 15 s without progress
+    assert ReplicaLoad.from_stats(tracker.snapshot().to_stats()).progress_at_s == 10.0
+    assert tracker.snapshot().stalled_s() == 15.0  # what the router's stuck rule reads
+    batch.step()
+    assert tracker.snapshot().progress_at_s == 25.0 and tracker.snapshot().stalled_s() == 0.0
+    while not batch.idle:
+        batch.step()
+    now[0] = 100.0
+    assert tracker.snapshot().progress_at_s is None and tracker.snapshot().stalled_s() == 0.0
 
 
 def test_a_tiny_wan_denoiser_reports_its_type_and_plan(workers):

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from deployments.capacity.replica_load import PlanSummary, QueuedWork, ReplicaLoad, Shape, StepTiming
-from deployments.routing.choice import Candidate, Rule, choose, spread
+from deployments.routing.choice import STUCK_FLOOR_S, STUCK_STEPS, Candidate, Rule, choose, spread
 
 IMAGE = Shape(512, 512, 1)
 VIDEO = Shape(512, 512, 9)
@@ -12,9 +12,10 @@ NOW = 1000.0
 STALE_AFTER = 2.0
 
 
-def load(timings: dict, running=(), waiting=(), gpu="L4", at=NOW - 0.1) -> ReplicaLoad:
+def load(timings: dict, running=(), waiting=(), gpu="L4", at=NOW - 0.1, progress=None) -> ReplicaLoad:
     steps = tuple(StepTiming(shape, 1, s, 10) for shape, s in timings.items())
-    return ReplicaLoad(gpu, PlanSummary("balanced", 0, 40, 1.0), 4, tuple(running), tuple(waiting), steps, at)
+    return ReplicaLoad(gpu, PlanSummary("balanced", 0, 40, 1.0), 4, tuple(running), tuple(waiting), steps, at,
+                       progress)
 
 
 def first(choice) -> str:
@@ -86,3 +87,19 @@ def test_requests_sent_since_the_stats_count_as_queued():
     # Five images sent to a since its stats: the batch of 4 and one behind it (~3.1 s) beat b's idle 1.5 s.
     sent = ((0.0, QueuedWork(IMAGE, 10)),) * 5
     assert first(choose([Candidate("a", a, sent), Candidate("b", b)], IMAGE, 10, NOW, STALE_AFTER)) == "b"
+
+
+def test_a_running_batch_without_a_forward_for_ten_steps_and_the_floor_gets_no_work_while_another_serves():
+    # Fresh stats, but its batch thread is hung: no forward since 31 s (10 steps of 0.1 s are 1 s; the
+    # floor, 30 s, decides). A video's 4 s steps: 10 of them (40 s) before it counts as stuck.
+    at = NOW - 0.1
+    hung = load({IMAGE: 0.1}, running=[QueuedWork(IMAGE, 8)], gpu="H100", at=at, progress=at - STUCK_FLOOR_S - 1)
+    slow = load({IMAGE: 1.0})
+    made = choose([Candidate("hung", hung), Candidate("slow", slow)], IMAGE, 4, NOW, STALE_AFTER)
+    assert [r for rank in made.ranked for r in rank] == ["slow"] and made.stale == ("hung",)
+    busy = load({IMAGE: 0.1}, running=[QueuedWork(IMAGE, 8)], gpu="H100", at=at, progress=at - STUCK_FLOOR_S + 1)
+    assert first(choose([Candidate("busy", busy), Candidate("slow", slow)], IMAGE, 4, NOW, STALE_AFTER)) == "busy"
+    video = load({VIDEO: 4.0}, running=[QueuedWork(VIDEO, 8)], at=at, progress=at - STUCK_STEPS * 4.0 + 1)
+    assert choose([Candidate("video", video), Candidate("slow", slow)], IMAGE, 4, NOW, STALE_AFTER).stale == ()
+    idle = load({IMAGE: 0.1}, at=at, progress=at - 1000)  # nothing running: an old progress time means nothing
+    assert choose([Candidate("idle", idle)], IMAGE, 4, NOW, STALE_AFTER).rule is Rule.PREDICTED
