@@ -84,12 +84,22 @@ def excluded(load: ReplicaLoad | None, now_s: float, stale_after_s: float) -> bo
     return load.stalled_s() + load.age_s(now_s) > limit
 
 
-def choose(candidates: list[Candidate], shape: Shape, steps: int, now_s: float, stale_after_s: float,
-           rng: random.Random | None = None) -> Choice:
+def _fresh(candidates: list[Candidate], now_s: float, stale_after_s: float,
+           rng: random.Random | None) -> tuple[list[Candidate], tuple[str, ...], Choice | None]:
+    """Rule 1 for both decisions: (the fresh candidates, the stale ones, the decision when none is fresh)."""
     stale = tuple(c.replica for c in candidates if excluded(c.load, now_s, stale_after_s))
     fresh = [c for c in candidates if c.replica not in stale]
-    if not fresh:
-        return _all_stale(candidates, stale, rng)
+    if fresh:
+        return fresh, stale, None
+    return fresh, stale, _default(candidates, stale, "every replica's stats are stale (the controller polls "
+                                  "late): Serve's default over all", rng, Rule.NONE_FRESH)
+
+
+def choose(candidates: list[Candidate], shape: Shape, steps: int, now_s: float, stale_after_s: float,
+           rng: random.Random | None = None) -> Choice:
+    fresh, stale, none_fresh = _fresh(candidates, now_s, stale_after_s, rng)
+    if none_fresh is not None:
+        return none_fresh
     if any(c.load is None for c in fresh):
         return _default(fresh, stale, "a replica has no stats yet", rng)
     peers = [c.load for c in fresh]
@@ -104,24 +114,15 @@ def choose(candidates: list[Candidate], shape: Shape, steps: int, now_s: float, 
     return Choice(Rule.PREDICTED, tuple((r,) for r, _ in predictions), tuple(predictions), stale)
 
 
-def _default(fresh: list[Candidate], stale: tuple[str, ...], why: str, rng: random.Random | None) -> Choice:
-    picked = (rng or random).sample([c.replica for c in fresh], min(2, len(fresh)))
-    return Choice(Rule.DEFAULT, (tuple(picked),), stale=stale, why=why)
+def _default(among: list[Candidate], stale: tuple[str, ...], why: str, rng: random.Random | None,
+             rule: Rule = Rule.DEFAULT) -> Choice:
+    """Serve's power of two choices over ``among`` (no rank at all when there is no replica)."""
+    picked = (rng or random).sample([c.replica for c in among], min(2, len(among)))
+    return Choice(rule, (tuple(picked),) if picked else (), stale=stale, why=why)
 
 
 def spread(candidates: list[Candidate], now_s: float, stale_after_s: float,
            rng: random.Random | None = None) -> Choice:
     """A call that is not a denoise (nothing to predict): Serve's default over the fresh replicas."""
-    stale = tuple(c.replica for c in candidates if excluded(c.load, now_s, stale_after_s))
-    fresh = [c for c in candidates if c.replica not in stale]
-    if not fresh:
-        return _all_stale(candidates, stale, rng)
-    return _default(fresh, stale, "not a denoise call", rng)
-
-
-def _all_stale(candidates: list[Candidate], stale: tuple[str, ...], rng: random.Random | None) -> Choice:
-    if not candidates:
-        return Choice(Rule.NONE_FRESH, (), why="no replica")
-    picked = (rng or random).sample([c.replica for c in candidates], min(2, len(candidates)))
-    return Choice(Rule.NONE_FRESH, (tuple(picked),), stale=stale,
-                  why="every replica's stats are stale (the controller polls late): Serve's default over all")
+    fresh, stale, none_fresh = _fresh(candidates, now_s, stale_after_s, rng)
+    return none_fresh or _default(fresh, stale, "not a denoise call", rng)
