@@ -45,10 +45,13 @@ def compare(model: str, device: torch.device) -> list[dict]:
             module.to(device)
         weights = [t for m in modules.values() for t in (*m.parameters(), *m.buffers())]
 
+        seen: list[tuple[str, int]] = []  # every call's peak, the unmeasured warm-up calls included
+
         def measure(spec: GenerationSpec) -> int:
             value = activation_features.stage_input(pipe, facts, stage, spec)
             _, m = measure_activations(lambda: activation_features.run_stage(pipe, facts, stage, spec, device, value),
                                        device, weights)
+            seen.append((spec.request_id, m.peak_bytes))
             return m.peak_bytes
 
         shapes = activation_features.calibration_shapes(facts)
@@ -57,7 +60,8 @@ def compare(model: str, device: torch.device) -> list[dict]:
             spec = held_out(facts, regime)
             measured, predicted = measure(spec), fitted.predict(spec)
             rows.append({"model": model, "stage": stage.value, "regime": regime.value, "measured_bytes": measured,
-                         "predicted_bytes": predicted, "error": round((predicted - measured) / measured, 4)})
+                         "predicted_bytes": predicted, "error": round((predicted - measured) / measured, 4),
+                         "model_fit": fitted.models[regime].explain(), "calls": [list(c) for c in seen]})
         if device.type == "cuda":  # this stage's blocks go before the next stage loads
             torch.cuda.empty_cache()
     return rows

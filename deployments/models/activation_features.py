@@ -83,12 +83,19 @@ class StageActivations:
 
 def calibrate_stage(facts: FamilyTraits, stage: PipelineStage, shapes: Sequence[GenerationSpec],
                     measure: Callable[[GenerationSpec], int], dtype_bytes: int) -> StageActivations:
-    """Measure ``shapes`` (two per regime) with ``measure(spec) -> peak bytes`` and fit each regime."""
+    """Measure ``shapes`` (two per regime) with ``measure(spec) -> peak bytes`` and fit each regime.
+
+    Each regime's first shape runs once unmeasured first. A device's first call of a kind allocates
+    what it keeps for the process (on the H200 the first text-encoder call took cuBLAS's 32 MiB
+    workspace: tiny Wan's encoder was predicted exactly 33,554,432 B over on a held-out shape).
+    Counted in one sample, such a bump tilts the fit: in the smaller shape it lowers the per-token
+    coefficient, so a larger request is under-predicted. On CPU the extra call changes no figure."""
     by_regime: dict[Regime, list[GenerationSpec]] = {}
     for spec in shapes:
         by_regime.setdefault(regime(spec), []).append(spec)
     models = {}
     for r, specs in by_regime.items():
+        measure(specs[0])  # unmeasured: the process's one-time allocations for this kind of call
         samples = [ActivationSample(features(facts, stage, s), measure(s)) for s in specs]
         models[r] = calibrate(feature_names(stage, specs[0]), samples, dtype_bytes)
     return StageActivations(facts, stage, models)

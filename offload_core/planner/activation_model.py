@@ -4,7 +4,12 @@ The peak bytes a stage call allocates beyond its weights grow with what the requ
 tokens per image, frames, batch. A model family names its features per stage (for Wan's
 denoiser: the batch and batch x latent tokens), and :func:`calibrate` fits one coefficient per
 feature to measured peaks (``offload_core.residency.activation_meter.measure_activations``): as many
-calibration shapes as features determine it exactly, more are fitted by least squares. The
+calibration shapes as features determine it exactly, more are fitted by least squares. No
+coefficient is negative: a call never frees bytes per token it processes, so a negative fit is a
+measurement artifact, and extrapolated to a real-size shape (10^4 tokens against the calibration's
+~10) it predicts less than nothing, which lets admission overcommit a GPU. Such a feature is
+dropped and the others refitted (the least residual among the fits whose coefficients are all
+non-negative; the model names what it dropped). The
 prediction scales with the element size: a model calibrated in float32 predicts half for bfloat16
 (ops that compute in float32 make that an underestimate; calibrate in the dtype served).
 
@@ -14,6 +19,7 @@ Run by each stage replica (its warm-up fits the model, its calls predict) and by
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -37,6 +43,7 @@ class ActivationModel:
     feature_names: tuple[str, ...]
     coefficients: tuple[float, ...]
     dtype_bytes: int  # element size the calibration ran at
+    dropped: tuple[str, ...] = ()  # features whose fitted coefficient was negative, refitted without them (0)
 
     def predict(self, features: Sequence[float], dtype_bytes: int | None = None) -> int:
         if len(features) != len(self.coefficients):
@@ -45,19 +52,50 @@ class ActivationModel:
         return max(0, round(scale * sum(c * f for c, f in zip(self.coefficients, features))))
 
     def explain(self) -> str:
-        return " + ".join(f"{c:.4g} B x {n}" for c, n in zip(self.coefficients, self.feature_names))
+        terms = " + ".join(f"{c:.4g} B x {n}" for c, n in zip(self.coefficients, self.feature_names))
+        return terms + (f" (dropped, fitted negative: {', '.join(self.dropped)})" if self.dropped else "")
 
 
 def calibrate(feature_names: Sequence[str], samples: Sequence[ActivationSample], dtype_bytes: int) -> ActivationModel:
-    """Least-squares coefficients (exact for as many independent samples as features)."""
+    """Least-squares coefficients (exact for as many independent samples as features), none negative."""
     k = len(feature_names)
     if len(samples) < k:
         raise CalibrationError(f"{len(samples)} calibration shapes for {k} features {tuple(feature_names)}")
+    coefficients = _least_squares(range(k), samples, feature_names)
+    if min(coefficients) >= 0:
+        return ActivationModel(tuple(feature_names), tuple(coefficients), dtype_bytes)
+    return _non_negative(feature_names, samples, dtype_bytes)
+
+
+def _least_squares(kept: Sequence[int], samples: Sequence[ActivationSample], names: Sequence[str]) -> list[float]:
+    """Coefficients of the features ``kept`` (indices), the others 0."""
     # Normal equations A^T A c = A^T y, solved by Gaussian elimination with partial pivoting.
-    ata = [[sum(s.features[i] * s.features[j] for s in samples) for j in range(k)] for i in range(k)]
-    aty = [sum(s.features[i] * s.peak_bytes for s in samples) for i in range(k)]
-    coefficients = _solve(ata, aty, feature_names)
-    return ActivationModel(tuple(feature_names), tuple(coefficients), dtype_bytes)
+    ata = [[sum(s.features[i] * s.features[j] for s in samples) for j in kept] for i in kept]
+    aty = [sum(s.features[i] * s.peak_bytes for s in samples) for i in kept]
+    solved = dict(zip(kept, _solve(ata, aty, [names[i] for i in kept])))
+    return [solved.get(i, 0.0) for i in range(len(names))]
+
+
+def _non_negative(names: Sequence[str], samples: Sequence[ActivationSample], dtype_bytes: int) -> ActivationModel:
+    """The best fit over subsets of the features whose coefficients are all >= 0 (2^k fits: k <= 3 here)."""
+    best: tuple[float, list[float], tuple[int, ...]] | None = None
+    k = len(names)
+    for size in range(k - 1, 0, -1):
+        for kept in itertools.combinations(range(k), size):
+            try:
+                coefficients = _least_squares(kept, samples, names)
+            except CalibrationError:
+                continue
+            if min(coefficients) < 0:
+                continue
+            residual = sum((s.peak_bytes - sum(c * f for c, f in zip(coefficients, s.features))) ** 2 for s in samples)
+            if best is None or residual < best[0]:
+                best = (residual, coefficients, kept)
+    if best is None:  # a single feature's fit is sum(f y) / sum(f^2) >= 0 for features and peaks >= 0
+        raise CalibrationError(f"no non-negative fit of {tuple(names)} to the peaks {[s.peak_bytes for s in samples]}")
+    _, coefficients, kept = best
+    dropped = tuple(name for i, name in enumerate(names) if i not in kept)
+    return ActivationModel(tuple(names), tuple(coefficients), dtype_bytes, dropped)
 
 
 def _solve(a: list[list[float]], b: list[float], names: Sequence[str]) -> list[float]:

@@ -154,3 +154,47 @@ def test_a_request_whose_activations_never_fit_the_share_is_refused_naming_the_l
         assert worker.activation_bytes(large, batch=4) == worker.activation_room(), "a lease never exceeds the share"
     finally:
         worker.close()
+
+
+def _linear_peak(facts, stage, spec) -> int:
+    """A stage whose activations are exactly 1000 B x n + 50 B x n x tokens (denoise's features)."""
+    n, tokens_n = activation_features.features(facts, stage, spec)
+    return int(1000 * n + 50 * tokens_n)
+
+
+def test_a_one_time_allocation_in_the_first_call_does_not_tilt_the_fit():
+    """The H200's first text-encoder call kept cuBLAS's 32 MiB workspace; counted in the first sample,
+    the fit put it in the per-request coefficient (or, in the smaller shape, took it off the per-token one)."""
+    facts = families.read_family_traits(tiny.ensure_tiny_wan())
+    stage, calls = PipelineStage.DENOISE, []
+
+    def measure(spec: GenerationSpec) -> int:
+        calls.append(spec)
+        return _linear_peak(facts, stage, spec) + (32 * 2**20 if len(calls) == 1 else 0)
+
+    shapes = activation_features.calibration_shapes(facts, stage=stage)
+    fitted = activation_features.calibrate_stage(facts, stage, shapes, measure, 4)
+    for regime in activation_features.Regime:
+        held = _held_out(facts, regime)
+        assert fitted.predict(held) == _linear_peak(facts, stage, held), fitted.explain()
+    assert len(calls) == len(shapes) + 2, "each regime's first shape runs once unmeasured"
+
+
+def test_a_coefficient_fitted_negative_is_dropped_and_the_others_refitted():
+    # A bump in the smaller shape: exact least squares gives the per-token feature a negative cost,
+    # and a real-size request (10^4 tokens) would be predicted at 0 B.
+    samples = [ActivationSample((1, 4), 1000 + 4 * 50 + 3_000_000), ActivationSample((2, 32), 2000 + 32 * 50)]
+    exact = _solve_exact(samples)
+    assert exact[1] < 0
+    model = calibrate(("n", "n x tokens"), samples, dtype_bytes=4)
+    assert min(model.coefficients) >= 0 and model.dropped == ("n x tokens",)
+    assert model.predict((1, 32_760)) > 0 and "dropped" in model.explain()
+    # n alone: sum(n y) / sum(n^2) over the two samples
+    assert model.coefficients[0] == pytest.approx((samples[0].peak_bytes + 2 * samples[1].peak_bytes) / 5)
+
+
+def _solve_exact(samples):
+    (a, b), (c, d) = samples[0].features, samples[1].features
+    y0, y1 = samples[0].peak_bytes, samples[1].peak_bytes
+    det = a * d - b * c
+    return ((y0 * d - b * y1) / det, (a * y1 - c * y0) / det)
