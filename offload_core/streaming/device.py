@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from offload_core.host.pinned import HostBuffer, allocate_host_buffer, free_host_buffer
-from offload_core.streaming import fill_threads
+from offload_core.streaming import cuda_streams, fill_threads
 from offload_core.streaming.copier import HostCopier, InlineCopier, ThreadCopier
 from offload_core.streaming.headroom import CachedBlocks, Headroom, HeadroomTimeout, cuda_cached_blocks, usable_blocks
 
@@ -77,8 +77,9 @@ class Device:
         self.is_cuda = device.type == "cuda"
         self._facts = facts
         self._copy_stream = None
+        self._copy_raw: cuda_streams.RawStream | None = None
         # Every stream the engine's compute ran on (CUDA): buffers are retired on each of them.
-        self._compute_streams: set = set()
+        self._compute_streams = cuda_streams.CurrentStreams(device) if self.is_cuda else None
         self._meters: weakref.WeakSet[WeightMeter] = weakref.WeakSet()
         self._neighbours: NeighbourBytes | None = None
         self._cached: CachedSource | None = None
@@ -103,17 +104,20 @@ class Device:
         """
         if self.is_cuda and self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=self.device)
+            self._copy_raw = cuda_streams.raw(self._copy_stream)
         return self._copy_stream
 
     def on_copy_stream(self) -> contextlib.AbstractContextManager:
         """Run the enclosed copies on the copy stream (CUDA); synchronously on CPU.
 
         Not a generator context manager: it is entered once per layer copy, inside the hooks, and a
-        ``contextlib.contextmanager`` costs a generator and two frames each time (~1 us on CPU).
+        ``contextlib.contextmanager`` costs a generator and two frames each time (~1 us on CPU);
+        nor ``torch.cuda.stream``, for what it costs on CUDA (``cuda_streams``).
         """
         if not self.is_cuda:
             return _NO_STREAM
-        return torch.cuda.stream(self.copy_stream)
+        stream = self.copy_stream
+        return cuda_streams.StreamSwitch(stream, self._copy_raw)
 
     def record_copy(self):
         """An event marking the copies issued so far on the copy stream; None on CPU."""
@@ -140,9 +144,7 @@ class Device:
 
     def _compute_stream(self):
         """The current stream, remembered: whatever reads a slot there must finish before it is reused."""
-        stream = torch.cuda.current_stream(self.device)
-        self._compute_streams.add(stream)
-        return stream
+        return self._compute_streams.current()
 
     def retire(self, buffers) -> None:
         """Before dropping device ``buffers``: keep them from reuse until every stream that used them is done.
@@ -154,7 +156,7 @@ class Device:
         """
         if not self.is_cuda:
             return
-        streams = {self.copy_stream, *self._compute_streams}
+        streams = {self.copy_stream, *self._compute_streams.seen()}
         for buffer in buffers:
             for stream in streams:
                 buffer.record_stream(stream)
