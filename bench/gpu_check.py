@@ -261,6 +261,13 @@ def bandwidth() -> dict:
             "copier_threads": link.copier_threads, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
 
+def staged_sweep(timeout_s: int) -> dict:
+    """bench/staged_sweep.py: the staged pipeline by chunks and threads, the memcpy alone, NUMA facts."""
+    if not CUDA:
+        return {"skipped": "the staged pipeline feeds a CUDA copy"}
+    return _bench_json(["bench/staged_sweep.py"], timeout_s)
+
+
 def hook_cost(timeout_s: int) -> dict:
     """bench/hook_cost.py --device cuda (the hooks' host time with a real copy stream and events)."""
     if not CUDA:
@@ -314,6 +321,8 @@ def main() -> None:
                         help="seconds for FP8 widening's cost on a Wan2.1-14B block, last (0: skip)")
     parser.add_argument("--hook-cost-timeout", type=int, default=60,
                         help="seconds for bench/hook_cost.py --device cuda, after the calibration (0: skip)")
+    parser.add_argument("--staged-timeout", type=int, default=40,
+                        help="seconds for bench/staged_sweep.py, right after the link probe (0: skip)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="seconds the whole run may take: a sub-bench gets what is left of it, less a "
                              "few seconds for the report (default: no bound)")
@@ -337,6 +346,7 @@ def main() -> None:
     gc.freeze()
     link = bandwidth()
     print(f"host->device bandwidth: {link}", flush=True)
+    staged = within(budget, "staged", args.staged_timeout, staged_sweep)
     real = lambda dt: real_denoiser(dt, args.real_blocks)  # noqa: E731
     results = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-mapped-") as folder:
@@ -361,7 +371,7 @@ def main() -> None:
         print(f"MISSED: {failure}")
     print("\n" + json.dumps({"bench": "gpu_check", "cuda": CUDA, "bandwidth": link, "results": results,
                              "activations": calibration, "hook_cost": hooks, "cuda_tests": tests, "widen": widen,
-                             "summary": figures, "failed": failed}))
+                             "staged_sweep": staged, "summary": figures, "failed": failed}))
     if failed:
         sys.exit(1)
 

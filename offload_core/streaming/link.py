@@ -72,7 +72,7 @@ def _measured(device: torch.device, nbytes: int, repeats: int, cap: int) -> Link
         if pinned.page_locked and all(chunk.page_locked for chunk in chunks):
             pinned.data.fill_(1)
             pinned_Bps = _bandwidth(dst, pinned.data, device, repeats, non_blocking=True)
-            staged_Bps = _staged_bandwidth(dst, pageable, [chunk.data for chunk in chunks], device, repeats,
+            staged_Bps = staged_bandwidth(dst, pageable, [chunk.data for chunk in chunks], device, repeats,
                                            fills.threads)
         else:
             # The driver refused to lock the probe: pinned copies (and so staging) are not
@@ -94,7 +94,7 @@ def _measured(device: torch.device, nbytes: int, repeats: int, cap: int) -> Link
                      copier_threads=fills.threads, host_memcpy_Bps=max(fills.rates_Bps))
 
 
-def _staged_bandwidth(dst: torch.Tensor, src: torch.Tensor, chunks: list[torch.Tensor], device: torch.device,
+def staged_bandwidth(dst: torch.Tensor, src: torch.Tensor, chunks: list[torch.Tensor], device: torch.device,
                       repeats: int, threads: int) -> float:
     """``src`` to ``dst`` through the pinned ``chunks`` in turn: memcpy into one (split over ``threads``,
     as the copier's fills are) while the other's DMA runs."""
