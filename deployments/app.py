@@ -25,6 +25,7 @@ from deployments.models.families import FamilyTraits, read_family_traits, uses_p
 from deployments.models.lora_rows import ServedLora
 from deployments.models.tensor_parallel import check_tp
 from deployments.replica.batching import BatchingConfig
+from deployments.replica.priority import stage_actor_options
 from deployments.replica.stages import Denoiser, TextEncoder, VaeDecoder
 from deployments.replica.warmup import WarmupShape
 from deployments.replica.worker import DTYPES, StageConfig
@@ -182,6 +183,12 @@ class AppArgs(BaseModel):
     # Defaults for every replica; a Serve config file overrides them per deployment by name.
     # 0.25 CPU each so the whole app (4 deployments) fits on a 2-CPU machine.
     replica_num_cpus: float = Field(0.25, ge=0)
+    # The niceness the stage replicas (and their tensor-parallel ranks) run at. Ray starts every
+    # worker at 15 (RAY_worker_niceness; measured in an actor of Ray 2.60), below the raylet and any
+    # nice-0 process on the node, and a launch-bound step (one latent frame on the H200: 35 ms of
+    # kernels launched from one thread) waits whenever those want its core. 0: the default of every
+    # other process; a lower one needs CAP_SYS_NICE. None keeps Ray's.
+    replica_niceness: int | None = Field(0, ge=0, le=19)
     # A stage replica runs one call at a time (its pipeline is not reentrant); more queue, and
     # beyond the queue Serve refuses (BackPressureError -> 503 with Retry-After).
     stage_max_queued_requests: int = Field(16, ge=1)
@@ -347,8 +354,8 @@ def build_app_with(args: AppArgs | dict, options: Mapping[str, Mapping]) -> Appl
     actor = {"num_cpus": args.replica_num_cpus}
     drain = dict(graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s, graceful_shutdown_wait_loop_s=0.5,
                  max_surge_percent=args.update_surge_percent)
-    stage = dict(ray_actor_options=actor, max_ongoing_requests=1, max_queued_requests=args.stage_max_queued_requests,
-                 **drain)
+    stage = dict(ray_actor_options=stage_actor_options(actor, args.replica_niceness), max_ongoing_requests=1,
+                 max_queued_requests=args.stage_max_queued_requests, **drain)
     chosen = {"TextEncoder": stage, "Denoiser": {**stage, "max_ongoing_requests": args.batching.max_batch,
                                                  **router_options(args.routing, args.routing_stats_period_s)},
               "VaeDecoder": stage,

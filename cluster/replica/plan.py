@@ -103,9 +103,10 @@ def replica_facts(memory: ReplicaMemory, components: Sequence[ComponentProfile],
 
 def process_note(link: LinkFacts) -> str:
     """What Ray gave this process and what the engine chose, for the plan's explanation: Ray starts
-    workers at a higher niceness than the raylet and sets OMP_NUM_THREADS to an actor's num_cpus (1
-    when unset), which bounds the threads compute launches from; the staging fills use the copier's
-    own threads instead (on the H200, one thread filled at 5.4 GB/s where memcpy reached 28.6)."""
+    workers at niceness 15 unless told otherwise (the service asks for ``AppArgs.replica_niceness``,
+    0 by default) and sets OMP_NUM_THREADS to an actor's num_cpus (1 when unset), which bounds the
+    threads compute launches from; the staging fills use the copier's own threads instead (on the
+    H200, one thread filled at 5.4 GB/s where memcpy reached 28.6)."""
     import torch
 
     return (f"process: nice {os.nice(0)}, {torch.get_num_threads()} intra-op thread(s) for compute "
@@ -128,10 +129,11 @@ def plan_for_replica(profile: FleetProfile, facts: PipelineFacts, mode: Performa
         plan = plan_pipeline(facts, mode, {**overrides, **capped})
     plan = dataclasses.replace(plan, notes=(*plan.notes, process_note(facts.link)))
     logger.info("%s: plan on %s (profile %s, mode %s, depth %d): %s; peak %.2f GB of %.2f GB, %.2f GB moved per "
-                "request%s", owner, facts.device_name, profile.name, mode.value, profile.prefetch_depth,
+                "request%s; %s", owner, facts.device_name, profile.name, mode.value, profile.prefetch_depth,
                 ", ".join(f"{c.name}={c.strategy.value}" for c in plan.components), plan.peak_device_bytes / GB,
                 facts.device_capacity / GB, plan.bytes_moved_per_request / GB,
-                f"; resident layers capped at {profile.max_resident_fraction:.0%} for {sorted(capped)}" if capped else "")
+                f"; resident layers capped at {profile.max_resident_fraction:.0%} for {sorted(capped)}" if capped else "",
+                plan.notes[-1])
     return plan
 
 

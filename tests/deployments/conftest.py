@@ -45,6 +45,9 @@ def jobs_directory() -> str:
 _JOBS_DIR: str | None = None
 
 
+REPLICA_NICENESS = 14
+
+
 def tiny_args(**overrides):
     from deployments.app import AppArgs, StageArgs
     from deployments.capacity.request_limits import Limits
@@ -58,8 +61,11 @@ def tiny_args(**overrides):
                     default_size="16x16", default_steps=2, default_frames=5, default_fps=4)
     # A queue of 4 per stage: the concurrency test (3 clients) fits with room for a request the
     # router still counts from the test before; the burst test (16 clients) overflows it.
+    # Replicas at nice 14, not the service's 0: the suite balances its in-process worker (nice 15,
+    # tests/conftest.py) against replicas at Ray's own 15, and a value of its own (not 15) shows the
+    # option reaching the replicas (test_service's log test).
     base = dict(app_name=APP, limits=limits, api_token_env=TOKEN_ENV, replica_num_cpus=0.0, device_timeout_s=1.0,
-                stage_max_queued_requests=4,
+                stage_max_queued_requests=4, replica_niceness=REPLICA_NICENESS,
                 # The denoiser streams every layer (memory), so requests exercise the engine; the
                 # others take the fleet profile's mode for what they got (a CPU-only node: memory).
                 denoiser=StageArgs(offload_mode=PerformanceMode.MEMORY, host_memory_budget="64MiB"),

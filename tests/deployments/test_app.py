@@ -46,6 +46,10 @@ def test_the_ingress_is_bound_to_the_three_stages_with_their_configs_and_serve_o
     assert [(d.ray_actor_options["num_cpus"], d.max_ongoing_requests, d.max_queued_requests) for d in bound] == [
         (0.5, 1, 5), (0.5, args.batching.max_batch, 5), (0.5, 1, 5)]
     assert expected[DENOISE].batching == args.batching.config() and expected[ENCODE].batching is None
+    # Stage replicas at niceness 0 (Ray starts its workers at 15); the ingress keeps Ray's.
+    assert [d.ray_actor_options["runtime_env"] for d in bound] == [{"env_vars": {"RAY_worker_niceness": "0"}}] * 3
+    unset = build_app(args.model_copy(update={"replica_niceness": None}))._bound_deployment.init_args[:3]
+    assert all("runtime_env" not in s._bound_deployment.ray_actor_options for s in unset)
 
 
 def test_unknown_args_and_modes_are_refused_by_name():

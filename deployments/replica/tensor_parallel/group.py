@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.replica.board import RANK_ACTOR_PREFIX
 from deployments.replica.logs import into_replica_log
+from deployments.replica.priority import rank_env
 from deployments.replica.rank_spec import RankIdentity, RankSpec
 from deployments.replica.worker import StageWorker
 from deployments.wire.spec import RankLost, RequestRejected
@@ -137,7 +138,7 @@ class ShardGroup:
             num_cpus=0, num_gpus=1 if bundle.get("GPU", 0) >= 1 else 0,
             # Two threads: the health check's ping answers beside a call in flight.
             max_concurrency=2,
-            runtime_env={"env_vars": NCCL_ENV},
+            runtime_env={"env_vars": {**NCCL_ENV, **rank_env()}},  # at the replica's niceness
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=spec.rank),
         ).remote(spec)
 

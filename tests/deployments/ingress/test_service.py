@@ -20,7 +20,7 @@ from PIL import Image
 from deployments.models import families
 from deployments.wire import media
 from deployments.wire.spec import GenerationSpec
-from tests.deployments.conftest import APP, MAX_STEPS, SHARED_LORA
+from tests.deployments.conftest import APP, MAX_STEPS, REPLICA_NICENESS, SHARED_LORA
 from tests.k8s.test_dashboard import queried_metrics
 from zoo.tiny import ensure_tiny_wan
 
@@ -224,6 +224,8 @@ def test_each_replicas_decisions_are_in_its_serve_log(client, ray_cluster):
 
     denoiser, ingress = lines("Denoiser"), lines("Ingress")
     assert "plan on cpu" in denoiser and "standing device lease" in denoiser, denoiser[-2000:]
+    # AppArgs.replica_niceness reached the replica's process (Ray would have started it at 15).
+    assert f"process: nice {REPLICA_NICENESS}," in denoiser, denoiser[-2000:]
     assert "ingress for" in ingress, ingress[-2000:]
     assert "-> Denoiser replica" in ingress, "the router's line per routed request, in the ingress's log"
 
