@@ -297,7 +297,7 @@ def stage_configs(args: AppArgs, facts: FamilyTraits) -> dict[str, StageConfig]:
                                      share_host_weights=stage_args.share_host_weights, warmup_shape=shape,
                                      weights=stage_args.weights, cache_threshold=stage_args.cache_threshold,
                                      tp_size=stage_args.tp_size, host_tables=stage_args.tables(),
-                                     compile=stage_args.compile_config())
+                                     compile=stage_args.compile_config(), niceness=args.replica_niceness)
         if stage is PipelineStage.DENOISE and loras:
             configs[stage] = dataclasses.replace(configs[stage], loras=loras,
                                                  lora_device_budget=args.lora_budget_bytes())

@@ -35,6 +35,7 @@ from manifest_tables import (  # noqa: E402  (the fleet and variant tables, besi
 )
 
 from deployments.capacity.work_autoscaling import POLICY_PATH  # noqa: E402  (the Denoiser's policy)
+from deployments.replica.priority import RAY_NICENESS_ENV  # noqa: E402  (the replicas' niceness)
 
 K8S_DIR = Path(__file__).resolve().parent
 RAY_VERSION = "2.60.0"
@@ -219,6 +220,9 @@ def serve_config(variant: ServiceVariant) -> dict:
             "name": APP_NAME,
             "route_prefix": "/",
             "import_path": "deployments.app:build_app",
+            # Ray starts its workers at niceness 15; the ray_actor_options below replace the app's
+            # (which ask for args.replica_niceness, 0), runtime_env included, so it is said here too.
+            "runtime_env": {"env_vars": {RAY_NICENESS_ENV: "0"}},
             "args": args,
             "deployments": deployments,
         }],

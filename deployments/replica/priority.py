@@ -8,8 +8,11 @@ the ranks run at the replica's own niceness.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Mapping
+
+logger = logging.getLogger(__name__)
 
 RAY_NICENESS_ENV = "RAY_worker_niceness"
 
@@ -25,3 +28,14 @@ def stage_actor_options(actor: Mapping, niceness: int | None) -> dict:
 def rank_env() -> dict[str, str]:
     """Environment for a rank actor: this process's niceness (Ray would start the rank at its 15)."""
     return {RAY_NICENESS_ENV: str(os.nice(0))}
+
+
+def check_niceness(asked: int | None, replica: str) -> int:
+    """This process's niceness; said at INFO when it is not the one ``asked`` for (and why it would not be)."""
+    got = os.nice(0)
+    if asked is not None and got != asked:
+        logger.info("%s: runs at nice %d, not the replica_niceness %d asked for: Ray did not start it with it "
+                    "(a Serve config file's ray_actor_options for a deployment replace the app's, runtime_env included); "
+                    "set env_vars %s: \"%d\" in the application's runtime_env (configs/gpu.yaml does)",
+                    replica, got, asked, RAY_NICENESS_ENV, asked)
+    return got

@@ -58,3 +58,5 @@ class StageConfig:
     lora_device_budget: int = 0
     # torch.compile of the stage's repeated blocks (StageArgs.compile): None: eager.
     compile: CompileConfig | None = None
+    # The niceness asked for the replica's process (AppArgs.replica_niceness); None: Ray's, unchecked.
+    niceness: int | None = None

@@ -42,6 +42,7 @@ from deployments.replica.leases import (
 )
 from deployments.replica.load_tracker import gpu_type_of
 from deployments.replica.metrics import ReplicaGauges, StageMetrics
+from deployments.replica.priority import check_niceness
 from deployments.replica.rank_spec import RankSpec
 from deployments.replica.stage_config import DTYPES, StageConfig  # noqa: F401 (re-exported: importers name it here)
 from deployments.replica.stage_residency import StageResidency, predicted_kept_bytes
@@ -88,6 +89,7 @@ class StageWorker:
         self.config = config
         self.device = _replica_device()
         self.replica = rank.worker_id if rank is not None else replica_id(config.stage)
+        check_niceness(config.niceness, self.replica)
         # The start, step by step (deployments/replica/worker_setup.py): load, open the ledger view,
         # plan provisionally, lease what the plan keeps, apply it; then warm up and plan again.
         self.pipe = setup.load_pipeline(config, rank)
