@@ -10,14 +10,16 @@ tuple, looked up in a cache of ``Stream`` objects, and a switch is ``_cuda_setSt
 back, when the calling thread's current device is the stream's (the engine's device, always in
 the service); otherwise ``torch.cuda.stream`` does it, device switch included.
 
-The C entry points are looked up on first use (a CPU build of torch has none) through
-:data:`api`, which tests replace with a fake.
+The C entry points (``compat.torch.cuda_stream_calls``) are looked up on first use (a CPU build of
+torch has none) through :data:`api`, which tests replace with a fake.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
 import torch
+
+from compat.torch import cuda_stream_calls
 
 RawStream = tuple  # (stream_id, device_index, device_type): how torch._C packs a stream
 
@@ -38,8 +40,7 @@ def _stream_from(found: RawStream):
 
 def _torch_api() -> CudaApi:
     torch.cuda.init()  # what torch.cuda.current_stream does first (a no-op once CUDA is up)
-    c = torch._C
-    return CudaApi(c._cuda_getDevice, c._cuda_getCurrentStream, c._cuda_setStream, _stream_from, torch.cuda.stream)
+    return CudaApi(*cuda_stream_calls(), _stream_from, torch.cuda.stream)
 
 
 api: CudaApi | None = None  # resolved on first use; tests assign a fake

@@ -114,3 +114,35 @@ def test_dynamo_counts_graphs_marks_dims_dynamic_and_names_refused_traces(monkey
     import os
 
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+
+
+def _declared(name: str) -> str:
+    """``name``'s declaration in torch's own stub of ``torch._C`` (shipped with CPU and CUDA builds)."""
+    import pathlib
+
+    stub = (pathlib.Path(torch.__file__).parent / "_C" / "__init__.pyi").read_text()
+    return next((line.strip() for line in stub.splitlines() if line.startswith(f"def {name}(")), "")
+
+
+def test_the_cuda_stream_calls_are_declared_as_the_engine_calls_them():
+    mismatch = use("cuda_stream_calls").mismatch
+    assert _declared("_cuda_getDevice") == "def _cuda_getDevice() -> _int: ...", mismatch("changed")
+    assert _declared("_cuda_getCurrentStream") == "def _cuda_getCurrentStream(device: _int) -> tuple: ...", \
+        mismatch("changed")
+    assert _declared("_cuda_setStream") == ("def _cuda_setStream(stream_id: _int, device_index: _int, "
+                                            "device_type: _int) -> None: ..."), mismatch("changed")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the calls exist in a CUDA build only")
+def test_cuda_the_stream_calls_read_and_set_what_torch_cuda_does():
+    get_device, current, set_stream = seam.cuda_stream_calls()
+    index = torch.cuda.current_device()
+    assert get_device() == index
+    before, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    assert current(index) == (before.stream_id, before.device_index, before.device_type)
+    set_stream(side.stream_id, side.device_index, side.device_type)
+    try:
+        assert torch.cuda.current_stream() == side, use("cuda_stream_calls").mismatch("does not set the stream")
+    finally:
+        set_stream(before.stream_id, before.device_index, before.device_type)
+    assert torch.cuda.current_stream() == before
