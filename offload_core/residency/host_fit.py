@@ -20,7 +20,6 @@ from offload_core.layout import staging_bytes
 from offload_core.planner.pipeline_plan import PipelinePlan
 from offload_core.planner.search import retier
 from offload_core.planner.strategy import Strategy
-from offload_core.quant import WeightFormat
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +96,9 @@ def _shared(plan: PipelinePlan, components: Mapping[str, nn.Module], shared, dev
     updated = []
     for c in plan.components:
         wants_copy = HostingTier.MAPPED not in dict(c.hosting).values()
-        if c.strategy is Strategy.LAYERWISE and shared.covers(c.name) and c.weights is not WeightFormat.NATIVE:
-            # A store holds the layers as loaded; an FP8 store (8-bit extents, keyed by format) is not built yet.
-            logger.info("residency: %s hosts its %s layers privately: node stores hold native weights only",
-                        c.name, c.weights.value)
-        elif c.strategy is Strategy.LAYERWISE and shared.covers(c.name) and wants_copy:
-            got = shared.host_layers(c.name, components[c.name], c.layer_groups or None, dict(c.hosting), device)
+        if c.strategy is Strategy.LAYERWISE and shared.covers(c.name) and wants_copy:
+            got = shared.host_layers(c.name, components[c.name], c.layer_groups or None, dict(c.hosting), device,
+                                     c.weights)
             if got is not None:
                 hosts[c.name] = got
                 c = dataclasses.replace(c, hosting=tuple((key, got[key].tier) for key, _ in c.hosting))

@@ -18,13 +18,9 @@ from torch import nn
 
 from offload_core.host.budget import Refusal
 from offload_core.host.tier import HostingTier
-from offload_core.layout import (
-    LayerLayout,
-    declared_layer_groups,
-    layer_parameters,
-    plan_layer_layout,
-)
+from offload_core.layout import LayerLayout, declared_layer_groups, layer_parameters
 from offload_core.order import declared_layers
+from offload_core.quant import WeightFormat, layer_layout
 from offload_core.shared_store.layer import shared_host_layers
 from offload_core.shared_store.registry import StoreAttachment, StoreRegistry
 from offload_core.shared_store.store import (
@@ -41,12 +37,14 @@ from offload_core.streaming.host_layer import HostLayer
 logger = logging.getLogger(__name__)
 
 
-def _layers(module: nn.Module, groups: Sequence[str] | None) -> list[tuple[LayerLayout, list[torch.Tensor]]]:
-    """Every streamed layer's layout and tensors, in the engine's order and with the engine's layout."""
+def _layers(module: nn.Module, groups: Sequence[str] | None,
+            weights: WeightFormat = WeightFormat.NATIVE) -> list[tuple[LayerLayout, list[torch.Tensor]]]:
+    """Every streamed layer's layout and tensors, in the engine's order and with the engine's layout
+    (``weights``: FP8 layers are stored at their 8-bit size, quantized once by the store's writer)."""
     out = []
     for layer in declared_layers(module, groups or declared_layer_groups(module)):  # none without parameters
         named = layer_parameters(layer.module)
-        out.append((plan_layer_layout(layer.key, [(n, p.data) for n, p in named]), [p.data for _, p in named]))
+        out.append((layer_layout(layer.key, layer.module, weights), [p.data for _, p in named]))
     return out
 
 
@@ -63,13 +61,17 @@ class SharedWeights:
     def covers(self, component: str) -> bool:
         return component in self._identities
 
-    def key(self, component: str, module: nn.Module, groups: Sequence[str] | None) -> tuple[StoreKey, StoreLayout]:
-        return key_for(self._identities[component], component, [layout for layout, _ in _layers(module, groups)])
+    def key(self, component: str, module: nn.Module, groups: Sequence[str] | None,
+            weights: WeightFormat = WeightFormat.NATIVE) -> tuple[StoreKey, StoreLayout]:
+        return key_for(self._identities[component], component,
+                       [layout for layout, _ in _layers(module, groups, weights)])
 
     def host_layers(self, component: str, module: nn.Module, groups: Sequence[str] | None,
-                    tiers: Mapping[str, HostingTier], device: torch.device) -> dict[str, HostLayer] | None:
-        """The component's layers hosted from its store, or None when this replica is not admitted."""
-        layers = _layers(module, groups)
+                    tiers: Mapping[str, HostingTier], device: torch.device,
+                    weights: WeightFormat = WeightFormat.NATIVE) -> dict[str, HostLayer] | None:
+        """The component's layers hosted from its store (``weights``: the plan's format; an FP8 store
+        holds the 8-bit values and scales, one copy for every replica), or None when not admitted."""
+        layers = _layers(module, groups, weights)
         key, layout = key_for(self._identities[component], component, [lay for lay, _ in layers])
         path = self._dir / key.file_name
         ticket = self.registry.acquire(key, layout.total_bytes, str(path), self.owner, self.budget_bytes)

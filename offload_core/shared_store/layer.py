@@ -49,7 +49,7 @@ def shared_host_layers(store: WeightStore, layouts: Mapping[str, LayerLayout], t
         if tier is HostingTier.MAPPED:
             raise LayoutError(f"layer {key} is planned MAPPED; a store-hosted layer is PINNED or PAGEABLE")
         flat = store.buffers(key)
-        if dict(layout.flat_bytes) != {d: t.numel() for d, t in flat.items()}:
+        if dict(layout.host_flat_bytes) != {d: t.numel() for d, t in flat.items()}:
             raise LayoutError(f"layer {key}: store extents {sorted(map(str, flat))} do not match its layout")
         lock = tier is HostingTier.PINNED  # a no-op without a page locker (CPU): planned pinned, pageable
         buffers = {d: register_read_only(t, device) if lock else HostBuffer(t, t.numel(), page_locked=False)

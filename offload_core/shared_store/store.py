@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from offload_core.layout import LayerLayout, extent_view
+from offload_core.layout import LayerLayout
 from offload_core.progress import ByteProgress
 from offload_core.shared_store.files import (  # noqa: F401 (re-exported: the store's names for them)
     DEFAULT_STORE_DIR,
@@ -53,6 +53,7 @@ from offload_core.shared_store.files import (  # noqa: F401 (re-exported: the st
     sweep_orphans,
     unlink_quietly,
 )
+from offload_core.streaming.host_layer import fill_host_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class StoreExtent:
     key: str  # the layer key, "blocks.3"
     dtype: torch.dtype
     offset: int  # from the start of the file, page-aligned
-    nbytes: int  # the layer's flat bytes of this dtype (its LayerLayout figure)
+    nbytes: int  # the layer's hosted bytes of this dtype (LayerLayout.host_flat_bytes: 8-bit where FP8)
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,9 @@ class StoreLayout:
         for layout in layouts:
             for t in layout.tensors:
                 h.update(f"{layout.key}/{t.name}:{t.dtype}:{t.shape}:{t.stride}:{t.extent}:{t.byte_offset};".encode())
-            for dtype, nbytes in layout.flat_bytes:
+            for q in layout.quantized:  # an FP8 store holds other bytes than a native one of the same layers
+                h.update(f"{layout.key}/fp8:{q.index}:{q.q_offset}:{q.scale_offset}:{q.rows};".encode())
+            for dtype, nbytes in layout.host_flat_bytes:
                 extents.append(StoreExtent(layout.key, dtype, cursor, nbytes))
                 cursor += _align_page(nbytes)
         return cls(tuple(extents), cursor, h.hexdigest()[:32])
@@ -257,13 +260,12 @@ def _write_layers(writable: mmap.mmap, layout: StoreLayout,
     where = {(e.key, e.dtype): e for e in layout.extents}
     for layer_layout, tensors in layers:
         assert len(tensors) == len(layer_layout.tensors), f"{layer_layout.key}: tensors and layout disagree"
-        for meta, tensor in zip(layer_layout.tensors, tensors):
-            extent = where[(layer_layout.key, meta.dtype)]
-            flat = torch.frombuffer(writable, dtype=torch.uint8, count=extent.nbytes, offset=extent.offset)
-            run = flat[meta.byte_offset:meta.byte_offset + meta.extent_bytes].view(meta.dtype)
-            run.copy_(extent_view(tensor.detach()))
-            del flat, run  # the mapping cannot close while a tensor still exports it
-        written(layer_layout.nbytes)
+        flats = {dtype: torch.frombuffer(writable, dtype=torch.uint8, count=where[(layer_layout.key, dtype)].nbytes,
+                                         offset=where[(layer_layout.key, dtype)].offset)
+                 for dtype, _ in layer_layout.host_flat_bytes}
+        fill_host_buffers(layer_layout, tensors, flats)  # quantized (FP8) as a private layer would be
+        del flats  # the mapping cannot close while a tensor still exports it
+        written(layer_layout.host_nbytes)
 
 
 def _check(mapping: mmap.mmap, path: Path, key: StoreKey, layout: StoreLayout) -> None:

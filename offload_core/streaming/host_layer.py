@@ -83,17 +83,7 @@ class HostLayer:
         refusal = next((b.refusal for b in buffers.values() if b.refusal is not None), None)
         if refusal is not None:
             tier = cls._fall_back_to_pageable(layout, buffers, refusal)
-        quantized = {q.index: q for q in layout.quantized}
-        for index, (meta, tensor) in enumerate(zip(layout.tensors, params)):
-            if index in quantized:
-                q, scale = quantize_fp8(tensor.detach())
-                fp8, at = buffers[FP8_HOST_DTYPE].data, quantized[index]
-                fp8[at.q_offset:at.q_offset + q.numel()].view(FP8_DTYPE).copy_(q.reshape(-1))
-                fp8[at.scale_offset:at.scale_offset + at.rows * 4].view(SCALE_DTYPE).copy_(scale)
-                continue
-            flat = buffers[meta.dtype].data
-            run = flat[meta.byte_offset:meta.byte_offset + meta.extent_bytes].view(meta.dtype)
-            run.copy_(extent_view(tensor.detach()))
+        fill_host_buffers(layout, params, {dtype: buffer.data for dtype, buffer in buffers.items()})
         return cls(layout, tier, buffers, ())
 
     @staticmethod
@@ -186,6 +176,25 @@ class HostLayer:
             free_host_buffer(buffer)
         self._buffers = {}
         self._mapped = ()
+
+
+def fill_host_buffers(layout: LayerLayout, params: Sequence[torch.Tensor],
+                      flats: Mapping[torch.dtype, torch.Tensor]) -> None:
+    """Write ``params`` (in ``layout.tensors`` order) into the layer's host buffers ``flats`` (uint8 per
+    dtype of ``layout.host_flat_bytes``): kept tensors at their offsets, quantized ones as 8-bit values
+    and scales. The one writer of hosted bytes: a private layer's consolidation and a node store's file."""
+    quantized = {q.index: q for q in layout.quantized}
+    for index, (meta, tensor) in enumerate(zip(layout.tensors, params)):
+        if index in quantized:
+            q, scale = quantize_fp8(tensor.detach())
+            fp8, at = flats[FP8_HOST_DTYPE], quantized[index]
+            fp8[at.q_offset:at.q_offset + q.numel()].view(FP8_DTYPE).copy_(q.reshape(-1))
+            fp8[at.scale_offset:at.scale_offset + at.rows * SCALE_DTYPE.itemsize].view(SCALE_DTYPE).copy_(scale)
+            continue
+        if meta.extent == 0:
+            continue
+        run = flats[meta.dtype][meta.byte_offset:meta.byte_offset + meta.extent_bytes].view(meta.dtype)
+        run.copy_(extent_view(tensor.detach()))
 
 
 def _fp8_views(flat: torch.Tensor, meta, at) -> tuple[torch.Tensor, torch.Tensor]:

@@ -138,3 +138,45 @@ def test_removing_a_replica_twice_detaches_it_once(cpu_capacity, tmp_path):
     assert [a.attached for a in second.shared.attachments()] == [1, 1], "the second replica stays attached"
     second.remove()
     assert node.leased() == 0
+
+
+def test_fp8_replicas_share_one_8bit_copy_and_equal_the_fake_quantized_model(cpu_capacity, tmp_path):
+    """Issue 33: FP8 was hosted privately whenever a store could serve it (one 8-bit copy per replica)."""
+    from offload_core.quant import WeightFormat, fake_quantize_
+    from tests.offload_core.residency.test_lifecycle_fp8 import _plan
+
+    cpu_capacity(1 << 30)
+    node = InProcessLedger(1 << 30)
+    registry = InProcessStoreRegistry(node)
+    plan = _plan(WeightFormat.FP8, 1 << 30)
+    reference = {"a": Toy(0, 32), "b": Toy(1, 32)}
+    for model in reference.values():
+        fake_quantize_(model.blocks)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(4))
+    expected = {n: m(x) for n, m in reference.items()}
+    replicas = []
+    for name, spoil in (("r1", False), ("r2", True)):
+        models = {"a": Toy(0, 32), "b": Toy(1, 32)}
+        if spoil:  # the second replica's own weights are NaN: equal outputs prove it used the store
+            for model in models.values():
+                for p in model.blocks.parameters():
+                    p.data.fill_(float("nan"))
+        shared = SharedWeights(registry, {"a": "toy32-a", "b": "toy32-b"}, name, tmp_path)
+        replicas.append((models, PipelineResidency.apply(models, plan, "cpu", node, owner=name, shared=shared)))
+    (_, first), (_, second) = replicas
+    assert first.shared.roles() == {"a": StoreRole.CREATE, "b": StoreRole.CREATE}
+    assert second.shared.roles() == {"a": StoreRole.ATTACH, "b": StoreRole.ATTACH}
+    for models, residency in replicas:
+        with torch.no_grad():
+            got = run(models, residency, x)
+        assert all(torch.equal(got[n], expected[n]) for n in expected), "FP8 from the store = fake-quantized"
+        layers = residency.components["b"].streamer.layers
+        assert all(isinstance(layer.host, SharedHostLayer) and layer.host.layout.quantized for layer in layers)
+    assert node.leased() == sum(a.nbytes for a in first.shared.attachments()), "leased once for both replicas"
+    # What the store holds per layer: 8-bit values, float32 scales and the kept bias, each aligned (the fp32 toy: 8,192 of 18,432 B).
+    fp8_layers = first.shared.key("b", Toy(1, 32), None, WeightFormat.FP8)[1].layer_bytes
+    native_layers = first.shared.key("b", Toy(1, 32), None)[1].layer_bytes
+    assert fp8_layers < 0.5 * native_layers, (fp8_layers, native_layers)
+    for _, residency in replicas:
+        residency.remove()
+    assert node.leased() == 0
