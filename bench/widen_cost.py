@@ -23,13 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from offload_core.fp8_widen import widen_layer, widen_plan  # noqa: E402
+from offload_core.fp8_widen import group_operands, widen_layer, widen_plan  # noqa: E402
 from offload_core.host.tier import HostingTier  # noqa: E402
-from offload_core.layout import FP8_HOST_DTYPE, SCALE_ITEMSIZE, RegionMap, tensor_view  # noqa: E402
+from offload_core.layout import FP8_HOST_DTYPE, RegionMap, tensor_view  # noqa: E402
 from offload_core.planner.real_models import meta_component  # noqa: E402
 from offload_core.quant import (  # noqa: E402
     FP8_DTYPE,
-    SCALE_DTYPE,
     WeightFormat,
     convert_fp8,
     dequantize_fp8,
@@ -82,15 +81,9 @@ def _widen_narrowed(plan, regions) -> None:
     """``fp8_widen.widen_layer`` with each group's scales cast to the compute dtype first (one more
     small kernel per group; exact for power-of-two scales in bf16's range, checked by the caller)."""
     _convert_runs(plan, regions)
-    landing = regions[FP8_HOST_DTYPE]
     for group in plan.groups:
-        itemsize = group.dtype.itemsize
-        span = ((group.count - 1) * group.spacing + group.rows * group.cols) * itemsize
-        flat = regions[group.dtype][group.device_offset:group.device_offset + span].view(group.dtype)
-        out = flat.as_strided((group.count, group.rows, group.cols), (group.spacing, group.cols, 1),
-                              flat.storage_offset())
-        scales = landing[group.scale_offset:group.scale_offset + group.count * group.rows * SCALE_ITEMSIZE]
-        out.mul_(scales.view(SCALE_DTYPE).to(group.dtype).view(group.count, group.rows, 1))
+        out, scales = group_operands(group, regions)
+        out.mul_(scales.to(group.dtype).view(group.count, group.rows, 1))
 
 
 def _check_narrowed(plan, regions, device) -> bool:

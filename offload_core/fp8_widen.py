@@ -99,14 +99,21 @@ def widen_layer(plan: WidenPlan, regions: Mapping[torch.dtype, torch.Tensor]) ->
         nbytes = q.numel() * run.dtype.itemsize
         convert_fp8(q, regions[run.dtype][run.device_start:run.device_start + nbytes].view(run.dtype))
     for group in plan.groups:
-        itemsize = group.dtype.itemsize
-        span = ((group.count - 1) * group.spacing + group.rows * group.cols) * itemsize
-        flat = regions[group.dtype][group.device_offset:group.device_offset + span].view(group.dtype)
-        out = flat.as_strided((group.count, group.rows, group.cols), (group.spacing, group.cols, 1),
-                              flat.storage_offset())
-        scale_bytes = group.count * group.rows * SCALE_ITEMSIZE
-        scales = landing[group.scale_offset:group.scale_offset + scale_bytes].view(SCALE_DTYPE)
+        out, scales = group_operands(group, regions)
         out.mul_(_factor(scales, group.dtype).view(group.count, group.rows, 1))
+
+
+def group_operands(group: ScaleGroup, regions: Mapping[torch.dtype, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``group``'s tensors in their slot as one ``[count, rows, cols]`` view, and their float32 scales
+    (``count x rows``, flat) in the landed FP8 buffer: what the group's one multiply takes."""
+    itemsize = group.dtype.itemsize
+    span = ((group.count - 1) * group.spacing + group.rows * group.cols) * itemsize
+    flat = regions[group.dtype][group.device_offset:group.device_offset + span].view(group.dtype)
+    out = flat.as_strided((group.count, group.rows, group.cols), (group.spacing, group.cols, 1),
+                          flat.storage_offset())
+    scale_bytes = group.count * group.rows * SCALE_ITEMSIZE
+    landing = regions[FP8_HOST_DTYPE]
+    return out, landing[group.scale_offset:group.scale_offset + scale_bytes].view(SCALE_DTYPE)
 
 
 def _factor(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
