@@ -40,6 +40,12 @@ def numa_facts(device: torch.device) -> dict:
     facts: dict = {"gpu_pci": address, "affinity_cpus": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count()}
     node_file = Path("/sys/bus/pci/devices") / address / "numa_node"
     facts["gpu_numa_node"] = int(node_file.read_text()) if node_file.exists() else None
+    # Every NVIDIA display/3D controller's node too (vendor 0x10de, class 0x03...), should torch not
+    # report the PCI address: on a one-GPU machine that is this GPU's.
+    facts["nvidia_pci_numa_nodes"] = {
+        d.name: int((d / "numa_node").read_text()) for d in sorted(Path("/sys/bus/pci/devices").glob("*"))
+        if (d / "vendor").exists() and (d / "vendor").read_text().strip() == "0x10de"
+        and (d / "class").read_text().startswith("0x03") and (d / "numa_node").exists()}
     nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
     facts["node_cpus"] = {p.name: (p / "cpulist").read_text().strip() for p in nodes if (p / "cpulist").exists()}
     return facts
