@@ -127,13 +127,14 @@ def plan_for_replica(profile: FleetProfile, facts: PipelineFacts, mode: Performa
             capped[c.name] = dataclasses.replace(overrides[c.name], resident_layers=limit)
     if capped:
         plan = plan_pipeline(facts, mode, {**overrides, **capped})
-    plan = dataclasses.replace(plan, notes=(*plan.notes, process_note(facts.link)))
+    process = process_note(facts.link)
+    plan = dataclasses.replace(plan, notes=(*plan.notes, process))
     logger.info("%s: plan on %s (profile %s, mode %s, depth %d): %s; peak %.2f GB of %.2f GB, %.2f GB moved per "
                 "request%s; %s", owner, facts.device_name, profile.name, mode.value, profile.prefetch_depth,
                 ", ".join(f"{c.name}={c.strategy.value}" for c in plan.components), plan.peak_device_bytes / GB,
                 facts.device_capacity / GB, plan.bytes_moved_per_request / GB,
                 f"; resident layers capped at {profile.max_resident_fraction:.0%} for {sorted(capped)}" if capped else "",
-                plan.notes[-1])
+                process)
     return plan
 
 

@@ -260,9 +260,9 @@ def _write_layers(writable: mmap.mmap, layout: StoreLayout,
     where = {(e.key, e.dtype): e for e in layout.extents}
     for layer_layout, tensors in layers:
         assert len(tensors) == len(layer_layout.tensors), f"{layer_layout.key}: tensors and layout disagree"
-        flats = {dtype: torch.frombuffer(writable, dtype=torch.uint8, count=where[(layer_layout.key, dtype)].nbytes,
-                                         offset=where[(layer_layout.key, dtype)].offset)
-                 for dtype, _ in layer_layout.host_flat_bytes}
+        extents = [where[(layer_layout.key, dtype)] for dtype, _ in layer_layout.host_flat_bytes]
+        flats = {e.dtype: torch.frombuffer(writable, dtype=torch.uint8, count=e.nbytes, offset=e.offset)
+                 for e in extents}
         fill_host_buffers(layer_layout, tensors, flats)  # quantized (FP8) as a private layer would be
         del flats  # the mapping cannot close while a tensor still exports it
         written(layer_layout.host_nbytes)

@@ -73,7 +73,7 @@ def _measured(device: torch.device, nbytes: int, repeats: int, cap: int) -> Link
             pinned.data.fill_(1)
             pinned_Bps = _bandwidth(dst, pinned.data, device, repeats, non_blocking=True)
             staged_Bps = staged_bandwidth(dst, pageable, [chunk.data for chunk in chunks], device, repeats,
-                                           fills.threads)
+                                          fills.threads)
         else:
             # The driver refused to lock the probe: pinned copies (and so staging) are not
             # available to this process, so the planner must not count on them.
@@ -95,7 +95,7 @@ def _measured(device: torch.device, nbytes: int, repeats: int, cap: int) -> Link
 
 
 def staged_bandwidth(dst: torch.Tensor, src: torch.Tensor, chunks: list[torch.Tensor], device: torch.device,
-                      repeats: int, threads: int) -> float:
+                     repeats: int, threads: int) -> float:
     """``src`` to ``dst`` through the pinned ``chunks`` in turn: memcpy into one (split over ``threads``,
     as the copier's fills are) while the other's DMA runs."""
     copy_stream = torch.cuda.Stream(device=device)
