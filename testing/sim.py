@@ -15,7 +15,8 @@ every kernel advances a virtual clock under the rules a real GPU imposes:
 - every copy pays ``copy_latency_s`` on the copy engine, every kernel launch and copy issue
   ``launch_s`` of its host thread's time;
 - kernels launch asynchronously on the current stream; events mark a stream's position, a wait
-  makes a stream start nothing before the event;
+  makes a stream start nothing before the event; kernels on every stream share the SMs
+  (``testing.sim_sms``: a widen on the copy stream takes compute time where compute is busy);
 - a layer's compute is ``kernels`` kernels (``charge_layer_compute``), each costing ``launch_s`` on
   the launch thread: where the launches outlast the kernels the step is launch-bound, and any
   host time on that thread (hooks: ``host_s``; a wait) adds to it;
@@ -55,6 +56,7 @@ from offload_core.host.tier import HostingTier
 from offload_core.streaming.copier import CopyJob, copy_pairs
 from offload_core.streaming.device import Device, DeviceCapacity
 from testing.sim_link import SimLink, SlowStretch
+from testing.sim_sms import SmTimeline
 
 __all__ = ["LAUNCH_THREAD", "SimDevice", "SimEvent", "SimLink", "SimStream", "SlowStretch", "StreamHazardError"]
 
@@ -205,6 +207,7 @@ class SimDevice(Device):
         self._ready = {SimStream.COMPUTE: 0.0, SimStream.COPY: 0.0}
         self._stream = SimStream.COMPUTE
         self._h2d_free = 0.0  # the one host->device copy engine
+        self._sms = SmTimeline()  # the compute time kernels on every stream share
         self._clocks = {LAUNCH_THREAD: 0.0}
         self._thread = LAUNCH_THREAD
         self._memcpy_threads = 1  # threads the running host memcpy is split over (SimCopier.copy)
@@ -296,10 +299,11 @@ class SimDevice(Device):
         self._touch(self._ready[SimStream.COMPUTE], reads=spans, writes=())
 
     def _launch(self, stream: SimStream, seconds: float) -> None:
-        """One kernel on ``stream``: it starts when the thread launches it and the stream reached it;
-        the launching thread pays ``launch_s``."""
+        """One kernel on ``stream``: it starts when the thread launches it and the stream reached it, and
+        runs in the SMs' free time from then (``SmTimeline``); the launching thread pays ``launch_s``."""
         start = max(self._clocks[self._thread], self._ready[stream])
-        self._ready[stream] = start + seconds
+        self._sms.forget_before(min(self._clocks.values()))
+        self._ready[stream] = self._sms.place(start, seconds)
         self._clocks[self._thread] += self.link.launch_s
         self.kernels += 1
 

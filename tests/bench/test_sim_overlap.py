@@ -42,14 +42,20 @@ def test_sim_overlap_quick_replays_the_h200_failures_and_the_fixed_engine_within
     assert all(name.startswith("h200 ") for name in cases) and len(cases) >= 8
     assert all(c["bitwise_equal"] for c in cases.values())
     compared = [c for c in cases.values() if c["device_step_s"] is not None]
-    assert len(compared) >= 4
-    for case in compared:  # the simulator learned the device: each figure it has within 20 %
-        assert 0.8 <= case["sim_over_device"] <= 1.2, (case["name"], case["sim_over_device"])
+    assert len(compared) >= 10
+    for case in compared:  # the simulator learned the device: each figure it models within 20 %
+        if case["unmodelled"] is None:
+            assert 0.8 <= case["sim_over_device"] <= 1.2, (case["name"], case["sim_over_device"])
+    # what it does not model yet is named, and only that (a new miss cannot hide in the list)
+    assert {c["name"] for c in compared if c["unmodelled"]} == {"h200 mapped staged 7 copier threads 6 frames (4ed5bc7)"}
     s = report["h200_summary"]
     # negative controls: 528c2f0's failures reproduced
     assert s["old_staged_over_pinned"] >= 3.0, "one copier thread at 5.4 GB/s: staged >= 3x pinned"
     assert s["old_fp8_over_bf16_1frame"] > 1.0, "per-tensor widen launches at 1 frame: FP8 slower than bf16"
-    # the fixed engine: fills split over eight threads, the layer-wide widen
-    assert s["staged_8_threads_over_pinned"] <= 1.25 and s["mapped_8_threads_over_pinned"] <= 1.3
-    assert s["unstaged_over_staged_8_threads"] > 1.0, "the unstaged control is slower than staged"
-    assert s["fp8_over_bf16_1frame"] < 1.0 and s["fp8_over_bf16_6frames"] <= 1.05
+    # the fixed engine as 4ed5bc7 ran it: fills split over the probe's seven threads, the layer-wide widen
+    assert s["fixed_staged_over_pinned"] <= 1.25 and s["staged_8_threads_over_pinned"] <= 1.25
+    assert s["fixed_unstaged_over_staged"] > 1.0, "the unstaged control is slower than staged"
+    assert s["fixed_fp8_over_bf16_1frame"] < 1.0
+    # the widen's kernels share the SMs with compute: where compute is busy they add to the step
+    # (the device's 1.106x at 6 frames; a simulator that ran them beside compute for free said 0.996x)
+    assert s["fixed_fp8_over_bf16_6frames"] > 1.05

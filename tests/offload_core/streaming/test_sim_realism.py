@@ -137,3 +137,28 @@ def test_a_widen_that_reads_its_scales_back_stalls_the_thread_that_issued_the_co
     with torch.no_grad():
         WAN.run(model, WAN.inputs())
     assert sim.syncs > 0 and sim.blocked_s > 0, "each scale read waits for the slow copy"
+
+
+def test_a_kernel_on_the_copy_stream_takes_sm_time_from_busy_compute():
+    # compute keeps the SMs busy for 10 ms; a 2 ms widen on the copy stream ready at 1 ms runs on the
+    # same SMs, so compute queued after it ends 2 ms later (the H200's FP8 step at 6 frames: +9 %)
+    sim = SimDevice(SimLink())
+    sim.launch_kernel(1e-3)
+    with sim.on_copy_stream():
+        sim._launch(SimStream.COPY, 2e-3)
+    sim.launch_kernel(9e-3)
+    sim.synchronize()
+    assert sim.now == pytest.approx(12e-3), "streams order kernels; they do not add SMs"
+    assert sim.stream_ready(SimStream.COPY) == pytest.approx(3e-3)
+
+
+def test_a_copy_stream_kernel_fills_the_gaps_compute_leaves():
+    from testing.sim_sms import SmTimeline
+
+    sms = SmTimeline()
+    assert sms.place(0.0, 1.0) == 1.0
+    assert sms.place(3.0, 1.0) == 4.0
+    assert sms.place(0.5, 2.5) == 4.5, "1 -> 3 free, then 4 -> 4.5: 2 + 0.5 s"
+    assert sms.busy_s == pytest.approx(4.5)
+    sms.forget_before(4.5)
+    assert sms.busy_s == 0.0 and sms.place(5.0, 1.0) == 6.0
