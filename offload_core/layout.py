@@ -68,6 +68,7 @@ LEGACY_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = {
 # one while the DMA drains the other. In the simulator (25 GB/s DMA, 12 GB/s memcpy) two reach every
 # steady-state ratio <= 1.05 at depth 1 and 2; one would serialise memcpy and DMA.
 DEFAULT_STAGING_BUFFERS = 2
+LANDING_BUFFERS = 2  # FP8 landing buffers per streamer: DMA into one while the other is widened
 
 # Set on a model while it is streamed; a second apply_layer_streaming would stream placeholders,
 # and the hosting plan must read layer bytes from the host copies instead of the parameters.
@@ -420,12 +421,15 @@ def staging_bytes(flat_bytes: Iterable[Iterable[tuple[object, int]]], buffers: i
 
 
 def landing_bytes(layouts: Iterable[LayerLayout]) -> int:
-    """Device bytes of a streamer's one landing buffer: the largest FP8 host buffer of its layers.
+    """Device bytes of a streamer's landing buffers: ``LANDING_BUFFERS`` x the largest FP8 host buffer
+    of its layers (aligned), 0 when none is quantized.
 
-    One is enough: each layer's 8-bit bytes are copied into it and widened into the layer's slot
-    on the copy stream, in stream order, before the next layer's copy into it is issued.
+    Two: a layer's 8-bit bytes land in one while the previous layer's widen, on its own stream,
+    still reads the other (``streaming.ring``); with one, the widen had to run on the copy stream
+    between the two DMAs.
     """
-    return max((layout.landing_bytes for layout in layouts), default=0)
+    largest = max((layout.landing_bytes for layout in layouts), default=0)
+    return LANDING_BUFFERS * align_up(largest) if largest else 0
 
 
 def tensor_view(flat: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
@@ -495,7 +499,7 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 __all__ = [
     "WindowPlacer", "window_copies", "ALIGN_BYTES", "FP8_HOST_DTYPE", "KNOWN_LAYER_GROUPS", "LEGACY_LAYER_GROUPS", "LayerGroup", "LayerLayout",
-    "LayoutError", "QuantizedMeta", "RegionMap", "landing_bytes",
+    "LANDING_BUFFERS", "LayoutError", "QuantizedMeta", "RegionMap", "landing_bytes",
     "TensorMeta", "align_up", "check_disjoint", "declared_layer_groups", "extent_view", "is_placeholder",
     "layer_parameters", "placeholder", "plan_layer_layout", "resolve_layer_group", "slot_count", "storage_extent",
     "tensor_view", "unique_storage_bytes",

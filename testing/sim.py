@@ -87,6 +87,7 @@ class SimEvent:
 class SimStream(enum.Enum):
     COMPUTE = "compute"  # the current stream: kernels, and what the engine records as compute
     COPY = "copy"  # the side stream host->device copies run on
+    WIDEN = "widen"  # the side stream FP8 layers are widened on
 
 
 class _InterceptCopies(TorchFunctionMode):
@@ -204,7 +205,7 @@ class SimDevice(Device):
         super().__init__(torch.device("cpu"), facts or DeviceCapacity())
         self.link = link or SimLink()
         self.refuse_pins = refuse_pins  # a memlock limit: every staging pin refused
-        self._ready = {SimStream.COMPUTE: 0.0, SimStream.COPY: 0.0}
+        self._ready = {SimStream.COMPUTE: 0.0, SimStream.COPY: 0.0, SimStream.WIDEN: 0.0}
         self._stream = SimStream.COMPUTE
         self._h2d_free = 0.0  # the one host->device copy engine
         self._sms = SmTimeline()  # the compute time kernels on every stream share
@@ -266,25 +267,35 @@ class SimDevice(Device):
         return handles
 
     def charge_widen(self, streamer, launches: int, syncs: int = 0) -> int:
-        """Charge every FP8 layer's widen: ``launches`` kernels on the copy stream (``widen_Bps`` of its
-        widened bytes in all) from the thread issuing it, and ``syncs`` waits of that thread for the
-        copy stream. Returns the layers charged. The widen itself still runs (the data stays exact)."""
+        """Charge every FP8 layer's widen: ``launches`` kernels on the stream it is issued on
+        (``widen_Bps`` of its widened bytes in all) from the thread issuing it, and ``syncs`` waits of
+        that thread for that stream. It reads the landing buffer and writes the layer's regions: both
+        checked against the clock like a copy. Returns the layers charged. The widen itself still runs
+        (the data stays exact)."""
+        from offload_core.layout import FP8_HOST_DTYPE
+
         charged = 0
         for layer in streamer.layers:
             if not layer.layout.quantized:
                 continue
             widened = sum(layer.layout.tensors[q.index].extent_bytes for q in layer.layout.quantized)
+            dtypes = {layer.layout.tensors[q.index].dtype for q in layer.layout.quantized}
             widen = layer.host.widen
 
-            def timed(regions, widen=widen, widened=widened):
+            def timed(regions, widen=widen, widened=widened, dtypes=dtypes):
                 widen(regions)
+                stream = self._stream
+                reads = (_span(regions[FP8_HOST_DTYPE]),)
+                writes = tuple(_span(regions[dtype]) for dtype in dtypes)
+                self._check(max(self._clocks[self._thread], self._ready[stream]), reads, writes, "a widen")
                 seconds = widened / self.link.widen_Bps if self.link.widen_Bps else 0.0
                 for n in range(launches):
-                    self._launch(SimStream.COPY, seconds / launches)
-                    if n < syncs:  # the scale read back: the thread waits for the copy stream so far
-                        self._wait_for(SimStream.COPY)
+                    self._launch(stream, seconds / launches)
+                    if n < syncs:  # the scale read back: the thread waits for the stream so far
+                        self._wait_for(stream)
                 for _ in range(max(0, syncs - launches)):
-                    self._wait_for(SimStream.COPY)
+                    self._wait_for(stream)
+                self._touch(self._ready[stream], reads, writes)
             layer.host.widen = timed
             charged += 1
         return charged
@@ -375,6 +386,16 @@ class SimDevice(Device):
         finally:
             self._stream = previous
 
+    def on_widen_stream(self) -> contextlib.AbstractContextManager[None]:
+        return self.on_stream(SimStream.WIDEN)
+
+    def record_widen(self) -> SimEvent:
+        return SimEvent(self._ready[SimStream.WIDEN])
+
+    def widen_waits(self, event: SimEvent | None) -> None:
+        if event is not None:
+            self._ready[SimStream.WIDEN] = max(self._ready[SimStream.WIDEN], event.time)
+
     def record_copy(self) -> SimEvent:
         return SimEvent(self._ready[SimStream.COPY])
 
@@ -394,6 +415,7 @@ class SimDevice(Device):
 
     def compute_waits_for_copies(self) -> None:
         self.compute_waits(self.record_copy())
+        self.compute_waits(self.record_widen())
 
     def host_waits(self, event: SimEvent | None) -> None:
         """The calling host thread (a copier) blocks until ``event``'s stream reached it."""

@@ -8,7 +8,7 @@ Byte figures follow the engine exactly, so predictions equal what its meter and 
   staging buffer the host copier filled); a component with PAGEABLE or MAPPED layers holds
   ``layout.staging_bytes`` of pinned staging buffers on the host; an FP8-hosted layer
   (``ComponentProfile.weights``) hosts and copies its 8-bit size (``layout.host_nbytes``) and the
-  device holds one landing buffer more (``layout.landing_bytes``);
+  device holds two landing buffers more (``layout.landing_bytes``);
 - per request, ``prepare_for_use`` arms the resident layers and prefetches the layers the window
   holds from the first, each use copies every streamed layer once (each layer's exit issues the
   copies after it, wrapping into the next use); the count is the ring's own placement replayed
@@ -92,7 +92,7 @@ def device_bytes(profile: ComponentProfile, plan: ComponentPlan, parked: bool) -
         return whole, (whole if plan.strategy is Strategy.RESIDENT else 0)
     resident, streamed = _split(profile, plan)
     slots = n_slots(plan, len(streamed)) * slot_region_bytes(streamed)
-    landing = landing_bytes(layer.layout for layer in profile.layers)  # the engine's one landing buffer
+    landing = landing_bytes(layer.layout for layer in profile.layers)  # the engine's landing buffers
     in_use = rest + sum(layer.nbytes for layer in resident) + slots + landing
     return in_use, (0 if parked else rest)
 

@@ -10,7 +10,7 @@ copies. Resident layers are copied once per use, lazily, at the first forward (o
 ``prepare_for_use``) and released only by ``finish_use``. Runs in the process that streams the
 model (a stage replica, or a user's process), on the thread that runs its forwards.
 
-Peak device weight bytes = non-layer + resident + slots (+ one landing buffer when layers are hosted
+Peak device weight bytes = non-layer + resident + slots (+ two landing buffers when layers are hosted
 as FP8, ``StreamingConfig.weights``), exactly (see ``predicted_peak_bytes``).
 
 Faults: a failed copy gives back its slot and staging buffer and reaches the caller as

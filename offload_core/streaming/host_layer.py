@@ -10,10 +10,10 @@ copied on the host, and each tensor is copied to the device on its own.
 A layer laid out with quantized tensors (``LayerLayout.quantized``, ``offload_core.quant``) is
 quantized once here, at consolidation, and hosted at its 8-bit size: its kept tensors' leading
 run per dtype, and one FP8 buffer (values and scales). A copy lands the kept runs straight in the
-slot and the FP8 buffer in the streamer's landing buffer (``regions[FP8_HOST_DTYPE]``), then
-widens the quantized tensors into their slot views with a few launches per layer
-(``offload_core.fp8_widen``), all on the copy stream: the copy event recorded
-after it orders compute after the widen, and the next copy into the landing buffer after it too.
+slot and the FP8 buffer in one of the streamer's landing buffers (``regions[FP8_HOST_DTYPE]``);
+:meth:`HostLayer.widen` then widens the quantized tensors into their slot views with a few launches
+per layer (``offload_core.fp8_widen``), on whichever stream the caller orders it on: the ring's
+widen stream for streamed layers (``streaming.ring``), the copy stream in ``copy_to``.
 """
 from __future__ import annotations
 

@@ -10,9 +10,12 @@ after its kernels were launched, releases its bytes and issues the copies of the
 in order, as far as their places are free (wrapping, so the last layer prefetches the next step's
 first). The launch thread so never waits for a fill before launching a layer whose weights are
 there. Nothing is allocated per prefetch, so the device holds exactly the window's bytes of
-streamed weights, plus, when layers are hosted as FP8, one landing buffer their 8-bit bytes
-arrive in before they are widened into place (``layout.landing_bytes``; shared by every copy,
-which the copy stream runs in order).
+streamed weights, plus, when layers are hosted as FP8, two landing buffers their 8-bit bytes
+arrive in, in turn, before they are widened into place on the device's widen stream
+(``layout.landing_bytes``): the copy stream then carries only DMAs, and a layer's widen overlaps
+the next layer's DMA. The DMA into a landing buffer waits for the widen that last read it; compute
+waits for its layer's widen (which waited for the DMA); a layer released before it ran makes the
+copy stream wait for its widen, so no later copy overwrites bytes a widen still writes.
 
 Faults: a copy that raises frees its place at once and reaches the caller as
 :class:`~offload_core.streaming.copier.CopyFailed`; a prefetch that fails is logged and left to
@@ -25,7 +28,15 @@ from typing import Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 
-from offload_core.layout import FP8_HOST_DTYPE, LayerLayout, RegionMap, WindowPlacer, slot_count, window_copies
+from offload_core.layout import (
+    FP8_HOST_DTYPE,
+    LANDING_BUFFERS,
+    LayerLayout,
+    RegionMap,
+    WindowPlacer,
+    slot_count,
+    window_copies,
+)
 from offload_core.streaming.copier import CopyFailed, FillTimeout
 from offload_core.streaming.copy_log import CopyLog
 from offload_core.streaming.device import Device
@@ -85,6 +96,9 @@ class PrefetchRing:
         # Sized by the engine over resident and streamed layers alike: resident FP8 layers land here too.
         self.landing_bytes = int(landing_bytes)
         self.landing: torch.Tensor | None = None
+        self._landings: tuple[torch.Tensor, ...] = ()  # its LANDING_BUFFERS halves, taken in turn
+        self._landing_next = 0
+        self._landing_reads: list[object | None] = [None] * LANDING_BUFFERS  # each one's last widen
         self._buffer: torch.Tensor | None = None
         self._window_key: tuple[int, int] | None = None
         self._allocated = False
@@ -92,7 +106,7 @@ class PrefetchRing:
         # Regions and parameter views per (layer, place), made once: a view costs ~2.5 us per
         # parameter (slice, dtype view, as_strided), paid at every entry otherwise. A layer takes
         # a few places at most (equal layers: depth + 1), so the cache stays small.
-        self._places: dict[tuple[int, int], _Place] = {}
+        self._places: dict[tuple[int, int, int], _Place] = {}  # (layer, start, landing buffer)
         self.bytes_copied = 0
         self.skipped_restarts = 0  # uses cut short by restart() (a step cache skipped their rest)
         self.wasted_copies = 0  # layers copied for a use that then skipped them
@@ -147,6 +161,8 @@ class PrefetchRing:
             self._window_key = (id(self._buffer), self.window_bytes)
             if self.landing_bytes:
                 self.landing = torch.empty(self.landing_bytes, dtype=torch.uint8, device=self._device.device)
+                half = self.landing_bytes // LANDING_BUFFERS
+                self._landings = tuple(self.landing[i * half:(i + 1) * half] for i in range(LANDING_BUFFERS))
         self._allocated = True
         self._out = []
         self._device.copy_waits_for_compute()
@@ -284,9 +300,11 @@ class PrefetchRing:
         if start is None:
             start = self._placer.fits(position)
             assert start is not None, f"streamed layer {position} issued over a held one"
-        place = self._places.get((position, start))
+        widened = self.landing is not None and bool(layer.layout.quantized)
+        landing = self._landing_next if widened else 0
+        place = self._places.get((position, start, landing))
         if place is None:
-            place = self._place(position, start)
+            place = self._place(position, start, landing)
         end = place.end
         try:
             if self._out:
@@ -298,16 +316,20 @@ class PrefetchRing:
                         last = event
                 if last is not None:
                     self._device.copy_waits(last)
+            if widened:
+                self._device.copy_waits(self._landing_reads[landing])  # its last widen read it
             with self._device.on_copy_stream():
                 if self.copy_log is not None:
                     self.copy_log.begin()
                 if self._staging is not None and self._staging.stages(layer):
-                    self.bytes_copied += self._staging.copy_to(layer, place.carved)
+                    self.bytes_copied += self._staging.copy_to(layer, place.carved, widen=False)
                 else:
-                    self.bytes_copied += layer.host.copy_to(place.carved, place.pairs)
+                    self.bytes_copied += layer.host.copy_host_bytes(place.carved, pairs=place.pairs)
                 event = self._device.record_copy()
                 if self.copy_log is not None:
                     self.copy_log.end(getattr(layer, "key", str(position)))
+            if widened:
+                event = self._widen(layer, place.carved, event, landing)
         except BaseException as error:
             # A copy issued in part is ordered before the place's next copy (same stream), and its
             # last readers are unchanged: nothing is held. An AssertionError (the simulator's
@@ -322,22 +344,39 @@ class PrefetchRing:
         layer.bind(place.views, self._window_key)
         self._in_flight[position] = event
 
-    def _place(self, position: int, start: int) -> _Place:
-        """Make (once) the regions and parameter views of layer ``position`` at byte ``start``."""
+    def _widen(self, layer: RingLayer, carved: Mapping[torch.dtype, torch.Tensor], landed, landing: int):
+        """Widen ``layer`` out of landing buffer ``landing`` on the widen stream, after its copy
+        ``landed``; the next copy takes the other buffer. Returns the widen's event (compute waits for it)."""
+        with self._device.on_widen_stream():
+            self._device.widen_waits(landed)
+            layer.host.widen(carved)
+            event = self._device.record_widen()
+        self._landing_reads[landing] = event
+        self._landing_next = (landing + 1) % LANDING_BUFFERS
+        return event
+
+    def _place(self, position: int, start: int, landing: int = 0) -> _Place:
+        """Make (once) the regions and parameter views of layer ``position`` at byte ``start``, landing
+        its FP8 bytes (if any) in landing buffer ``landing``."""
         own = self._own[position]
         carved = own.carve(self._buffer[start:start + own.nbytes])
-        if self.landing is not None:
-            carved[FP8_HOST_DTYPE] = self.landing
+        if self._landings:
+            carved[FP8_HOST_DTYPE] = self._landings[landing]
         layer = self._layers[position]
         # The copy's targets too, sliced once per place as the views are (they follow the window's
         # storage across deallocate/allocate alike); a staged layer is filled through staging instead.
         staged = self._staging is not None and self._staging.stages(layer)
         pairs = None if staged else tuple(layer.host.fill_pairs(carved))
-        place = self._places[(position, start)] = _Place(carved, layer.views(carved), start + own.nbytes, pairs)
+        place = self._places[(position, start, landing)] = _Place(carved, layer.views(carved), start + own.nbytes,
+                                                                 pairs)
         return place
 
     def _release(self, position: int) -> None:
-        del self._in_flight[position]
+        unwaited = self._in_flight.pop(position)
+        if unwaited is not None and self.landing is not None and self._layers[position].layout.quantized:
+            # Released before it ran (a restart, an out-of-order entry): no compute waited for its
+            # widen, so the compute event below does not cover it; the next copy into these bytes must.
+            self._device.copy_waits(unwaited)
         self._layers[position].release()
         start, end = self._placer.free(position)
         event = self._device.record_compute()

@@ -10,6 +10,8 @@ import torch
 from offload_core.host.tier import HostingTier
 from offload_core.layout import (
     FP8_HOST_DTYPE,
+    LANDING_BUFFERS,
+    align_up,
     declared_layer_groups,
     resolve_layer_group,
 )
@@ -102,12 +104,12 @@ def test_layers_are_hosted_and_copied_at_their_8bit_size(case, remove_after):
     assert n > slots
 
 
-def test_landing_buffer_is_the_largest_fp8_buffer_and_counted_in_the_peak(remove_after):
+def test_landing_buffers_are_two_of_the_largest_fp8_buffer_and_counted_in_the_peak(remove_after):
     model = FLUX.build()
     streamer = remove_after(apply_layer_streaming(model, "cpu", _fp8_config(model, None, prefetch_depth=1)))
     largest = max(dict(layer.layout.host_flat_bytes)[FP8_HOST_DTYPE] for layer in streamer.layers)
-    assert streamer.ring.landing_bytes == largest
-    assert streamer.predicted_peak_bytes() == (streamer.non_layer_bytes + streamer.ring.slot_bytes + largest)
+    assert streamer.ring.landing_bytes == LANDING_BUFFERS * align_up(largest) == 2 * largest
+    assert streamer.predicted_peak_bytes() == (streamer.non_layer_bytes + streamer.ring.slot_bytes + 2 * largest)
     FLUX.run(model, FLUX.inputs())
     assert streamer.meter.peak_bytes == streamer.predicted_peak_bytes()
     streamer.finish_use()

@@ -35,6 +35,6 @@ def test_copy_targets_are_sliced_once_per_place_not_at_every_copy(remove_after):
         per_request.append(len(sliced) - before)
     # The first request makes each (layer, place) once; a warm request copies every layer again
     # into places it has seen, and slices nothing.
-    assert 0 < per_request[0] <= sum(1 for position, _ in streamer.ring._places
+    assert 0 < per_request[0] <= sum(1 for position, _, _ in streamer.ring._places
                                      if streamer.ring._layers[position] in pinned)
     assert per_request[1:] == [0, 0]
