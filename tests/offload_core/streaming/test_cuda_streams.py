@@ -120,3 +120,37 @@ def test_cuda_a_host_wait_on_a_copy_event_sleeps_instead_of_spinning():
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
     # A spinning cudaEventSynchronize burns the whole wait on this thread's CPU clock.
     assert wall > 0.01 and cpu < 0.5 * wall, f"waited {wall:.3f} s using {cpu:.3f} s of CPU"
+
+
+@pytest.mark.parametrize("tier", [HostingTier.PINNED, HostingTier.PAGEABLE], ids=lambda t: t.value)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_cuda_fp8_widens_on_their_own_stream_stay_bitwise_when_each_widen_is_slow(depth, tier):
+    """Each widen held ~5 ms on the widen stream: a copy into its landing buffer or its slot, or a
+    layer's compute, that did not wait for it would read or overwrite bytes it is still writing."""
+    from offload_core.quant import WeightFormat, fake_quantize_
+
+    inputs = _cuda_inputs(WAN)
+    reference = WAN.build()
+    model = WAN.build()
+    model.load_state_dict(reference.state_dict())
+    fake_quantize_(reference.blocks)
+    with torch.no_grad():
+        expected = WAN.run(reference.cuda(), inputs)
+    streamer = apply_layer_streaming(model, "cuda", StreamingConfig(
+        prefetch_depth=depth, weights=WeightFormat.FP8, hosting=_tiers(model, tier)))
+    try:
+        for layer in streamer.layers:
+            widen = layer.host.widen
+
+            def slow(regions, widen=widen):
+                torch.cuda._sleep(SLEEP_CYCLES // 10)
+                widen(regions)
+            layer.host.widen = slow
+        for _ in range(3):
+            streamer.prepare_for_use()
+            with torch.no_grad():
+                assert torch.equal(WAN.run(model, inputs), expected)
+            streamer.finish_use()
+        assert streamer.meter.peak_bytes == streamer.predicted_peak_bytes()
+    finally:
+        streamer.remove()
