@@ -6,14 +6,14 @@ advance; a copier job runs at once, in program order, so the data stays exact).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 from torch.overrides import TorchFunctionMode
 
 from offload_core.streaming.copier import CopyJob, copy_pairs
 
-if TYPE_CHECKING:
-    from testing.sim import SimDevice
+# testing.sim.SimDevice, whose clocks these advance (not imported: it imports this module).
+SimDevice = Any
 
 LAUNCH_THREAD = "launch"  # the host thread that runs the forward and launches kernels
 
