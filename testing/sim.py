@@ -52,6 +52,7 @@ import torch
 
 from offload_core.host.pinned import HostBuffer, PinRefusal
 from offload_core.host.tier import HostingTier
+from offload_core.layout import FP8_HOST_DTYPE
 from offload_core.streaming.device import Device, DeviceCapacity
 from testing.sim_link import SimLink, SlowStretch
 from testing.sim_sms import SmTimeline
@@ -184,8 +185,6 @@ class SimDevice(Device):
         that thread for that stream. It reads the landing buffer and writes the layer's regions: both
         checked against the clock like a copy. Returns the layers charged. The widen itself still runs
         (the data stays exact)."""
-        from offload_core.layout import FP8_HOST_DTYPE
-
         charged = 0
         for layer in streamer.layers:
             if not layer.layout.quantized:

@@ -57,6 +57,7 @@ class ResidentLayers:
                     copy_log.begin()
                 if staging is not None and staging.stages(layer):
                     self.copied += staging.copy_to(layer, carved)
+                    layer.host.widen(carved)  # a quantized layer, on the copy stream after its copy
                 else:
                     self.copied += layer.host.copy_to(carved)
                 self._events[layer.key] = self._device.record_copy()

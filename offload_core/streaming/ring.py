@@ -322,7 +322,7 @@ class PrefetchRing:
                 if self.copy_log is not None:
                     self.copy_log.begin()
                 if self._staging is not None and self._staging.stages(layer):
-                    self.bytes_copied += self._staging.copy_to(layer, place.carved, widen=False)
+                    self.bytes_copied += self._staging.copy_to(layer, place.carved)
                 else:
                     self.bytes_copied += layer.host.copy_host_bytes(place.carved, pairs=place.pairs)
                 event = self._device.record_copy()

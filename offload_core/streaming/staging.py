@@ -195,9 +195,9 @@ class StagingRing:
         is done (a layer not next in line is refilled by ``copy_to``, which waits: True, as asked)."""
         return not self._pending or self._pending[0].layer is not layer or self._pending[0].job.done()
 
-    def copy_to(self, layer: StagedLayer, regions: Mapping[torch.dtype, torch.Tensor], widen: bool = True) -> int:
-        """Inside the copy-stream context: copy ``layer`` to device ``regions`` from its staging buffer
-        (a quantized layer widened there too, unless ``widen`` is False: the ring widens on its own stream).
+    def copy_to(self, layer: StagedLayer, regions: Mapping[torch.dtype, torch.Tensor]) -> int:
+        """Inside the copy-stream context: copy ``layer``'s hosted bytes to device ``regions`` from its
+        staging buffer (8-bit ones into the landing buffer: the caller widens them, on its stream).
 
         Its fill's error is raised here; past ``timeout_s`` a :class:`FillTimeout`. Every buffer
         that was waited for goes back (or, still being filled, out until its job ends).
@@ -209,7 +209,7 @@ class StagingRing:
             self.unstaged_copies += 1
             logger.info("staging: no room (%d fills given up on hold it); %s copied unstaged",
                         len(self._late), getattr(layer, "key", "?"))
-            return layer.host.copy_to(regions) if widen else layer.host.copy_host_bytes(regions)
+            return layer.host.copy_host_bytes(regions)
         fill = self._pending.popleft()
         self._wait(fill)  # the launch thread waits for the host copier only when it fell behind
         if self.copy_log is not None:
@@ -220,8 +220,6 @@ class StagingRing:
             for dtype, nbytes in layer.layout.host_flat_bytes:
                 regions[dtype][:nbytes].copy_(staged[dtype][:nbytes], non_blocking=True)
                 copied += nbytes
-            if widen:  # a quantized layer: from the landing buffer into its slot, on the copy stream
-                layer.host.widen(regions)
         finally:  # a copy issued (even in part) is waited for before its bytes are filled again
             self._out.append((fill.start, fill.end, self._device.record_copy()))
         self._top_up()

@@ -57,7 +57,8 @@ def _fp8_config(model, tier: HostingTier | None, **fields) -> StreamingConfig:
     return StreamingConfig(weights=WeightFormat.FP8, hosting=hosting, **fields)
 
 
-@pytest.mark.parametrize("resident,staged", [(0, True), (1, False)], ids=["staged", "resident1_driver_copy"])
+@pytest.mark.parametrize("resident,staged", [(0, True), (1, False), (1, True)],
+                         ids=["staged", "resident1_driver_copy", "resident1_staged"])
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("tier", [HostingTier.PINNED, HostingTier.PAGEABLE], ids=lambda t: t.value)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
