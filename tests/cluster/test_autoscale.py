@@ -14,7 +14,7 @@ from cluster.replica.ledger_view import ReplicaMemory
 from deployments.capacity.work_autoscaling import POLICY_PATH, REQUEST_S, REQUESTS, WORK_S
 from tests.cluster.conftest import FAST
 from tests.conftest import free_port
-from tests.waiting import wait_for
+from tests.waiting import run_app, wait_for
 
 GB = 10**9
 APP = "cluster-autoscale-test"
@@ -80,7 +80,7 @@ def _running_replicas() -> int:
 def test_the_denoiser_scales_out_and_back_leasing_from_one_node_ledger(fleet_nodes):
     # Serve's first start sets its proxies for the session: one, on the head (tests/deployments/conftest.py).
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": free_port()})
-    handle = serve.run(Denoiser.bind(), name=APP, route_prefix=None)
+    handle = run_app(Denoiser.bind(), APP)
     l4 = fleet_nodes.l4.node_id
     try:
         assert handle.remote(0.0).result(timeout_s=60).startswith("denoiser#")

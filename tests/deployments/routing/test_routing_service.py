@@ -20,6 +20,7 @@ from deployments.wire.spec import GenerationSpec
 from testing.sim_denoiser import SimCost, SimFaults
 from testing.sim_fleet import add_sim_nodes, sim_app
 from tests.deployments.conftest import serve_base_url
+from tests.waiting import run_app
 
 APP = "routing-test"
 PERIOD_S = 1.0  # well above the tests controller loop (0.25 s): a poll result lands within ~1.6 s
@@ -39,8 +40,8 @@ def fleet(ray_cluster):
     serve_base_url(ray_cluster)  # Serve as the other modules start it (one proxy, on the head)
     nodes = add_sim_nodes(ray_cluster, {"FAST": 1, "SLOW": 1})
     faults = SimFaults(hang_stats_type="FAST", hang_stats_file=HANG_FILE)
-    handle = serve.run(sim_app(COST, RoutingMode.PREDICTED, 2, PERIOD_S, faults=faults, graceful_shutdown_timeout_s=5),
-                       name=APP, route_prefix=None)
+    handle = run_app(sim_app(COST, RoutingMode.PREDICTED, 2, PERIOD_S, faults=faults, graceful_shutdown_timeout_s=5),
+                     APP)
     # Both replicas measure a step first: 8 at once fill both (4 each), whatever the router picks.
     asyncio.run(_all(handle, [spec(f"warm-{i}", 2) for i in range(8)]))
     time.sleep(2 * PERIOD_S)
@@ -127,7 +128,6 @@ def _outcomes(request_ids: list[str], timeout_s: float = 10.0) -> dict:
 
 
 def test_a_replica_drained_mid_trace_finishes_what_it_has_and_nothing_is_lost(fleet):
-    from ray import serve
 
     faults = SimFaults(hang_stats_type="FAST", hang_stats_file=HANG_FILE)
 
@@ -137,8 +137,8 @@ def test_a_replica_drained_mid_trace_finishes_what_it_has_and_nothing_is_lost(fl
             tasks.append(asyncio.ensure_future(fleet.denoise.remote(None, spec(f"drain-{i}", 20))))
             if i == 10:
                 scale = asyncio.ensure_future(asyncio.to_thread(
-                    serve.run, sim_app(COST, RoutingMode.PREDICTED, 1, PERIOD_S, faults=faults,
-                                       graceful_shutdown_timeout_s=5), name=APP, route_prefix=None))
+                    run_app, sim_app(COST, RoutingMode.PREDICTED, 1, PERIOD_S, faults=faults,
+                                     graceful_shutdown_timeout_s=5), APP))
             await asyncio.sleep(0.05)
         results = await asyncio.gather(*tasks, return_exceptions=True)
         await scale
@@ -146,3 +146,18 @@ def test_a_replica_drained_mid_trace_finishes_what_it_has_and_nothing_is_lost(fl
 
     results = asyncio.run(trace())
     assert [r for r in results if isinstance(r, BaseException)] == []
+
+
+def test_an_app_whose_replica_cannot_be_placed_fails_at_its_deadline_instead_of_hanging(fleet):
+    """What a fake node's raylet exiting at start did once (the suite hung): here no node has the resource."""
+    from ray import serve
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(AssertionError, match=r"app 'unplaceable' not RUNNING after 3 s: DEPLOYING .*"
+                                                 r"Denoiser: (UPDATING|DEPLOYING)"):
+            run_app(sim_app(COST, RoutingMode.PREDICTED, 1, PERIOD_S, resource="no-node-has-this"), "unplaceable",
+                    timeout_s=3)
+    finally:
+        serve.delete("unplaceable")
+    assert time.monotonic() - started < 60
