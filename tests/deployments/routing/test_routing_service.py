@@ -128,7 +128,6 @@ def _outcomes(request_ids: list[str], timeout_s: float = 10.0) -> dict:
 
 
 def test_a_replica_drained_mid_trace_finishes_what_it_has_and_nothing_is_lost(fleet):
-
     faults = SimFaults(hang_stats_type="FAST", hang_stats_file=HANG_FILE)
 
     async def trace():
