@@ -51,8 +51,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from offload_core.buffers import DEFAULT_STAGING_BUFFERS
 from offload_core.host.tier import HostingTier  # noqa: E402
-from offload_core.layout import DEFAULT_STAGING_BUFFERS, LayerLayout  # noqa: E402
+from offload_core.layout import LayerLayout
 from offload_core.planner.facts import LinkFacts, profile_component  # noqa: E402
 from offload_core.planner.staging_ring import choose_staging  # noqa: E402
 from offload_core.planner.window import choose_window  # noqa: E402

@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import checks  # noqa: E402
 from bench.hook_cost import HOOK_US_TARGET, measure_all, print_table  # noqa: E402
+from offload_core.buffers import RegionMap
 from offload_core.host.tier import HostingTier  # noqa: E402
-from offload_core.layout import RegionMap  # noqa: E402
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming  # noqa: E402
 
 

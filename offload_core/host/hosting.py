@@ -13,7 +13,7 @@ the node's RAM is shared. The rules, each pinned by a test:
   memory count (plus the flat buffer's 512 B alignment padding). Consolidating an
   already-anonymous layer (e.g. a fused qkv) frees the original, so it is a wash.
 - A component with PAGEABLE or MAPPED layers also holds pinned staging buffers (the engine copies
-  those layers through them, ``streaming/staging.py``): ``layout.staging_bytes`` of its staged
+  those layers through them, ``streaming/staging.py``): ``buffers.staging_bytes`` of its staged
   layers, part of its net cost. Giving a pin back can add them; the fit recounts them each time.
   How many: ``HostingPolicy.staging`` per component (the planner's, wider for an uneven stack),
   else ``staging_buffers``; a short host narrows a wider ring back to the default first.
@@ -29,14 +29,11 @@ import logging
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from offload_core.buffers import DEFAULT_STAGING_BUFFERS, staging_bytes
 from offload_core.host.budget import Lease, MemoryBudget, Refusal
 from offload_core.host.on_host import ComponentOnHost, LayerOnHost
 from offload_core.host.pin_order import pin_order
 from offload_core.host.tier import STAGED_TIERS, HostingTier
-from offload_core.layout import (
-    DEFAULT_STAGING_BUFFERS,
-    staging_bytes,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -6,13 +6,13 @@ Byte figures follow the engine exactly, so predictions equal what its meter and 
   (per dtype), each copy placed after the last one in it; a resident layer has its own flat buffer;
 - every layer copies its host buffers (PINNED from its own, PAGEABLE and MAPPED from the pinned
   staging buffer the host copier filled); a component with PAGEABLE or MAPPED layers holds
-  ``layout.staging_bytes`` of pinned staging buffers on the host; an FP8-hosted layer
+  ``buffers.staging_bytes`` of pinned staging buffers on the host; an FP8-hosted layer
   (``ComponentProfile.weights``) hosts and copies its 8-bit size (``layout.host_nbytes``) and the
-  device holds two landing buffers more (``layout.landing_bytes``);
+  device holds two landing buffers more (``buffers.landing_bytes``);
 - per request, ``prepare_for_use`` arms the resident layers and prefetches the layers the window
   holds from the first, each use copies every streamed layer once (each layer's exit issues the
   copies after it, wrapping into the next use); the count is the ring's own placement replayed
-  (``layout.window_copies``: ``U * streamed + W`` for equal layers, W = slots); ``finish_use``
+  (``buffers.window_copies``: ``U * streamed + W`` for equal layers, W = slots); ``finish_use``
   releases the wrapped ones.
 Times: every copy to the device is from pinned memory on a side stream and overlaps compute; PAGEABLE
 and MAPPED layers add a host memcpy into staging, on its own thread, that overlaps both. A use takes
@@ -29,8 +29,8 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
+from offload_core.buffers import RegionMap, landing_bytes, slot_count, staging_bytes, window_copies
 from offload_core.host.tier import STAGED_TIERS, HostingTier
-from offload_core.layout import RegionMap, landing_bytes, slot_count, staging_bytes, window_copies
 from offload_core.planner.facts import ComponentProfile, LayerProfile, LinkFacts
 from offload_core.planner.pipeline_plan import ComponentPlan, ComponentPrediction
 from offload_core.planner.strategy import Strategy
@@ -57,7 +57,7 @@ def slot_region_bytes(streamed: Sequence[LayerProfile]) -> int:
 
 
 def layer_copies(streamed: Sequence[LayerProfile], slots: int, uses: int) -> int:
-    """Layer copies the ring makes in one request: its own placement replayed (``layout.window_copies``)
+    """Layer copies the ring makes in one request: its own placement replayed (``buffers.window_copies``)
     in a window of ``slots`` x the largest streamed layer's bytes; a component used once per request
     does not prefetch into a next use (``StreamingConfig.wrap_uses``, as the residency configures it)."""
     sizes = tuple(RegionMap.covering([layer.layout]).nbytes for layer in streamed)

@@ -12,8 +12,8 @@ import enum
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from offload_core.buffers import DEFAULT_STAGING_BUFFERS
 from offload_core.host.tier import STAGED_TIERS, HostingTier
-from offload_core.layout import DEFAULT_STAGING_BUFFERS
 from offload_core.planner.facts import PipelineFacts, Stage
 from offload_core.planner.strategy import Strategy
 from offload_core.planner.window import WINDOW_TOLERANCE

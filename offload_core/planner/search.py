@@ -28,9 +28,9 @@ import itertools
 import logging
 from typing import Mapping, Sequence
 
+from offload_core.buffers import DEFAULT_STAGING_BUFFERS, staging_bytes
 from offload_core.host.pin_order import PinClaim, pin_order
 from offload_core.host.tier import STAGED_TIERS, HostingTier
-from offload_core.layout import DEFAULT_STAGING_BUFFERS, staging_bytes
 from offload_core.planner.cost_model import non_layer_device_bytes, predict
 from offload_core.planner.facts import ComponentProfile, PipelineFacts
 from offload_core.planner.pipeline_plan import (  # noqa: F401 (re-exported)

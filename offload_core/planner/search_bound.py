@@ -26,8 +26,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from offload_core.buffers import DEFAULT_STAGING_BUFFERS, landing_bytes, slot_count, staging_bytes
 from offload_core.host.tier import HostingTier
-from offload_core.layout import DEFAULT_STAGING_BUFFERS, landing_bytes, slot_count, staging_bytes
 from offload_core.planner.cost_model import non_layer_device_bytes, predict, slot_region_bytes
 from offload_core.planner.facts import ComponentProfile, LinkFacts, PipelineFacts
 from offload_core.planner.pipeline_plan import ComponentOverride, ComponentPlan
@@ -70,7 +70,7 @@ def pin_room(facts: PipelineFacts, profile: ComponentProfile, overrides: Mapping
 
 @functools.lru_cache(maxsize=1024)  # one entry per (component, resident count): the search asks again and again
 def suffix_staging(layouts: tuple) -> list[int]:
-    """``[i]``: the staging bytes of layers ``i..`` (``layout.staging_bytes``), for every i; ``[n]`` is 0."""
+    """``[i]``: the staging bytes of layers ``i..`` (``buffers.staging_bytes``), for every i; ``[n]`` is 0."""
     out, largest = [0] * (len(layouts) + 1), {}
     for i in range(len(layouts) - 1, -1, -1):
         for dtype, nbytes in layouts[i]:

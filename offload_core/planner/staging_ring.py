@@ -12,7 +12,7 @@ stayed at 1.066x the bound at every depth 4-14 with two buffers, 1.010 with 4 bu
 (``bench/sim_overlap.py --quick --uneven-uniform-compute``, pageable).
 
 :func:`choose_staging` picks the fewest buffers (each the largest staged layer's host bytes, as
-``layout.staging_bytes`` counts them) whose replayed use is within ``WINDOW_TOLERANCE`` of the
+``buffers.staging_bytes`` counts them) whose replayed use is within ``WINDOW_TOLERANCE`` of the
 widest ring's (one buffer per staged layer) at the same depth; never fewer than
 ``DEFAULT_STAGING_BUFFERS``. The search leases them only beside every pin (``planner.search``).
 """
@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from offload_core.buffers import DEFAULT_STAGING_BUFFERS, RegionMap, slot_count
 from offload_core.host.tier import STAGED_TIERS, HostingTier
-from offload_core.layout import DEFAULT_STAGING_BUFFERS, RegionMap, slot_count
 from offload_core.planner.facts import LayerProfile, LinkFacts
 from offload_core.planner.window import WINDOW_TOLERANCE, StagingReplay, copy_seconds, replay_use_s
 

@@ -26,8 +26,8 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence
 
+from offload_core.buffers import slot_count
 from offload_core.host.tier import STAGED_TIERS, HostingTier
-from offload_core.layout import slot_count
 from offload_core.planner.facts import ComponentProfile, LinkFacts
 from offload_core.planner.measured_compute import RecordedPass
 from offload_core.planner.pipeline_plan import ComponentPlan

@@ -1,6 +1,6 @@
 """The prefetch window a streamed component needs, from the engine's own window replayed on its layers' times.
 
-Pure arithmetic on the planner's facts (no device): the ring's placement (``layout.WindowPlacer``)
+Pure arithmetic on the planner's facts (no device): the ring's placement (``buffers.WindowPlacer``)
 and its issue rule (a layer's exit releases its bytes and issues the copies after it, in order,
 while their bytes are free; wrapping into the next use) run on one copy engine (copies in issue
 order, each after the last compute that read the bytes it overwrites) and one compute stream (a
@@ -33,8 +33,8 @@ import functools
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from offload_core.buffers import RegionMap, WindowPlacer, slot_count
 from offload_core.host.tier import STAGED_TIERS, HostingTier
-from offload_core.layout import RegionMap, WindowPlacer, slot_count
 from offload_core.planner.facts import LayerProfile, LinkFacts
 
 # A window within 1 % of the widest one's use: deeper would buy under 1 % for one more largest

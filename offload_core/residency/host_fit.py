@@ -13,10 +13,10 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from offload_core.buffers import staging_bytes
 from offload_core.host.budget import MemoryBudget
 from offload_core.host.budget_cap import BudgetTooSmall, CappedBudget
 from offload_core.host.tier import HostingTier
-from offload_core.layout import staging_bytes
 from offload_core.planner.pipeline_plan import PipelinePlan
 from offload_core.planner.search import retier
 from offload_core.planner.strategy import Strategy

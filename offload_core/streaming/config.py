@@ -11,8 +11,8 @@ import types
 from dataclasses import dataclass
 from typing import Mapping
 
+from offload_core.buffers import DEFAULT_STAGING_BUFFERS
 from offload_core.host.tier import HostingTier
-from offload_core.layout import DEFAULT_STAGING_BUFFERS
 from offload_core.order import Trace
 from offload_core.quant import WeightFormat
 

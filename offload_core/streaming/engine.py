@@ -26,14 +26,9 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from offload_core.buffers import landing_bytes
 from offload_core.host.tier import STAGED_TIERS, HostingTier
-from offload_core.layout import (
-    STREAMER_ATTRIBUTE,
-    check_disjoint,
-    declared_layer_groups,
-    landing_bytes,
-    unique_storage_bytes,
-)
+from offload_core.layout import STREAMER_ATTRIBUTE, check_disjoint, declared_layer_groups, unique_storage_bytes
 from offload_core.order import execution_order
 from offload_core.streaming.attach import collect_layers, layer_tiers, move_layers_off
 from offload_core.streaming.claim import ConcurrentForwardError, ForwardClaim  # noqa: F401 (re-exported)

@@ -11,7 +11,8 @@ from typing import Sequence
 
 import torch
 
-from offload_core.layout import FP8_HOST_DTYPE, RegionMap
+from offload_core.buffers import RegionMap
+from offload_core.layout import FP8_HOST_DTYPE
 from offload_core.streaming.copy_log import CopyLog
 from offload_core.streaming.device import Device
 from offload_core.streaming.staging import StagingRing

@@ -2,7 +2,7 @@
 
 The window is ``depth + 1`` times the largest streamed layer's bytes (per dtype, as a slot was),
 one device allocation. Each copy puts its layer's own bytes contiguous after the previous one's
-(``layout.WindowPlacer``: wrapping to the start when the rest does not fit, never over a layer
+(``buffers.WindowPlacer``: wrapping to the start when the rest does not fit, never over a layer
 still held), so small layers pack: with FLUX's double then single blocks, depth 1 holds two
 double blocks or four single ones, where equal slots held two of either. Parameter views are made
 once per (layer, place). Entering streamed layer ``k`` waits for its copy (issuing it on a cold start); leaving it,
@@ -12,7 +12,7 @@ first). The launch thread so never waits for a fill before launching a layer who
 there. Nothing is allocated per prefetch, so the device holds exactly the window's bytes of
 streamed weights, plus, when layers are hosted as FP8, two landing buffers their 8-bit bytes
 arrive in, in turn, before they are widened into place on the device's widen stream
-(``layout.landing_bytes``): the copy stream then carries only DMAs, and a layer's widen overlaps
+(``buffers.landing_bytes``): the copy stream then carries only DMAs, and a layer's widen overlaps
 the next layer's DMA. The DMA into a landing buffer waits for the widen that last read it; compute
 waits for its layer's widen (which waited for the DMA); a layer released before it ran makes the
 copy stream wait for its widen, so no later copy overwrites bytes a widen still writes.
@@ -28,15 +28,8 @@ from typing import Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 
-from offload_core.layout import (
-    FP8_HOST_DTYPE,
-    LANDING_BUFFERS,
-    LayerLayout,
-    RegionMap,
-    WindowPlacer,
-    slot_count,
-    window_copies,
-)
+from offload_core.buffers import LANDING_BUFFERS, RegionMap, WindowPlacer, slot_count, window_copies
+from offload_core.layout import FP8_HOST_DTYPE, LayerLayout
 from offload_core.streaming.copier import CopyFailed, FillTimeout
 from offload_core.streaming.copy_log import CopyLog
 from offload_core.streaming.device import Device

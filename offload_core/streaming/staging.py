@@ -36,8 +36,9 @@ from typing import Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 
+from offload_core.buffers import DEFAULT_STAGING_BUFFERS, RegionMap
 from offload_core.host.pinned import HostBuffer, PinRefusal
-from offload_core.layout import DEFAULT_STAGING_BUFFERS, LayerLayout, RegionMap
+from offload_core.layout import LayerLayout
 from offload_core.streaming.copier import CopyJob, FillTimeout, HostCopier
 from offload_core.streaming.copy_log import CopyLog
 from offload_core.streaming.device import Device
@@ -120,7 +121,7 @@ class StagingRing:
 
     @property
     def staging_bytes(self) -> int:
-        """Page-locked host bytes of the staging ring (``layout.staging_bytes``, exactly)."""
+        """Page-locked host bytes of the staging ring (``buffers.staging_bytes``, exactly)."""
         return self.n_buffers * self.regions.nbytes
 
     def host_tensors(self) -> tuple[torch.Tensor, ...]:

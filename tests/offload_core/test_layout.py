@@ -5,12 +5,12 @@ import pytest
 import torch
 from torch import nn
 
+from offload_core.buffers import RegionMap
 from offload_core.host.tier import HostingTier
 from offload_core.layout import (
     ALIGN_BYTES,
     KNOWN_LAYER_GROUPS,
     LayoutError,
-    RegionMap,
     check_disjoint,
     declared_layer_groups,
     is_placeholder,

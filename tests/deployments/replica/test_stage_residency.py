@@ -86,7 +86,8 @@ def test_a_host_budget_below_the_converted_weights_fails_at_start_naming_the_sma
     layer_bytes = sum(p.numel() * p.element_size() for p in params) - MapsSnapshot.take().mapped_bytes(params)
     assert layer_bytes > 0
     # Plus the two pinned staging buffers (per dtype, the largest layer) its pageable layers copy through.
-    from offload_core.layout import layer_parameters, plan_layer_layout, staging_bytes
+    from offload_core.buffers import staging_bytes
+    from offload_core.layout import layer_parameters, plan_layer_layout
 
     staging = staging_bytes(plan_layer_layout(str(i), [(n, p.data) for n, p in layer_parameters(block)]).flat_bytes
                             for i, block in enumerate(modules["transformer"].blocks))

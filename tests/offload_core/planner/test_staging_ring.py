@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from offload_core.buffers import DEFAULT_STAGING_BUFFERS, RegionMap
 from offload_core.host.tier import HostingTier
-from offload_core.layout import DEFAULT_STAGING_BUFFERS, RegionMap
 from offload_core.planner.facts import LinkFacts, PipelineFacts, Stage, profile_component
 from offload_core.planner.search import ComponentOverride, PerformanceMode, plan_pipeline
 from offload_core.planner.staging_ring import choose_staging

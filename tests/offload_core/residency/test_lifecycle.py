@@ -332,8 +332,8 @@ def _layouts(model):
 
 
 def _staging_bytes(model) -> int:
-    """The engine's staging buffers for a toy whose layers all stage: layout.staging_bytes of its blocks."""
-    from offload_core.layout import staging_bytes
+    """The engine's staging buffers for a toy whose layers all stage: buffers.staging_bytes of its blocks."""
+    from offload_core.buffers import staging_bytes
 
     return staging_bytes(layout.flat_bytes for layout in _layouts(model))
 

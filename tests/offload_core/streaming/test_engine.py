@@ -4,13 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload_core.buffers import RegionMap
 from offload_core.host.tier import HostingTier
-from offload_core.layout import (
-    RegionMap,
-    align_up,
-    declared_layer_groups,
-    resolve_layer_group,
-)
+from offload_core.layout import align_up, declared_layer_groups, resolve_layer_group
 from offload_core.streaming.engine import (
     AlreadyStreamedError,
     ResidentPlacement,

@@ -7,14 +7,9 @@ import logging
 import pytest
 import torch
 
+from offload_core.buffers import LANDING_BUFFERS
 from offload_core.host.tier import HostingTier
-from offload_core.layout import (
-    FP8_HOST_DTYPE,
-    LANDING_BUFFERS,
-    align_up,
-    declared_layer_groups,
-    resolve_layer_group,
-)
+from offload_core.layout import FP8_HOST_DTYPE, align_up, declared_layer_groups, resolve_layer_group
 from offload_core.quant import (
     WeightFormat,
     dequantize_fp8,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload_core.layout import window_copies
+from offload_core.buffers import window_copies
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
 from tests.offload_core.tiny_models import WAN
 

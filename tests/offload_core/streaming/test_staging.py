@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload_core.buffers import RegionMap
 from offload_core.host.tier import HostingTier
-from offload_core.layout import RegionMap, declared_layer_groups, resolve_layer_group
+from offload_core.layout import declared_layer_groups, resolve_layer_group
 from offload_core.streaming.copier import CopyFailed, ThreadCopier
 from offload_core.streaming.device import Device, DeviceCapacity
 from offload_core.streaming.engine import StreamingConfig, apply_layer_streaming
