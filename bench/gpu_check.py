@@ -9,7 +9,8 @@
 - group offload: diffusers' ``apply_group_offloading(block_level, 1 block per group, use_stream=True)``,
   the peer implementation;
 - layerwise_fp8: pinned, FP8 host weights, against ``speed_fp8_reference`` (the resident model put
-  through ``fake_quantize_``: its bitwise reference);
+  through ``fake_quantize_``: its bitwise reference); layerwise_fp8_fused: the same with the widen
+  fused into one compiled pass per group (``WidenMode.FUSED``, what block compile turns on);
 on (a) the zoo's medium Wan denoiser, (b) real-size Wan2.1-1.3B with random weights at 6 latent
 frames (its mapped way loads the weights saved to a safetensors folder, as from_pretrained maps
 them) and (c) the same at 1 latent frame (speed, pinned, FP8; the median of at least 5 steps:
@@ -57,6 +58,7 @@ from bench.gpu_models import (  # noqa: E402  (the repository root is on the pat
     real_denoiser,
 )
 from bench.gpu_summary import summary  # noqa: E402
+from offload_core.fp8_widen import WidenMode  # noqa: E402
 from offload_core.host.tier import HostingTier  # noqa: E402
 from offload_core.layout import declared_layer_groups, resolve_layer_group  # noqa: E402
 from offload_core.quant import WeightFormat, fake_quantize_  # noqa: E402
@@ -91,9 +93,10 @@ def time_steps(model, kwargs, steps: int):
 # way -> (hosting tier, staged copies); "layerwise" is the pinned tier (the name CI reads).
 LAYERWISE = {"layerwise": (HostingTier.PINNED, True), "layerwise_pageable": (HostingTier.PAGEABLE, True),
              "layerwise_mapped": (HostingTier.MAPPED, True),
-             "layerwise_pageable_unstaged": (HostingTier.PAGEABLE, False), "layerwise_fp8": (HostingTier.PINNED, True)}
-ALL_WAYS = ("speed", *(w for w in LAYERWISE if w != "layerwise_fp8"), "group_offload", "speed_fp8_reference",
-            "layerwise_fp8")
+             "layerwise_pageable_unstaged": (HostingTier.PAGEABLE, False), "layerwise_fp8": (HostingTier.PINNED, True),
+             "layerwise_fp8_fused": (HostingTier.PINNED, True)}
+FP8_WAYS = ("speed_fp8_reference", "layerwise_fp8", "layerwise_fp8_fused")
+ALL_WAYS = ("speed", *(w for w in LAYERWISE if w not in FP8_WAYS), "group_offload", *FP8_WAYS)
 
 
 def tier_rate(way: str, link: dict) -> float | None:
@@ -136,7 +139,8 @@ def run_case(name: str, build, shape, steps: int, device, link: dict, mapped: bo
                     for i in range(len(resolve_layer_group(model, g).layers))]
             streamer = apply_layer_streaming(model, device, StreamingConfig(
                 prefetch_depth=1, hosting={k: tier for k in keys}, staged_copies=staged,
-                weights=WeightFormat.FP8 if way == "layerwise_fp8" else WeightFormat.NATIVE))
+                weights=WeightFormat.FP8 if way in FP8_WAYS else WeightFormat.NATIVE,
+                widen=WidenMode.FUSED if way == "layerwise_fp8_fused" else WidenMode.EAGER))
             extra |= {"predicted_weight_peak_bytes": streamer.predicted_peak_bytes(),
                      "staging_bytes": streamer.staging_bytes}
         else:
@@ -149,7 +153,7 @@ def run_case(name: str, build, shape, steps: int, device, link: dict, mapped: bo
             extra["measured_weight_peak_bytes"] = streamer.meter.peak_bytes
             streamer.remove()  # unlocks the page-locked layer buffers (cudaHostUnregister) before they go
         # FP8 against the fake-quantized resident model (its reference), every other way against speed
-        kind = "fp8" if way in ("speed_fp8_reference", "layerwise_fp8") else "native"
+        kind = "fp8" if way in FP8_WAYS else "native"
         reference = references.setdefault(kind, out)
         rows[way] = {"step_s": round(seconds, 4), "median_step_s": round(median, 4), "peak_allocated_bytes": peak,
                      "bitwise_equal_to_speed": bool(torch.equal(out, reference)), **extra}
@@ -356,7 +360,7 @@ def main() -> None:
                  {"mapped_build": mapped_copy(real, Path(folder))}),
                 # the image regime: the median of at least 5 steps (the 1-frame step varied 1.08-1.53x)
                 ("wan2.1-1.3b-random-1frame", real, image_shape, max(5, args.steps),
-                 {"ways": ("speed", "layerwise", "speed_fp8_reference", "layerwise_fp8")})):
+                 {"ways": ("speed", "layerwise", *FP8_WAYS)})):
             result = run_case(name, build, shape, steps, device, link, **options)
             results.append(result)
             print_case(result)

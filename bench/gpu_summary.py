@@ -6,7 +6,8 @@ present in every run; a figure the run could not measure (CPU mode, a skipped pa
 - ``pageable_over_pinned``, ``mapped_over_pinned``: real-size Wan2.1-1.3B at gpu_check's shape, the
   staged tiers' step over the pinned step (targets 1.25 and 1.3);
 - ``fp8_over_bf16_1frame``, ``fp8_over_bf16_compute_bound``: FP8 pinned over bf16 pinned at 1 latent
-  frame and at gpu_check's shape (targets 0.65 and 1.05);
+  frame and at gpu_check's shape (targets 0.65 and 1.05); ``fp8_fused_over_bf16_1frame`` and
+  ``fp8_fused_over_bf16_compute_bound`` the same with the fused, compiled widen (``WidenMode.FUSED``);
 - ``pinned_over_bound_1frame``: the pinned step at 1 frame (median of its steps) over
   max(resident step, bytes / pinned rate) (target 1.15);
 - ``hook_us_per_layer``: bench/hook_cost.py's worst case (target 60);
@@ -53,6 +54,8 @@ def summary(link: dict, compute_bound: dict | None, one_frame: dict | None, hook
                                          _step(compute_bound, "layerwise_pageable")),
         "fp8_over_bf16_1frame": _ratio(_step(one_frame, "layerwise_fp8", "median_step_s"), pinned_1f),
         "fp8_over_bf16_compute_bound": _ratio(_step(compute_bound, "layerwise_fp8"), pinned),
+        "fp8_fused_over_bf16_1frame": _ratio(_step(one_frame, "layerwise_fp8_fused", "median_step_s"), pinned_1f),
+        "fp8_fused_over_bf16_compute_bound": _ratio(_step(compute_bound, "layerwise_fp8_fused"), pinned),
         "pinned_over_bound_1frame": _ratio(pinned_1f, bound_1f),
         "hook_us_per_layer": hooks.get("hook_us_per_layer_max"),
         "activation_error_min": min(errors) if errors else None,

@@ -50,6 +50,7 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
+from offload_core.fp8_widen import widen_layer
 from offload_core.host.pinned import HostBuffer, PinRefusal
 from offload_core.host.tier import HostingTier
 from offload_core.layout import FP8_HOST_DTYPE
@@ -191,10 +192,10 @@ class SimDevice(Device):
                 continue
             widened = sum(layer.layout.tensors[q.index].extent_bytes for q in layer.layout.quantized)
             dtypes = {layer.layout.tensors[q.index].dtype for q in layer.layout.quantized}
-            widen = layer.host.widen
+            original = layer.host.widen
 
-            def timed(regions, widen=widen, widened=widened, dtypes=dtypes):
-                widen(regions)
+            def timed(regions, how=widen_layer, *, original=original, widened=widened, dtypes=dtypes):
+                original(regions, how)
                 stream = self._stream
                 reads = (_span(regions[FP8_HOST_DTYPE]),)
                 writes = tuple(_span(regions[dtype]) for dtype in dtypes)

@@ -31,6 +31,7 @@ from compat.diffusers import repeated_block_names
 from compat.torch import compiled_graph_count, is_unsupported_trace, mark_dynamic, raise_recompile_limit, tree_leaves
 from offload_core.compile.buckets import BucketRule, Signature, learn_rules, signature
 from offload_core.compile.config import CompileConfig, CompileMode
+from offload_core.fp8_widen import WidenMode
 from offload_core.layout import STREAMER_ATTRIBUTE, LayoutError, declared_layer_groups, resolve_layer_group
 
 logger = logging.getLogger(__name__)
@@ -178,6 +179,9 @@ class CompiledBlocks:
         for module in self.instances:
             if "forward" in vars(module):
                 delattr(module, "forward")
+        streamer = getattr(self.model, STREAMER_ATTRIBUTE, None)
+        if streamer is not None:
+            streamer.set_widen(streamer.config.widen)
         if getattr(self.model, COMPILED_ATTRIBUTE, None) is self:
             delattr(self.model, COMPILED_ATTRIBUTE)
 
@@ -234,6 +238,9 @@ def apply_block_compile(model: nn.Module, config: CompileConfig | None = None) -
                                 "forward wrapped: compile the blocks before wrapping them")
     for module in instances:
         module.forward = kernels[type(module)].bind(module)
+    streamer = getattr(model, STREAMER_ATTRIBUTE, None)
+    if streamer is not None:  # its FP8 layers widen in one compiled pass per group too (fp8_widen.WidenMode)
+        streamer.set_widen(WidenMode.FUSED)
     blocks = CompiledBlocks(model, config, kernels, instances)
     setattr(model, COMPILED_ATTRIBUTE, blocks)
     logger.info("compile %s: %d blocks of %s compiled once per class (fullgraph %s, backend %s, mode %s); "

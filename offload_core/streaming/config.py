@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from offload_core.buffers import DEFAULT_STAGING_BUFFERS
+from offload_core.fp8_widen import WidenMode
 from offload_core.host.tier import HostingTier
 from offload_core.order import Trace
 from offload_core.quant import WeightFormat
@@ -56,6 +57,9 @@ class StreamingConfig:
     # FP8: Linear/Conv weights hosted and copied as e4m3 with per-channel scales, widened in the
     # slot on the device (offload_core.quant); lossy, opt-in. NATIVE: as loaded.
     weights: WeightFormat = WeightFormat.NATIVE
+    # How FP8 layers widen on the device (offload_core.fp8_widen): EAGER, two passes; FUSED, one
+    # compiled pass per group of same-shaped tensors (torch.compile; apply_block_compile turns it on).
+    widen: WidenMode = WidenMode.EAGER
     # How long the launch thread waits for one staging fill before the call fails (FillTimeout,
     # a 503 in the service) and the copier is replaced; see staging.DEFAULT_FILL_TIMEOUT_S.
     fill_timeout_s: float = 30.0
@@ -90,6 +94,8 @@ class StreamingConfig:
             raise ValueError(f"resident fraction must be in [0, 1], got {self.resident}")
         if not isinstance(self.resident_placement, ResidentPlacement):
             raise TypeError(f"resident_placement must be a ResidentPlacement, got {self.resident_placement!r}")
+        if not isinstance(self.widen, WidenMode):
+            raise TypeError(f"widen must be a WidenMode ({[m.value for m in WidenMode]}), got {self.widen!r}")
         if not isinstance(self.staged_copies, bool):
             raise TypeError(f"staged_copies must be a bool, got {self.staged_copies!r}")
         if isinstance(self.staging_buffers, bool) or not isinstance(self.staging_buffers, int) or self.staging_buffers < 1:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from offload_core.buffers import landing_bytes
+from offload_core.fp8_widen import WIDENS, WidenMode
 from offload_core.host.tier import STAGED_TIERS, HostingTier
 from offload_core.layout import STREAMER_ATTRIBUTE, check_disjoint, declared_layer_groups, unique_storage_bytes
 from offload_core.order import execution_order
@@ -75,6 +76,7 @@ class LayerStreamer:
         self._handles: list = []
         self._claim = ForwardClaim(type(model).__name__)
         self.copy_log: CopyLog | None = None  # see trace_copies
+        self.widen_mode = config.widen  # see set_widen
 
     def _start(self, layers: tuple[StreamedLayer, ...]) -> None:
         self.layers = layers
@@ -90,12 +92,21 @@ class LayerStreamer:
         self.ring = PrefetchRing(self.device, streamed, self.config.prefetch_depth, self.staging,
                                  self.config.neighbour_wait_s, landing_bytes(layer.layout for layer in layers),
                                  wrap=self.config.wrap_uses)
+        self.set_widen(self.config.widen)
         for layer in layers:  # the layer's own methods are the hooks: one call each, no lambda between
             self._handles.append(layer.module.register_forward_pre_hook(layer.pre_forward))
             self._handles.append(layer.module.register_forward_hook(layer.post_forward, always_call=True))
         # Every layer is on its placeholder and the rest on the device: one walk counts the
         # non-layer bytes; from here on bind/release keep the count (no walk at any hook).
         self.meter.rebase()
+
+    def set_widen(self, mode: WidenMode) -> None:
+        """How FP8 layers widen from now on (``fp8_widen.WidenMode``); block compile turns FUSED on."""
+        mode = WidenMode(mode)
+        if mode is not self.widen_mode and any(layer.layout.quantized for layer in self.layers):
+            logger.info("streaming %s: FP8 widen %s -> %s", type(self.model).__name__, self.widen_mode.value, mode.value)
+        self.widen_mode = mode
+        self.ring.widen = self.resident.widen = WIDENS[mode]
 
     def trace_copies(self, log: CopyLog | None) -> None:
         """Log every layer copy (its start and end on the copy stream) into ``log``; None stops.
@@ -307,10 +318,10 @@ def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,
     counts = {tier.value: sum(1 for l in layers if l.tier is tier) for tier in HostingTier}
     logger.info("streaming %s on %s: %d layers in %s (%d B), %d resident (%s), depth %d -> %d slots; "
                 "predicted peak %d B = non-layer %d + resident %d + slots %d + landing %d; hosting %s; "
-                "staging %d B pinned; weights %s: %d B hosted for %d B on the device",
+                "staging %d B pinned; weights %s (widen %s): %d B hosted for %d B on the device",
                 type(model).__name__, context.device, len(layers), list(paths), sum(l.nbytes for l in layers),
                 len(resident), config.resident_placement.value, config.prefetch_depth, streamer.ring.n_slots,
                 streamer.predicted_peak_bytes(), streamer.non_layer_bytes, streamer.resident_bytes,
                 streamer.ring.slot_bytes, streamer.ring.landing_bytes, counts, streamer.staging_bytes,
-                config.weights.value, streamer.host_layer_bytes, sum(l.nbytes for l in layers))
+                config.weights.value, config.widen.value, streamer.host_layer_bytes, sum(l.nbytes for l in layers))
     return streamer

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from offload_core.fp8_widen import widen_layer, widen_plan
+from offload_core.fp8_widen import WidenFn, widen_layer, widen_plan
 from offload_core.host.pinned import HostBuffer, PinRefusal, allocate_host_buffer, free_host_buffer
 from offload_core.host.tier import HostingTier
 from offload_core.layout import (
@@ -133,7 +133,7 @@ class HostLayer:
         return tuple(views)
 
     def copy_to(self, regions: Mapping[torch.dtype, torch.Tensor],
-                pairs: Sequence[CopyPair] | None = None) -> int:
+                pairs: Sequence[CopyPair] | None = None, widen: WidenFn = widen_layer) -> int:
         """Copy the layer into device ``regions`` (uint8, one per dtype); returns bytes copied.
 
         Called inside the device's copy-stream context; ``non_blocking`` makes pinned copies
@@ -142,9 +142,10 @@ class HostLayer:
         ``pairs``: this layer's :meth:`fill_pairs` into these same ``regions``, made once by a caller
         that copies there again and again (the ring, per place): slicing the targets at every copy
         cost ~3 us per layer on the launch thread (CPU, 14B structure), for the same views each time.
+        ``widen``: how (``fp8_widen.WIDENS``, the streamer's ``WidenMode``).
         """
         copied = self.copy_host_bytes(regions, copy_pairs, pairs)
-        self.widen(regions)
+        self.widen(regions, widen)
         return copied
 
     def copy_host_bytes(self, regions: Mapping[torch.dtype, torch.Tensor],
@@ -164,11 +165,12 @@ class HostLayer:
                  extent_view(tensor))
                 for meta, tensor in zip(self.layout.tensors, self._mapped) if meta.extent]
 
-    def widen(self, regions: Mapping[torch.dtype, torch.Tensor]) -> None:
-        """Widen the quantized tensors from the landed FP8 buffer into ``regions`` (none: no-op): one
-        conversion per dtype, one multiply per group of same-shaped tensors (``offload_core.fp8_widen``)."""
+    def widen(self, regions: Mapping[torch.dtype, torch.Tensor], widen: WidenFn = widen_layer) -> None:
+        """Widen the quantized tensors from the landed FP8 buffer into ``regions`` (none: no-op) with
+        ``widen``: eager, one conversion per dtype and one multiply per group of same-shaped tensors;
+        fused, one compiled pass per group (``offload_core.fp8_widen``)."""
         if self._widen is not None:
-            widen_layer(self._widen, regions)
+            widen(self._widen, regions)
 
     def free(self) -> None:
         """Unlock page-locked buffers; the memory goes with the last view."""

@@ -29,6 +29,7 @@ from typing import Mapping, NamedTuple, Protocol, Sequence
 import torch
 
 from offload_core.buffers import LANDING_BUFFERS, RegionMap, WindowPlacer, slot_count, window_copies
+from offload_core.fp8_widen import WidenFn, widen_layer
 from offload_core.layout import FP8_HOST_DTYPE, LayerLayout
 from offload_core.streaming.copier import CopyFailed, FillTimeout
 from offload_core.streaming.copy_log import CopyLog
@@ -92,6 +93,7 @@ class PrefetchRing:
         self._landings: tuple[torch.Tensor, ...] = ()  # its LANDING_BUFFERS halves, taken in turn
         self._landing_next = 0
         self._landing_reads: list[object | None] = [None] * LANDING_BUFFERS  # each one's last widen
+        self.widen: WidenFn = widen_layer  # the streamer's WidenMode (fp8_widen.WIDENS)
         self._buffer: torch.Tensor | None = None
         self._window_key: tuple[int, int] | None = None
         self._allocated = False
@@ -342,7 +344,7 @@ class PrefetchRing:
         ``landed``; the next copy takes the other buffer. Returns the widen's event (compute waits for it)."""
         with self._device.on_widen_stream():
             self._device.widen_waits(landed)
-            layer.host.widen(carved)
+            layer.host.widen(carved, self.widen)
             event = self._device.record_widen()
         self._landing_reads[landing] = event
         self._landing_next = (landing + 1) % LANDING_BUFFERS

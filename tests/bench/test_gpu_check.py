@@ -31,23 +31,26 @@ def test_gpu_check_runs_in_cpu_mode_and_streams_bitwise_equal():
         rows = result["rows"]
         assert result["streamed_bytes_per_step"] > 0
         for way in ("layerwise", "layerwise_pageable", "layerwise_mapped", "layerwise_pageable_unstaged",
-                    "layerwise_fp8"):
+                    "layerwise_fp8", "layerwise_fp8_fused"):
             assert rows[way]["bitwise_equal_to_speed"] is True, way
             assert rows[way]["measured_weight_peak_bytes"] == rows[way]["predicted_weight_peak_bytes"], way
-        assert rows["layerwise_fp8"]["reference"] == "speed_fp8_reference"
+        assert rows["layerwise_fp8"]["reference"] == rows["layerwise_fp8_fused"]["reference"] == "speed_fp8_reference"
         assert rows["layerwise_pageable"]["staging_bytes"] > 0, "pageable layers copy through pinned staging"
         assert rows["layerwise"]["staging_bytes"] == rows["layerwise_pageable_unstaged"]["staging_bytes"] == 0
         assert "needs CUDA" in rows["group_offload"]["skipped"]
     # mapped at real size: the weights saved and loaded back are views of the file, not copies
     assert real["rows"]["layerwise_mapped"]["file_mapped_fraction"] > 0.99
-    assert set(image["rows"]) == {"speed", "layerwise", "speed_fp8_reference", "layerwise_fp8"}
+    assert set(image["rows"]) == {"speed", "layerwise", "speed_fp8_reference", "layerwise_fp8", "layerwise_fp8_fused"}
     assert image["rows"]["layerwise_fp8"]["bitwise_equal_to_speed"] is True
+    assert image["rows"]["layerwise_fp8_fused"]["bitwise_equal_to_speed"] is True
     summary = report["summary"]
     assert set(summary) >= {"pageable_over_pinned", "mapped_over_pinned", "fp8_over_bf16_1frame",
-                            "fp8_over_bf16_compute_bound", "pinned_over_bound_1frame", "hook_us_per_layer",
+                            "fp8_over_bf16_compute_bound", "fp8_fused_over_bf16_1frame",
+                            "fp8_fused_over_bf16_compute_bound", "pinned_over_bound_1frame", "hook_us_per_layer",
                             "activation_error_min", "activation_error_max", "cuda_tests_failed",
                             "staged_GBps_omp1", "memcpy_GBps"}
     assert summary["pageable_over_pinned"] > 0 and summary["fp8_over_bf16_1frame"] > 0
+    assert summary["fp8_fused_over_bf16_compute_bound"] > 0
     assert summary["cuda_tests_failed"] is None and summary["staged_GBps_omp1"] is None, "not measured on CPU"
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core.fp8_widen import widen_layer, widen_plan
+from offload_core.fp8_widen import fused_operands, widen_groups, widen_layer, widen_layer_fused, widen_plan
 from offload_core.host.tier import HostingTier
 from offload_core.layout import FP8_HOST_DTYPE, tensor_view
 from offload_core.quant import WeightFormat, layer_layout, widen_fp8
@@ -106,3 +106,36 @@ def test_the_fp8_buffer_mirrors_the_device_run_and_its_pieces_do_not_overlap():
     spans.sort()
     assert all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:])), spans
     assert spans[-1][1] <= layout.landing_bytes
+
+
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1.0), (torch.bfloat16, 1.0), (torch.float16, 1.0),
+                                         (torch.float16, 1e-4)])
+def test_the_fused_widen_in_one_pass_per_group_equals_the_per_tensor_widen_bit_for_bit(dtype, scale):
+    """Its eager form (three ops per group): the formulation torch.compile fuses, checked at every dtype."""
+    torch.manual_seed(0)
+    host = _hosted(Block(5, dtype, scale))
+    fused, reference = _regions(host), _regions(host)
+    widen_groups(*fused_operands(widen_plan(host.layout), fused))
+    _per_tensor(host, reference)
+    for got, want in zip(_tensors(host, fused), _tensors(host, reference)):
+        assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got, want)
+
+
+def test_the_compiled_fused_widen_equals_the_per_tensor_widen_bit_for_bit_in_any_slot():
+    """Compiled once: a layer landing in another slot (other storage offsets) reuses the graph."""
+    from compat.torch import compiled_graph_count
+
+    torch.manual_seed(0)
+    host = _hosted(Block(5, torch.bfloat16))
+    reference = _regions(host)
+    _per_tensor(host, reference)
+    plan, before = widen_plan(host.layout), compiled_graph_count()
+    for shift in (0, 1024, 4096):  # a slot elsewhere in one device window
+        window = {dtype: torch.full((n + shift,), 0xAB, dtype=torch.uint8)[shift:]
+                  for dtype, n in host.layout.flat_bytes}
+        window[FP8_HOST_DTYPE] = torch.zeros(host.layout.landing_bytes + shift, dtype=torch.uint8)[shift:]
+        host.copy_host_bytes(window)
+        widen_layer_fused(plan, window)
+        for got, want in zip(_tensors(host, window), _tensors(host, reference)):
+            assert torch.equal(got, want)
+    assert compiled_graph_count() - before == 1

@@ -18,6 +18,7 @@ from offload_core.compile import (
     warm_buckets,
 )
 from offload_core.compile.blocks import BlockCompileError, block_classes
+from offload_core.fp8_widen import WidenMode
 from offload_core.host.tier import HostingTier
 from offload_core.layout import declared_layer_groups, resolve_layer_group
 from offload_core.quant import WeightFormat, fake_quantize_
@@ -107,9 +108,12 @@ def test_streamed_fp8_compiled_is_bitwise_the_fake_quantized_resident_compiled(w
     model = WAN.build()
     streamer = remove_after(apply_layer_streaming(
         model, "cpu", StreamingConfig(weights=WeightFormat.FP8, hosting=tiers(model, tier))))
-    remove_after(apply_block_compile(model, CompileConfig(buckets=(BUCKET,))))
+    blocks = apply_block_compile(model, CompileConfig(buckets=(BUCKET,)))
+    assert streamer.widen_mode is WidenMode.FUSED, "compiled blocks widen in one compiled pass per group too"
     for shape in SERVED:
         assert torch.equal(runner(model, streamer)(shape), runner(resident)(shape)), shape
+    blocks.remove()
+    assert streamer.widen_mode is WidenMode.EAGER, "remove() gives back the config's widen"
 
 
 def test_compiled_matches_eager_within_torch_testing_float32_tolerance(warmed):

@@ -122,11 +122,14 @@ def test_cuda_a_host_wait_on_a_copy_event_sleeps_instead_of_spinning():
     assert wall > 0.01 and cpu < 0.5 * wall, f"waited {wall:.3f} s using {cpu:.3f} s of CPU"
 
 
+@pytest.mark.parametrize("widen_mode", ["eager", "fused"])
 @pytest.mark.parametrize("tier", [HostingTier.PINNED, HostingTier.PAGEABLE], ids=lambda t: t.value)
 @pytest.mark.parametrize("depth", [1, 2])
-def test_cuda_fp8_widens_on_their_own_stream_stay_bitwise_when_each_widen_is_slow(depth, tier):
+def test_cuda_fp8_widens_on_their_own_stream_stay_bitwise_when_each_widen_is_slow(depth, tier, widen_mode):
     """Each widen held ~5 ms on the widen stream: a copy into its landing buffer or its slot, or a
-    layer's compute, that did not wait for it would read or overwrite bytes it is still writing."""
+    layer's compute, that did not wait for it would read or overwrite bytes it is still writing.
+    Fused: the compiled widen (one Triton kernel per group) is bitwise the eager one's reference too."""
+    from offload_core.fp8_widen import WidenMode
     from offload_core.quant import WeightFormat, fake_quantize_
 
     inputs = _cuda_inputs(WAN)
@@ -137,14 +140,14 @@ def test_cuda_fp8_widens_on_their_own_stream_stay_bitwise_when_each_widen_is_slo
     with torch.no_grad():
         expected = WAN.run(reference.cuda(), inputs)
     streamer = apply_layer_streaming(model, "cuda", StreamingConfig(
-        prefetch_depth=depth, weights=WeightFormat.FP8, hosting=_tiers(model, tier)))
+        prefetch_depth=depth, weights=WeightFormat.FP8, hosting=_tiers(model, tier), widen=WidenMode(widen_mode)))
     try:
         for layer in streamer.layers:
-            widen = layer.host.widen
+            original = layer.host.widen
 
-            def slow(regions, widen=widen):
+            def slow(regions, how, original=original):
                 torch.cuda._sleep(SLEEP_CYCLES // 10)
-                widen(regions)
+                original(regions, how)
             layer.host.widen = slow
         for _ in range(3):
             streamer.prepare_for_use()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from offload_core.buffers import LANDING_BUFFERS
+from offload_core.fp8_widen import WidenMode, widen_layer_fused
 from offload_core.host.tier import HostingTier
 from offload_core.layout import FP8_HOST_DTYPE, align_up, declared_layer_groups, resolve_layer_group
 from offload_core.quant import (
@@ -72,6 +73,27 @@ def test_streamed_fp8_model_is_bitwise_the_fake_quantized_plain_model(case, tier
     assert torch.equal(second, expected)
     assert streamer.meter.peak_bytes == streamer.predicted_peak_bytes()
     assert streamer.meter.current_bytes == streamer.non_layer_bytes
+
+
+@pytest.mark.parametrize("case", [WAN, _bf16(WAN), _bf16(FLUX)], ids=lambda c: c.name)
+def test_the_fused_widen_streams_bitwise_the_fake_quantized_plain_model(case, remove_after):
+    """One compiled pass per group (WidenMode.FUSED) through every widen site: a resident layer copied
+    directly, a resident layer staged, streamed layers through the ring; twice (slots reused)."""
+    inputs = case.inputs()
+    expected = _reference(case, inputs)
+    for staged in (False, True):
+        model = case.build()
+        streamer = remove_after(apply_layer_streaming(model, "cpu", _fp8_config(
+            model, HostingTier.PAGEABLE, resident=1, staged_copies=staged, widen=WidenMode.FUSED)))
+        for _ in range(2):
+            assert torch.equal(case.run(model, inputs), expected)
+            streamer.finish_use()
+        assert streamer.ring.widen is widen_layer_fused and streamer.resident.widen is widen_layer_fused
+
+
+def test_widen_must_be_a_widen_mode():
+    with pytest.raises(TypeError, match=r"widen must be a WidenMode \(\['eager', 'fused'\]\), got 'fused'"):
+        StreamingConfig(widen="fused")
 
 
 @pytest.mark.parametrize("case", [WAN, FLUX, _bf16(WAN)], ids=lambda c: c.name)
