@@ -10,7 +10,9 @@ by tensor with ``quant.widen_fp8`` (the engine's widen until now) and (2) with
 and for the layer widen on ``meta`` too, which takes CUDA's path (one ``copy_`` per run, the
 float32 scales as they are). The per-tensor widen on CUDA also synchronised the host once per
 tensor (``torch.equal`` on the scales). Both results are checked bit for bit. CPU seconds are
-the best of 3.
+the best of 3. On ``meta`` (CUDA's ops, no kernels run) it also times the launch thread's host
+time per layer widen: with its operand views made at each call (as the ring did) and bound once
+per place (``BoundWiden``, as the ring does now); best of 5 rounds of 2,000 calls.
 
 Last line: one JSON object.
 """
@@ -26,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offload_core.fp8_widen import widen_layer, widen_plan  # noqa: E402
+from offload_core.fp8_widen import BoundWiden, widen_layer, widen_plan  # noqa: E402
 from offload_core.host.tier import HostingTier  # noqa: E402
 from offload_core.layout import FP8_HOST_DTYPE, tensor_view  # noqa: E402
 from offload_core.quant import WeightFormat, layer_layout, widen_fp8  # noqa: E402
@@ -58,6 +60,17 @@ def best_s(fn, repeats: int = 3) -> float:
     return best
 
 
+def host_us(fn, calls: int = 2000, rounds: int = 5) -> float:
+    """Host microseconds per call of ``fn``: best of ``rounds`` rounds of ``calls``."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=1536)
@@ -80,6 +93,8 @@ def main() -> None:
     meta = regions_for(host, "meta")
     meta_count = count_launches(lambda: widen_layer(plan, meta))
     old_s, new_s = best_s(lambda: per_tensor(host, old)), best_s(lambda: widen_layer(plan, new))
+    bound = BoundWiden(plan, meta)
+    unbound_us, bound_us = host_us(lambda: widen_layer(plan, meta)), host_us(bound)
     n = len(layout.quantized)
     print(f"Wan2.1 block dim {args.dim} ffn {args.ffn}: {n} quantized tensors, {len(layout.tensors)} in all; "
           f"{len(plan.runs)} run(s), {len(plan.groups)} scale groups "
@@ -88,6 +103,8 @@ def main() -> None:
           f"on CUDA ~{5 * n} launches + {n} host syncs; {old_s * 1e3:.1f} ms CPU")
     print(f"  layer-wide : {new_count.launches:4d} launches on CPU {dict(new_count.ops)}; "
           f"{meta_count.launches} on CUDA's path (meta) {dict(meta_count.ops)}, no host sync; {new_s * 1e3:.1f} ms CPU")
+    print(f"  launch thread per layer widen on CUDA's path (meta): {unbound_us:.1f} us with its views made per "
+          f"call, {bound_us:.1f} us bound once per place")
     print(f"  bitwise equal: {equal}")
     print(json.dumps({
         "bench": "widen_launches", "dim": args.dim, "ffn": args.ffn, "quantized_tensors": n,
@@ -96,6 +113,7 @@ def main() -> None:
         "per_tensor_host_syncs_cuda": n,
         "layer_launches_cpu": new_count.launches, "layer_launches_cuda_path": meta_count.launches,
         "per_tensor_cpu_s": round(old_s, 5), "layer_cpu_s": round(new_s, 5), "bitwise_equal": equal,
+        "host_us_views_per_call": round(unbound_us, 1), "host_us_bound_once": round(bound_us, 1),
     }))
 
 

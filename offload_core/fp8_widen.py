@@ -120,19 +120,6 @@ def widen_plan(layout: LayerLayout) -> WidenPlan:
     return WidenPlan(tuple(runs), tuple(groups))
 
 
-def widen_layer(plan: WidenPlan, regions: Mapping[torch.dtype, torch.Tensor]) -> None:
-    """Widen every quantized tensor of ``plan`` (:func:`widen_plan` of the layer's layout) from
-    ``regions[FP8_HOST_DTYPE]`` (the landed FP8 buffer) into its place in ``regions`` (uint8 per dtype)."""
-    landing = regions[FP8_HOST_DTYPE]
-    for run in plan.runs:
-        q = landing[run.fp8_start:run.fp8_end].view(FP8_DTYPE)
-        nbytes = q.numel() * run.dtype.itemsize
-        convert_fp8(q, regions[run.dtype][run.device_start:run.device_start + nbytes].view(run.dtype))
-    for group in plan.groups:
-        out, scales = group_operands(group, regions)
-        out.mul_(_factor(scales, group.dtype).view(group.count, group.rows, 1))
-
-
 def group_operands(group: ScaleGroup, regions: Mapping[torch.dtype, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``group``'s tensors in their slot as one ``[count, rows, cols]`` view, and their float32 scales
     (``count x rows``, flat) in the landed FP8 buffer: what the group's one multiply takes."""
@@ -186,10 +173,40 @@ def _fused_kernel() -> Callable[..., None]:
     return torch.compile(widen_groups, fullgraph=True, dynamic=False)
 
 
-def widen_layer_fused(plan: WidenPlan, regions: Mapping[torch.dtype, torch.Tensor]) -> None:
-    """:func:`widen_layer`'s result, bit for bit, in one compiled pass per group (:attr:`WidenMode.FUSED`)."""
-    _fused_kernel()(*fused_operands(plan, regions))
+class BoundWiden:
+    """One layer's widen into one set of regions, its operand views made once: the ring keeps one per
+    place (window offset x landing buffer), so an issue there only launches. The views of a real-size
+    block's 3 groups and its run took ~40 us per widen on the launch thread (2-core CI VM), rebuilt at
+    every copy before."""
+
+    __slots__ = ("mode", "_runs", "_groups", "_fused")
+
+    def __init__(self, plan: WidenPlan, regions: Mapping[torch.dtype, torch.Tensor], mode: WidenMode = WidenMode.EAGER):
+        self.mode = mode
+        self._runs: tuple = ()
+        self._groups: tuple = ()
+        self._fused = fused_operands(plan, regions) if mode is WidenMode.FUSED else None
+        if self._fused is None:
+            landing = regions[FP8_HOST_DTYPE]
+            for run in plan.runs:
+                q = landing[run.fp8_start:run.fp8_end].view(FP8_DTYPE)
+                nbytes = q.numel() * run.dtype.itemsize
+                self._runs += ((q, regions[run.dtype][run.device_start:run.device_start + nbytes].view(run.dtype)),)
+            self._groups = tuple((*group_operands(g, regions), g.dtype, (g.count, g.rows, 1)) for g in plan.groups)
+
+    def __call__(self) -> None:
+        if self._fused is not None:
+            _fused_kernel()(*self._fused)
+            return
+        for q, out in self._runs:
+            convert_fp8(q, out)
+        for out, scales, dtype, shape in self._groups:
+            out.mul_(_factor(scales, dtype).view(shape))
 
 
-WidenFn = Callable[[WidenPlan, Mapping[torch.dtype, torch.Tensor]], None]
-WIDENS: Mapping[WidenMode, WidenFn] = {WidenMode.EAGER: widen_layer, WidenMode.FUSED: widen_layer_fused}
+def widen_layer(plan: WidenPlan, regions: Mapping[torch.dtype, torch.Tensor],
+                mode: WidenMode = WidenMode.EAGER) -> None:
+    """Widen every quantized tensor of ``plan`` (:func:`widen_plan` of the layer's layout) from
+    ``regions[FP8_HOST_DTYPE]`` (the landed FP8 buffer) into its place in ``regions`` (uint8 per dtype):
+    eager, one conversion per run and one multiply per group; fused, one compiled pass per group."""
+    BoundWiden(plan, regions, mode)()

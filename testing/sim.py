@@ -50,7 +50,7 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from offload_core.fp8_widen import widen_layer
+from offload_core.fp8_widen import WidenMode
 from offload_core.host.pinned import HostBuffer, PinRefusal
 from offload_core.host.tier import HostingTier
 from offload_core.layout import FP8_HOST_DTYPE
@@ -194,7 +194,7 @@ class SimDevice(Device):
             dtypes = {layer.layout.tensors[q.index].dtype for q in layer.layout.quantized}
             original = layer.host.widen
 
-            def timed(regions, how=widen_layer, *, original=original, widened=widened, dtypes=dtypes):
+            def timed(regions, how=WidenMode.EAGER, *, original=original, widened=widened, dtypes=dtypes):
                 original(regions, how)
                 stream = self._stream
                 reads = (_span(regions[FP8_HOST_DTYPE]),)

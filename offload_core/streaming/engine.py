@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from offload_core.buffers import landing_bytes
-from offload_core.fp8_widen import WIDENS, WidenMode
+from offload_core.fp8_widen import WidenMode
 from offload_core.host.tier import STAGED_TIERS, HostingTier
 from offload_core.layout import STREAMER_ATTRIBUTE, check_disjoint, declared_layer_groups, unique_storage_bytes
 from offload_core.order import execution_order
@@ -106,7 +106,8 @@ class LayerStreamer:
         if mode is not self.widen_mode and any(layer.layout.quantized for layer in self.layers):
             logger.info("streaming %s: FP8 widen %s -> %s", type(self.model).__name__, self.widen_mode.value, mode.value)
         self.widen_mode = mode
-        self.ring.widen = self.resident.widen = WIDENS[mode]
+        self.ring.set_widen(mode)
+        self.resident.widen_mode = mode
 
     def trace_copies(self, log: CopyLog | None) -> None:
         """Log every layer copy (its start and end on the copy stream) into ``log``; None stops.

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from offload_core.fp8_widen import WidenFn, widen_layer, widen_plan
+from offload_core.fp8_widen import BoundWiden, WidenMode, widen_plan
 from offload_core.host.pinned import HostBuffer, PinRefusal, allocate_host_buffer, free_host_buffer
 from offload_core.host.tier import HostingTier
 from offload_core.layout import (
@@ -133,7 +133,7 @@ class HostLayer:
         return tuple(views)
 
     def copy_to(self, regions: Mapping[torch.dtype, torch.Tensor],
-                pairs: Sequence[CopyPair] | None = None, widen: WidenFn = widen_layer) -> int:
+                pairs: Sequence[CopyPair] | None = None, widen: WidenMode = WidenMode.EAGER) -> int:
         """Copy the layer into device ``regions`` (uint8, one per dtype); returns bytes copied.
 
         Called inside the device's copy-stream context; ``non_blocking`` makes pinned copies
@@ -142,7 +142,7 @@ class HostLayer:
         ``pairs``: this layer's :meth:`fill_pairs` into these same ``regions``, made once by a caller
         that copies there again and again (the ring, per place): slicing the targets at every copy
         cost ~3 us per layer on the launch thread (CPU, 14B structure), for the same views each time.
-        ``widen``: how (``fp8_widen.WIDENS``, the streamer's ``WidenMode``).
+        ``widen``: how a quantized layer widens (the streamer's ``WidenMode``).
         """
         copied = self.copy_host_bytes(regions, copy_pairs, pairs)
         self.widen(regions, widen)
@@ -165,12 +165,19 @@ class HostLayer:
                  extent_view(tensor))
                 for meta, tensor in zip(self.layout.tensors, self._mapped) if meta.extent]
 
-    def widen(self, regions: Mapping[torch.dtype, torch.Tensor], widen: WidenFn = widen_layer) -> None:
-        """Widen the quantized tensors from the landed FP8 buffer into ``regions`` (none: no-op) with
-        ``widen``: eager, one conversion per dtype and one multiply per group of same-shaped tensors;
-        fused, one compiled pass per group (``offload_core.fp8_widen``)."""
-        if self._widen is not None:
-            widen(self._widen, regions)
+    def widen(self, regions: Mapping[torch.dtype, torch.Tensor],
+              how: WidenMode | BoundWiden = WidenMode.EAGER) -> None:
+        """Widen the quantized tensors from the landed FP8 buffer into ``regions`` (none: no-op): eager,
+        one conversion per dtype and one multiply per group of same-shaped tensors; fused, one compiled
+        pass per group (``offload_core.fp8_widen``). ``how``: a mode, or :meth:`bind_widen` of these
+        same ``regions`` made before (the ring's, per place)."""
+        if self._widen is None:
+            return
+        (how if isinstance(how, BoundWiden) else BoundWiden(self._widen, regions, how))()
+
+    def bind_widen(self, regions: Mapping[torch.dtype, torch.Tensor], mode: WidenMode) -> BoundWiden | None:
+        """The widen into ``regions`` with its views made now (None: nothing quantized)."""
+        return BoundWiden(self._widen, regions, mode) if self._widen is not None else None
 
     def free(self) -> None:
         """Unlock page-locked buffers; the memory goes with the last view."""

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from offload_core.buffers import RegionMap
-from offload_core.fp8_widen import WidenFn, widen_layer
+from offload_core.fp8_widen import WidenMode
 from offload_core.layout import FP8_HOST_DTYPE
 from offload_core.streaming.copy_log import CopyLog
 from offload_core.streaming.device import Device
@@ -30,7 +30,7 @@ class ResidentLayers:
         self._buffers: dict[str, torch.Tensor] = {}
         self._events: dict[str, object] = {}  # per layer, its own copy's event, until its first entry
         self.copied = 0  # host->device bytes since the streamer's last reset_counters
-        self.widen: WidenFn = widen_layer  # the streamer's WidenMode (fp8_widen.WIDENS)
+        self.widen_mode = WidenMode.EAGER  # the streamer's (set_widen)
 
     @property
     def armed(self) -> int:
@@ -60,9 +60,9 @@ class ResidentLayers:
                     copy_log.begin()
                 if staging is not None and staging.stages(layer):
                     self.copied += staging.copy_to(layer, carved)
-                    layer.host.widen(carved, self.widen)  # a quantized layer, on the copy stream after its copy
+                    layer.host.widen(carved, self.widen_mode)  # a quantized layer, on the copy stream after its copy
                 else:
-                    self.copied += layer.host.copy_to(carved, widen=self.widen)
+                    self.copied += layer.host.copy_to(carved, widen=self.widen_mode)
                 self._events[layer.key] = self._device.record_copy()
                 if copy_log is not None:
                     copy_log.end(layer.key)

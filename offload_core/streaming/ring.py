@@ -29,7 +29,7 @@ from typing import Mapping, NamedTuple, Protocol, Sequence
 import torch
 
 from offload_core.buffers import LANDING_BUFFERS, RegionMap, WindowPlacer, slot_count, window_copies
-from offload_core.fp8_widen import WidenFn, widen_layer
+from offload_core.fp8_widen import BoundWiden, WidenMode
 from offload_core.layout import FP8_HOST_DTYPE, LayerLayout
 from offload_core.streaming.copier import CopyFailed, FillTimeout
 from offload_core.streaming.copy_log import CopyLog
@@ -62,6 +62,7 @@ class _Place(NamedTuple):
     views: tuple[torch.Tensor, ...]  # its parameters' views
     end: int  # its bytes are [start, end)
     pairs: tuple | None  # the host->device (dst, src) copies into ``carved`` (None: staged, filled per copy)
+    widen: BoundWiden | None  # the FP8 widen into ``carved``, its views made once (None: not quantized)
 
 
 class PrefetchRing:
@@ -93,7 +94,7 @@ class PrefetchRing:
         self._landings: tuple[torch.Tensor, ...] = ()  # its LANDING_BUFFERS halves, taken in turn
         self._landing_next = 0
         self._landing_reads: list[object | None] = [None] * LANDING_BUFFERS  # each one's last widen
-        self.widen: WidenFn = widen_layer  # the streamer's WidenMode (fp8_widen.WIDENS)
+        self.widen_mode = WidenMode.EAGER  # the streamer's (set_widen); each place binds its widen in it
         self._buffer: torch.Tensor | None = None
         self._window_key: tuple[int, int] | None = None
         self._allocated = False
@@ -324,7 +325,7 @@ class PrefetchRing:
                 if self.copy_log is not None:
                     self.copy_log.end(getattr(layer, "key", str(position)))
             if widened:
-                event = self._widen(layer, place.carved, event, landing)
+                event = self._widen(layer, place, event, landing)
         except BaseException as error:
             # A copy issued in part is ordered before the place's next copy (same stream), and its
             # last readers are unchanged: nothing is held. An AssertionError (the simulator's
@@ -339,12 +340,12 @@ class PrefetchRing:
         layer.bind(place.views, self._window_key)
         self._in_flight[position] = event
 
-    def _widen(self, layer: RingLayer, carved: Mapping[torch.dtype, torch.Tensor], landed, landing: int):
+    def _widen(self, layer: RingLayer, place: _Place, landed, landing: int):
         """Widen ``layer`` out of landing buffer ``landing`` on the widen stream, after its copy
         ``landed``; the next copy takes the other buffer. Returns the widen's event (compute waits for it)."""
         with self._device.on_widen_stream():
             self._device.widen_waits(landed)
-            layer.host.widen(carved, self.widen)
+            layer.host.widen(place.carved, place.widen)
             event = self._device.record_widen()
         self._landing_reads[landing] = event
         self._landing_next = (landing + 1) % LANDING_BUFFERS
@@ -362,9 +363,16 @@ class PrefetchRing:
         # storage across deallocate/allocate alike); a staged layer is filled through staging instead.
         staged = self._staging is not None and self._staging.stages(layer)
         pairs = None if staged else tuple(layer.host.fill_pairs(carved))
+        widen = layer.host.bind_widen(carved, self.widen_mode) if FP8_HOST_DTYPE in carved else None
         place = self._places[(position, start, landing)] = _Place(carved, layer.views(carved), start + own.nbytes,
-                                                                 pairs)
+                                                                 pairs, widen)
         return place
+
+    def set_widen(self, mode: WidenMode) -> None:
+        """Widen FP8 layers in ``mode`` from the next copy on: places bound in another mode are made again."""
+        if mode is not self.widen_mode:
+            self.widen_mode = mode
+            self._places.clear()
 
     def _release(self, position: int) -> None:
         unwaited = self._in_flight.pop(position)

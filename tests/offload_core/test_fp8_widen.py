@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_core.fp8_widen import fused_operands, widen_groups, widen_layer, widen_layer_fused, widen_plan
+from offload_core.fp8_widen import WidenMode, fused_operands, widen_groups, widen_layer, widen_plan
 from offload_core.host.tier import HostingTier
 from offload_core.layout import FP8_HOST_DTYPE, tensor_view
 from offload_core.quant import WeightFormat, layer_layout, widen_fp8
@@ -135,7 +135,7 @@ def test_the_compiled_fused_widen_equals_the_per_tensor_widen_bit_for_bit_in_any
                   for dtype, n in host.layout.flat_bytes}
         window[FP8_HOST_DTYPE] = torch.zeros(host.layout.landing_bytes + shift, dtype=torch.uint8)[shift:]
         host.copy_host_bytes(window)
-        widen_layer_fused(plan, window)
+        widen_layer(plan, window, WidenMode.FUSED)
         for got, want in zip(_tensors(host, window), _tensors(host, reference)):
             assert torch.equal(got, want)
     assert compiled_graph_count() - before == 1

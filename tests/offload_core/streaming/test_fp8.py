@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from offload_core.buffers import LANDING_BUFFERS
-from offload_core.fp8_widen import WidenMode, widen_layer_fused
+from offload_core.fp8_widen import WidenMode
 from offload_core.host.tier import HostingTier
 from offload_core.layout import FP8_HOST_DTYPE, align_up, declared_layer_groups, resolve_layer_group
 from offload_core.quant import (
@@ -88,7 +88,7 @@ def test_the_fused_widen_streams_bitwise_the_fake_quantized_plain_model(case, re
         for _ in range(2):
             assert torch.equal(case.run(model, inputs), expected)
             streamer.finish_use()
-        assert streamer.ring.widen is widen_layer_fused and streamer.resident.widen is widen_layer_fused
+        assert streamer.ring.widen_mode is streamer.resident.widen_mode is WidenMode.FUSED
 
 
 def test_widen_must_be_a_widen_mode():
