@@ -321,7 +321,7 @@ def main() -> None:
                         help="seconds for the CUDA-only tests at the end (0: do not run them)")
     parser.add_argument("--activations-timeout", type=int, default=45,
                         help="seconds for the activation model's CUDA calibration, after the tests (0: skip)")
-    parser.add_argument("--widen-timeout", type=int, default=60,
+    parser.add_argument("--widen-timeout", type=int, default=90,
                         help="seconds for FP8 widening's cost on a Wan2.1-14B block, last (0: skip)")
     parser.add_argument("--hook-cost-timeout", type=int, default=60,
                         help="seconds for bench/hook_cost.py --device cuda, after the calibration (0: skip)")

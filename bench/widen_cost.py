@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from offload_core.buffers import RegionMap
-from offload_core.fp8_widen import group_operands, widen_layer, widen_plan  # noqa: E402
+from offload_core.fp8_widen import WidenMode, group_operands, widen_layer, widen_plan  # noqa: E402
 from offload_core.host.tier import HostingTier  # noqa: E402
 from offload_core.layout import FP8_HOST_DTYPE, tensor_view
 from offload_core.planner.real_models import meta_component  # noqa: E402
@@ -119,6 +119,14 @@ def measure(model: str, device: torch.device, repeats: int) -> dict:
         convert_only = _timed(device, lambda: _convert_runs(plan, carved), repeats)
         narrowed = _timed(device, lambda: _widen_narrowed(plan, carved), repeats)
         narrowed_exact = _check_narrowed(plan, carved, device)
+        # The fused widen (WidenMode.FUSED: one compiled pass per group; compiled in the warm-up call),
+        # its bytes against the eager widen's
+        fused = _timed(device, lambda: hosts["fp8"].widen(carved, WidenMode.FUSED), repeats)
+        fused_out = {dtype: region.clone() for dtype, region in carved.items() if dtype != FP8_HOST_DTYPE}
+        hosts["fp8"].widen(carved)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        fused_exact = all(torch.equal(fused_out[dtype], carved[dtype]) for dtype in fused_out)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         exact = True
@@ -141,6 +149,7 @@ def measure(model: str, device: torch.device, repeats: int) -> dict:
             "widen_ms": round(widen * 1e3, 3), "copy_saved_ms": round(saved * 1e3, 3),
             "widen_launches": plan.launches, "convert_only_ms": round(convert_only * 1e3, 3),
             "widen_narrowed_scales_ms": round(narrowed * 1e3, 3), "narrowed_bitwise_equal": narrowed_exact,
+            "widen_fused_ms": round(fused * 1e3, 3), "fused_bitwise_equal": fused_exact,
             "widen_over_saved": round(widen / saved, 3) if saved > 0 else None,
             "widened_bitwise_equal_to_reference": bool(exact), "quantize_deterministic": bool(deterministic)}
 
@@ -157,7 +166,8 @@ def main() -> None:
     print(f"{model} block on {device}: bf16 copy {result['bf16_copy_ms']} ms, fp8 copy {result['fp8_copy_ms']} ms "
           f"(saves {result['copy_saved_ms']} ms), widen {result['widen_ms']} ms in {result['widen_launches']} launches "
           f"(conversion alone {result['convert_only_ms']} ms; scales narrowed {result['widen_narrowed_scales_ms']} ms, "
-          f"bitwise {result['narrowed_bitwise_equal']})")
+          f"bitwise {result['narrowed_bitwise_equal']}; fused {result['widen_fused_ms']} ms, bitwise "
+          f"{result['fused_bitwise_equal']})")
     print(json.dumps(result))
 
 
