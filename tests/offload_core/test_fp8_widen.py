@@ -54,14 +54,20 @@ def _tensors(host: HostLayer, regions) -> list[torch.Tensor]:
     return [tensor_view(regions[meta.dtype], meta) for meta in host.layout.tensors]
 
 
+# Layer-wide (eager: one conversion per run, one multiply per group) and the fused widen in its eager
+# form (value x scale in float32, rounded once: the formulation torch.compile fuses into one pass).
+FORMS = {"layer": widen_layer, "fused_form": lambda plan, regions: widen_groups(*fused_operands(plan, regions))}
+
+
 # fp16 at 1e-4: weights of ~1e-6, whose scales (2**-28 ...) are below fp16's range: multiplied in float32
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype,scale", [(torch.float32, 1.0), (torch.bfloat16, 1.0), (torch.float16, 1.0),
                                          (torch.float16, 1e-4)])
-def test_the_layer_widen_equals_the_per_tensor_widen_bit_for_bit(dtype, scale):
+def test_the_layer_widen_equals_the_per_tensor_widen_bit_for_bit(dtype, scale, form):
     torch.manual_seed(0)
     host = _hosted(Block(5, dtype, scale))
     whole, reference = _regions(host), _regions(host)
-    widen_layer(widen_plan(host.layout), whole)
+    FORMS[form](widen_plan(host.layout), whole)
     _per_tensor(host, reference)
     for got, want in zip(_tensors(host, whole), _tensors(host, reference)):
         assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got, want)
@@ -106,19 +112,6 @@ def test_the_fp8_buffer_mirrors_the_device_run_and_its_pieces_do_not_overlap():
     spans.sort()
     assert all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:])), spans
     assert spans[-1][1] <= layout.landing_bytes
-
-
-@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1.0), (torch.bfloat16, 1.0), (torch.float16, 1.0),
-                                         (torch.float16, 1e-4)])
-def test_the_fused_widen_in_one_pass_per_group_equals_the_per_tensor_widen_bit_for_bit(dtype, scale):
-    """Its eager form (three ops per group): the formulation torch.compile fuses, checked at every dtype."""
-    torch.manual_seed(0)
-    host = _hosted(Block(5, dtype, scale))
-    fused, reference = _regions(host), _regions(host)
-    widen_groups(*fused_operands(widen_plan(host.layout), fused))
-    _per_tensor(host, reference)
-    for got, want in zip(_tensors(host, fused), _tensors(host, reference)):
-        assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1 else got, want)
 
 
 def test_the_compiled_fused_widen_equals_the_per_tensor_widen_bit_for_bit_in_any_slot():
