@@ -67,6 +67,9 @@ LEGACY_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = {
 # Set on a model while it is streamed; a second apply_layer_streaming would stream placeholders,
 # and the hosting plan must read layer bytes from the host copies instead of the parameters.
 STREAMER_ATTRIBUTE = "_offload_layer_streamer"
+# Set on a model while its repeated blocks run compiled (offload_core.compile): streaming applied
+# again under them (a replica's re-plan) widens its FP8 layers in the compiled, fused pass too.
+COMPILED_ATTRIBUTE = "_offload_compiled_blocks"
 
 
 class LayoutError(ValueError):
@@ -352,7 +355,7 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 __all__ = [
-    "ALIGN_BYTES", "align_up", "check_disjoint", "declared_layer_groups", "extent_view", "FP8_HOST_DTYPE",
+    "ALIGN_BYTES", "align_up", "check_disjoint", "COMPILED_ATTRIBUTE", "declared_layer_groups", "extent_view", "FP8_HOST_DTYPE",
     "is_placeholder", "KNOWN_LAYER_GROUPS", "layer_parameters", "LayerGroup", "LayerLayout", "LayoutError",
     "LEGACY_LAYER_GROUPS", "placeholder", "plan_layer_layout", "QuantizedMeta", "resolve_layer_group",
     "storage_extent", "tensor_view", "TensorMeta", "unique_storage_bytes",

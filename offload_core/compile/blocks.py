@@ -32,11 +32,16 @@ from compat.torch import compiled_graph_count, is_unsupported_trace, mark_dynami
 from offload_core.compile.buckets import BucketRule, Signature, learn_rules, signature
 from offload_core.compile.config import CompileConfig, CompileMode
 from offload_core.fp8_widen import WidenMode
-from offload_core.layout import STREAMER_ATTRIBUTE, LayoutError, declared_layer_groups, resolve_layer_group
+from offload_core.layout import (
+    COMPILED_ATTRIBUTE,
+    STREAMER_ATTRIBUTE,
+    LayoutError,
+    declared_layer_groups,
+    resolve_layer_group,
+)
 
 logger = logging.getLogger(__name__)
 
-COMPILED_ATTRIBUTE = "_offload_compiled_blocks"
 
 
 class BlockCompileError(RuntimeError):

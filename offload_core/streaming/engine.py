@@ -29,7 +29,13 @@ from torch import nn
 from offload_core.buffers import landing_bytes
 from offload_core.fp8_widen import WidenMode
 from offload_core.host.tier import STAGED_TIERS, HostingTier
-from offload_core.layout import STREAMER_ATTRIBUTE, check_disjoint, declared_layer_groups, unique_storage_bytes
+from offload_core.layout import (
+    COMPILED_ATTRIBUTE,
+    STREAMER_ATTRIBUTE,
+    check_disjoint,
+    declared_layer_groups,
+    unique_storage_bytes,
+)
 from offload_core.order import execution_order
 from offload_core.streaming.attach import collect_layers, layer_tiers, move_layers_off
 from offload_core.streaming.claim import ConcurrentForwardError, ForwardClaim  # noqa: F401 (re-exported)
@@ -307,6 +313,8 @@ def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,
     layers = tuple(StreamedLayer(e.key, e.module, e.params, hosts[e.key], i in resident, context.device, streamer)
                    for i, e in enumerate(entries))
     streamer._start(layers)
+    if getattr(model, COMPILED_ATTRIBUTE, None) is not None:  # streamed again under compiled blocks (a re-plan)
+        streamer.set_widen(WidenMode.FUSED)
     setattr(model, STREAMER_ATTRIBUTE, streamer)
     if streamer.staging is not None:
         try:

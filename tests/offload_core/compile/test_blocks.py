@@ -112,8 +112,14 @@ def test_streamed_fp8_compiled_is_bitwise_the_fake_quantized_resident_compiled(w
     assert streamer.widen_mode is WidenMode.FUSED, "compiled blocks widen in one compiled pass per group too"
     for shape in SERVED:
         assert torch.equal(runner(model, streamer)(shape), runner(resident)(shape)), shape
+    # a replica's re-plan streams the compiled model again: its FP8 layers keep the fused widen
+    streamer.remove()
+    again = apply_layer_streaming(model, "cpu", StreamingConfig(weights=WeightFormat.FP8, hosting=tiers(model, tier)))
+    assert again.widen_mode is WidenMode.FUSED
+    assert torch.equal(runner(model, again)(SERVED[0]), runner(resident)(SERVED[0]))
     blocks.remove()
-    assert streamer.widen_mode is WidenMode.EAGER, "remove() gives back the config's widen"
+    assert again.widen_mode is WidenMode.EAGER, "remove() gives back the config's widen"
+    again.remove()
 
 
 def test_compiled_matches_eager_within_torch_testing_float32_tolerance(warmed):
