@@ -317,11 +317,11 @@ def main() -> None:
     parser.add_argument("--real-blocks", type=int, default=None if CUDA else 2,
                         help="cap Wan2.1-1.3B's 30 blocks (default: all on CUDA, 2 on CPU)")
     parser.add_argument("--require-cuda", action="store_true", help="exit 2 when CUDA is not available")
-    parser.add_argument("--cuda-tests-timeout", type=int, default=120,
+    parser.add_argument("--cuda-tests-timeout", type=int, default=150,
                         help="seconds for the CUDA-only tests at the end (0: do not run them)")
     parser.add_argument("--activations-timeout", type=int, default=45,
                         help="seconds for the activation model's CUDA calibration, after the tests (0: skip)")
-    parser.add_argument("--widen-timeout", type=int, default=90,
+    parser.add_argument("--widen-timeout", type=int, default=60,
                         help="seconds for FP8 widening's cost on a Wan2.1-14B block, last (0: skip)")
     parser.add_argument("--hook-cost-timeout", type=int, default=60,
                         help="seconds for bench/hook_cost.py --device cuda, after the calibration (0: skip)")
