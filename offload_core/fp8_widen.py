@@ -32,6 +32,8 @@ import dataclasses
 import enum
 import functools
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -46,6 +48,9 @@ logger = logging.getLogger(__name__)
 # Compiled entries of the fused widen: one per quantized layer layout and grad mode a process runs
 # (a handful per stage); dynamo's default 8 would fall back to eager, silently, after the 8th.
 FUSED_RECOMPILE_LIMIT = 64
+# Triton converts float8_e4m3fn from compute capability 8.9 (Ada, Hopper) on; inductor's own float8
+# tests are skipped below it. On an A100 (8.0) the fused widen would fail to compile at a request.
+FUSED_MIN_CAPABILITY = (8, 9)
 
 
 class WidenMode(str, enum.Enum):
@@ -163,6 +168,21 @@ def widen_groups(values: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
     into one pass per group (eager, this is three: use :func:`widen_layer` there)."""
     for value, scale, out in zip(values, scales, outs):
         out.copy_(value.to(torch.float32).mul(scale.view(value.shape[0], value.shape[1], 1)).to(out.dtype))
+
+
+def fused_refusal(device: torch.device) -> str | None:
+    """Why the fused widen cannot run on ``device``; None when it can."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < FUSED_MIN_CAPABILITY:
+            return (f"Triton converts float8_e4m3fn from compute capability {FUSED_MIN_CAPABILITY[0]}."
+                    f"{FUSED_MIN_CAPABILITY[1]} on; {device} is {major}.{minor}")
+        return None
+    if device.type == "cpu":
+        if os.environ.get("CXX") or any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")):
+            return None
+        return "inductor's CPU backend compiles C++, and no C++ compiler is on PATH (nor CXX set)"
+    return f"no fused widen on {device.type}"
 
 
 @functools.cache

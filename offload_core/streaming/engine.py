@@ -26,6 +26,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
+from offload_core import fp8_widen
 from offload_core.buffers import landing_bytes
 from offload_core.fp8_widen import WidenMode
 from offload_core.host.tier import STAGED_TIERS, HostingTier
@@ -107,9 +108,15 @@ class LayerStreamer:
         self.meter.rebase()
 
     def set_widen(self, mode: WidenMode) -> None:
-        """How FP8 layers widen from now on (``fp8_widen.WidenMode``); block compile turns FUSED on."""
+        """How FP8 layers widen from now on (``fp8_widen.WidenMode``); block compile turns FUSED on.
+        FUSED where it cannot compile (``fp8_widen.fused_refusal``) stays EAGER, said why."""
         mode = WidenMode(mode)
-        if mode is not self.widen_mode and any(layer.layout.quantized for layer in self.layers):
+        quantized = any(layer.layout.quantized for layer in self.layers)
+        refusal = fp8_widen.fused_refusal(self.device.device) if mode is WidenMode.FUSED and quantized else None
+        if refusal is not None:
+            logger.info("streaming %s: FP8 widen stays eager, not fused: %s", type(self.model).__name__, refusal)
+            mode = WidenMode.EAGER
+        if mode is not self.widen_mode and quantized:
             logger.info("streaming %s: FP8 widen %s -> %s", type(self.model).__name__, self.widen_mode.value, mode.value)
         self.widen_mode = mode
         self.ring.set_widen(mode)

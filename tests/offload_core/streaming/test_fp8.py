@@ -91,6 +91,28 @@ def test_the_fused_widen_streams_bitwise_the_fake_quantized_plain_model(case, re
         assert streamer.ring.widen_mode is streamer.resident.widen_mode is WidenMode.FUSED
 
 
+def test_fused_widen_where_it_cannot_compile_stays_eager_and_says_why(remove_after, monkeypatch, caplog):
+    from offload_core import fp8_widen
+
+    monkeypatch.setattr(fp8_widen.torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert fp8_widen.fused_refusal(torch.device("cuda", 0)) == (
+        "Triton converts float8_e4m3fn from compute capability 8.9 on; cuda:0 is 8.0")
+    monkeypatch.setattr(fp8_widen.torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert fp8_widen.fused_refusal(torch.device("cuda", 0)) is None
+    monkeypatch.setattr(fp8_widen.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    refusal = fp8_widen.fused_refusal(torch.device("cpu"))
+    assert refusal is not None and "no C++ compiler" in refusal
+    model = WAN.build()
+    with caplog.at_level(logging.INFO, logger="offload_core.streaming.engine"):
+        streamer = remove_after(apply_layer_streaming(model, "cpu", _fp8_config(
+            model, HostingTier.PINNED, widen=WidenMode.FUSED)))
+    assert streamer.widen_mode is WidenMode.EAGER
+    assert "FP8 widen stays eager, not fused: inductor's CPU backend compiles C++" in caplog.text
+    inputs = WAN.inputs()
+    assert torch.equal(WAN.run(model, inputs), _reference(WAN, inputs))
+
+
 def test_widen_must_be_a_widen_mode():
     with pytest.raises(TypeError, match=r"widen must be a WidenMode \(\['eager', 'fused'\]\), got 'fused'"):
         StreamingConfig(widen="fused")
