@@ -195,9 +195,9 @@ def _fused_kernel() -> Callable[..., None]:
 
 class BoundWiden:
     """One layer's widen into one set of regions, its operand views made once: the ring keeps one per
-    place (window offset x landing buffer), so an issue there only launches. The views of a real-size
-    block's 3 groups and its run took ~40 us per widen on the launch thread (2-core CI VM), rebuilt at
-    every copy before."""
+    place (window offset x landing buffer), so an issue there only launches. Rebuilt at every copy, a
+    real-size block's views (3 groups, 1 run) cost the launch thread 51-81 us per widen on the 2-core
+    CI VM (bench/widen_launches.py, on meta)."""
 
     __slots__ = ("mode", "_runs", "_groups", "_fused")
 
