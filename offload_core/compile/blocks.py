@@ -43,7 +43,6 @@ from offload_core.layout import (
 logger = logging.getLogger(__name__)
 
 
-
 class BlockCompileError(RuntimeError):
     """The model's blocks cannot be compiled as asked (no repeated blocks, or already compiled)."""
 

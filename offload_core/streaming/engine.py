@@ -339,5 +339,5 @@ def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,
                 len(resident), config.resident_placement.value, config.prefetch_depth, streamer.ring.n_slots,
                 streamer.predicted_peak_bytes(), streamer.non_layer_bytes, streamer.resident_bytes,
                 streamer.ring.slot_bytes, streamer.ring.landing_bytes, counts, streamer.staging_bytes,
-                config.weights.value, config.widen.value, streamer.host_layer_bytes, sum(l.nbytes for l in layers))
+                config.weights.value, streamer.widen_mode.value, streamer.host_layer_bytes, sum(l.nbytes for l in layers))
     return streamer
