@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from offload_core.buffers import RegionMap
+from offload_core.buffers import RegionMap  # noqa: E402
 from offload_core.fp8_widen import WidenMode, group_operands, widen_layer, widen_plan  # noqa: E402
 from offload_core.host.tier import HostingTier  # noqa: E402
-from offload_core.layout import FP8_HOST_DTYPE, tensor_view
+from offload_core.layout import FP8_HOST_DTYPE, tensor_view  # noqa: E402
 from offload_core.planner.real_models import meta_component  # noqa: E402
 from offload_core.quant import (  # noqa: E402
     FP8_DTYPE,
@@ -127,8 +127,6 @@ def measure(model: str, device: torch.device, repeats: int) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         fused_exact = all(torch.equal(fused_out[dtype], carved[dtype]) for dtype in fused_out)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         exact = True
         for at in fp8.quantized:
             meta = fp8.tensors[at.index]

@@ -199,20 +199,18 @@ class BoundWiden:
     real-size block's views (3 groups, 1 run) cost the launch thread 51-81 us per widen on the 2-core
     CI VM (bench/widen_launches.py, on meta)."""
 
-    __slots__ = ("mode", "_runs", "_groups", "_fused")
+    __slots__ = ("_runs", "_groups", "_fused")
 
     def __init__(self, plan: WidenPlan, regions: Mapping[torch.dtype, torch.Tensor], mode: WidenMode = WidenMode.EAGER):
-        self.mode = mode
-        self._runs: tuple = ()
-        self._groups: tuple = ()
         self._fused = fused_operands(plan, regions) if mode is WidenMode.FUSED else None
-        if self._fused is None:
-            landing = regions[FP8_HOST_DTYPE]
-            for run in plan.runs:
-                q = landing[run.fp8_start:run.fp8_end].view(FP8_DTYPE)
-                nbytes = q.numel() * run.dtype.itemsize
-                self._runs += ((q, regions[run.dtype][run.device_start:run.device_start + nbytes].view(run.dtype)),)
-            self._groups = tuple((*group_operands(g, regions), g.dtype, (g.count, g.rows, 1)) for g in plan.groups)
+        eager = self._fused is None
+        landing = regions[FP8_HOST_DTYPE]
+        # per run: its 8-bit values and, as many elements on, its place in the compute dtype's region
+        self._runs = tuple((landing[r.fp8_start:r.fp8_end].view(FP8_DTYPE),
+                            regions[r.dtype][r.device_start:r.device_start + (r.fp8_end - r.fp8_start) * r.dtype.itemsize]
+                            .view(r.dtype)) for r in plan.runs) if eager else ()
+        self._groups = tuple((*group_operands(g, regions), g.dtype, (g.count, g.rows, 1))
+                             for g in plan.groups) if eager else ()
 
     def __call__(self) -> None:
         if self._fused is not None:

@@ -22,8 +22,8 @@ def add_sim_nodes(cluster, per_type: dict[str, int], resources: tuple[str, ...] 
         nodes.append(cluster.add_node(num_cpus=0, resources=extra))
     cluster.wait_for_nodes()
     # A raylet that exits at start can still have registered: its replica would then wait for it forever.
-    dead = {gpu_type: [kind for kind, _ in node.dead_processes()] for gpu_type, node in zip(per_type, nodes)}
-    dead = {gpu_type: kinds for gpu_type, kinds in dead.items() if kinds}
+    dead = {gpu_type: [kind for kind, _ in node.dead_processes()]
+            for gpu_type, node in zip(per_type, nodes) if node.dead_processes()}
     if dead:
         raise RuntimeError(f"simulated node processes exited at start: {dead}; their logs are under "
                            f"{nodes[0].get_session_dir_path()}/logs")

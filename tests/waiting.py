@@ -7,16 +7,17 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], T], timeout_s: float = 30.0, what: str = "condition", poll_s: float = 0.2) -> T:
+def wait_for(predicate: Callable[[], T], timeout_s: float = 30.0, what: str = "condition", poll_s: float = 0.2,
+             explain: Callable[[], str] | None = None) -> T:
     """The first truthy value ``predicate()`` returns within ``timeout_s``; else an AssertionError
-    naming ``what``."""
+    naming ``what`` (and ``explain()``: the state it was left in)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}" + (f": {explain()}" if explain else ""))
 
 
 def run_app(app, name: str, timeout_s: float = 240.0, route_prefix: str | None = None):
@@ -29,15 +30,16 @@ def run_app(app, name: str, timeout_s: float = 240.0, route_prefix: str | None =
 
     (handle,) = serve.run_many([serve.RunTarget(app, name=name, route_prefix=route_prefix)],
                                wait_for_applications_running=False)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def running() -> bool:
         status = serve.status().applications[name]
-        if status.status == "RUNNING":
-            return handle
         if status.status == "DEPLOY_FAILED":
             raise AssertionError(f"app {name!r} failed to deploy: {_describe(status)}")
-        time.sleep(0.5)
-    raise AssertionError(f"app {name!r} not RUNNING after {timeout_s} s: {_describe(serve.status().applications[name])}")
+        return status.status == "RUNNING"
+
+    wait_for(running, timeout_s, f"app {name!r} to be RUNNING", 0.5,
+             explain=lambda: _describe(serve.status().applications[name]))
+    return handle
 
 
 def _describe(status) -> str:

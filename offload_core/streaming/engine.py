@@ -99,7 +99,8 @@ class LayerStreamer:
         self.ring = PrefetchRing(self.device, streamed, self.config.prefetch_depth, self.staging,
                                  self.config.neighbour_wait_s, landing_bytes(layer.layout for layer in layers),
                                  wrap=self.config.wrap_uses)
-        self.set_widen(self.config.widen)
+        # Streamed again under compiled blocks (a replica's re-plan): the fused widen, as compile turned on.
+        self.set_widen(WidenMode.FUSED if getattr(self.model, COMPILED_ATTRIBUTE, None) is not None else self.config.widen)
         for layer in layers:  # the layer's own methods are the hooks: one call each, no lambda between
             self._handles.append(layer.module.register_forward_pre_hook(layer.pre_forward))
             self._handles.append(layer.module.register_forward_hook(layer.post_forward, always_call=True))
@@ -320,8 +321,6 @@ def apply_layer_streaming(model: nn.Module, device: torch.device | str | Device,
     layers = tuple(StreamedLayer(e.key, e.module, e.params, hosts[e.key], i in resident, context.device, streamer)
                    for i, e in enumerate(entries))
     streamer._start(layers)
-    if getattr(model, COMPILED_ATTRIBUTE, None) is not None:  # streamed again under compiled blocks (a re-plan)
-        streamer.set_widen(WidenMode.FUSED)
     setattr(model, STREAMER_ATTRIBUTE, streamer)
     if streamer.staging is not None:
         try:

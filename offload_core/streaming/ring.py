@@ -363,9 +363,8 @@ class PrefetchRing:
         # storage across deallocate/allocate alike); a staged layer is filled through staging instead.
         staged = self._staging is not None and self._staging.stages(layer)
         pairs = None if staged else tuple(layer.host.fill_pairs(carved))
-        widen = layer.host.bind_widen(carved, self.widen_mode) if FP8_HOST_DTYPE in carved else None
         place = self._places[(position, start, landing)] = _Place(carved, layer.views(carved), start + own.nbytes,
-                                                                 pairs, widen)
+                                                                 pairs, layer.host.bind_widen(carved, self.widen_mode))
         return place
 
     def set_widen(self, mode: WidenMode) -> None:

@@ -147,14 +147,41 @@ def test_a_replica_drained_mid_trace_finishes_what_it_has_and_nothing_is_lost(fl
     assert [r for r in results if isinstance(r, BaseException)] == []
 
 
+def test_a_simulated_node_whose_processes_exited_at_start_fails_there_naming_them():
+    """A raylet that exited after registering passes wait_for_nodes; its replica would wait forever."""
+    class Node:
+        def __init__(self, dead):
+            self.dead = dead
+
+        def dead_processes(self):
+            return [(kind, None) for kind in self.dead]
+
+        def get_session_dir_path(self):
+            return "/tmp/ray/session_x"
+
+    class Cluster:
+        def __init__(self):
+            self.nodes = iter([Node([]), Node(["raylet"])])
+
+        def add_node(self, **_):
+            return next(self.nodes)
+
+        def wait_for_nodes(self):
+            pass
+
+    with pytest.raises(RuntimeError, match=r"simulated node processes exited at start: \{'SLOW': \['raylet'\]\}; "
+                                           r"their logs are under /tmp/ray/session_x/logs"):
+        add_sim_nodes(Cluster(), {"FAST": 1, "SLOW": 1})
+
+
 def test_an_app_whose_replica_cannot_be_placed_fails_at_its_deadline_instead_of_hanging(fleet):
     """What a fake node's raylet exiting at start did once (the suite hung): here no node has the resource."""
     from ray import serve
 
     started = time.monotonic()
     try:
-        with pytest.raises(AssertionError, match=r"app 'unplaceable' not RUNNING after 3 s: DEPLOYING .*"
-                                                 r"Denoiser: (UPDATING|DEPLOYING)"):
+        with pytest.raises(AssertionError, match=r"timed out after 3 s waiting for app 'unplaceable' to be RUNNING: "
+                                                 r"DEPLOYING .*Denoiser: (UPDATING|DEPLOYING)"):
             run_app(sim_app(COST, RoutingMode.PREDICTED, 1, PERIOD_S, resource="no-node-has-this"), "unplaceable",
                     timeout_s=3)
     finally:

@@ -91,6 +91,24 @@ def test_the_fused_widen_streams_bitwise_the_fake_quantized_plain_model(case, re
         assert streamer.ring.widen_mode is streamer.resident.widen_mode is WidenMode.FUSED
 
 
+def test_switching_to_the_fused_widen_rebinds_the_places_the_ring_already_made(remove_after, monkeypatch):
+    """Block compile switches a streamer that already ran: its ring's places, bound eager, are made again."""
+    from offload_core import fp8_widen
+
+    inputs = WAN.inputs()
+    expected = _reference(WAN, inputs)
+    model = WAN.build()
+    streamer = remove_after(apply_layer_streaming(model, "cpu", _fp8_config(model, HostingTier.PINNED)))
+    assert torch.equal(WAN.run(model, inputs), expected)  # the places are made, bound eager
+    streamer.finish_use()
+    kernel, calls = fp8_widen._fused_kernel(), []
+    monkeypatch.setattr(fp8_widen, "_fused_kernel", lambda: lambda *args: (calls.append(1), kernel(*args)))
+    streamer.set_widen(WidenMode.FUSED)
+    assert torch.equal(WAN.run(model, inputs), expected)
+    streamer.finish_use()
+    assert len(calls) >= len(streamer.layers), "every streamed layer's copy widened fused"
+
+
 def test_fused_widen_where_it_cannot_compile_stays_eager_and_says_why(remove_after, monkeypatch, caplog):
     from offload_core import fp8_widen
 
