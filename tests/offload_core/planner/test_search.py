@@ -19,7 +19,7 @@ from offload_core.planner.search import (
     plan_pipeline,
 )
 from offload_core.planner.strategy import Strategy
-from offload_core.residency.lifecycle import streaming_config
+from offload_core.residency.components import streaming_config
 from tests.offload_core.tiny_models import toy_layer
 
 DEVICES_GB = (12, 24, 48, 80, 141)

@@ -9,7 +9,7 @@ from offload_core.planner.facts import LinkFacts, PipelineFacts, Stage, profile_
 from offload_core.planner.search import ComponentOverride, PerformanceMode, plan_pipeline
 from offload_core.planner.staging_ring import choose_staging
 from offload_core.planner.window import choose_window
-from offload_core.residency.lifecycle import streaming_config
+from offload_core.residency.components import streaming_config
 from tests.offload_core.planner.test_window import LAYERS, Stack
 
 # bench/sim_overlap.py's link: the host memcpy into staging (12 GB/s) is the copy's slow stage.

@@ -10,7 +10,7 @@ from offload_core.host.tier import HostingTier
 from offload_core.planner.facts import LinkFacts, PipelineFacts, Stage, profile_component
 from offload_core.planner.search import PerformanceMode, plan_pipeline
 from offload_core.quant import WeightFormat
-from offload_core.residency.lifecycle import streaming_config
+from offload_core.residency.components import streaming_config
 from offload_core.streaming import copier
 from offload_core.streaming.copier import FillSplitter, InlineCopier, ThreadCopier, split_pairs
 from offload_core.streaming.device import Device, DeviceCapacity
