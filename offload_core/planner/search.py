@@ -28,9 +28,9 @@ import itertools
 import logging
 from typing import Mapping, Sequence
 
-from offload_core.buffers import DEFAULT_STAGING_BUFFERS, staging_bytes
-from offload_core.host.pin_order import PinClaim, pin_order
-from offload_core.host.tier import STAGED_TIERS, HostingTier
+from offload_core.buffers import DEFAULT_STAGING_BUFFERS
+from offload_core.host.tier import HostingTier
+from offload_core.planner import host_tiers
 from offload_core.planner.cost_model import non_layer_device_bytes, predict
 from offload_core.planner.facts import ComponentProfile, PipelineFacts
 from offload_core.planner.pipeline_plan import (  # noqa: F401 (re-exported)
@@ -45,7 +45,6 @@ from offload_core.planner.search_bound import (
     component_bounds,
     fillable,
     pin_room,
-    suffix_staging,
 )
 from offload_core.planner.staging_ring import choose_staging
 from offload_core.planner.strategy import Strategy
@@ -82,54 +81,6 @@ def _options(profile: ComponentProfile, override: ComponentOverride) -> list[Com
 def _override(plan: ComponentPlan, o: ComponentOverride) -> ComponentPlan:
     fields = {k: v for k, v in dataclasses.asdict(o).items() if v is not None and k != "hosting"}
     return dataclasses.replace(plan, **fields)
-
-
-def _assign_hosting(facts: PipelineFacts, plans: dict[str, ComponentPlan],
-                    overrides: Mapping[str, ComponentOverride], cache: dict | None = None) -> dict[str, ComponentPlan]:
-    """Tiers per layer: pins along the pin order (``host.pin_order``, as the host plan leases them) up to the lease.
-
-    A layer is pinned only if the lease also holds the staging buffers the layers after it would
-    need if none of them were pinned; what a component stages is taken from the lease at its end.
-    The tiers depend only on which components stream and how many layers each keeps resident, so
-    within one search (``cache``) they are worked out once per such combination.
-    """
-    key = ("hosting", tuple((n, p.strategy is Strategy.LAYERWISE, p.resident_layers) for n, p in plans.items()))
-    if cache is not None and key in cache:
-        return {n: dataclasses.replace(p, hosting=cache[key][n]) if n in cache[key] else p for n, p in plans.items()}
-    out = _tiers_along_pin_order(facts, plans, overrides)
-    if cache is not None:
-        cache[key] = {n: p.hosting for n, p in out.items() if p.hosting}
-    return out
-
-
-def _tiers_along_pin_order(facts: PipelineFacts, plans: dict[str, ComponentPlan],
-                           overrides: Mapping[str, ComponentOverride]) -> dict[str, ComponentPlan]:
-    claims = []
-    for profile in facts.components:
-        if plans[profile.name].strategy is Strategy.LAYERWISE:
-            r = min(plans[profile.name].resident_layers, len(profile.layers))
-            claims.append(PinClaim(profile.name, profile.uses_per_request,
-                                   tuple((l.key, l.host_bytes) for l in profile.layers[r:]),
-                                   tuple((l.key, l.host_bytes) for l in profile.layers[:r])))
-    left, pin_open, out = facts.host_lease_bytes, True, dict(plans)
-    for claim in pin_order(claims):
-        plan, profile = plans[claim.component], facts.component(claim.component)
-        forced = overrides.get(claim.component, ComponentOverride()).hosting
-        tiers = {}
-        layouts = {l.key: l.layout.host_flat_bytes for l in profile.layers}
-        keys = [key for key, _ in claim.layers]
-        after = suffix_staging(tuple(layouts[key] for key in keys))
-        for index, (key, nbytes) in enumerate(claim.layers):
-            if forced is not None:
-                tiers[key] = forced
-            elif pin_open and nbytes + after[index + 1] <= left:
-                tiers[key], left = HostingTier.PINNED, left - nbytes
-            else:
-                pin_open = False  # a priority order: later layers do not jump ahead of a missed one
-                tiers[key] = HostingTier.PAGEABLE
-        left -= staging_bytes(layouts[key] for key in keys if tiers[key] in STAGED_TIERS)
-        out[claim.component] = dataclasses.replace(plan, hosting=tuple((l.key, tiers[l.key]) for l in profile.layers))
-    return out
 
 
 def _predict(profile, plan, link, parked: bool, cache: dict | None):
@@ -187,24 +138,11 @@ def _predict_all(facts: PipelineFacts, plans: dict[str, ComponentPlan], cache: d
     return done
 
 
-def _pinned_bytes(profile: ComponentProfile, hosting, cache: dict | None) -> int:
-    """Host bytes of the component's PINNED layers, memoized per hosting within one search (a search
-    re-evaluates the same tiers tens of thousands of times: 2.9 M layer visits planning SD3.5-Large)."""
-    key = ("pinned", profile.name, hosting)
-    if cache is not None and key in cache:
-        return cache[key]
-    tiers = dict(hosting)
-    nbytes = sum(layer.host_bytes for layer in profile.layers if tiers.get(layer.key) is HostingTier.PINNED)
-    if cache is not None:
-        cache[key] = nbytes
-    return nbytes
-
-
 def _evaluate(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str, ComponentPlan],
               overrides: Mapping[str, ComponentOverride], budget: int, cache: dict | None = None,
               assign_hosting: bool = True) -> PipelinePlan:
     if assign_hosting:
-        plans = _assign_hosting(facts, plans, overrides, cache)
+        plans = host_tiers.assign_hosting(facts, plans, overrides, cache)
     done = _predict_all(facts, plans, cache)
     peak, peak_stage = -1, ""
     for stage in facts.stages:
@@ -212,7 +150,7 @@ def _evaluate(facts: PipelineFacts, mode: PerformanceMode, plans: dict[str, Comp
                      for n in done)
         if bytes_ > peak:
             peak, peak_stage = bytes_, stage.name
-    pinned = sum(_pinned_bytes(facts.component(n), c.hosting, cache) for n, c in done.items())
+    pinned = sum(host_tiers.pinned_bytes(facts.component(n), c.hosting, cache) for n, c in done.items())
     preds = [c.prediction for c in done.values()]
     staging = sum(p.staging_bytes for p in preds)
     return PipelinePlan(

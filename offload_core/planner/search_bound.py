@@ -21,15 +21,15 @@ plan at all. Run in the planning process (the CLI, a replica's start); pure arit
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from offload_core.buffers import DEFAULT_STAGING_BUFFERS, landing_bytes, slot_count, staging_bytes
+from offload_core.buffers import landing_bytes, slot_count
 from offload_core.host.tier import HostingTier
 from offload_core.planner.cost_model import non_layer_device_bytes, predict, slot_region_bytes
 from offload_core.planner.facts import ComponentProfile, LinkFacts, PipelineFacts
+from offload_core.planner.host_tiers import suffix_staging
 from offload_core.planner.pipeline_plan import ComponentOverride, ComponentPlan
 from offload_core.planner.strategy import Strategy
 
@@ -64,28 +64,14 @@ def fillable(profile: ComponentProfile, overrides: Mapping[str, ComponentOverrid
 
 def pin_room(facts: PipelineFacts, profile: ComponentProfile, overrides: Mapping[str, ComponentOverride]) -> int | None:
     """The most host bytes the component's layers can be pinned in: the lease, unless its tiers are
-    pinned by hand (``search._tiers_along_pin_order`` pins within the lease only what it chooses)."""
+    pinned by hand (``host_tiers.tiers_along_pin_order`` pins within the lease only what it chooses)."""
     return None if overrides.get(profile.name, ComponentOverride()).hosting is not None else facts.host_lease_bytes
-
-
-@functools.lru_cache(maxsize=1024)  # one entry per (component, resident count): the search asks again and again
-def suffix_staging(layouts: tuple) -> list[int]:
-    """``[i]``: the staging bytes of layers ``i..`` (``buffers.staging_bytes``), for every i; ``[n]`` is 0."""
-    out, largest = [0] * (len(layouts) + 1), {}
-    for i in range(len(layouts) - 1, -1, -1):
-        for dtype, nbytes in layouts[i]:
-            largest[dtype] = max(largest.get(dtype, 0), nbytes)
-        # the suffix's per-dtype largest stands for each of its layers: same buffers, same bytes; more
-        # copies than buffers change nothing, so at most that many are passed (O(n), not O(n^2): 40
-        # layers x 128 strategy combinations made this a third of planning Wan2.1-14B)
-        out[i] = staging_bytes([tuple(largest.items())] * min(len(layouts) - i, DEFAULT_STAGING_BUFFERS))
-    return out
 
 
 def _least_staged(layers, r: int, pin_room: int) -> int:
     """The fewest streamed host bytes left staged with ``r`` layers resident: pins go along the
     component's claim (streamed layers, then resident ones) while each pin and the staging the
-    layers after it would need fit the lease (``search._tiers_along_pin_order``; what other
+    layers after it would need fit the lease (``host_tiers.tiers_along_pin_order``; what other
     components took first only leaves less), and stop at the first that does not."""
     claim = (*layers[r:], *layers[:r])
     after = suffix_staging(tuple(layer.layout.host_flat_bytes for layer in claim))
