@@ -1,0 +1,27 @@
+"""bench/hook_cost.py subtracts every host copy the hooks issue from the hook time it reports."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import hook_cost
+from tests.offload_core.residency.test_lifecycle import STAGES, Toy
+
+
+def toy_case():
+    components = {"a": Toy(0), "b": Toy(1)}
+    x = torch.randn(2, 16)
+    return components, STAGES, lambda: components["b"](components["a"](x))
+
+
+def test_every_copied_byte_is_timed_as_a_copy_not_as_hook_time():
+    cost = hook_cost.measure_case("toy", *toy_case(), requests=2)
+    assert cost.layer_forwards == 8 and cost.copy_us_per_layer > 0
+
+
+def test_a_copy_path_the_timer_does_not_wrap_fails_the_bench(monkeypatch):
+    # As the ring copied from 1811ccd on, while the bench wrapped copy_to only: the copies went
+    # through copy_host_bytes on the class, unseen, and counted as hook time.
+    monkeypatch.setattr(hook_cost._HookClock, "_timed_copy", lambda self, copy: copy)  # installs no timer
+    with pytest.raises(RuntimeError, match="copy timer saw 0 B of the"):
+        hook_cost.measure_case("toy", *toy_case(), requests=1)
