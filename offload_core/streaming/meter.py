@@ -9,7 +9,9 @@ Why not walk: walking every parameter costs ~1 us each; at each layer hook of Wa
 blocks x 1,095 parameters that was 346 us per layer (13 ms per forward) for the meter alone.
 
 :meth:`DeviceWeightMeter.walk` is that walk, kept as the audit: tests assert the incremental count
-equals it after every hook of every tiny model, tier and mode.
+equals it after every hook of every tiny model, tier and mode. A layer the ring released with its
+views kept (``StreamedLayer.release(keep_views=True)``: they still point into the window until the
+use ends) counts nothing, in the count as in the walk.
 """
 from __future__ import annotations
 
@@ -73,6 +75,8 @@ class DeviceWeightMeter:
         self._unowned = 0  # bytes held by no bound owner: the walk at the last rebase, plus moves
         self._owners: dict[Hashable, int] = {}  # owner -> data_ptr of the storage it is bound to
         self._storages: dict[int, list[int]] = {}  # data_ptr -> [storage bytes, owners bound to it]
+        # Owners released with their views kept -> those parameters (the walk passes over them).
+        self._kept: dict[Hashable, tuple[torch.Tensor, ...]] = {}
         self._current = 0
         self._peak = 0
         self._totals: tuple[WeightTotal, ...] = ()
@@ -109,6 +113,8 @@ class DeviceWeightMeter:
     def bind_storage(self, owner: Hashable, key: int, nbytes: int) -> None:
         """``owner``'s parameters now view one allocation of ``nbytes``, known as ``key`` to every bind
         into it (the engine's window: the key of its tensor, given at each bind without a look at the views)."""
+        if self._kept:
+            self._kept.pop(owner, None)
         if owner in self._owners:
             self.release(owner)
         held = self._storages.get(key)
@@ -119,8 +125,11 @@ class DeviceWeightMeter:
             held[1] += 1
         self._owners[owner] = key
 
-    def release(self, owner: Hashable) -> None:
-        """``owner``'s parameters point at placeholders again (a no-op if it was not bound)."""
+    def release(self, owner: Hashable, kept: tuple[torch.Tensor, ...] = ()) -> None:
+        """``owner``'s parameters point at placeholders again (a no-op if it was not bound); or, with
+        ``kept`` (those parameters), still at their views, which count nothing until :meth:`views_dropped`."""
+        if kept:
+            self._kept[owner] = kept
         key = self._owners.pop(owner, None)
         if key is None:
             return
@@ -129,6 +138,10 @@ class DeviceWeightMeter:
         if held[1] == 0:
             del self._storages[key]
             self._change(-held[0])
+
+    def views_dropped(self, owner: Hashable) -> None:
+        """``owner``'s kept views were pointed back at placeholders."""
+        self._kept.pop(owner, None)
 
     def moved(self, nbytes: int) -> None:
         """``nbytes`` of unbound weights came onto (> 0) or left (< 0) the device (parking)."""
@@ -173,8 +186,10 @@ class DeviceWeightMeter:
         self._peak = self._current
 
     def walk(self) -> int:
-        """The audit: what a walk over every parameter finds on the device now (~1 us per parameter)."""
-        return walked_device_bytes(self._params, self._device)
+        """The audit: what a walk over every parameter finds on the device now (~1 us per parameter),
+        but for those of layers released with their views kept."""
+        kept = {id(p) for params in self._kept.values() for p in params}
+        return walked_device_bytes([p for p in self._params if id(p) not in kept], self._device)
 
     def close(self) -> None:
         """Stop counting in the device's headroom (the streamer is removed)."""

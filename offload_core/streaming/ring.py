@@ -52,7 +52,9 @@ class RingLayer(Protocol):
 
     def bind(self, views: tuple[torch.Tensor, ...], storage: tuple[int, int] | None = None) -> None: ...
 
-    def release(self) -> None: ...
+    def release(self, keep_views: bool = False) -> None: ...
+
+    def drop_views(self) -> None: ...
 
 
 class _Place(NamedTuple):
@@ -282,13 +284,19 @@ class PrefetchRing:
         """After streamed layer ``position``'s kernels were launched: free its place, prefetch the next
         (not when the rest of the use is skipped: ``restart`` fetches the next use's layers instead)."""
         if position in self._in_flight:
-            self._release(position)
+            # Its views stay on its parameters (release_all points them back when the use ends):
+            # bound again at this place, the layer finds them there (streaming.unit).
+            self._release(position, keep_views=True)
         if prefetch and self._allocated and self._next[position] >= 0:
             self.prefetch(self._next[position])
 
     def release_all(self) -> None:
+        """The use ended: every layer released, and every parameter pointed back at its placeholder
+        (layers released at their exit kept their views into the window until now)."""
         for position in list(self._in_flight):
             self._release(position)
+        for layer in self._layers:
+            layer.drop_views()
 
     def _issue(self, position: int, start: int | None = None) -> None:
         """Copy streamed layer ``position`` into the window at ``start`` (where it fits now) and bind it."""
@@ -363,7 +371,11 @@ class PrefetchRing:
         # storage across deallocate/allocate alike); a staged layer is filled through staging instead.
         staged = self._staging is not None and self._staging.stages(layer)
         pairs = None if staged else tuple(layer.host.fill_pairs(carved))
-        place = self._places[(position, start, landing)] = _Place(carved, layer.views(carved), start + own.nbytes,
+        # The parameters view the slot, never a landing buffer: one views object per (layer, start),
+        # so an FP8 layer landing in the other buffer finds its parameters already pointed (unit.bind).
+        twins = [self._places.get((position, start, other)) for other in range(len(self._landings))]
+        views = next((twin.views for twin in twins if twin is not None), None) or layer.views(carved)
+        place = self._places[(position, start, landing)] = _Place(carved, views, start + own.nbytes,
                                                                  pairs, layer.host.bind_widen(carved, self.widen_mode))
         return place
 
@@ -373,13 +385,13 @@ class PrefetchRing:
             self.widen_mode = mode
             self._places.clear()
 
-    def _release(self, position: int) -> None:
+    def _release(self, position: int, keep_views: bool = False) -> None:
         unwaited = self._in_flight.pop(position)
         if unwaited is not None and self.landing is not None and self._layers[position].layout.quantized:
             # Released before it ran (a restart, an out-of-order entry): no compute waited for its
             # widen, so the compute event below does not cover it; the next copy into these bytes must.
             self._device.copy_waits(unwaited)
-        self._layers[position].release()
+        self._layers[position].release(keep_views)
         start, end = self._placer.free(position)
         event = self._device.record_compute()
         if event is not None:  # None: the device runs in order (CPU), no reader to wait for

@@ -20,13 +20,14 @@ class TinyCase:
     run: Callable[[nn.Module, dict], torch.Tensor]
 
 
-def _wan() -> nn.Module:
+def wan_transformer(num_layers: int = 4) -> nn.Module:
+    """The tiny Wan transformer (WAN's model), with ``num_layers`` blocks."""
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
     return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
                                  in_channels=4, out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32,
-                                 num_layers=4, rope_max_seq_len=32).eval()
+                                 num_layers=num_layers, rope_max_seq_len=32).eval()
 
 
 def _wan_inputs() -> dict:
@@ -112,7 +113,7 @@ def _decode(model: nn.Module, inputs: dict) -> torch.Tensor:
         return model.decode(inputs["z"], return_dict=False)[0]
 
 
-WAN = TinyCase("wan_transformer", _wan, _wan_inputs, _forward_sample)
+WAN = TinyCase("wan_transformer", wan_transformer, _wan_inputs, _forward_sample)
 FLUX = TinyCase("flux_transformer", _flux, _flux_inputs, _forward_sample)
 UMT5 = TinyCase("umt5_encoder", _umt5, _umt5_inputs, _encode)
 # T5 computes its relative position bias in block 0 only and passes it on: streaming must not care.
