@@ -8,7 +8,9 @@ timed on their own and subtracted (on a GPU they are asynchronous DMA, not host 
 
 Cases: the tiny zoo pipelines (Wan, Flux: every component streamed, as memory mode plans them) and
 Wan2.1-14B's real transformer structure (40 blocks, 1,095 parameters) at a tiny width, since the
-bookkeeping's cost depends on the parameter count, not on the bytes. The walk the meter and the
+bookkeeping's cost depends on the parameter count, not on the bytes: one forward per request, and
+``-denoise``, four forwards in one use as a Denoiser runs its steps (planned for four uses, so the
+ring wraps; a layer bound again at its place points no parameter, ``streaming.unit``). The walk the meter and the
 sampler used to do at every hook is timed beside it (``walk_us_per_hook``), for comparison.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/hook_cost.py --quick
@@ -110,9 +112,10 @@ class _HookClock:
 
 
 def measure_case(name: str, components: dict[str, nn.Module], stages, call: Callable[[], object],
-                 requests: int, device: str = "cpu") -> HookCost:
-    """Stream every component as memory mode plans it, run ``requests`` requests, time the hooks."""
-    profiles = tuple(profile_component(n, m, uses_per_request=1) for n, m in components.items())
+                 requests: int, device: str = "cpu", uses: int = 1) -> HookCost:
+    """Stream every component as memory mode plans it for ``uses`` uses per request, run ``requests``
+    requests, time the hooks."""
+    profiles = tuple(profile_component(n, m, uses_per_request=uses) for n, m in components.items())
     facts = PipelineFacts(profiles, stages, 1 << 40, LINK, 1 << 34, device_name=device)
     res = PipelineResidency.apply(components, plan_pipeline(facts, PerformanceMode.MEMORY), device)
     streamers = [c.streamer for c in res.components.values() if c.streamer is not None]
@@ -228,22 +231,31 @@ def tiny_flux():
 
 
 CASES = {"tiny-wan": tiny_wan, "tiny-flux": tiny_flux, "wan2.1-14b-structure": wan14b_structure}
+DENOISE_STEPS = 4  # the -denoise case's forwards per use
+
+
+def wan14b_denoise(device: str = "cpu"):
+    """The 14B structure's forward :data:`DENOISE_STEPS` times in one use (a Denoiser's steps)."""
+    components, stages, forward = wan14b_structure(device)
+    return components, stages, lambda: [forward() for _ in range(DENOISE_STEPS)]
 
 
 def measure_all(requests: int, device: str = "cpu") -> list[HookCost]:
+    denoise = measure_case("wan2.1-14b-structure-denoise", *wan14b_denoise(device), requests, device,
+                           uses=DENOISE_STEPS)
     if device != "cpu":
         # On a GPU, the 14B structure only: the hooks' cost depends on the parameter count, and the
         # tiny pipelines' own device handling is not what is measured here.
-        return [measure_case("wan2.1-14b-structure", *wan14b_structure(device), requests, device)]
-    return [measure_case(name, *build(), requests) for name, build in CASES.items()]
+        return [measure_case("wan2.1-14b-structure", *wan14b_structure(device), requests, device), denoise]
+    return [*(measure_case(name, *build(), requests) for name, build in CASES.items()), denoise]
 
 
 def print_table(costs: list[HookCost]) -> dict:
     """Print one row per case; returns the JSON fields (per case and the max)."""
-    print(f"{'case':22} {'layers':>6} {'params':>6} {'fwd/req':>7} {'hook us/layer':>13} {'(median)':>8} "
+    print(f"{'case':28} {'layers':>6} {'params':>6} {'fwd/req':>7} {'hook us/layer':>13} {'(median)':>8} "
           f"{'hooks alone':>11} {'copy us/layer':>13} {'walk us/hook (before)':>21}")
     for c in costs:
-        print(f"{c.case:22} {c.layers:>6} {c.parameters:>6} {c.layer_forwards:>7} {c.hook_us_per_layer:>13.1f} "
+        print(f"{c.case:28} {c.layers:>6} {c.parameters:>6} {c.layer_forwards:>7} {c.hook_us_per_layer:>13.1f} "
               f"{c.hook_us_per_layer_median:>8.1f} {c.hooks_alone_us_per_layer:>11.1f} {c.copy_us_per_layer:>13.1f} "
               f"{c.walk_us_per_hook:>21.1f}")
     worst = max(c.hook_us_per_layer for c in costs)
