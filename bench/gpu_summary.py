@@ -10,7 +10,8 @@ present in every run; a figure the run could not measure (CPU mode, a skipped pa
   ``fp8_fused_over_bf16_compute_bound`` the same with the fused, compiled widen (``WidenMode.FUSED``);
 - ``pinned_over_bound_1frame``: the pinned step at 1 frame (median of its steps) over
   max(resident step, bytes / pinned rate) (target 1.15);
-- ``hook_us_per_layer``: bench/hook_cost.py's worst case (target 60);
+- ``hook_us_per_layer``: bench/hook_cost.py's worst case (target 60), beside ``hook_us_per_layer_denoise``,
+  its case of four forwards per use (a Denoiser's steps: parameters pointed once per use);
 - ``activation_error_min``, ``activation_error_max``: bench/gpu_activations.py's held-out errors
   (target -5 % ... +30 %);
 - ``cuda_tests_failed``: the CUDA-only tests that failed (target 0);
@@ -58,6 +59,7 @@ def summary(link: dict, compute_bound: dict | None, one_frame: dict | None, hook
         "fp8_fused_over_bf16_compute_bound": _ratio(_step(compute_bound, "layerwise_fp8_fused"), pinned),
         "pinned_over_bound_1frame": _ratio(pinned_1f, bound_1f),
         "hook_us_per_layer": hooks.get("hook_us_per_layer_max"),
+        "hook_us_per_layer_denoise": hooks.get("hook_us_per_layer", {}).get("wan2.1-14b-structure-denoise"),
         "activation_error_min": min(errors) if errors else None,
         "activation_error_max": max(errors) if errors else None,
         "cuda_tests_failed": cuda_tests_failed(tests),

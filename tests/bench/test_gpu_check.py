@@ -66,12 +66,15 @@ def test_the_summary_reads_failed_cuda_tests_from_pytest_and_ratios_from_the_row
     rows = {"layerwise": {"step_s": 0.1, "median_step_s": 0.1, "bound_s": 0.08},
             "layerwise_pageable": {"step_s": 0.12}, "layerwise_fp8": {"step_s": 0.1, "median_step_s": 0.06}}
     figures = summary({"staged_GBps": 20.0, "memcpy_GBps": 28.0}, {"rows": rows}, {"rows": rows},
-                      {"hook_us_per_layer_max": 50.0}, {"rows": [{"error": -0.02}, {"error": 0.2}]},
+                      {"hook_us_per_layer_max": 50.0,
+                       "hook_us_per_layer": {"wan2.1-14b-structure": 50.0, "wan2.1-14b-structure-denoise": 30.0}},
+                      {"rows": [{"error": -0.02}, {"error": 0.2}]},
                       {"returncode": 0, "summary": "44 passed"})
     assert figures["pageable_over_pinned"] == 1.2 and figures["fp8_over_bf16_1frame"] == 0.6
     assert figures["pinned_over_bound_1frame"] == 1.25 and figures["mapped_over_pinned"] is None
     assert (figures["activation_error_min"], figures["activation_error_max"]) == (-0.02, 0.2)
-    assert figures["hook_us_per_layer"] == 50.0 and figures["staged_GBps_omp1"] == 20.0
+    assert figures["hook_us_per_layer"] == 50.0 and figures["hook_us_per_layer_denoise"] == 30.0
+    assert figures["staged_GBps_omp1"] == 20.0
 
 
 def test_a_sub_bench_gets_what_the_run_budget_leaves_and_is_not_started_when_it_is_spent():
