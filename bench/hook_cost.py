@@ -21,6 +21,8 @@ listed in its ``failed`` (``bench/checks.py``).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -48,6 +50,15 @@ HOOK_US_TARGET = 50.0  # per streamed layer, on every case: no growth with the p
 
 
 @dataclass(frozen=True)
+class ProfileLine:
+    """One function's own time inside the hooks (cProfile, one request), per layer forward."""
+
+    function: str  # "ring.py:_issue", or a builtin: "<method 'record' of '_CudaEventBase' objects>"
+    calls_per_layer: float
+    own_us_per_layer: float  # cProfile's tottime: inflated by its own ~0.3 us per call, so shares count
+
+
+@dataclass(frozen=True)
 class HookCost:
     """What one case measured."""
 
@@ -62,6 +73,7 @@ class HookCost:
     hooks_alone_us_per_layer: float  # the two hooks back to back, no compute between (warm caches)
     copy_us_per_layer: float  # the host copies inside the hooks, subtracted above
     walk_us_per_hook: float  # one walk over every component's parameters (what each hook used to pay, x2)
+    profile: tuple[ProfileLine, ...] = ()  # what the launch thread does inside the hooks, one profiled request
 
 
 class _HookClock:
@@ -73,11 +85,16 @@ class _HookClock:
         self.copied_bytes = 0  # what the timed copies returned: checked against the streamers' count
         self.forwards = 0
         self._start = 0
+        self.profiler: cProfile.Profile | None = None  # set: every hook window is profiled too
 
     def begin(self, *_args) -> None:
         self._start = time.thread_time_ns()
+        if self.profiler is not None:
+            self.profiler.enable()
 
     def end(self, *_args) -> None:
+        if self.profiler is not None:
+            self.profiler.disable()
         self.hook_ns += time.thread_time_ns() - self._start
 
     def end_pre(self, *_args) -> None:
@@ -135,6 +152,7 @@ def measure_case(name: str, components: dict[str, nn.Module], stages, call: Call
                     per_layer.append((clock.hook_ns - clock.copy_ns) / clock.forwards / 1e3)
                     copies.append(clock.copy_ns / clock.forwards / 1e3)
         forwards = clock.forwards
+        profile = _profiled_request(res, clock, call, streamers)
         hot = _hooks_alone(res, streamers, clock)
         start = time.thread_time_ns()
         for c in res.components.values():
@@ -144,7 +162,31 @@ def measure_case(name: str, components: dict[str, nn.Module], stages, call: Call
         res.remove()
     return HookCost(name, sum(len(s.layers) for s in streamers),
                     sum(len(list(m.parameters())) for m in components.values()), forwards,
-                    min(per_layer), statistics.median(per_layer), hot, statistics.median(copies), walk_us)
+                    min(per_layer), statistics.median(per_layer), hot, statistics.median(copies), walk_us, profile)
+
+
+def _profiled_request(res: PipelineResidency, clock: _HookClock, call: Callable[[], object], streamers,
+                      top: int = 12) -> tuple[ProfileLine, ...]:
+    """One more request with cProfile on inside every hook window: the functions with the most own
+    time per layer forward (the timed figures come from the unprofiled requests)."""
+    clock.reset()
+    clock.profiler = cProfile.Profile()
+    try:
+        with torch.no_grad(), res.following_calls():
+            call()
+        check_copies_timed(clock, streamers)
+        res.finish_request()
+    finally:
+        profiler, clock.profiler = clock.profiler, None
+    forwards = max(1, clock.forwards)
+    rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: -item[1][2])[:top]
+    return tuple(ProfileLine(_label(key), round(calls / forwards, 2), round(own_s / forwards * 1e6, 2))
+                 for key, (_, calls, own_s, _, _) in rows)
+
+
+def _label(key: tuple[str, int, str]) -> str:
+    file, _, function = key
+    return function if file == "~" else f"{Path(file).name}:{function}"
 
 
 def check_copies_timed(clock: _HookClock, streamers) -> None:
@@ -258,12 +300,18 @@ def print_table(costs: list[HookCost]) -> dict:
         print(f"{c.case:28} {c.layers:>6} {c.parameters:>6} {c.layer_forwards:>7} {c.hook_us_per_layer:>13.1f} "
               f"{c.hook_us_per_layer_median:>8.1f} {c.hooks_alone_us_per_layer:>11.1f} {c.copy_us_per_layer:>13.1f} "
               f"{c.walk_us_per_hook:>21.1f}")
+    for c in costs:
+        print(f"{c.case}: own time inside the hooks per layer forward, one profiled request (cProfile adds ~0.3 us a call)")
+        for line in c.profile:
+            print(f"  {line.own_us_per_layer:7.2f} us {line.calls_per_layer:6.2f} calls  {line.function}")
     worst = max(c.hook_us_per_layer for c in costs)
     print(f"hook_us_per_layer_max = {worst:.1f} us (target <= {HOOK_US_TARGET:g}, the same on every case: no growth with parameters)")
     return {"hook_us_per_layer": {c.case: round(c.hook_us_per_layer, 2) for c in costs},
             "hook_us_per_layer_median": {c.case: round(c.hook_us_per_layer_median, 2) for c in costs},
             "hooks_alone_us_per_layer": {c.case: round(c.hooks_alone_us_per_layer, 2) for c in costs},
             "walk_us_per_hook": {c.case: round(c.walk_us_per_hook, 2) for c in costs},
+            "profile": {c.case: [[line.function, line.calls_per_layer, line.own_us_per_layer] for line in c.profile]
+                        for c in costs},
             "hook_us_per_layer_max": round(worst, 2)}
 
 
