@@ -25,3 +25,13 @@ def test_a_copy_path_the_timer_does_not_wrap_fails_the_bench(monkeypatch):
     monkeypatch.setattr(hook_cost._HookClock, "_timed_copy", lambda self, copy: copy)  # installs no timer
     with pytest.raises(RuntimeError, match="copy timer saw 0 B of the"):
         hook_cost.measure_case("toy", *toy_case(), requests=1)
+
+
+def test_the_profile_lists_the_hooks_own_work_and_none_of_the_layers_compute():
+    # cProfile runs inside the hook windows only: the layers' own forwards (nn.Linear's) run
+    # between a pre-hook and its post-hook, outside, and must not be charged to the hooks.
+    cost = hook_cost.measure_case("toy", *toy_case(), requests=1)
+    functions = {line.function for line in cost.profile}
+    assert any(name.startswith(("ring.py:", "engine.py:", "unit.py:")) for name in functions), functions
+    assert not any("linear" in name.lower() or "forward" in name for name in functions), functions
+    assert all(line.calls_per_layer > 0 and line.own_us_per_layer >= 0 for line in cost.profile)
