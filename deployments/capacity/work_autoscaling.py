@@ -14,6 +14,10 @@ the router's finish model), and the policy asks for ``work / target_work_s`` rep
   ongoing requests / ``target_ongoing_requests``, said in the log line;
 - clamped to the deployment's min/max (Serve's capacity-adjusted bounds), as Serve's rule is.
 
+A replica's stats are fresh until max(3 metrics intervals, 10 s) pass without a report, as Serve
+counts a handle's; its last report is kept in the policy's state, so it still counts between two
+reports further apart than the look-back window that Serve keeps its series over.
+
 Serve's wrapper then applies its delays and up/down scaling factors, as for its own policy.
 Which replica a scale-down removes is not the policy's to say in Ray 2.60: the policy returns a
 count, and Serve's scheduler picks (replicas not yet running, then off the head node, on nodes with
@@ -48,9 +52,18 @@ POLICY_PATH = "deployments.capacity.work_autoscaling:WorkPolicy"
 # 30 s of queued work per replica: a 28-step 1024x1024 FLUX image on an L40S (~0.5 s a step) is
 # ~14 s, so a replica holding two and a half of them asks for another; the 4-step ones barely count.
 DEFAULT_TARGET_WORK_S = 30.0
-# Stats older than this many metrics intervals are stale (a hung replica stops answering its
-# record_autoscaling_stats; Serve drops the point after 10 s and its series stops growing).
+# Stats older than this many metrics intervals, and than STALE_FLOOR_S, are stale (a hung replica stops
+# answering its record_autoscaling_stats and its series stops growing).
 STALE_INTERVALS = 3.0
+# Serve's own floor for a handle's metrics (RAY_SERVE_MIN_HANDLE_METRICS_TIMEOUT_S, Ray 2.60): a report
+# counts until max(2 intervals, 10 s) pass without one. Serve delivers a replica's points when its
+# controller gets to them: at metrics_interval_s 0.2 s on the CI VM, a busy replica's came 1.35 s apart
+# (0.67-1.01 s old at a tick), so 3 intervals (0.6 s) called a healthy replica stale every other tick
+# and the count flapped 1 -> 2 -> 1, stopping each new replica while it started.
+STALE_FLOOR_S = 10.0
+# policy_state key: each running replica's last report (Serve keeps a series only over look_back_period_s,
+# so between two reports further apart than that a replica has none, while its last one is still fresh).
+LAST_REPORTS = "work_policy.last_reports"
 
 
 def autoscaling_stats(load: ReplicaLoad, last_request_s: float | None = None) -> dict[str, float]:
@@ -152,19 +165,50 @@ def _last_timestamp(series: Any) -> float | None:
     return max(times) if times else None
 
 
-def fleet_work(ctx: Any, stale_after_s: float) -> FleetWork:
-    """Read one tick's :class:`FleetWork` from Serve's ``AutoscalingContext`` (by its public attributes)."""
+@dataclass(frozen=True)
+class Report:
+    """A replica's stats as the controller last received them (kept across ticks in ``policy_state``)."""
+
+    seen: float  # the newest point's time
+    work_s: float | None
+    requests: float
+    request_s: float | None
+
+
+def last_reports(ctx: Any) -> dict[str, Report]:
+    """Each running replica's newest report: this tick's series where it has one, else the one kept
+    from an earlier tick (its series emptied between two reports)."""
     aggregated: Mapping[str, Mapping[Hashable, float]] = ctx.aggregated_metrics or {}
     raw: Mapping[str, Mapping[Hashable, Any]] = ctx.raw_metrics or {}
+    kept = (ctx.policy_state or {}).get(LAST_REPORTS, {})
+    reports = {}
+    for replica in ctx.running_replicas:
+        name = str(getattr(replica, "unique_id", replica))
+        times = [_last_timestamp(raw.get(key, {}).get(replica)) for key in (WORK_S, REQUESTS)]
+        seen = max((t for t in times if t is not None), default=None)
+        if seen is not None:  # no WORK_S: it measured no step yet (its requests count at the fleet's mean)
+            work = aggregated.get(WORK_S, {}).get(replica) if times[0] is not None else None
+            reports[name] = Report(seen, work,
+                                   float(aggregated.get(REQUESTS, {}).get(replica, 0.0)),
+                                   aggregated.get(REQUEST_S, {}).get(replica))
+        elif name in kept:
+            reports[name] = Report(*kept[name])
+    return reports
+
+
+def fleet_work(ctx: Any, stale_after_s: float, reports: Mapping[str, Report] | None = None) -> FleetWork:
+    """Read one tick's :class:`FleetWork` from Serve's ``AutoscalingContext`` (by its public attributes)
+    and the replicas' last ``reports`` (:func:`last_reports` when None)."""
+    reports = last_reports(ctx) if reports is None else reports
     replicas = []
     for replica in ctx.running_replicas:
-        work = aggregated.get(WORK_S, {}).get(replica)
-        seen = _last_timestamp(raw.get(WORK_S, {}).get(replica))
-        if seen is None or ctx.current_time - seen > stale_after_s:
-            work = None
-        replicas.append(ReplicaWork(str(getattr(replica, "unique_id", replica)), work,
-                                    float(aggregated.get(REQUESTS, {}).get(replica, 0.0)),
-                                    aggregated.get(REQUEST_S, {}).get(replica)))
+        name = str(getattr(replica, "unique_id", replica))
+        report = reports.get(name)
+        if report is None:
+            replicas.append(ReplicaWork(name, None, 0.0, None))
+            continue
+        fresh = ctx.current_time - report.seen <= stale_after_s
+        replicas.append(ReplicaWork(name, report.work_s if fresh else None, report.requests, report.request_s))
     return FleetWork(tuple(replicas), float(ctx.total_num_requests), int(ctx.current_num_replicas),
                      int(ctx.capacity_adjusted_min_replicas), int(ctx.capacity_adjusted_max_replicas),
                      float(ctx.config.get_target_ongoing_requests()))
@@ -179,17 +223,20 @@ class WorkPolicy:
         if target_work_s <= 0:
             raise ValueError(f"target_work_s must be > 0 seconds, got {target_work_s}")
         self.target_work_s = float(target_work_s)
-        self.stale_after_s = stale_after_s  # None: STALE_INTERVALS x the deployment's metrics_interval_s
+        # None: max(STALE_INTERVALS x the deployment's metrics_interval_s, STALE_FLOOR_S)
+        self.stale_after_s = stale_after_s
 
     def __call__(self, ctx: Any) -> tuple[int, dict]:
         stale_after = self.stale_after_s
         if stale_after is None:
-            stale_after = STALE_INTERVALS * float(ctx.config.metrics_interval_s)
-        decision = decide(fleet_work(ctx, stale_after), self.target_work_s)
+            stale_after = max(STALE_INTERVALS * float(ctx.config.metrics_interval_s), STALE_FLOOR_S)
+        reports = last_reports(ctx)
+        decision = decide(fleet_work(ctx, stale_after, reports), self.target_work_s)
         said = (decision.replicas, decision.basis.value)
         if ctx.policy_state.get("work_policy.said") != list(said):
             logger.info("%s", decision.describe(ctx.deployment_name, ctx.current_num_replicas, self.target_work_s))
-        return decision.replicas, {"work_policy.said": list(said)}
+        kept = {name: [r.seen, r.work_s, r.requests, r.request_s] for name, r in reports.items()}
+        return decision.replicas, {"work_policy.said": list(said), LAST_REPORTS: kept}
 
 
 def _plain(config: Any) -> dict:

@@ -21,7 +21,7 @@ from deployments.capacity.work_autoscaling import (
 
 IMAGE = Shape(512, 512, 1)
 NOW = 1000.0
-METRICS_INTERVAL_S = 2.0  # stale after 3 intervals: 6 s
+METRICS_INTERVAL_S = 2.0  # stale after max(3 intervals, 10 s): 10 s
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,12 @@ def replica_load(step_s: float, queued: int, steps: int = 28, gpu: str = "L4") -
 
 def context(replicas: dict[str, dict[str, float]], *, total_requests: float | None = None,
             seen: dict[str, float] | None = None, min_replicas: int = 1, max_replicas: int = 10,
-            state: dict | None = None) -> AutoscalingContext:
-    """Serve's context for a tick at NOW: ``replicas`` id -> its stats; ``seen`` id -> when its stats
+            state: dict | None = None, metrics_interval_s: float = METRICS_INTERVAL_S,
+            target_ongoing_requests: float = 2, now: float = NOW) -> AutoscalingContext:
+    """Serve's context for a tick at ``now``: ``replicas`` id -> its stats; ``seen`` id -> when its stats
     were last recorded (default NOW); total requests default to those the replicas hold."""
-    config = AutoscalingConfig(min_replicas=min_replicas, max_replicas=max_replicas, target_ongoing_requests=2,
-                               metrics_interval_s=METRICS_INTERVAL_S)
+    config = AutoscalingConfig(min_replicas=min_replicas, max_replicas=max_replicas,
+                               target_ongoing_requests=target_ongoing_requests, metrics_interval_s=metrics_interval_s)
     seen = seen or {}
     aggregated, raw = {}, {}
     for replica, stats in replicas.items():
@@ -60,7 +61,7 @@ def context(replicas: dict[str, dict[str, float]], *, total_requests: float | No
         target_num_replicas=len(replicas), running_replicas=list(replicas), total_num_requests=total_requests,
         total_queued_requests=0.0, aggregated_metrics=aggregated, raw_metrics=raw,
         capacity_adjusted_min_replicas=min_replicas, capacity_adjusted_max_replicas=max_replicas,
-        policy_state=dict(state or {}), last_scale_up_time=None, last_scale_down_time=None, current_time=NOW,
+        policy_state=dict(state or {}), last_scale_up_time=None, last_scale_down_time=None, current_time=now,
         config=config)
 
 
@@ -107,8 +108,8 @@ def test_requests_queued_at_the_handles_are_priced_at_the_fleets_mean_seconds_pe
 
 def test_a_stale_replicas_requests_are_priced_at_the_fresh_replicas_mean():
     fleet = {"a": {WORK_S: 30.0, REQUESTS: 3.0}, "hung": {WORK_S: 500.0, REQUESTS: 3.0}}
-    # The hung replica's 500 s is 8 s old (stale after 3 x 2 s): its 3 requests count 10 s each.
-    stale = context(fleet, seen={"hung": NOW - 8.0})
+    # The hung replica's 500 s is 12 s old (stale after max(3 x 2 s, 10 s)): its 3 requests count 10 s each.
+    stale = context(fleet, seen={"hung": NOW - 12.0})
     assert replicas_for(stale, target_work_s=20.0) == 3  # (30 + 3 x 10) / 20
     assert replicas_for(context(fleet, max_replicas=30), target_work_s=20.0) == 27  # fresh: 530 s / 20
     # A replica that never reported work (no timings yet): the same.
@@ -123,6 +124,31 @@ def test_without_any_fresh_stats_the_policy_falls_back_to_serves_ongoing_request
     assert decision.basis is Basis.NO_STATS and decision.stale == 2
     assert replicas_for(ctx) == 4  # 8 ongoing / target_ongoing_requests 2, not 1800 s / 10 s
     assert replicas_for(context({"a": {}, "b": {}}, total_requests=6.0)) == 3  # nothing reported at all
+
+
+def test_a_busy_replica_reporting_a_second_apart_at_a_fast_interval_is_not_stale():
+    # The CI VM at metrics_interval_s 0.2: Serve delivered a busy replica's points 1.35 s apart, 0.67-1.01 s
+    # old at a tick. Stale after 3 intervals (0.6 s), every other tick fell back to ongoing requests (1
+    # replica) and the count flapped 1 -> 2 -> 1, stopping each new replica as it started.
+    busy = {"a": {WORK_S: 4.0, REQUESTS: 4.0}}
+    fast = dict(max_replicas=2, metrics_interval_s=0.2, target_ongoing_requests=100)
+    assert replicas_for(context(busy, seen={"a": NOW - 1.0}, **fast), target_work_s=1.0) == 2
+    hung = context(busy, seen={"a": NOW - 11.0}, **fast)
+    assert replicas_for(hung, target_work_s=1.0) == 1  # Serve's rule: 4 ongoing / 100
+
+
+def test_a_replica_whose_series_emptied_between_two_reports_counts_its_last_report():
+    # Serve keeps a series over look_back_period_s only: with reports further apart, a replica has none
+    # at some ticks, while its last report is still fresh.
+    policy = WorkPolicy(1.0)
+    reported = context({"a": {WORK_S: 4.0, REQUESTS: 4.0}}, seen={"a": NOW - 0.5}, max_replicas=4)
+    replicas, state = policy(reported)
+    assert replicas == 4
+    emptied = context({"a": {}}, total_requests=4.0, max_replicas=4, state=state)
+    again, state = policy(emptied)
+    assert again == 4, "the replica's 4 s of work, not Serve's 4 ongoing / 2 = 2"
+    later = context({"a": {}}, total_requests=4.0, max_replicas=4, state=state, now=NOW + 10.0)
+    assert policy(later)[0] == 2, "11.5 s after its last report it is stale: Serve's rule"
 
 
 def test_the_decision_is_logged_once_per_change_with_its_numbers(caplog):
