@@ -218,15 +218,19 @@ def failures(results: list[dict], runs: dict[str, dict]) -> list[str]:
     return failed
 
 
+# The selection, as pytest takes it: the device image has pytest but maybe not pytest-xdist, which the
+# suite's conftest hooks into (tests/bench/test_gpu_check.py collects it without that plugin).
+CUDA_TESTS = ("tests/offload_core", "-k", "cuda")
+
+
 def cuda_tests(timeout_s: int) -> dict:
     """The engine's CUDA-only tests (stream safety, staging on a real GPU), in a subprocess."""
     if not CUDA:
         return {"skipped": "the CUDA-only tests need CUDA"}
     root, env = _repo_env()
     try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                               "tests/offload_core", "-k", "cuda"], cwd=root, env=env, capture_output=True,
-                              text=True, timeout=timeout_s)
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *CUDA_TESTS],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as late:
         print(late.stdout[-4000:] if late.stdout else "", flush=True)
         return {"returncode": 124, "summary": f"timed out after {timeout_s} s"}

@@ -34,11 +34,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def cuda_tests_failed(tests: dict) -> int | None:
-    """Failed (and errored) tests in pytest's last line; None when the tests did not run."""
+    """Failed (and errored) tests in pytest's last line; None when the tests did not run, or ran and
+    counted nothing ("no tests ran" after an internal error, a timeout): never 0 for a run that passed none."""
     summary = tests.get("summary")
     if not isinstance(summary, str) or "skipped" in tests:
         return None
     counts = dict((word, int(n)) for n, word in re.findall(r"(\d+) (failed|error|errors|passed)", summary))
+    if not counts:
+        return None
     return counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
 
 

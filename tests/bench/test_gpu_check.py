@@ -63,6 +63,10 @@ def test_the_summary_reads_failed_cuda_tests_from_pytest_and_ratios_from_the_row
     assert cuda_tests_failed({"returncode": 1, "summary": "1 failed, 43 passed in 80.1s"}) == 1
     assert cuda_tests_failed({"returncode": 0, "summary": "44 passed, 2 skipped in 80.1s"}) == 0
     assert cuda_tests_failed({"skipped": "the CUDA-only tests need CUDA"}) is None
+    # Nothing ran, so nothing counted: never "0 failed" (the device then reads as if every test passed).
+    assert cuda_tests_failed({"returncode": 3, "summary": "no tests ran in 12.12s"}) is None
+    assert cuda_tests_failed({"returncode": 124, "summary": "timed out after 150 s"}) is None
+    assert cuda_tests_failed({"returncode": 2, "summary": "614 deselected, 14 errors in 14.42s"}) == 14
     rows = {"layerwise": {"step_s": 0.1, "median_step_s": 0.1, "bound_s": 0.08},
             "layerwise_pageable": {"step_s": 0.12}, "layerwise_fp8": {"step_s": 0.1, "median_step_s": 0.06}}
     figures = summary({"staged_GBps": 20.0, "memcpy_GBps": 28.0}, {"rows": rows}, {"rows": rows},
@@ -95,3 +99,19 @@ def test_a_sub_bench_gets_what_the_run_budget_leaves_and_is_not_started_when_it_
     spent = gpu_check.within(time.monotonic() + 20, "x", 120, run)
     assert spent["returncode"] == 124 and "not started" in spent["summary"] and len(given) == 2
     assert gpu_check.within(None, "x", 0, run) == {"skipped": "--x-timeout 0"}
+
+
+def test_the_cuda_tests_collect_where_pytest_xdist_is_not_installed():
+    """The device image has pytest but maybe not pytest-xdist: the suite's hook into xdist must not stop
+    the CUDA tests from running there (pluggy refuses an unknown hook at collection: "no tests ran")."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_check import CUDA_TESTS
+
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "-q",
+                           "--collect-only", *CUDA_TESTS], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0 and "INTERNALERROR" not in done.stdout + done.stderr, done.stdout[-2000:]
+    collected = [line for line in done.stdout.splitlines() if "::" in line]
+    assert len(collected) >= 40 and all("cuda" in line.lower() for line in collected), done.stdout[-2000:]
