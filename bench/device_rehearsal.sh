@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The prepared device run (../shared/gpu-wheels/README.md), rehearsed on a CPU machine in a venv that has
+# only what the GPU machine's image has: Python 3.12 with torch, transformers, accelerate, safetensors,
+# tokenizers, huggingface_hub, psutil, nvidia-ml-py, pyyaml, pytest (and requests and pillow, which
+# diffusers imports); no pytest-xdist, no Ray, and diffusers only from the wheels. It catches an import or a
+# pytest plugin the device lacks before a device minute is spent on it: 1cd9ad0 found the suite's xdist
+# hook keeping every CUDA test from running there ("no tests ran").
+#
+# Needs the package registry (the venv, built once, ~2 minutes); then ~2 minutes a run. Arguments go to
+# bench/gpu_check.sh. Exits non-zero when the CUDA tests do not collect or the check fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${DEVICE_REHEARSAL_VENV:-${TMPDIR:-/tmp}/offload-serve-device-venv}"
+WHEELS_FROM="${GPU_WHEELS:-../shared/gpu-wheels}"
+if [ ! -x "$VENV/bin/python" ]; then
+  "${PYTHON312:-python3.12}" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q torch==2.13.0  # first: nothing below may pull another torch
+  "$VENV/bin/python" -m pip install -q -c constraints.txt transformers accelerate safetensors tokenizers \
+    huggingface_hub psutil nvidia-ml-py pyyaml pytest requests pillow
+fi
+WHEELS=$(mktemp -d)
+trap 'rm -rf "$WHEELS"' EXIT
+# As on the device: the wheels into a folder on PYTHONPATH, python3 first on PATH.
+"$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target "$WHEELS" "$WHEELS_FROM"/*.whl
+export PYTHONPATH="$WHEELS:$PWD" PYTHONUNBUFFERED=1 PATH="$VENV/bin:$PATH"
+# What gpu_check runs on CUDA, collected here (on CPU it would skip them): a collection error or an
+# unknown hook fails the rehearsal.
+python3 -m pytest -qq -p no:cacheprovider --collect-only tests/offload_core -k cuda
+PYTHON=python3 bash bench/gpu_check.sh "$@"
