@@ -339,6 +339,8 @@ def main() -> None:
     if args.require_cuda and not CUDA:
         parser.exit(2, "gpu_check: --require-cuda given but torch sees no CUDA device\n")
     logging.basicConfig(level=logging.WARNING)
+    for probe in ("offload_core.streaming.link", "offload_core.streaming.fill_threads"):
+        logging.getLogger(probe).setLevel(logging.INFO)  # one line each per process: the rates and the cap
     device = torch.device("cuda" if CUDA else "cpu")
     # Medium: 2 latent frames of 16x16 (2*8*8 = 128 tokens). Real: 480x832 at 21 frames -> 6 latent
     # frames x 60x104 latents = 9360 tokens, a quarter of the 81-frame default, so all three ways

@@ -7,7 +7,8 @@ driver copies faster than any real buffer); PAGEABLE and MAPPED layers staged, a
 into two pinned chunks pipelined with the DMA out of them, as the engine's staging ring does:
 split over the copier threads the replica will run with (``fill_threads``: the probe's count
 within the cap the node's replicas leave this one), so the plan prices staged tiers at the rate
-the replica gets, not at whatever torch's intra-op threads gave one ``copy_``.
+the replica gets, not at whatever torch's intra-op threads gave one ``copy_``, and never above the
+fill probe's memcpy out of uncached memory (:func:`staged_rate`).
 
 Runtime, not planning: it allocates device memory and page-locks host memory, so it lives beside
 the device, and the planner only reads its result (:class:`~offload_core.planner.facts.LinkFacts`).
@@ -72,8 +73,8 @@ def _measured(device: torch.device, nbytes: int, repeats: int, cap: int) -> Link
         if pinned.page_locked and all(chunk.page_locked for chunk in chunks):
             pinned.data.fill_(1)
             pinned_Bps = _bandwidth(dst, pinned.data, device, repeats, non_blocking=True)
-            staged_Bps = staged_bandwidth(dst, pageable, [chunk.data for chunk in chunks], device, repeats,
-                                          fills.threads)
+            staged_Bps = staged_rate(device, staged_bandwidth(dst, pageable, [chunk.data for chunk in chunks],
+                                                              device, repeats, fills.threads), fills)
         else:
             # The driver refused to lock the probe: pinned copies (and so staging) are not
             # available to this process, so the planner must not count on them.
@@ -92,6 +93,21 @@ def _measured(device: torch.device, nbytes: int, repeats: int, cap: int) -> Link
                 STAGE_CHUNK_BYTES >> 20, nbytes >> 20, repeats)
     return LinkFacts(pinned_Bps, pageable_Bps, measured=True, staged_Bps=staged_Bps,
                      copier_threads=fills.threads, host_memcpy_Bps=max(fills.rates_Bps))
+
+
+def staged_rate(device: torch.device | str, probed_Bps: float, fills: fill_threads.FillProbe) -> float:
+    """The staged rate the plan prices: the staged probe's, never above the best host memcpy the fill
+    probe measured. A fill's memcpy bounds the pipeline it feeds. The fill probe reads slices no cache
+    holds (``fill_threads``); this probe copies one 256 MiB source four times, and a last-level cache can
+    hold part of it (an EPYC's 32 MiB per core complex is what one of 8 copier threads reads of it). The
+    fill probe's one cached source read 41.7-48.0 GB/s on the H200's host, where 1 GiB copies gave 28.3."""
+    bound = max(fills.rates_Bps, default=0.0)
+    if bound <= 0 or probed_Bps <= bound:
+        return probed_Bps
+    logger.info("link %s: staged probe %.1f GB/s is above the host memcpy out of uncached memory (%.1f GB/s over "
+                "1..%d threads): staged tiers priced at %.1f GB/s, the memcpy that bounds every fill",
+                device, probed_Bps / GB, bound / GB, len(fills.rates_Bps), bound / GB)
+    return bound
 
 
 def staged_bandwidth(dst: torch.Tensor, src: torch.Tensor, chunks: list[torch.Tensor], device: torch.device,

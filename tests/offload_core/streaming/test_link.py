@@ -1,17 +1,33 @@
 """The link measurement: a typed refusal off CUDA; on CUDA it gives back all it took and runs once."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from offload_core.planner.facts import LinkFacts
 from offload_core.streaming import link
+from offload_core.streaming.fill_threads import FillProbe
 from offload_core.streaming.link import measure_link
 
 
 def test_the_link_is_measured_on_cuda_only_and_says_so():
     with pytest.raises(ValueError, match="measured on CUDA, not cpu; configure LinkFacts"):
         measure_link("cpu")
+
+
+def test_the_staged_rate_is_never_priced_above_the_fill_probes_memcpy_out_of_uncached_memory(caplog):
+    """The staged probe copies one source again and again, a cache can hold part of it: a fill's memcpy
+    (the fill probe's, out of slices no cache holds) bounds what the plan prices staged tiers at."""
+    fills = FillProbe(threads=4, rates_Bps=(5.0e9, 10.0e9, 18.5e9, 20.0e9))
+    with caplog.at_level(logging.INFO, logger="offload_core.streaming.link"):
+        assert link.staged_rate("cuda:0", 31.0e9, fills) == 20.0e9
+    assert "staged probe 31.0 GB/s is above the host memcpy out of uncached memory (20.0 GB/s" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="offload_core.streaming.link"):
+        assert link.staged_rate("cuda:0", 17.0e9, fills) == 17.0e9, "below the memcpy: the probe's own figure"
+    assert caplog.text == "", "nothing capped, nothing said"
 
 
 # torch's pinned pool may grow by a few small blocks of its own while the probe runs: on the H200 it
