@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The prepared device run (../shared/gpu-wheels/README.md), rehearsed on a CPU machine in a venv that has
-# only what the GPU machine's image has: Python 3.12 with torch, transformers, accelerate, safetensors,
-# tokenizers, huggingface_hub, psutil, nvidia-ml-py, pyyaml, pytest (and requests and pillow, which
-# diffusers imports); no pytest-xdist, no Ray, and diffusers only from the wheels. It catches an import or a
-# pytest plugin the device lacks before a device minute is spent on it: 1cd9ad0 found the suite's xdist
-# hook keeping every CUDA test from running there ("no tests ran").
+# The prepared device run (bench/device_run.sh), rehearsed on a CPU machine in a venv that has only what the
+# GPU machine's image has: Python 3.12 with torch, transformers, accelerate, safetensors, tokenizers,
+# huggingface_hub, psutil, nvidia-ml-py, pyyaml, pytest (and requests and pillow, which diffusers imports);
+# no pytest-xdist, no Ray, and diffusers only from ../shared/gpu-wheels. It catches an import or a pytest
+# plugin the device lacks before a device minute is spent on it: 1cd9ad0 found the suite's xdist hook
+# keeping every CUDA test from running there ("no tests ran").
 #
-# Needs the package registry (the venv, built once, ~2 minutes); then ~2 minutes a run. Arguments go to
+# Runs bench/device_run.sh, the device's command, with the same wheels, and checks what it leaves in $OUT.
+# Needs the package registry (the venv, built once, ~2 minutes); then ~1 minute a run. Arguments go to
 # bench/gpu_check.sh. Exits non-zero when the CUDA tests do not collect or the check fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,13 +20,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q -c constraints.txt transformers accelerate safetensors tokenizers \
     huggingface_hub psutil nvidia-ml-py pyyaml pytest requests pillow
 fi
+export PATH="$VENV/bin:$PATH" OUT="${OUT:-$(mktemp -d)}"
+# What gpu_check runs on CUDA, collected here (on CPU it would skip them): a collection error or an
+# unknown hook fails the rehearsal. PYTHONPATH as device_run.sh sets it (the wheels there).
 WHEELS=$(mktemp -d)
 trap 'rm -rf "$WHEELS"' EXIT
-# As on the device: the wheels into a folder on PYTHONPATH, python3 first on PATH.
-"$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target "$WHEELS" "$WHEELS_FROM"/*.whl
-export PYTHONPATH="$WHEELS:$PWD" PYTHONUNBUFFERED=1 PATH="$VENV/bin:$PATH"
-# What gpu_check runs on CUDA, collected here (on CPU it would skip them): a collection error or an
-# unknown hook fails the rehearsal.
-python3 -m pytest -qq -p no:cacheprovider --collect-only tests/offload_core -k cuda
-PYTHON=python3 bash bench/gpu_check.sh "$@"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WHEELS" "$WHEELS_FROM"/*.whl
+PYTHONPATH="$WHEELS:$PWD" python3 -m pytest -qq -p no:cacheprovider --collect-only tests/offload_core -k cuda
+WHEELS_DIR="$WHEELS_FROM" bash bench/device_run.sh "$@"
+python3 -c "import json, sys; json.load(open(sys.argv[1]))['summary']" "$OUT/gpu_check.json"
+echo "device_rehearsal: passed; what the device run leaves in \$OUT is in $OUT: $(ls "$OUT" | tr '\n' ' ')"
