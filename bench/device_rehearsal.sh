@@ -2,9 +2,10 @@
 # The prepared device run (bench/device_run.sh), rehearsed on a CPU machine in a venv that has only what the
 # GPU machine's image has: Python 3.12 with torch, transformers, accelerate, safetensors, tokenizers,
 # huggingface_hub, psutil, nvidia-ml-py, pyyaml, pytest (and requests and pillow, which diffusers imports);
-# no pytest-xdist, no Ray, and diffusers only from ../shared/gpu-wheels. It catches an import or a pytest
-# plugin the device lacks before a device minute is spent on it: 1cd9ad0 found the suite's xdist hook
-# keeping every CUDA test from running there ("no tests ran").
+# no pytest-xdist, no pydantic, no Ray, and diffusers only from ../shared/gpu-wheels. It catches an import
+# or a pytest plugin the device lacks before a device minute is spent on it. It found two that would have
+# kept every CUDA test from running there (fixed in the commit that added tests/offload_core/test_torch_only's
+# collection test): the suite's xdist hook ("no tests ran") and a test module importing pydantic.
 #
 # Runs bench/device_run.sh, the device's command, with the same wheels, and checks what it leaves in $OUT.
 # Needs the package registry (the venv, built once, ~2 minutes); then ~1 minute a run. Arguments go to
@@ -19,6 +20,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$VENV/bin/python" -m pip install -q torch==2.13.0  # first: nothing below may pull another torch
   "$VENV/bin/python" -m pip install -q -c constraints.txt transformers accelerate safetensors tokenizers \
     huggingface_hub psutil nvidia-ml-py pyyaml pytest requests pillow
+  # The image of the H200 runs had no pydantic (fcfd650's engine import of it cost that run its CUDA tests);
+  # transformers 5 pulls it in only for its CLI (typer), and imports without it.
+  "$VENV/bin/python" -m pip uninstall -q -y pydantic pydantic_core typer
 fi
 export PATH="$VENV/bin:$PATH" OUT="${OUT:-$(mktemp -d)}"
 # What gpu_check runs on CUDA, collected here (on CPU it would skip them): a collection error or an

@@ -218,8 +218,8 @@ def failures(results: list[dict], runs: dict[str, dict]) -> list[str]:
     return failed
 
 
-# The selection, as pytest takes it: the device image has pytest but maybe not pytest-xdist, which the
-# suite's conftest hooks into (tests/bench/test_gpu_check.py collects it without that plugin).
+# The selection, as pytest takes it; tests/offload_core/test_torch_only.py collects it as the device image
+# has it: no pytest-xdist (the suite's conftest hooks into it), no pydantic, no Ray.
 CUDA_TESTS = ("tests/offload_core", "-k", "cuda")
 
 

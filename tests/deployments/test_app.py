@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from deployments.app import AppArgs, build_app, resolve_model_folder, stage_configs
+from deployments.app import AppArgs, StageArgs, build_app, resolve_model_folder, stage_configs
 from deployments.capacity.request_limits import Limits
 from deployments.ingress.deployment import IngressConfig
 from deployments.models.families import read_family_traits
 from deployments.wire.spec import PipelineStage
+from offload_core.compile.buckets import RequestShape
 from offload_core.planner.search import PerformanceMode
 
 ENCODE, DENOISE, DECODE = PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineStage.DECODE
@@ -104,3 +105,11 @@ def test_the_step_cache_threshold_is_the_denoisers_and_is_refused_on_other_stage
         stage_configs(args, read_family_traits(resolve_model_folder(args)))
     with pytest.raises(ValidationError, match="cache_threshold"):
         AppArgs.model_validate({"denoiser": {"cache_threshold": 1.5}})
+
+
+def test_a_typo_in_compile_buckets_fails_the_app_build_not_a_replica_start():
+    with pytest.raises(ValidationError, match="WxH or WxHxF"):
+        StageArgs(compile="blocks", compile_buckets=["832x480", "1280by720"])
+    assert StageArgs(compile="blocks", compile_buckets=["832x480"]).compile_config().buckets[0].shapes == (
+        RequestShape(480, 832),)
+    assert StageArgs().compile_config() is None

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-from pydantic import ValidationError
 
 from offload_core.compile.buckets import DynamicDim, RequestShape, learn_rules, parse_bucket
 
@@ -14,16 +13,6 @@ def test_a_bucket_entry_is_shapes_joined_by_commas_frames_one_when_left_out():
     for bad in ("832x", "832x480x0", "axb", ""):
         with pytest.raises(ValueError, match="WxH or WxHxF"):
             parse_bucket(bad)
-
-
-def test_a_typo_in_compile_buckets_fails_the_app_build_not_a_replica_start():
-    from deployments.app import StageArgs
-
-    with pytest.raises(ValidationError, match="WxH or WxHxF"):
-        StageArgs(compile="blocks", compile_buckets=["832x480", "1280by720"])
-    assert StageArgs(compile="blocks", compile_buckets=["832x480"]).compile_config().buckets[0].shapes == (
-        RequestShape(480, 832),)
-    assert StageArgs().compile_config() is None
 
 
 def test_dims_that_vary_across_the_bucket_are_dynamic_in_its_range_and_the_rest_must_match():
