@@ -8,14 +8,18 @@
 # collection test): the suite's xdist hook ("no tests ran") and a test module importing pydantic.
 #
 # Runs bench/device_run.sh, the device's command, with the same wheels, and checks what it leaves in $OUT.
-# Needs the package registry (the venv, built once, ~2 minutes); then ~1 minute a run. Arguments go to
+# Needs the package registry (the venv, built once: ~3 minutes here); then ~1 minute a run. Arguments go to
 # bench/gpu_check.sh. Exits non-zero when the CUDA tests do not collect or the check fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${DEVICE_REHEARSAL_VENV:-${TMPDIR:-/tmp}/offload-serve-device-venv}"
 WHEELS_FROM="${GPU_WHEELS:-../shared/gpu-wheels}"
 if [ ! -x "$VENV/bin/python" ]; then
-  "${PYTHON312:-python3.12}" -m venv "$VENV"
+  PY312="${PYTHON312:-}"  # the image's Python: 3.12 (a pyenv shim may name one it will not run)
+  for candidate in python3.12 "$(pyenv root 2>/dev/null || echo /nonexistent)"/versions/3.12*/bin/python3.12; do
+    if [ -z "$PY312" ] && "$candidate" -c "" 2>/dev/null; then PY312="$candidate"; fi
+  done
+  "${PY312:?no Python 3.12 found: set PYTHON312}" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q torch==2.13.0  # first: nothing below may pull another torch
   "$VENV/bin/python" -m pip install -q -c constraints.txt transformers accelerate safetensors tokenizers \
