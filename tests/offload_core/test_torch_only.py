@@ -24,11 +24,13 @@ import offload_core.lora
 from offload_core.host.budget_cap import CappedBudget
 print('ok')
 """
-# The selection as gpu_check passes it, collected as that image runs it: one process, no xdist.
+# gpu_check's sub-benches import there, and its selection of tests collects as that image runs it: one
+# process, no xdist.
 COLLECT = BLOCK + """
 import pytest
 sys.path.insert(0, 'bench')
 from gpu_check import CUDA_TESTS
+import gpu_activations, hook_cost, staged_sweep, widen_cost  # gpu_check's sub-benches on CUDA, each its own process
 sys.exit(pytest.main(['-p', 'no:xdist', '-p', 'no:cacheprovider', '-qq', '--collect-only', *CUDA_TESTS]))
 """
 
@@ -38,9 +40,10 @@ def test_the_engine_and_the_planner_import_without_the_services_libraries():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-def test_the_cuda_tests_collect_on_the_gpu_image_without_the_services_libraries_or_xdist():
+def test_the_cuda_tests_collect_and_the_sub_benches_import_on_the_gpu_image():
     """A test module under tests/offload_core importing a service library, or the suite's xdist hook
-    refused without xdist, would stop every CUDA test there at collection ("no tests ran")."""
+    refused without xdist, would stop every CUDA test there at collection ("no tests ran"); a sub-bench
+    importing one would lose its figures."""
     done = subprocess.run([sys.executable, "-c", COLLECT], cwd=REPO, capture_output=True, text=True, timeout=180)
     output = done.stdout + done.stderr
     assert done.returncode == 0 and "INTERNALERROR" not in output, output[-3000:]
