@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# The prepared device run (bench/device_run.sh), rehearsed on a CPU machine in a venv that has only what the
-# GPU machine's image has: Python 3.12 with torch, transformers, accelerate, safetensors, tokenizers,
-# huggingface_hub, psutil, nvidia-ml-py, pyyaml, pytest (and requests and pillow, which diffusers imports);
-# no pytest-xdist, no pydantic, no Ray, and diffusers only from ../shared/gpu-wheels. It catches an import
-# or a pytest plugin the device lacks before a device minute is spent on it. It found two that would have
-# kept every CUDA test from running there (fixed in the commit that added tests/offload_core/test_torch_only's
-# collection test): the suite's xdist hook ("no tests ran") and a test module importing pydantic.
+# The prepared device run (bench/device_run.sh), rehearsed on a CPU machine in a venv that holds what the
+# GPU machine's image holds (the device tool's KINDS.md, read 2026-11-17: Python 3.12, torch 2.11.0,
+# transformers 5.17.0, huggingface_hub 1.33.0, pytest with pytest-xdist, and no pydantic, no Ray, no
+# diffusers but the wheels from ../shared/gpu-wheels). It catches an import the device lacks before a
+# device minute is spent on it: it found a test module importing pydantic (bd9d1ee), which would have
+# stopped every CUDA test there at collection (moved out in 57302f6).
 #
 # Runs bench/device_run.sh, the device's command, with the same wheels, and checks what it leaves in $OUT.
 # Needs the package registry (the venv, built once: ~3 minutes here); then ~1 minute a run. Arguments go to
@@ -21,12 +20,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   done
   "${PY312:?no Python 3.12 found: set PYTHON312}" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q torch==2.13.0  # first: nothing below may pull another torch
-  "$VENV/bin/python" -m pip install -q -c constraints.txt transformers accelerate safetensors tokenizers \
-    huggingface_hub psutil nvidia-ml-py pyyaml pytest requests pillow
-  # The image of the H200 runs had no pydantic (fcfd650's engine import of it cost that run its CUDA tests);
-  # transformers 5 pulls it in only for its CLI (typer), and imports without it.
-  "$VENV/bin/python" -m pip uninstall -q -y pydantic pydantic_core typer
+  "$VENV/bin/python" -m pip install -q torch==2.11.0  # first: nothing below may pull another torch
+  "$VENV/bin/python" -m pip install -q transformers==5.17.0 huggingface_hub==1.33.0 accelerate==1.15.0 \
+    tokenizers==0.23.2 safetensors==0.8.0 numpy==2.5.2 psutil nvidia-ml-py pyyaml pytest pytest-xdist \
+    requests pillow httpx typer regex
+  # No pydantic: the image has none (fcfd650's engine import of it cost the H200's first run its CUDA tests); typer
+  # pulls it in here, and transformers imports without it.
+  "$VENV/bin/python" -m pip uninstall -q -y pydantic pydantic_core
 fi
 export PATH="$VENV/bin:$PATH" OUT="${OUT:-$(mktemp -d)}"
 # What gpu_check runs on CUDA, collected here (on CPU it would skip them): a collection error or an
