@@ -82,9 +82,11 @@ class FillProbe:
 
     def explain(self) -> str:
         rates = ", ".join(f"{n + 1}: {r / 1e9:.1f}" for n, r in enumerate(self.rates_Bps))
+        cache = (f"{self.cache_bytes >> 20} MiB of last-level cache" if self.cache_bytes
+                 else "a last-level cache sysfs does not give (the most slices)")
         return (f"staging fills split over {self.threads} copier threads (host memcpy GB/s by threads: {rates}; "
                 f"fewest within {GOOD_ENOUGH:.0%} of the best; copies rotated over {self.source_bytes >> 20} MiB "
-                f"against {self.cache_bytes >> 20} MiB of last-level cache, so none read a cached source)")
+                f"against {cache}, so none read a cached source)")
 
 
 def last_level_cache_bytes(cpus: set[int] | None = None, root: Path = CPU_SYSFS) -> int:
@@ -118,7 +120,12 @@ def _size_bytes(text: str) -> int:
 
 def source_slices(slice_bytes: int, cache_bytes: int) -> int:
     """How many slices of ``slice_bytes`` a probe's copies rotate over, so twice the cache's bytes
-    pass between two reads of one slice (read and written bytes both take cache lines): at least 2."""
+    pass between two reads of one slice (read and written bytes both take cache lines): at least 2.
+    ``cache_bytes`` 0, a cache sysfs does not give, takes the most: 1 GiB outgrows any cache seen on a
+    GPU host. gVisor, which the H200 machines run under, serves cpuN/topology and no cache folders
+    (pkg/sentry/fsimpl/sys/sys.go, cpuDir): there two slices would have sat in the L3."""
+    if cache_bytes <= 0:
+        return MAX_SOURCE_SLICES
     return max(2, min(MAX_SOURCE_SLICES, math.ceil(2 * cache_bytes / slice_bytes) + 1))
 
 

@@ -220,11 +220,21 @@ def test_the_probe_never_reads_a_source_the_cache_could_hold(monkeypatch):
 
 def test_the_slices_cover_twice_the_cache_within_bounds():
     MiB = 1 << 20
-    assert fill_threads.source_slices(64 * MiB, 0) == 2
     assert fill_threads.source_slices(64 * MiB, 32 * MiB) == 2
     assert fill_threads.source_slices(64 * MiB, 105 * MiB) == 5  # (5 - 1) x 64 >= 210
     assert fill_threads.source_slices(64 * MiB, 384 * MiB) == 13
     assert fill_threads.source_slices(64 * MiB, 4096 * MiB) == fill_threads.MAX_SOURCE_SLICES
+
+
+def test_where_sysfs_gives_no_cache_the_probe_rotates_over_the_most_slices(tmp_path):
+    """gVisor (the H200 machines) has no cache folders in sysfs: 0 is "unknown", never "no cache", or two
+    64 MiB slices would sit in a 105-384 MiB L3 and the probe would time a cache again."""
+    MiB = 1 << 20
+    assert fill_threads.last_level_cache_bytes({0, 1}, tmp_path / "absent") == 0
+    assert fill_threads.source_slices(64 * MiB, 0) == fill_threads.MAX_SOURCE_SLICES
+    found = probe(torch.empty(MiB, dtype=torch.uint8), cap=1, repeats=1, cache_bytes=0)
+    assert found.source_bytes == fill_threads.MAX_SOURCE_SLICES * MiB
+    assert "a last-level cache sysfs does not give (the most slices)" in found.explain()
 
 
 def _cache(root, cpu, index, level, kind, size, shared):
