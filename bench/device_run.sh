@@ -23,7 +23,9 @@ export PYTHONPATH="$WHEELS:$PWD" PYTHONUNBUFFERED=1
   python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
   echo "cpus: $(nproc)"
   lscpu 2>/dev/null | grep -E "^(Model name|Socket|Core|Thread|NUMA node\(s\)|L3)" || true
-  grep -H . /sys/devices/system/cpu/cpu0/cache/index*/{level,size,shared_cpu_list} 2>/dev/null || true
+  grep -H . /sys/devices/system/cpu/cpu0/cache/index*/{level,size,shared_cpu_list} 2>/dev/null \
+    || echo "sysfs: no cache folders (gVisor serves none)"
+  grep -m 2 -E "^(model name|cache size)" /proc/cpuinfo || true
 } > "$OUT/machine.txt"
 cat "$OUT/machine.txt"
 PYTHON=python3 bash bench/gpu_check.sh "$@" 2>&1 | tee "$OUT/gpu_check.log"
