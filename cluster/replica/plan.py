@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from cluster.fleet import FleetProfile
@@ -36,7 +37,7 @@ from offload_core.planner.search import (
 from offload_core.planner.strategy import Strategy
 from offload_core.quant import WeightFormat
 from offload_core.streaming.fill_threads import default_cap, usable_cpus
-from offload_core.streaming.link import measure_link
+from offload_core.streaming.link import is_measured, measure_link, probe_host_bytes
 from offload_core.tables import HostTablesConfig
 
 if TYPE_CHECKING:
@@ -55,6 +56,40 @@ def link_facts(device: "torch.device | None" = None, gpu: GpuInfo | None = None,
         return measure_link(device, copier_cap=copier_cap)
     pinned, pageable = link_Bps(gpu.pcie_gen if gpu else None, gpu.pcie_width if gpu else None)
     return LinkFacts(pinned, pageable, measured=False)
+
+
+# A neighbour's probes hold their bytes ~1-2 s at its start: a replica starting beside it waits that out.
+PROBE_WAIT_S = 10.0
+PROBE_RETRY_S = 0.25
+
+
+def measured_link(memory: ReplicaMemory, device: "torch.device") -> LinkFacts:
+    """The replica's CUDA link measured with its probes' host memory (up to 1 GiB, ``probe_host_bytes``)
+    leased from the node's host pool while they run, so replicas starting together never take more host
+    memory than the node has; where the pool cannot give it within ``PROBE_WAIT_S``, the GPU table's link."""
+    cap = copier_cap(memory)
+    if is_measured(device, cap):
+        return measure_link(device, copier_cap=cap)
+    nbytes = probe_host_bytes()
+    lease = _probe_lease(memory, nbytes)
+    if lease is None:
+        return link_facts(gpu=replica_gpu(memory))
+    try:
+        return measure_link(device, copier_cap=cap)
+    finally:
+        memory.host_budget.release(lease)
+
+
+def _probe_lease(memory: ReplicaMemory, nbytes: int):
+    deadline = time.monotonic() + PROBE_WAIT_S
+    while not (lease := memory.host_budget.request(nbytes, memory.owner, purpose="link probe")):
+        if time.monotonic() >= deadline:
+            logger.info("%s: link not measured: its probes need %.2f GB of host memory for ~1-2 s and the node's "
+                        "host pool had %.2f GB free for %.0f s (%s); the GPU table's link figures are planned with",
+                        memory.owner, nbytes / GB, lease.available / GB, PROBE_WAIT_S, lease.reason)
+            return None
+        time.sleep(PROBE_RETRY_S)
+    return lease
 
 
 def replicas_sharing_node(memory: ReplicaMemory) -> int:
@@ -175,7 +210,7 @@ def plan_stage(stage: str, components: Mapping[str, nn.Module], uses_per_request
                               link=link_facts(device), host_lease_bytes=host_lease_bytes, device_name=str(device))
         return plan_pipeline(facts, mode)
     # On CUDA the link is measured; elsewhere the GPU table's link for the GPU the replica leases.
-    link = link_facts(device, copier_cap=copier_cap(memory)) if device.type == "cuda" else None
+    link = measured_link(memory, device) if device.type == "cuda" else None
     facts = replica_facts(memory, profiles, stages, device_capacity=device_capacity, link=link,
                           host_lease_bytes=host_lease_bytes)
     return plan_for_replica(memory.profile, facts, mode, owner=memory.owner)

@@ -21,7 +21,6 @@ reserved). The result is kept per device, so replicas' stages in one process mea
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 
@@ -52,7 +51,27 @@ def measure_link(device: torch.device | str, nbytes: int = LINK_PROBE_BYTES, rep
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     cap = fill_threads.default_cap() if copier_cap is None else int(copier_cap)
-    return _measured(device, int(nbytes), int(repeats), cap)
+    key = (device, int(nbytes), int(repeats), cap)
+    if key not in _MEASURED:
+        _MEASURED[key] = _measured(*key)
+    return _MEASURED[key]
+
+
+def is_measured(device: torch.device | str, copier_cap: int, nbytes: int = LINK_PROBE_BYTES, repeats: int = 3) -> bool:
+    """Whether this process measured ``device``'s link so already: :func:`measure_link` then takes nothing."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return (device, int(nbytes), int(repeats), int(copier_cap)) in _MEASURED
+
+
+def probe_host_bytes(nbytes: int = LINK_PROBE_BYTES, cache_bytes: int | None = None) -> int:
+    """Host memory a process's first :func:`measure_link` holds at its peak, for the ~1-2 s it runs: the
+    fill probe (its pinned destination and rotated source, up to 1 GiB) and then this probe (pageable and
+    pinned sources, two staging chunks), one after the other. ``cache_bytes``: None reads sysfs."""
+    cache_bytes = fill_threads.last_level_cache_bytes() if cache_bytes is None else cache_bytes
+    fill = fill_threads.PROBE_BYTES * (1 + fill_threads.source_slices(fill_threads.PROBE_BYTES, cache_bytes))
+    return max(fill, 2 * nbytes + 2 * min(STAGE_CHUNK_BYTES, nbytes))
 
 
 # 32 MiB chunks: a few ms of memcpy each, long against one copy's ~10 us issue cost, and two of
@@ -60,7 +79,10 @@ def measure_link(device: torch.device | str, nbytes: int = LINK_PROBE_BYTES, rep
 STAGE_CHUNK_BYTES = 32 * 1024 * 1024
 
 
-@functools.lru_cache(maxsize=None)
+# (device, probe bytes, repeats, copier cap) -> what was measured: once per process.
+_MEASURED: dict[tuple[torch.device, int, int, int], LinkFacts] = {}
+
+
 def _measured(device: torch.device, nbytes: int, repeats: int, cap: int) -> LinkFacts:
     fills = fill_threads.device_probe(device, cap)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)

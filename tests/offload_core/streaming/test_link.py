@@ -51,7 +51,7 @@ def _pool_bytes() -> int:
 def test_cuda_measuring_the_link_gives_back_device_and_pinned_memory_and_runs_once_per_process():
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.empty_cache()
-    link._measured.cache_clear()
+    link._MEASURED.clear()
     before, pool_before = _held(device), _pool_bytes()
     facts = measure_link(device, nbytes=64 * 1024 * 1024)
     assert isinstance(facts, LinkFacts) and facts.measured
