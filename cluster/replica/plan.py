@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import math
 import os
-import time
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from cluster.fleet import FleetProfile
@@ -58,9 +57,9 @@ def link_facts(device: "torch.device | None" = None, gpu: GpuInfo | None = None,
     return LinkFacts(pinned, pageable, measured=False)
 
 
-# A neighbour's probes hold their bytes ~1-2 s at its start: a replica starting beside it waits that out.
+# A neighbour's probes hold their bytes ~1-2 s at its start: a replica starting beside it waits that out
+# (the ledger serves waiting requests as bytes are given back).
 PROBE_WAIT_S = 10.0
-PROBE_RETRY_S = 0.25
 
 
 def measured_link(memory: ReplicaMemory, device: "torch.device") -> LinkFacts:
@@ -81,14 +80,12 @@ def measured_link(memory: ReplicaMemory, device: "torch.device") -> LinkFacts:
 
 
 def _probe_lease(memory: ReplicaMemory, nbytes: int):
-    deadline = time.monotonic() + PROBE_WAIT_S
-    while not (lease := memory.host_budget.request(nbytes, memory.owner, purpose="link probe")):
-        if time.monotonic() >= deadline:
-            logger.info("%s: link not measured: its probes need %.2f GB of host memory for ~1-2 s and the node's "
-                        "host pool had %.2f GB free for %.0f s (%s); the GPU table's link figures are planned with",
-                        memory.owner, nbytes / GB, lease.available / GB, PROBE_WAIT_S, lease.reason)
-            return None
-        time.sleep(PROBE_RETRY_S)
+    lease = memory.host_budget.acquire(nbytes, memory.owner, purpose="link probe", wait_s=PROBE_WAIT_S)
+    if not lease:
+        logger.info("%s: link not measured: its probes need %.2f GB of host memory for ~1-2 s and the node's "
+                    "host pool had %.2f GB free after %.0f s (%s); the GPU table's link figures are planned with",
+                    memory.owner, nbytes / GB, lease.available / GB, PROBE_WAIT_S, lease.reason)
+        return None
     return lease
 
 

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import logging
+import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from cluster.replica import plan
-from offload_core.host.budget import InProcessLedger
+from cluster.replica.ledger_view import LocalBudget
 from offload_core.planner.facts import LinkFacts
 from offload_core.streaming.link import probe_host_bytes
 
@@ -18,7 +19,7 @@ MiB = 1 << 20
 
 def _memory(capacity: int) -> SimpleNamespace:
     return SimpleNamespace(owner="r", gpu_fraction=None, device_pool="host", node=SimpleNamespace(gpus=()),
-                           host_budget=InProcessLedger(capacity, "host"))
+                           host_budget=LocalBudget(capacity, "host"))
 
 
 def test_the_probes_peak_is_the_fill_probe_or_the_link_probe_whichever_holds_more():
@@ -58,7 +59,6 @@ def test_a_probe_that_fails_gives_its_lease_back(monkeypatch):
 def test_a_node_without_room_for_the_probes_plans_with_the_gpu_tables_link_and_says_why(monkeypatch, caplog):
     memory = _memory(probe_host_bytes() - 1)
     monkeypatch.setattr(plan, "PROBE_WAIT_S", 0.2)
-    monkeypatch.setattr(plan, "PROBE_RETRY_S", 0.05)
     monkeypatch.setattr(plan, "measure_link", lambda *a, **k: pytest.fail("measured without its host memory"))
     monkeypatch.setattr(plan, "is_measured", lambda device, cap: False)
     with caplog.at_level(logging.INFO, logger="cluster.replica.plan"):
@@ -74,3 +74,13 @@ def test_a_link_this_process_measured_already_takes_no_lease(monkeypatch):
     monkeypatch.setattr(plan, "is_measured", lambda device, cap: True)
     monkeypatch.setattr(plan, "PROBE_WAIT_S", 5.0)
     assert plan.measured_link(memory, CUDA0) is facts
+
+
+def test_a_replica_starting_beside_a_probing_neighbour_waits_for_its_bytes_and_then_measures(monkeypatch):
+    memory = _memory(probe_host_bytes())
+    neighbour = memory.host_budget.request(probe_host_bytes(), "neighbour", purpose="link probe")
+    threading.Timer(0.3, memory.host_budget.release, (neighbour,)).start()
+    monkeypatch.setattr(plan, "measure_link", lambda device, copier_cap=None: LinkFacts(50e9, 8e9, measured=True))
+    monkeypatch.setattr(plan, "is_measured", lambda device, cap: False)
+    assert plan.measured_link(memory, CUDA0).measured, "planned with the table while the neighbour's bytes came back"
+    assert memory.host_budget.outstanding() == ()
