@@ -63,7 +63,7 @@ PROBE_WAIT_S = 10.0
 
 
 def measured_link(memory: ReplicaMemory, device: "torch.device") -> LinkFacts:
-    """The replica's CUDA link measured with its probes' host memory (up to 1 GiB, ``probe_host_bytes``)
+    """The replica's CUDA link measured with its probes' host memory (up to 1.06 GiB, ``probe_host_bytes``)
     leased from the node's host pool while they run, so replicas starting together never take more host
     memory than the node has; where the pool cannot give it within ``PROBE_WAIT_S``, the GPU table's link."""
     cap = copier_cap(memory)
