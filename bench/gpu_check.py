@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,7 +56,15 @@ from bench.gpu_models import (  # noqa: E402  (the repository root is on the pat
     medium_denoiser,
     real_denoiser,
 )
-from bench.gpu_summary import summary  # noqa: E402
+from bench.gpu_parts import (  # noqa: E402
+    activation_comparison,
+    cuda_tests,
+    hook_cost,
+    staged_sweep,
+    widen_cost,
+    within,
+)
+from bench.gpu_summary import COMPUTE_BOUND_CASE, IMAGE_CASE, summary_of  # noqa: E402
 from offload_core.fp8_widen import WidenMode  # noqa: E402
 from offload_core.host.tier import HostingTier  # noqa: E402
 from offload_core.layout import declared_layer_groups, resolve_layer_group  # noqa: E402
@@ -177,30 +184,6 @@ def run_case(name: str, build, shape, steps: int, device, link: dict, mapped: bo
     return {"case": name, "input_shape": list(shape), "streamed_bytes_per_step": streamed, "rows": rows}
 
 
-def _repo_env() -> tuple[Path, dict]:
-    """The repository root and an environment whose PYTHONPATH finds the project from a subprocess."""
-    root = Path(__file__).resolve().parents[1]
-    return root, {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-
-
-def _bench_json(args: list[str], timeout_s: int) -> dict:
-    """One bench script in a subprocess: its table printed here, its last line (one JSON object) returned
-    with returncode 0, or the returncode and the error's last line."""
-    root, env = _repo_env()
-    try:
-        done = subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True, text=True,
-                              timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"returncode": 124, "summary": f"timed out after {timeout_s} s"}
-    lines = done.stdout.strip().splitlines()
-    print("\n" + "\n".join(lines[:-1]), done.stderr[-2000:] if done.returncode else "", sep="\n", flush=True)
-    if done.returncode == 1 and lines and lines[-1].startswith("{"):  # a bench that missed a target still reports
-        return {**json.loads(lines[-1]), "returncode": 1}
-    if done.returncode or not lines:
-        return {"returncode": done.returncode, "summary": done.stderr.strip().splitlines()[-1:]}
-    return {"returncode": 0, **json.loads(lines[-1])}
-
-
 def failures(results: list[dict], runs: dict[str, dict]) -> list[str]:
     """What failed: a streamed way whose output is not bitwise equal to speed mode's or whose
     measured weight peak is not the prediction, and any sub-run (tests, benches) that exited non-zero."""
@@ -218,44 +201,16 @@ def failures(results: list[dict], runs: dict[str, dict]) -> list[str]:
     return failed
 
 
-# The selection, as pytest takes it; tests/offload_core/test_torch_only.py collects it as the device image
-# has it: no pytest-xdist (the suite's conftest hooks into it), no pydantic, no Ray.
-CUDA_TESTS = ("tests/offload_core", "-k", "cuda")
+# In the order they run; the summary reads the second (6 frames) and the third (the image regime) by name.
+CASES = ("medium-wan-denoiser", COMPUTE_BOUND_CASE, IMAGE_CASE)
 
 
-def cuda_tests(timeout_s: int) -> dict:
-    """The engine's CUDA-only tests (stream safety, staging on a real GPU), in a subprocess."""
-    if not CUDA:
-        return {"skipped": "the CUDA-only tests need CUDA"}
-    root, env = _repo_env()
-    try:
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *CUDA_TESTS],
-                              cwd=root, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as late:
-        print(late.stdout[-4000:] if late.stdout else "", flush=True)
-        return {"returncode": 124, "summary": f"timed out after {timeout_s} s"}
-    print(done.stdout[-4000:], done.stderr[-2000:], sep="\n", flush=True)
-    lines = done.stdout.strip().splitlines()
-    return {"returncode": done.returncode, "summary": lines[-1] if lines else ""}
-
-
-def activation_comparison(timeout_s: int) -> dict:
-    """bench/gpu_activations.py on CUDA (a CPU calibration is not a CUDA one), in a subprocess: its
-    table printed here, its JSON returned. On CPU the tests pin the same comparison."""
-    if not CUDA:
-        return {"skipped": "the CUDA calibration needs CUDA (tests/deployments/models/test_activation_features.py pins the CPU one)"}
-    report = _bench_json(["bench/gpu_activations.py"], timeout_s)
-    if report["returncode"]:
-        return report
-    return {"returncode": 0, "max_abs_error": report["max_abs_error"], "rows": report["rows"]}
-
-
-def widen_cost(timeout_s: int) -> dict:
-    """bench/widen_cost.py on CUDA, in a subprocess: FP8 widening's cost per real-size Wan2.1-14B block
-    beside the copy it saves. On CPU the bench runs on its own (docs/benchmarks.md has its figures)."""
-    if not CUDA:
-        return {"skipped": "the widen's cost beside the pinned copy needs CUDA (bench/widen_cost.py runs on CPU alone)"}
-    return _bench_json(["bench/widen_cost.py", "--device", "cuda"], timeout_s)
+def chosen_cases(text: str) -> list[str]:
+    """``--cases``: names joined by commas, '' for none; an unknown name is refused, naming the cases."""
+    cases = [name for name in text.split(",") if name]
+    if unknown := sorted(set(cases) - set(CASES)):
+        raise ValueError(f"--cases: unknown {unknown}; the cases are {list(CASES)}")
+    return cases
 
 
 def bandwidth() -> dict:
@@ -267,37 +222,6 @@ def bandwidth() -> dict:
     return {"pinned_GBps": round(link.pinned_Bps / 1e9, 2), "pageable_GBps": round(link.pageable_Bps / 1e9, 2),
             "staged_GBps": round(link.staged_Bps / 1e9, 2), "memcpy_GBps": round(link.host_memcpy_Bps / 1e9, 2),
             "copier_threads": link.copier_threads, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
-
-
-def staged_sweep(timeout_s: int) -> dict:
-    """bench/staged_sweep.py: the staged pipeline by chunks and threads, the memcpy alone, NUMA facts."""
-    if not CUDA:
-        return {"skipped": "the staged pipeline feeds a CUDA copy"}
-    return _bench_json(["bench/staged_sweep.py"], timeout_s)
-
-
-def hook_cost(timeout_s: int) -> dict:
-    """bench/hook_cost.py --device cuda (the hooks' host time with a real copy stream and events)."""
-    if not CUDA:
-        return {"skipped": "bench/streaming.py --quick measures the hooks on CPU"}
-    return _bench_json(["bench/hook_cost.py", "--device", "cuda"], timeout_s)
-
-
-REPORT_S = 10  # what a run keeps for its summary and JSON after the last sub-bench
-MIN_PART_S = 15  # a sub-bench given less is not started (its import alone takes seconds)
-
-
-def within(budget: float | None, name: str, timeout_s: int, run) -> dict:
-    """``run(timeout)`` with its timeout cut to what the run's ``budget`` (a monotonic deadline) leaves:
-    the JSON is printed whatever the sub-benches take. Not started (exit 124, a failure) when too little is left."""
-    if not timeout_s:
-        return {"skipped": f"--{name}-timeout 0"}
-    if budget is not None:
-        left = int(budget - time.monotonic() - REPORT_S)
-        if left < MIN_PART_S:
-            return {"returncode": 124, "summary": f"not started: {left} s of the run's budget left"}
-        timeout_s = min(timeout_s, left)
-    return run(timeout_s)
 
 
 def print_case(result: dict) -> None:
@@ -331,10 +255,16 @@ def main() -> None:
                         help="seconds for bench/hook_cost.py --device cuda, after the calibration (0: skip)")
     parser.add_argument("--staged-timeout", type=int, default=40,
                         help="seconds for bench/staged_sweep.py, right after the link probe (0: skip)")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help="cases to run, comma-separated ('' for none): a rerun of what a fix touched")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="seconds the whole run may take: a sub-bench gets what is left of it, less a "
                              "few seconds for the report (default: no bound)")
     args = parser.parse_args()
+    try:
+        cases = chosen_cases(args.cases)
+    except ValueError as error:
+        parser.error(str(error))
     budget = None if args.budget_s is None else time.monotonic() + args.budget_s
     if args.require_cuda and not CUDA:
         parser.exit(2, "gpu_check: --require-cuda given but torch sees no CUDA device\n")
@@ -367,6 +297,8 @@ def main() -> None:
                 # the image regime: the median of at least 5 steps (the 1-frame step varied 1.08-1.53x)
                 ("wan2.1-1.3b-random-1frame", real, image_shape, max(5, args.steps),
                  {"ways": ("speed", "layerwise", *FP8_WAYS)})):
+            if name not in cases:
+                continue
             result = run_case(name, build, shape, steps, device, link, **options)
             results.append(result)
             print_case(result)
@@ -375,7 +307,7 @@ def main() -> None:
     hooks = within(budget, "hook-cost", args.hook_cost_timeout, hook_cost)
     widen = within(budget, "widen", args.widen_timeout, widen_cost)
     failed = failures(results, {"cuda_tests": tests, "activations": calibration, "hook_cost": hooks, "widen": widen})
-    figures = summary(link, results[1], results[2], hooks, calibration, tests)
+    figures = summary_of(link, results, hooks, calibration, tests)
     print(f"summary: {figures}")
     for failure in failed:
         print(f"MISSED: {failure}")

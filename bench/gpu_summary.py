@@ -45,6 +45,16 @@ def cuda_tests_failed(tests: dict) -> int | None:
     return counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
 
 
+COMPUTE_BOUND_CASE = "wan2.1-1.3b-random"  # real size at 6 latent frames
+IMAGE_CASE = "wan2.1-1.3b-random-1frame"  # the image regime
+
+
+def summary_of(link: dict, results: list[dict], hooks: dict, calibration: dict, tests: dict) -> dict:
+    """:func:`summary` of the cases that ran, each read by name: a rerun may run only some of them."""
+    ran = {result["case"]: result for result in results}
+    return summary(link, ran.get(COMPUTE_BOUND_CASE), ran.get(IMAGE_CASE), hooks, calibration, tests)
+
+
 def summary(link: dict, compute_bound: dict | None, one_frame: dict | None, hooks: dict, calibration: dict,
             tests: dict) -> dict:
     pinned = _step(compute_bound, "layerwise")

@@ -86,17 +86,38 @@ def test_a_sub_bench_gets_what_the_run_budget_leaves_and_is_not_started_when_it_
     import time
 
     sys.path.insert(0, str(REPO / "bench"))
-    import gpu_check
+    import gpu_parts
 
     given = []
 
     def run(timeout_s):
         given.append(timeout_s)
         return {"returncode": 0}
-    assert gpu_check.within(time.monotonic() + 100, "x", 120, run) == {"returncode": 0}
-    assert 100 - gpu_check.REPORT_S - 2 <= given[0] <= 100 - gpu_check.REPORT_S, "cut to what is left"
-    assert gpu_check.within(None, "x", 120, run) == {"returncode": 0} and given[-1] == 120
-    spent = gpu_check.within(time.monotonic() + 20, "x", 120, run)
+    assert gpu_parts.within(time.monotonic() + 100, "x", 120, run) == {"returncode": 0}
+    assert 100 - gpu_parts.REPORT_S - 2 <= given[0] <= 100 - gpu_parts.REPORT_S, "cut to what is left"
+    assert gpu_parts.within(None, "x", 120, run) == {"returncode": 0} and given[-1] == 120
+    spent = gpu_parts.within(time.monotonic() + 20, "x", 120, run)
     assert spent["returncode"] == 124 and "not started" in spent["summary"] and len(given) == 2
-    assert gpu_check.within(None, "x", 0, run) == {"skipped": "--x-timeout 0"}
+    assert gpu_parts.within(None, "x", 0, run) == {"skipped": "--x-timeout 0"}
 
+
+
+def test_a_rerun_names_the_cases_it_runs_and_the_summary_reads_each_by_name():
+    """A device session with minutes left reruns what a fix touched (``--cases``)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+    from gpu_summary import summary_of
+
+    assert gpu_check.chosen_cases(",".join(gpu_check.CASES)) == list(gpu_check.CASES)
+    assert gpu_check.chosen_cases("") == []
+    assert gpu_check.chosen_cases("wan2.1-1.3b-random-1frame") == ["wan2.1-1.3b-random-1frame"]
+    with pytest.raises(ValueError, match=r"--cases: unknown \['wan2.1'\]; the cases are"):
+        gpu_check.chosen_cases("wan2.1,medium-wan-denoiser")
+    rows = {"layerwise": {"step_s": 0.1, "median_step_s": 0.1, "bound_s": 0.08},
+            "layerwise_fp8": {"step_s": 0.1, "median_step_s": 0.06}}
+    only_image = [{"case": "wan2.1-1.3b-random-1frame", "rows": rows}]
+    figures = summary_of({}, only_image, {}, {}, {"skipped": "not asked"})
+    assert figures["fp8_over_bf16_1frame"] == 0.6, "the image regime's ratio read from its own case"
+    assert figures["fp8_over_bf16_compute_bound"] is None, "the 6-frame case did not run: no ratio, not its rows"

@@ -29,7 +29,8 @@ print('ok')
 COLLECT = BLOCK + """
 import pytest
 sys.path.insert(0, 'bench')
-from gpu_check import CUDA_TESTS
+import gpu_check
+from gpu_parts import CUDA_TESTS
 import gpu_activations, hook_cost, staged_sweep, widen_cost  # gpu_check's sub-benches on CUDA, each its own process
 sys.exit(pytest.main(['-p', 'no:xdist', '-p', 'no:cacheprovider', '-qq', '--collect-only', *CUDA_TESTS]))
 """
