@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any, Hashable, Mapping
 
 from deployments.capacity.finish_model import work_seconds
@@ -235,7 +235,7 @@ class WorkPolicy:
         said = (decision.replicas, decision.basis.value)
         if ctx.policy_state.get("work_policy.said") != list(said):
             logger.info("%s", decision.describe(ctx.deployment_name, ctx.current_num_replicas, self.target_work_s))
-        kept = {name: [r.seen, r.work_s, r.requests, r.request_s] for name, r in reports.items()}
+        kept = {name: list(astuple(report)) for name, report in reports.items()}  # Report(*kept)
         return decision.replicas, {"work_policy.said": list(said), LAST_REPORTS: kept}
 
 

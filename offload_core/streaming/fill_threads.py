@@ -166,6 +166,13 @@ def probe(dst: torch.Tensor, cap: int, repeats: int = 3, cache_bytes: int | None
     return FillProbe(threads, rates, src.numel() * src.element_size(), cache_bytes)
 
 
+def device_probe_host_bytes(cache_bytes: int | None = None) -> int:
+    """Host memory :func:`device_probe` holds while it runs: its destination and the slices it rotates
+    over (``cache_bytes``: None reads sysfs)."""
+    cache_bytes = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+    return PROBE_BYTES * (1 + source_slices(PROBE_BYTES, cache_bytes))
+
+
 @functools.lru_cache(maxsize=None)
 def device_probe(device: torch.device, cap: int) -> FillProbe:
     """:func:`probe` into a page-locked buffer for ``device`` (pageable where the lock is refused), once."""

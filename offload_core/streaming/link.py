@@ -45,13 +45,7 @@ def measure_link(device: torch.device | str, nbytes: int = LINK_PROBE_BYTES, rep
 
     ``copier_cap``: the most threads a staging fill may split over (None: ``fill_threads.default_cap()``,
     this process alone on the node); the count chosen within it is ``LinkFacts.copier_threads``."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"host->device bandwidth is measured on CUDA, not {device}; configure LinkFacts instead")
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    cap = fill_threads.default_cap() if copier_cap is None else int(copier_cap)
-    key = (device, int(nbytes), int(repeats), cap)
+    key = _key(device, nbytes, repeats, copier_cap)
     if key not in _MEASURED:
         _MEASURED[key] = _measured(*key)
     return _MEASURED[key]
@@ -59,19 +53,26 @@ def measure_link(device: torch.device | str, nbytes: int = LINK_PROBE_BYTES, rep
 
 def is_measured(device: torch.device | str, copier_cap: int, nbytes: int = LINK_PROBE_BYTES, repeats: int = 3) -> bool:
     """Whether this process measured ``device``'s link so already: :func:`measure_link` then takes nothing."""
+    return _key(device, nbytes, repeats, copier_cap) in _MEASURED
+
+
+def _key(device: torch.device | str, nbytes: int, repeats: int,
+         copier_cap: int | None) -> tuple[torch.device, int, int, int]:
+    """What a measurement is kept under: the CUDA device with its index, probe bytes, repeats, copier cap."""
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
+    if device.type != "cuda":
+        raise ValueError(f"host->device bandwidth is measured on CUDA, not {device}; configure LinkFacts instead")
+    if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return (device, int(nbytes), int(repeats), int(copier_cap)) in _MEASURED
+    cap = fill_threads.default_cap() if copier_cap is None else int(copier_cap)
+    return device, int(nbytes), int(repeats), cap
 
 
 def probe_host_bytes(nbytes: int = LINK_PROBE_BYTES, cache_bytes: int | None = None) -> int:
     """Host memory a process's first :func:`measure_link` holds at its peak, for the ~1-2 s it runs: the
-    fill probe (its pinned destination and rotated source, up to 1 GiB) and then this probe (pageable and
-    pinned sources, two staging chunks), one after the other. ``cache_bytes``: None reads sysfs."""
-    cache_bytes = fill_threads.last_level_cache_bytes() if cache_bytes is None else cache_bytes
-    fill = fill_threads.PROBE_BYTES * (1 + fill_threads.source_slices(fill_threads.PROBE_BYTES, cache_bytes))
-    return max(fill, 2 * nbytes + 2 * min(STAGE_CHUNK_BYTES, nbytes))
+    fill probe (``fill_threads.device_probe_host_bytes``, up to 1.06 GiB) and then this probe (pageable
+    and pinned sources, two staging chunks), one after the other. ``cache_bytes``: None reads sysfs."""
+    return max(fill_threads.device_probe_host_bytes(cache_bytes), 2 * nbytes + 2 * min(STAGE_CHUNK_BYTES, nbytes))
 
 
 # 32 MiB chunks: a few ms of memcpy each, long against one copy's ~10 us issue cost, and two of
