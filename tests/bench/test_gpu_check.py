@@ -72,11 +72,12 @@ def test_the_summary_reads_failed_cuda_tests_from_pytest_and_ratios_from_the_row
     figures = summary({"staged_GBps": 20.0, "memcpy_GBps": 28.0}, {"rows": rows}, {"rows": rows},
                       {"hook_us_per_layer_max": 50.0,
                        "hook_us_per_layer": {"wan2.1-14b-structure": 50.0, "wan2.1-14b-structure-denoise": 30.0}},
-                      {"rows": [{"error": -0.02}, {"error": 0.2}]},
+                      {"rows": [{"error": -0.02, "error_requested": -0.01}, {"error": 0.2, "error_requested": 0.03}]},
                       {"returncode": 0, "summary": "44 passed"})
     assert figures["pageable_over_pinned"] == 1.2 and figures["fp8_over_bf16_1frame"] == 0.6
     assert figures["pinned_over_bound_1frame"] == 1.25 and figures["mapped_over_pinned"] is None
     assert (figures["activation_error_min"], figures["activation_error_max"]) == (-0.02, 0.2)
+    assert (figures["activation_error_requested_min"], figures["activation_error_requested_max"]) == (-0.01, 0.03)
     assert figures["hook_us_per_layer"] == 50.0 and figures["hook_us_per_layer_denoise"] == 30.0
     assert figures["staged_GBps_omp1"] == 20.0
 
