@@ -52,6 +52,12 @@ class ComponentOverride:
         if self.prefetch_depth is not None and self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth must be >= 1, got {self.prefetch_depth}")
 
+    def describe(self) -> str:
+        """The fields pinned, as a config names them (``prefetch_depth=1, hosting=mapped``)."""
+        pinned = [f"{name}={value.value if isinstance(value, enum.Enum) else value}"
+                  for name, value in asdict(self).items() if value is not None]
+        return ", ".join(pinned) or "nothing pinned"
+
 
 @dataclass(frozen=True)
 class ComponentPrediction:

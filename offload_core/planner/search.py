@@ -323,7 +323,8 @@ def plan_pipeline(facts: PipelineFacts, mode: PerformanceMode | str = Performanc
     # Staged tiers were priced at link.staged_Bps, measured with this many copier threads: run as many.
     plan = dataclasses.replace(plan, components=tuple(
         dataclasses.replace(c, copier_threads=facts.link.copier_threads) for c in plan.components))
-    plan = dataclasses.replace(plan, notes=(why, *(f"override {n}: {o}" for n, o in overrides.items())))
+    plan = dataclasses.replace(plan, notes=(why, *(f"override {n}: {o.describe()} fixed, the rest planned"
+                                                    for n, o in overrides.items())))
     for line in plan.explain():
         logger.info("plan: %s", line)
     return plan

@@ -115,7 +115,9 @@ def test_a_hand_pinned_field_is_kept_and_the_rest_is_still_planned():
     plan = plan_pipeline(facts, PerformanceMode.AUTO, {"dit": ComponentOverride(prefetch_depth=2, resident_layers=1)})
     dit = plan.component("dit")
     assert (dit.prefetch_depth, dit.resident_layers, dit.strategy) == (2, 1, Strategy.LAYERWISE)
-    assert any("override dit" in note for note in plan.notes)
+    assert "override dit: resident_layers=1, prefetch_depth=2 fixed, the rest planned" in plan.notes
+    hosted = plan_pipeline(facts, PerformanceMode.AUTO, {"dit": ComponentOverride(hosting=HostingTier.MAPPED)})
+    assert "override dit: hosting=mapped fixed, the rest planned" in hosted.notes
     with pytest.raises(ValueError, match="unknown components"):
         plan_pipeline(facts, PerformanceMode.AUTO, {"nope": ComponentOverride(park=True)})
 
