@@ -115,8 +115,10 @@ class StageWorker:
         self.activations: activation_features.StageActivations | None = None
         self.metrics = StageMetrics(config.stage.value)
         self.gauges = ReplicaGauges(config.stage.value, f"{(self.memory.node.node_id or 'local')[:8]}/{self.memory.device_pool}")
-        # One call at a time per replica: the pipeline object (scheduler state) is not reentrant.
+        # One call at a time per replica: the pipeline object (scheduler state) is not reentrant. A report
+        # takes the lock too (it walks the weights a call moves), so whether a call runs is its own flag.
         self._lock = threading.Lock()
+        self._in_call = False
         self._last = StageStats(config.stage.value, self.replica, 0.0, 0, 0)
         self._batch = None if config.batching is None else BatchState(0, 0.0, config.batching.max_batch)
         self._board = None
@@ -146,8 +148,9 @@ class StageWorker:
 
     @property
     def busy(self) -> bool:
-        """A call holds this replica (its pipeline and its device working set)."""
-        return self._lock.locked()
+        """A call holds this replica (its pipeline and its device working set). Not the lock: a report being
+        built holds it too, for 2.5-17 ms every second while calls ran, and read as a call that never ended."""
+        return self._in_call
 
     def run(self, work: Callable[[], object], spec: GenerationSpec | None = None) -> StageOutput:
         if spec is not None:
@@ -210,16 +213,20 @@ class StageWorker:
         the call the standing lease follows what the parking gate left on the device (rare).
         """
         with self._lock:
-            with self._call_lease(activation_bytes):
-                self.residency.prepare_for_use()
-                try:
-                    with self.first_use.timed():
-                        yield
-                finally:
-                    self.residency.finish_use()
-                    self.metrics.record_components(self.residency.bytes_streamed_by_component())
-                kept = self.residency.kept_bytes()
-            self.leases.hold_standing(kept + self.lora_bytes, self.config.device_timeout_s)
+            self._in_call = True
+            try:
+                with self._call_lease(activation_bytes):
+                    self.residency.prepare_for_use()
+                    try:
+                        with self.first_use.timed():
+                            yield
+                    finally:
+                        self.residency.finish_use()
+                        self.metrics.record_components(self.residency.bytes_streamed_by_component())
+                    kept = self.residency.kept_bytes()
+                self.leases.hold_standing(kept + self.lora_bytes, self.config.device_timeout_s)
+            finally:
+                self._in_call = False
         measured = self.first_use.take_changed()
         if measured is not None:
             self._replan(measured)
