@@ -51,7 +51,8 @@ class CallPeak:
 
 
 def _requested(device: torch.device, which: str) -> int | None:
-    return torch.cuda.memory_stats(device)[f"requested_bytes.all.{which}"] if device.type == "cuda" else None
+    """None off CUDA, or where the allocator keeps no such counter (the cudaMallocAsync backend)."""
+    return torch.cuda.memory_stats(device).get(f"requested_bytes.all.{which}") if device.type == "cuda" else None
 
 
 def measure_call(call: Callable[[], object], device: torch.device, weights) -> CallPeak:
@@ -59,7 +60,8 @@ def measure_call(call: Callable[[], object], device: torch.device, weights) -> C
     (measure_activations resets the peak statistics as the call starts)."""
     before = _requested(device, "current")
     _, measured = measure_activations(call, device, weights)
-    return CallPeak(measured.peak_bytes, None if before is None else max(0, _requested(device, "peak") - before))
+    peak = _requested(device, "peak")
+    return CallPeak(measured.peak_bytes, None if before is None or peak is None else max(0, peak - before))
 
 
 def compare(model: str, device: torch.device, measure_peak=measure_call) -> list[dict]:
