@@ -111,7 +111,7 @@ LONG_IN_PROCESS: dict[str, float] = {
     "tests/deployments/models/test_activation_features.py": 11.6, "tests/deployments/replica/tensor_parallel/test_ranked_denoiser.py": 8.8,
     "tests/offload_core/planner/test_cli.py": 8.3, "tests/bench/test_sim_overlap.py": 7.9,
     "tests/deployments/replica/test_warmup.py": 7.5, "tests/offload_core/planner/test_search.py": 6.6,
-    "tests/offload_core/residency/test_host_tables.py": 6.2,
+    "tests/offload_core/residency/test_host_tables.py": 6.2, "tests/bench/test_gpu_activations.py": 10.0,
 }
 
 
