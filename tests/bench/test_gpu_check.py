@@ -102,7 +102,6 @@ def test_a_sub_bench_gets_what_the_run_budget_leaves_and_is_not_started_when_it_
     assert gpu_parts.within(None, "x", 0, run) == {"skipped": "--x-timeout 0"}
 
 
-
 def test_a_rerun_names_the_cases_it_runs_and_the_summary_reads_each_by_name():
     """A device session with minutes left reruns what a fix touched (``--cases``)."""
     import sys
