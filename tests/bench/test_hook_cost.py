@@ -33,5 +33,8 @@ def test_the_profile_lists_the_hooks_own_work_and_none_of_the_layers_compute():
     cost = hook_cost.measure_case("toy", *toy_case(), requests=1)
     functions = {line.function for line in cost.profile}
     assert any(name.startswith(("ring.py:", "engine.py:", "unit.py:")) for name in functions), functions
-    assert not any("linear" in name.lower() or "forward" in name for name in functions), functions
+    # The engine's own hooks are named pre_forward/post_forward (unit.py): only a module's forward itself
+    # and the kernels it calls are compute (matching any "forward" failed whenever those hooks ranked top 12).
+    compute = [name for name in functions if name.endswith(":forward") or "_nn.linear" in name or "addmm" in name]
+    assert not compute, functions
     assert all(line.calls_per_layer > 0 and line.own_us_per_layer >= 0 for line in cost.profile)
