@@ -56,7 +56,8 @@ def test_a_replica_is_busy_while_a_call_holds_it_not_while_a_report_is_built(wor
     monkeypatch.setattr(worker_module.ray, "is_initialized", lambda: True)  # publish builds only under Ray
     monkeypatch.setattr(worker, "_board", SimpleNamespace(publish=SimpleNamespace(remote=lambda *a: None)))
     worker.publish()
-    assert during_report == [False]
+    # The replica's own publisher thread may build a report too while Ray reads as up: each one counts.
+    assert during_report and not any(during_report), during_report
     with worker.in_use():
         assert worker.busy
     assert not worker.busy
