@@ -56,13 +56,29 @@ def encode_on(worker: StageWorker, spec: GenerationSpec) -> StageOutput:
     return StageOutput(encoded.value.packed(), encoded.stats)  # the Denoiser unpacks it
 
 
+class RankedStage:
+    """What the two stages that may span several GPUs (``tp_size > 1``: TextEncoder, Denoiser) answer of
+    their ranks; ``group`` is None at tp_size 1."""
+
+    group: ShardGroup | None = None
+
+    def ranks(self) -> list[RankIdentity]:
+        """Where each rank runs (pid, node, GPU); empty at tp_size 1."""
+        return list(self.group.identities) if self.group is not None else []
+
+    def check_health(self) -> None:
+        """Serve's health check: at tp_size > 1 every rank must answer (a broken group fails it for good)."""
+        if self.group is not None:
+            self.group.check_health()
+
+
 @serve.deployment(name="TextEncoder")
-class TextEncoder:
+class TextEncoder(RankedStage):
     """At ``tp_size > 1`` the replica holds no model itself: its ranks do (deployments/replica/tensor_parallel/group.py)."""
 
     def __init__(self, config: StageConfig):
         into_replica_log()
-        self.group: ShardGroup | None = None
+        self.group = None
         if config.tp_size > 1:
             self.group = ShardGroup(config, replica_id(config.stage), config.tp_size)
         else:
@@ -76,15 +92,6 @@ class TextEncoder:
 
     def residency(self) -> ReplicaResidency:
         return self.group.reports()[0] if self.group is not None else self.worker.report()
-
-    def ranks(self) -> list[RankIdentity]:
-        """Where each rank runs (pid, node, GPU); empty at tp_size 1."""
-        return list(self.group.identities) if self.group is not None else []
-
-    def check_health(self) -> None:
-        """Serve's health check: at tp_size > 1 every rank must answer (a broken group fails it for good)."""
-        if self.group is not None:
-            self.group.check_health()
 
     def __del__(self):  # Serve calls it on graceful replica shutdown
         if hasattr(self, "thread"):
@@ -100,7 +107,7 @@ _DONE = object()
 
 
 @serve.deployment(name="Denoiser")
-class Denoiser:
+class Denoiser(RankedStage):
     """Step-level batching: compatible requests share each transformer forward (one stream of the
     weights per step boundary serves them all); each keeps its own scheduler, seed and progress."""
 
@@ -108,7 +115,7 @@ class Denoiser:
         """At ``tp_size > 1`` the ranks hold the transformer and run its forwards
         (deployments/replica/tensor_parallel/ranked_denoiser.py); the batching stays here."""
         into_replica_log()
-        self.group: ShardGroup | None = None
+        self.group = None
         if config.tp_size > 1:
             refuse_step_cache(config)  # before any rank starts
             self.group = ShardGroup(config, replica_id(config.stage), config.tp_size)
@@ -245,15 +252,6 @@ class Denoiser:
         self._request_s = stats.get(REQUEST_S, self._request_s)
         self.work_gauges.record(int(stats[REQUESTS]), stats.get(WORK_S))
         return stats
-
-    def ranks(self) -> list[RankIdentity]:
-        """Where each rank runs (pid, node, GPU); empty at tp_size 1."""
-        return list(self.group.identities) if self.group is not None else []
-
-    def check_health(self) -> None:
-        """Serve's health check: at tp_size > 1 every rank must answer (a broken group fails it for good)."""
-        if self.group is not None:
-            self.group.check_health()
 
     def __del__(self):  # Serve calls it on graceful replica shutdown
         if hasattr(self, "batcher"):
