@@ -134,6 +134,22 @@ def test_pins_follow_the_host_lease_in_layer_order():
     assert everything.pinned_bytes == 10_240 and everything.staging_bytes == 0, "all pinned: nothing staged"
 
 
+def test_pins_leave_the_lease_room_for_the_staging_of_components_offered_pins_later():
+    # The dit (10 layers of 1,024 B, 10 uses) is offered pins first; the encoder (4 layers of 2,048 B, one
+    # use) after it, none of its layers pinnable once the dit took the lease: it stages all of them through
+    # two 2,048 B buffers. A 10,240 B lease pins 4 dit layers (4,096 B) beside the dit's own staging (2,048)
+    # and the encoder's (4,096 B: every one of its layers would stage), not all 10 with nothing left for it.
+    encoder = uniform(n=4, layer_bytes=2048, uses=1, name="encoder")
+    facts = PipelineFacts((encoder, uniform()), (Stage("encode", ("encoder",)), Stage("denoise", ("dit",))),
+                          20_000, LinkFacts(pinned_Bps=512.0, pageable_Bps=102.4), 10_240)
+    plan = plan_pipeline(facts, PerformanceMode.MEMORY)
+    tiers = {name: [tier for _, tier in plan.component(name).hosting] for name in ("dit", "encoder")}
+    assert tiers["encoder"] == [HostingTier.PAGEABLE] * 4
+    assert tiers["dit"] == [HostingTier.PINNED] * 4 + [HostingTier.PAGEABLE] * 6
+    assert plan.pinned_bytes <= facts.host_lease_bytes, plan.explain()
+    assert plan.staging_bytes == 2 * 1024 + 2 * 2048
+
+
 def test_the_plan_configures_the_engine():
     dit = plan_pipeline(one_component(capacity=9_216), PerformanceMode.AUTO).component("dit")
     config = streaming_config(dit)
