@@ -1,7 +1,8 @@
 """Host tiers per layer for a candidate plan: which streamed layers the host lease pins.
 
 Pins go along the pin order (``host.pin_order``, as the host plan leases them) while each pin and
-the staging buffers the layers after it would need still fit the lease; the rest is PAGEABLE. The
+the staging buffers the layers after it would need (its own component's and every component offered
+pins after it) still fit the lease; the rest is PAGEABLE. The
 search (``planner.search``) assigns them for every combination it tries and its bound
 (``planner.search_bound``) reasons with the same rule. Runs in whichever process plans.
 """
@@ -24,7 +25,8 @@ def assign_hosting(facts: PipelineFacts, plans: dict[str, ComponentPlan],
     """Tiers per layer: pins along the pin order (``host.pin_order``, as the host plan leases them) up to the lease.
 
     A layer is pinned only if the lease also holds the staging buffers the layers after it would
-    need if none of them were pinned; what a component stages is taken from the lease at its end.
+    need if none of them were pinned, in its component and in the components offered pins later;
+    what a component stages is taken from the lease at its end.
     The tiers depend only on which components stream and how many layers each keeps resident, so
     within one search (``cache``) they are worked out once per such combination.
     """
