@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from offload_core.planner.folders import folder_facts
-from offload_core.planner.inputs import gpu_spec, real_model_facts
+from offload_core.planner.inputs import GiB, gpu_spec, real_model_facts
 from offload_core.planner.pipeline_plan import PerformanceMode, PipelinePlan
 from offload_core.planner.search import plan_pipeline
 
@@ -125,8 +125,13 @@ def main(argv: list[str] | None = None, prog: str = "offload-serve plan") -> int
     args.model_dir = args.model_dir or args.folder
     if args.tp > 1 and args.model_dir:
         parser.error("--tp plans a real model (--model); a folder's stages are planned at tp 1")
+    if args.host_ram <= 0:
+        parser.error(f"--host-ram must be > 0, got {args.host_ram} B")
     try:
         gpu = gpu_spec(args.gpu)
+        if args.working_set >= gpu.memory_bytes:
+            raise ValueError(f"--working-set {args.working_set / GiB:.2f} GiB leaves no room for weights on the "
+                             f"{gpu.name}'s {gpu.memory_bytes / GiB:.2f} GiB")
         if args.model:
             facts, notes = real_model_facts(args.model, gpu, args.host_ram, working_set=args.working_set,
                                             steps=args.steps, tp_size=args.tp, flow_shift=args.shift)

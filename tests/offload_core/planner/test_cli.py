@@ -97,6 +97,9 @@ def test_tp_2_plans_the_flux_dit_with_diffusers_plan_as_one_rank_holds_it(capsys
     (["--model", "sd-9", "--gpu", "L4", "--host-ram", "64GiB"], "unknown model 'sd-9'"),
     (["--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "lots"], "not a byte size: 'lots'"),
     (["--model-dir", "/nonexistent", "--gpu", "L4", "--host-ram", "64GiB"], "has no model_index.json"),
+    (["--model", "flux.1-dev", "--gpu", "L4", "--host-ram", "64GiB", "--working-set", "100GiB"],
+     "--working-set 100.00 GiB leaves no room for weights on the L4's 24.00 GiB"),
+    (["--model", "flux.1-dev", "--gpu", "L4", "--host-ram", "0GiB"], "--host-ram must be > 0, got 0 B"),
     (["--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "64GiB", "--picture", "plan.jpg"],
      "must end in .svg or .png"),
 ])
