@@ -320,6 +320,11 @@ def plan_pipeline(facts: PipelineFacts, mode: PerformanceMode | str = Performanc
                "resident layers added while streaming was not hidden behind compute")
     if not plan.feasible:
         why += f"; no plan fits: predicted peak {plan.peak_device_bytes} B > budget {budget} B"
+    if plan.pinned_bytes > facts.host_lease_bytes:
+        # Pins never take the lease past what staging needs (host_tiers), so only the staging floor is over.
+        why += (f"; host lease short: the staging buffers alone pin {plan.staging_bytes / 2**30:.2f} GiB "
+                f"(two of each streamed component's largest staged layer, whatever the tiers) of a "
+                f"{facts.host_lease_bytes / 2**30:.2f} GiB lease")
     # Staged tiers were priced at link.staged_Bps, measured with this many copier threads: run as many.
     plan = dataclasses.replace(plan, components=tuple(
         dataclasses.replace(c, copier_threads=facts.link.copier_threads) for c in plan.components))

@@ -161,6 +161,14 @@ def test_a_real_size_plan_never_pins_more_than_the_host_lease(mode):
     assert plan.pinned_bytes <= facts.host_lease_bytes, (plan.pinned_bytes, facts.host_lease_bytes)
 
 
+def test_a_host_lease_below_the_staging_floor_is_said_in_the_plan():
+    plan = plan_pipeline(one_component(capacity=4_096, lease=1_024), PerformanceMode.MEMORY)
+    assert plan.pinned_bytes == plan.staging_bytes == 2_048, "nothing pinned: the staging floor is all it pins"
+    assert "host lease short: the staging buffers alone pin 0.00 GiB" in plan.notes[0]
+    roomy = plan_pipeline(one_component(capacity=4_096, lease=2_048), PerformanceMode.MEMORY)
+    assert "host lease short" not in " ".join(roomy.notes)
+
+
 def test_the_plan_configures_the_engine():
     dit = plan_pipeline(one_component(capacity=9_216), PerformanceMode.AUTO).component("dit")
     config = streaming_config(dit)
