@@ -50,14 +50,15 @@ def tiers_along_pin_order(facts: PipelineFacts, plans: dict[str, ComponentPlan],
                                    tuple((l.key, l.host_bytes) for l in profile.layers[:r])))
     left, pin_open, out = facts.host_lease_bytes, True, dict(plans)
     ordered = pin_order(claims)
-    staged_later = _staging_of_later_claims(facts, ordered, overrides)
+    layouts = {c.component: {l.key: l.layout.host_flat_bytes for l in facts.component(c.component).layers}
+               for c in ordered}
+    afters = [suffix_staging(tuple(layouts[c.component][key] for key, _ in c.layers)) for c in ordered]
+    staged_later = _staging_of_later_claims(ordered, afters, overrides)
     for rank, claim in enumerate(ordered):
         plan, profile = plans[claim.component], facts.component(claim.component)
         forced = overrides.get(claim.component, ComponentOverride()).hosting
         tiers = {}
-        layouts = {l.key: l.layout.host_flat_bytes for l in profile.layers}
-        keys = [key for key, _ in claim.layers]
-        after = suffix_staging(tuple(layouts[key] for key in keys))
+        keys, after = [key for key, _ in claim.layers], afters[rank]
         for index, (key, nbytes) in enumerate(claim.layers):
             if forced is not None:
                 tiers[key] = forced
@@ -66,23 +67,20 @@ def tiers_along_pin_order(facts: PipelineFacts, plans: dict[str, ComponentPlan],
             else:
                 pin_open = False  # a priority order: later layers do not jump ahead of a missed one
                 tiers[key] = HostingTier.PAGEABLE
-        left -= staging_bytes(layouts[key] for key in keys if tiers[key] in STAGED_TIERS)
+        left -= staging_bytes(layouts[claim.component][key] for key in keys if tiers[key] in STAGED_TIERS)
         out[claim.component] = dataclasses.replace(plan, hosting=tuple((l.key, tiers[l.key]) for l in profile.layers))
     return out
 
 
-def _staging_of_later_claims(facts: PipelineFacts, ordered: tuple[PinClaim, ...],
+def _staging_of_later_claims(ordered: tuple[PinClaim, ...], afters: list[list[int]],
                              overrides: Mapping[str, ComponentOverride]) -> list[int]:
-    """``[k]``: the staging bytes the claims after the ``k``-th would hold if they were offered no pin,
-    so a pin never takes what they stage through (FLUX.1-dev, 24 GiB host: the transformer pinned 54
-    layers and left T5's two 448 MiB buffers 0.66 GiB over the lease). Offered pins later, a claim can
-    only stage as much or less: a hand-pinned one stages nothing, one hand-set to another tier all of it."""
-    staged = []
-    for claim in ordered:
-        forced = overrides.get(claim.component, ComponentOverride()).hosting
-        layouts = {l.key: l.layout.host_flat_bytes for l in facts.component(claim.component).layers}
-        whole = suffix_staging(tuple(layouts[key] for key, _ in claim.layers))[0]
-        staged.append(0 if forced is HostingTier.PINNED else whole)
+    """``[k]``: the staging bytes the claims after the ``k``-th would hold if they were offered no pin
+    (``afters[k][0]``: each claim's whole staging), so a pin never takes what they stage through
+    (FLUX.1-dev, 24 GiB host: the transformer pinned 54 layers and left T5's two 448 MiB buffers 0.66 GiB
+    over the lease). Offered pins later, a claim can only stage as much or less: a hand-pinned one stages
+    nothing, one hand-set to another tier all of it."""
+    staged = [0 if overrides.get(claim.component, ComponentOverride()).hosting is HostingTier.PINNED else after[0]
+              for claim, after in zip(ordered, afters)]
     return [sum(staged[k + 1:]) for k in range(len(ordered))]
 
 
