@@ -282,6 +282,9 @@ def stage_configs(args: AppArgs, facts: FamilyTraits) -> dict[str, StageConfig]:
                PipelineStage.DECODE: args.decoder}
     configs = {}
     shape = WarmupShape.default_for(args.limits, facts)  # a default size the API would refuse fails the build
+    if args.limits.default_steps < facts.min_steps:  # every request naming no steps would be refused
+        raise ValueError(f"limits.default_steps: {args.limits.default_steps} is too few for this model, which needs "
+                         f"at least {facts.min_steps} (its scheduler's shift_terminal={facts.shift_terminal})")
     loras = served_loras(args, facts)
     for stage, stage_args in options.items():
         if stage is not PipelineStage.DENOISE and stage_args.cache_threshold:

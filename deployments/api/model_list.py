@@ -36,6 +36,8 @@ class ModelCard(BaseModel):
     family: str = Field(description="the model family (deployments/models/): wan, wan-i2v, flux, ...")
     modalities: list[str] = Field(description="what the family makes: image, video, image-to-video")
     size_multiple: int = Field(description="Width and height must be multiples of this.")
+    min_steps: int = Field(1, description="The fewest num_inference_steps the model's schedule makes finite "
+                                          "(2 where its scheduler sets shift_terminal: Qwen-Image).")
     limits: ModelLimits
     configured_limits: Limits = Field(description="The configured limits and defaults (args.limits).")
     serving: bool = Field(True, description="Every stage deployment has a running replica; false: requests "
@@ -57,5 +59,5 @@ def model_card(model_id: str, facts: FamilyTraits, limits: Limits,
                admissions: Sequence[StageAdmission], loras: Sequence[ServedLora] = ()) -> ModelCard:
     return ModelCard(id=model_id, family=facts.family.value,
                      modalities=list(facts.modalities),
-                     size_multiple=facts.size_multiple, limits=model_limits(facts, limits, admissions),
+                     size_multiple=facts.size_multiple, min_steps=facts.min_steps, limits=model_limits(facts, limits, admissions),
                      configured_limits=limits, loras=[LoraCard(name=lora.name, scale=lora.scale) for lora in loras])

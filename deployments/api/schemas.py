@@ -110,10 +110,14 @@ def with_lora(spec: GenerationSpec, req: _Generation, loras: Sequence[ServedLora
     return dataclasses.replace(spec, lora=req.lora, lora_scale=scale)
 
 
-def _steps(req: _Generation, limits: Limits) -> int:
+def _steps(req: _Generation, facts: FamilyTraits, limits: Limits) -> int:
     steps = req.num_inference_steps or limits.default_steps
     if steps > limits.max_steps:
         raise FieldError("num_inference_steps", f"{steps} exceeds the configured maximum of {limits.max_steps}")
+    if steps < facts.min_steps:
+        raise FieldError("num_inference_steps", f"{steps} is too few for this model: it needs at least "
+                                                f"{facts.min_steps} (its scheduler ends the schedule at "
+                                                f"shift_terminal={facts.shift_terminal}, which one step cannot)")
     return steps
 
 
@@ -134,7 +138,7 @@ def _spec(req: _Generation, facts: FamilyTraits, limits: Limits, n: int, frames:
     guidance = facts.default_guidance if req.guidance_scale is None else req.guidance_scale
     seed = secrets.randbelow(2**31) if req.seed is None else req.seed
     return GenerationSpec(uuid.uuid4().hex, req.prompt, req.negative_prompt, height, width, frames,
-                          _steps(req, limits), guidance, seed, n, reference, req.cache_threshold)
+                          _steps(req, facts, limits), guidance, seed, n, reference, req.cache_threshold)
 
 
 def image_spec(req: ImageRequest, facts: FamilyTraits, limits: Limits, model_id: str,

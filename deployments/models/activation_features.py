@@ -101,10 +101,10 @@ def calibrate_stage(facts: FamilyTraits, stage: PipelineStage, shapes: Sequence[
     return StageActivations(facts, stage, models)
 
 
-def calibration_shapes(facts: FamilyTraits, steps: int = 1,
+def calibration_shapes(facts: FamilyTraits, steps: int | None = None,
                        stage: PipelineStage | None = None) -> tuple[GenerationSpec, ...]:
     """Two shapes per regime, small enough to run at start-up, that separate each stage's features
-    (they differ in n and in size). A family that makes at most ``facts.max_n`` outputs per request
+    (they differ in n and in size), at ``steps`` (the fewest the model's schedule allows when None). A family that makes at most ``facts.max_n`` outputs per request
     decodes no more (HunyuanVideo 1.5: one video at a time, so its decoder's peak is not linear in a
     larger n); its other stages still vary n, which their features need."""
     from deployments.models.registry import adapter_for
@@ -114,6 +114,7 @@ def calibration_shapes(facts: FamilyTraits, steps: int = 1,
     # family that guides only with one, Qwen-Image, would otherwise be calibrated on half the rows).
     negative = "" if facts.supports_negative_prompt else None
     small, large = (math.ceil(side / m) * m for side in (32, 64))
+    steps = facts.min_steps if steps is None else steps
 
     def spec(name, side, frames, n):
         if stage is PipelineStage.DECODE and facts.max_n is not None:

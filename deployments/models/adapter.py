@@ -72,6 +72,15 @@ class FamilyTraits:
     # The most outputs one request may ask for (the ``n`` of a batch the family's VAE can decode);
     # None: only the configured limit. HunyuanVideo 1.5's pipeline fails on a batch of two: 1.
     max_n: int | None = None
+    # The folder's scheduler's ``shift_terminal`` (Qwen-Image: 0.02), or None. diffusers stretches the
+    # schedule so that its last sigma is this; with one step that sigma is also the first (1.0), and
+    # the stretch divides 0 by 0: NaN timesteps, a black image. Such a model needs two steps.
+    shift_terminal: float | None = None
+
+    @property
+    def min_steps(self) -> int:
+        """The fewest denoising steps that make a finite schedule."""
+        return 1 if self.shift_terminal is None else 2
 
 
 def read_json(path: pathlib.Path) -> dict:

@@ -49,7 +49,7 @@ def warmup_prompt(facts: FamilyTraits) -> str:
 
 def warmup_steps(facts: FamilyTraits) -> int:
     """Denoising steps a warm-up call runs so that every denoiser component runs (Wan2.2 A14B: both experts)."""
-    return adapter_for(facts).warmup_steps(facts)
+    return max(adapter_for(facts).warmup_steps(facts), facts.min_steps)
 
 
 def load_stage_pipeline(facts: FamilyTraits, stage: PipelineStage, dtype: torch.dtype,

@@ -7,6 +7,7 @@ Run wherever a folder's family is asked: the ingress, the stage replicas, the pl
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import pathlib
@@ -55,6 +56,13 @@ def read_family_traits(folder: str | pathlib.Path) -> FamilyTraits:
             if missing:
                 raise UnsupportedModelFolder(f"{root}: the {facts.family.value} pipeline needs the Python "
                                              f"package(s) {missing}, not installed (pip install {' '.join(missing)})")
-            return facts
+            return dataclasses.replace(facts, shift_terminal=_shift_terminal(root))
     raise UnsupportedModelFolder(f"{root}: pipeline {index.get('_class_name')!r} has no adapter; supported "
                                  f"families: {supported()}")
+
+
+def _shift_terminal(root: pathlib.Path) -> float | None:
+    """The scheduler's ``shift_terminal`` (a flow-match scheduler's; None where unset or no scheduler)."""
+    path = root / "scheduler" / "scheduler_config.json"
+    value = read_json(path).get("shift_terminal") if path.is_file() else None
+    return None if value is None else float(value)

@@ -107,6 +107,17 @@ def test_the_step_cache_threshold_is_the_denoisers_and_is_refused_on_other_stage
         AppArgs.model_validate({"denoiser": {"cache_threshold": 1.5}})
 
 
+def test_default_steps_a_models_schedule_cannot_make_fail_the_build():
+    from zoo import tiny_families
+
+    folder = str(tiny_families.ensure_tiny_qwen_image())  # shift_terminal 0.02: at least 2 steps
+    args = AppArgs.model_validate({"model_path": folder, "limits": {"default_steps": 1}})
+    with pytest.raises(ValueError, match="limits.default_steps: 1 is too few for this model, which needs at least 2"):
+        stage_configs(args, read_family_traits(resolve_model_folder(args)))
+    args = AppArgs.model_validate({"model_path": folder, "limits": {"default_steps": 2}})
+    assert set(stage_configs(args, read_family_traits(resolve_model_folder(args)))) == {ENCODE, DENOISE, DECODE}
+
+
 def test_a_typo_in_compile_buckets_fails_the_app_build_not_a_replica_start():
     with pytest.raises(ValidationError, match="WxH or WxHxF"):
         StageArgs(compile="blocks", compile_buckets=["832x480", "1280by720"])

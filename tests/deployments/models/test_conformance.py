@@ -9,6 +9,7 @@
 - step-batched requests that join at different steps are bitwise the plain transformer(s) run on the
   same batch composition, with the weights streamed, and within rounding of each request alone;
 - the activation model is within 10 % on a held-out shape, every stage;
+- the fewest steps a family accepts make finite frames (fewer: a 400 naming the field);
 - ``/v1/models`` states what the adapter declares;
 - family-specific bad input is a 400 naming the field.
 
@@ -238,10 +239,25 @@ def test_the_activation_model_is_within_10_percent_on_a_held_out_shape(family):
         for regime in {activations.regime(s) for s in shapes}:
             frames = 1 if regime is activations.Regime.IMAGE else 1 + 2 * facts.temporal_factor
             held = dataclasses.replace(family.spec(frames=frames), height=-(-32 // m) * m, width=-(-48 // m) * m,
-                                       steps=1, n=min(2 if frames > 1 else 1, facts.max_n or 2))
+                                       steps=facts.min_steps, n=min(2 if frames > 1 else 1, facts.max_n or 2))
             predicted, measured = fitted.predict(held), _peak(family, stage, held)
             assert abs(predicted - measured) <= 0.10 * measured, (
                 f"{stage.value} {regime.value}: predicted {predicted} B, measured {measured} B")
+
+
+def test_the_fewest_steps_a_family_accepts_make_finite_frames_and_fewer_are_a_400(family):
+    facts, limits = family.facts, Limits(default_size=f"{family.facts.size_multiple}x{family.facts.size_multiple}")
+    fewest = dataclasses.replace(family.spec(), steps=facts.min_steps)
+    assert torch.isfinite(_staged(family, fewest)).all(), f"{facts.min_steps} step(s) made NaN frames"
+    make, request = (image_spec, ImageRequest) if "image" in facts.modalities else (video_spec, VideoRequest)
+    reference = fewest.reference_image if facts.reference_image is ReferenceImage.REQUIRED else None
+    assert make(request(prompt="a cat", num_inference_steps=facts.min_steps), facts, limits, "m",
+                reference).steps == facts.min_steps
+    if facts.min_steps > 1:  # Qwen-Image: its scheduler's shift_terminal makes a 1-step schedule NaN
+        with pytest.raises(FieldError) as refused:
+            make(request(prompt="a cat", num_inference_steps=facts.min_steps - 1), facts, limits, "m", reference)
+        assert refused.value.param == "num_inference_steps" and refused.value.status == 400
+        assert "shift_terminal" in str(refused.value)
 
 
 def test_v1_models_states_what_the_adapter_declares(family):
@@ -249,6 +265,7 @@ def test_v1_models_states_what_the_adapter_declares(family):
     card = model_card("m", facts, Limits(default_size=f"{facts.size_multiple}x{facts.size_multiple}"), ())
     assert card.family == facts.family.value and card.size_multiple == facts.size_multiple
     assert card.modalities == list(adapter_for(facts).serves)
+    assert card.min_steps == facts.min_steps == (2 if family.case.name == "qwen-image" else 1)
     # Configured limits (no replica reported): the longest video the VAE makes within 81 frames.
     assert card.limits.frames == (1 + (81 - 1) // facts.temporal_factor * facts.temporal_factor
                                   if facts.supports_video else 1)
