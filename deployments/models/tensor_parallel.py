@@ -16,7 +16,7 @@ import torch
 
 from deployments.models.families import FamilyTraits, stage_component_names
 from deployments.wire.spec import PipelineStage
-from offload_core.tensor_parallel.plans import classes_with_plans, has_plan, load_rank, shard_dit
+from offload_core.tensor_parallel.plans import check_heads_divide, classes_with_plans, has_plan, load_rank, shard_dit
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ def check_tp(facts: FamilyTraits, stage: PipelineStage, tp_size: int) -> None:
 
 
 def check_plans(facts: FamilyTraits, stage: PipelineStage, tp_size: int) -> None:
-    """Refuse ``tp_size > 1`` for a stage unless every component it loads has a plan, naming those that do."""
+    """Refuse ``tp_size > 1`` for a stage unless every component it loads has a plan, naming those that do,
+    and ``tp_size`` divides each one's attention heads."""
     if tp_size == 1:
         return
     classes = stage_classes(facts, stage)
@@ -50,6 +51,9 @@ def check_plans(facts: FamilyTraits, stage: PipelineStage, tp_size: int) -> None
             f"{', '.join(f'{n} ({c})' for n, c in missing.items())} has no tensor-parallel plan; "
             f"plans exist for {list(classes_with_plans())} (T5-family text encoders, and the DiTs diffusers "
             "ships a plan for), every other stage runs at tp_size 1")
+    for name, (_, cls) in classes.items():  # read from config.json: refused at deploy, not in a rank
+        check_heads_divide(f"the {stage.value} stage's {name}", cls,
+                           json.loads((pathlib.Path(facts.folder) / name / "config.json").read_text()), tp_size)
 
 
 def rank_components(facts: FamilyTraits, stage: PipelineStage, dtype: torch.dtype, tp_size: int,

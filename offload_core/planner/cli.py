@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None, prog: str = "offload-serve plan") -> int
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.tp < 1:
         parser.error(f"--tp must be >= 1, got {args.tp}")
+    if args.shift is not None and args.shift <= 0:  # a flow-match shift scales sigma: 0 puts every step at t=0
+        parser.error(f"--shift must be > 0, got {args.shift:g}")
     args.model_dir = args.model_dir or args.folder
     if args.tp > 1 and args.model_dir:
         parser.error("--tp plans a real model (--model); a folder's stages are planned at tp 1")

@@ -35,7 +35,13 @@ from offload_core.planner.facts import (
 )
 from offload_core.planner.flow_timesteps import high_noise_steps
 from offload_core.tables import HostTablesConfig
-from offload_core.tensor_parallel.plans import classes_with_plans, has_plan, planning_world, shard_planned
+from offload_core.tensor_parallel.plans import (
+    check_heads_divide,
+    classes_with_plans,
+    has_plan,
+    planning_world,
+    shard_planned,
+)
 from offload_core.tensor_parallel.sharded import local_nbytes, sharded_parameters
 
 logger = logging.getLogger(__name__)
@@ -230,6 +236,8 @@ def _tp_stages(pipeline: str, load: Mapping[str, tuple], tp_size: int) -> tuple[
     if not stages:
         raise ValueError(f"no stage of {pipeline} has a tensor-parallel plan for --tp {tp_size}; "
                          f"classes with plans: {list(classes_with_plans())}")
+    for name in (c for s in stages for c in s.components):
+        check_heads_divide(name, load[name][0], load[name][1], tp_size)
     return stages
 
 

@@ -50,6 +50,10 @@ class NoTensorParallelPlan(ValueError):
     """``tp_size > 1`` asked for a model class without a tensor-parallel plan."""
 
 
+class HeadsDoNotDivide(ValueError):
+    """``tp_size`` does not divide a planned model's attention heads (each rank runs whole heads)."""
+
+
 @dataclass(frozen=True)
 class TensorParallelPlan:
     """One model's plan: module path patterns (``*`` for a layer number) to transformers' TP styles."""
@@ -87,6 +91,23 @@ def classes_with_plans() -> tuple[str, ...]:
 
 def has_plan(class_name: str) -> bool:
     return class_name in KNOWN_TP_PLANS or class_name in DIFFUSERS_TP_CLASSES
+
+
+def check_heads_divide(name: str, class_name: str, config: Mapping | Any, tp_size: int) -> None:
+    """Raise :class:`HeadsDoNotDivide` unless ``tp_size`` divides the model's attention heads.
+
+    Every plan gives each rank n_heads/N whole heads (``divide_attention_heads`` for the T5 family,
+    diffusers' own check for the DiTs): read from the config alone, so a deploy or a plan is refused
+    before any rank loads a weight. ``config``: the config.json mapping or the config object.
+    """
+    keys = ("num_heads", "num_attention_heads")
+    found = [config.get(k) if isinstance(config, Mapping) else getattr(config, k, None) for k in keys]
+    heads = next((h for h in found if isinstance(h, int)), None)
+    if heads is not None and heads % tp_size:
+        fits = [n for n in range(2, heads + 1) if heads % n == 0][:4]
+        raise HeadsDoNotDivide(f"tp_size {tp_size}: {name} ({class_name}) has {heads} attention heads, which do "
+                               f"not divide over {tp_size} ranks; a tp_size that divides {heads}: "
+                               f"{', '.join(map(str, fits))}, ...")
 
 
 def tp_plan_for(class_name: str, config: Any) -> TensorParallelPlan:
@@ -271,7 +292,7 @@ def planning_world(tp_size: int) -> Iterator[object]:
 
 
 __all__ = [
-    "DIFFUSERS_TP_CLASSES", "KNOWN_TP_PLANS", "NoTensorParallelPlan", "TensorParallelPlan", "classes_with_plans",
-    "divide_attention_heads", "has_plan", "load_rank", "own_shards", "planning_world", "shard_dit", "shard_in_place",
+    "DIFFUSERS_TP_CLASSES", "KNOWN_TP_PLANS", "HeadsDoNotDivide", "NoTensorParallelPlan", "TensorParallelPlan",
+    "check_heads_divide", "classes_with_plans", "divide_attention_heads", "has_plan", "load_rank", "own_shards", "planning_world", "shard_dit", "shard_in_place",
     "shard_planned", "tp_plan_for",
 ]

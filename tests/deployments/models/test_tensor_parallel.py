@@ -1,6 +1,7 @@
 """Tensor-parallel DiTs: FLUX.1's and Qwen-Image's transformer over 2 gloo ranks with the plan diffusers
 ships, loaded as a rank loads a stage's components (rank_components), against the unsharded model; and
-the deploy-time check (a Denoiser of theirs at tp_size 2 is accepted, a CLIP encoder refused)."""
+the deploy-time check (a Denoiser of theirs at tp_size 2 is accepted, a CLIP encoder refused, a tp_size
+that does not divide the heads refused)."""
 from __future__ import annotations
 
 import datetime
@@ -12,8 +13,9 @@ import torch
 from deployments.models import families
 from deployments.models.tensor_parallel import NoStagePlan, check_tp, rank_components
 from deployments.wire.spec import PipelineStage
+from offload_core.tensor_parallel.plans import HeadsDoNotDivide
 from tests import ranks
-from zoo.tiny import ensure_tiny_flux
+from zoo.tiny import ensure_tiny_flux, ensure_tiny_wan
 from zoo.tiny_families import ensure_tiny_qwen_image
 
 FOLDERS = {"flux": ensure_tiny_flux, "qwen-image": ensure_tiny_qwen_image}
@@ -89,3 +91,15 @@ def test_the_denoiser_of_flux_and_qwen_image_accepts_tp_2_and_a_clip_encoder_is_
                                           r"for \['FluxTransformer2DModel', 'QwenImageTransformer2DModel', "
                                           r"'T5EncoderModel', 'UMT5EncoderModel'\]"):
         check_tp(families.read_family_traits(ensure_tiny_flux()), PipelineStage.ENCODE, 2)
+
+
+def test_a_tp_size_that_does_not_divide_the_attention_heads_is_refused_at_deploy_naming_the_sizes_that_do():
+    # A rank runs whole heads: the tiny umT5 has 4, the tiny Flux DiT 2. Refused from config.json, before
+    # a rank loads anything (the rank's own check would fail each replica start instead).
+    with pytest.raises(HeadsDoNotDivide, match=r"tp_size 3: the encode stage's text_encoder \(UMT5EncoderModel\) "
+                                               r"has 4 attention heads, which do not divide over 3 ranks; a tp_size "
+                                               r"that divides 4: 2, 4"):
+        check_tp(families.read_family_traits(ensure_tiny_wan()), PipelineStage.ENCODE, 3)
+    with pytest.raises(HeadsDoNotDivide, match=r"transformer \(FluxTransformer2DModel\) has 2 attention heads"):
+        check_tp(families.read_family_traits(ensure_tiny_flux()), PipelineStage.DENOISE, 4)
+    check_tp(families.read_family_traits(ensure_tiny_wan()), PipelineStage.ENCODE, 4)

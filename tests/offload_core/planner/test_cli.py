@@ -93,6 +93,13 @@ def test_tp_2_plans_the_flux_dit_with_diffusers_plan_as_one_rank_holds_it(capsys
      "no stage of ZImagePipeline has a tensor-parallel plan for --tp 2; classes with plans: "
      "['FluxTransformer2DModel', 'QwenImageTransformer2DModel', 'T5EncoderModel', 'UMT5EncoderModel']"),
     (["--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "64GiB", "--tp", "0"], "--tp must be >= 1"),
+    (["--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "64GiB", "--tp", "3"],
+     "tp_size 3: text_encoder (UMT5EncoderModel) has 64 attention heads, which do not divide over 3 ranks; "
+     "a tp_size that divides 64: 2, 4, 8, 16, ..."),
+    (["--model", "flux.1-dev", "--gpu", "L4", "--host-ram", "64GiB", "--tp", "5"],
+     "transformer (FluxTransformer2DModel) has 24 attention heads, which do not divide over 5 ranks"),
+    (["--model", "wan2.2-t2v-a14b", "--gpu", "L4", "--host-ram", "64GiB", "--shift", "0"], "--shift must be > 0, got 0"),
+    (["--model", "wan2.2-t2v-a14b", "--gpu", "L4", "--host-ram", "64GiB", "--shift", "-1"], "--shift must be > 0"),
     (["--model", "wan2.1-t2v-14b", "--gpu", "TPU", "--host-ram", "64GiB"], "unknown GPU 'TPU'"),
     (["--model", "sd-9", "--gpu", "L4", "--host-ram", "64GiB"], "unknown model 'sd-9'"),
     (["--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "lots"], "not a byte size: 'lots'"),
