@@ -23,6 +23,7 @@ from deployments.ingress.deployment import Ingress, IngressConfig
 from deployments.jobs.queue import JobsArgs
 from deployments.models.families import FamilyTraits, read_family_traits, uses_per_request
 from deployments.models.lora_rows import ServedLora
+from deployments.models.registry import check_weights
 from deployments.models.tensor_parallel import check_tp
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.priority import stage_actor_options
@@ -349,6 +350,7 @@ def build_app_with(args: AppArgs | dict, options: Mapping[str, Mapping]) -> Appl
     if not isinstance(args, AppArgs):
         args = AppArgs.model_validate(args)
     facts = read_family_traits(resolve_model_folder(args))
+    check_weights(facts)  # a component a replica could not load fails the build, not each replica's start
     token = os.environ.get(args.api_token_env) if args.api_token_env else None
     if args.api_token_env and not token:
         raise ValueError(f"api_token_env names {args.api_token_env!r}, which is not set: refusing to start "

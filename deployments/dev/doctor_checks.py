@@ -276,8 +276,9 @@ def _tiny_zoo(family: str) -> Check:
 
 
 def check_model(model_path: str | None, tiny_family: str) -> Check:
-    """The folder exists, is a diffusers folder, and a family adapter serves it (a named folder costs
-    the registry's import of torch, about 2 s; the tiny zoo costs nothing)."""
+    """The folder exists, is a diffusers folder, a family adapter serves it, and each loaded component has
+    its safetensors weights (a named folder costs the registry's import of torch, about 2 s; the tiny
+    zoo costs nothing)."""
     if model_path is None:
         return _tiny_zoo(tiny_family)
     folder = Path(model_path).expanduser()
@@ -286,10 +287,11 @@ def check_model(model_path: str | None, tiny_family: str) -> Check:
         return Check("model", Status.FAIL, f"no folder {folder}", fix)
     if not (folder / "model_index.json").is_file():
         return Check("model", Status.FAIL, f"{folder} has no model_index.json: not a diffusers folder", fix)
-    from deployments.models.registry import read_family_traits
+    from deployments.models.registry import check_weights, read_family_traits
 
     try:
         facts = read_family_traits(folder)
-    except ValueError as exc:  # UnsupportedModelFolder (no adapter, a variant it refuses), unreadable json
+        check_weights(facts)
+    except ValueError as exc:  # UnsupportedModelFolder (no adapter, a variant it refuses, weights it cannot load)
         return Check("model", Status.FAIL, str(exc), "serve a folder of a supported family (docs/models.md)")
     return Check("model", Status.OK, f"{folder}: family {facts.family.value}")

@@ -2,6 +2,7 @@
 passes on configs/local.yaml; ``make demo``'s preflight prints only problems; no torch or Ray."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -141,6 +142,14 @@ def test_a_model_folder_is_checked_present_and_of_a_known_family(tmp_path, capsy
         row = _rows(capsys.readouterr().out)["model"]
         assert f" {status} " in row, row
     assert "family wan" in row
+    partial = tmp_path / "partial"
+    shutil.copytree(ensure_tiny_wan(), partial)
+    (partial / "transformer" / "diffusion_pytorch_model.safetensors").unlink()  # an interrupted download
+    raw["applications"][0]["args"]["model_path"] = str(partial)
+    config.write_text(yaml.safe_dump(raw))
+    doctor.main([str(config)], machine=_machine(tmp_path / "partial-machine"))
+    row = _rows(capsys.readouterr().out)["model"]
+    assert " FAIL " in row and "transformer: no diffusion_pytorch_model.safetensors" in row, row
 
 
 def test_demos_preflight_is_quiet_on_a_good_machine_and_prints_only_the_problems(tmp_path, capsys):

@@ -7,9 +7,10 @@ import shutil
 import pytest
 
 from deployments.app import AppArgs, build_app
-from deployments.models.registry import UnsupportedModelFolder, adapters, read_family_traits
+from deployments.models.registry import UnsupportedModelFolder, adapters, check_weights, read_family_traits
 from deployments.wire.spec import Family
 from zoo import wan22
+from zoo.tiny import ensure_tiny_flux
 
 
 def _folder(tmp_path, index: dict):
@@ -58,3 +59,45 @@ def test_a_family_whose_pipeline_needs_a_missing_package_is_refused_naming_it(mo
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ftfy" else real(name, *a))
     with pytest.raises(UnsupportedModelFolder, match=r"needs the Python package\(s\) \['ftfy'\]"):
         read_family_traits(wan22.ensure_tiny_wan22_i2v())
+
+
+def _flux_with(tmp_path, change) -> str:
+    """A copy of the tiny FLUX.1 folder with ``change(transformer_folder)`` applied."""
+    folder = tmp_path / "flux"
+    shutil.copytree(ensure_tiny_flux(), folder)
+    change(folder / "transformer")
+    return str(folder)
+
+
+def _shard(transformer, missing: bool):
+    weights = transformer / "diffusion_pytorch_model.safetensors"
+    weights.rename(transformer / "diffusion_pytorch_model-00001-of-00002.safetensors")
+    names = {"x.weight": "diffusion_pytorch_model-00001-of-00002.safetensors",
+             "y.weight": "diffusion_pytorch_model-00002-of-00002.safetensors"}
+    (transformer / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+    if not missing:
+        shutil.copy(transformer / names["x.weight"], transformer / names["y.weight"])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: (t / "diffusion_pytorch_model.safetensors").unlink(),
+     "transformer: no diffusion_pytorch_model.safetensors nor diffusion_pytorch_model.safetensors.index.json; "
+     "it holds no weights file"),
+    (lambda t: (t / "diffusion_pytorch_model.safetensors").rename(t / "diffusion_pytorch_model.fp16.safetensors"),
+     "it holds diffusion_pytorch_model.fp16.safetensors"),
+    (lambda t: (t / "diffusion_pytorch_model.safetensors").rename(t / "diffusion_pytorch_model.bin"),
+     "it holds diffusion_pytorch_model.bin"),
+    (lambda t: _shard(t, missing=True),
+     "transformer: 1 of the 2 shards diffusion_pytorch_model.safetensors.index.json names are missing "
+     "(diffusion_pytorch_model-00002-of-00002.safetensors): an interrupted download?"),
+], ids=["none", "variant-only", "pickle-only", "partial-download"])
+def test_a_component_whose_safetensors_are_missing_fails_build_app_naming_it(tmp_path, change, message):
+    folder = _flux_with(tmp_path, change)
+    with pytest.raises(UnsupportedModelFolder) as refused:
+        build_app(AppArgs(model_path=folder))
+    assert message in str(refused.value) and "loads only safetensors" in str(refused.value)
+
+
+def test_whole_weights_single_or_in_every_named_shard_pass_the_check(tmp_path):
+    check_weights(read_family_traits(ensure_tiny_flux()))
+    check_weights(read_family_traits(_flux_with(tmp_path, lambda t: _shard(t, missing=False))))
