@@ -57,8 +57,8 @@ def internal_error(request_id: str, exc: BaseException) -> JSONResponse:
 
 def overload_or_failure(failure: Failure, retry_after_s: int, request_id: str) -> JSONResponse:
     """4xx for request-caused stage errors, 503 + Retry-After for overload, lost replicas and failed
-    weight copies (the engine's CopyFailed / FillTimeout: the replica gave everything back); 500
-    (logged with the request id) for anything else."""
+    weight copies (the engine's CopyFailed / FillTimeout: the replica gave everything back); 500 naming
+    non-finite output (NonFiniteOutput); 500 (logged with the request id) for anything else."""
     retry = {"Retry-After": str(retry_after_s)}
     cause, kind = failure.cause, failure.kind
     if kind is FailureKind.REJECTED:
@@ -84,4 +84,8 @@ def overload_or_failure(failure: Failure, retry_after_s: int, request_id: str) -
                        request_id, type(cause).__name__, cause, retry_after_s)
         return error_json(503, f"the replica could not copy weights to the device ({type(cause).__name__}); "
                           "it is usable again, retry", None, "copy_failed", "overloaded", retry)
+    if kind is FailureKind.BAD_OUTPUT:
+        logger.error("request %s: %s; 500", request_id, cause)
+        return error_json(500, f"request {request_id}: {cause}", None, "non_finite_output", "server_error",
+                          {"X-Request-Id": request_id})
     return internal_error(request_id, cause)

@@ -10,7 +10,7 @@ from ray.serve import exceptions as serve_errors
 
 from cluster.replica.ledger_view import DeviceBusy
 from deployments.wire.failures import Failure, FailureKind, causes
-from deployments.wire.spec import RankLost, RequestRejected
+from deployments.wire.spec import NonFiniteOutput, RankLost, RequestRejected
 from offload_core.streaming.copier import CopyFailed
 
 # Gone or going replicas: Serve replaces them; the client should retry.
@@ -33,4 +33,6 @@ def sort_failure(exc: BaseException) -> Failure:
             return Failure(FailureKind.LOST_REPLICA, cause)
         if isinstance(cause, CopyFailed):
             return Failure(FailureKind.COPY_FAILED, cause)
+        if isinstance(cause, NonFiniteOutput):
+            return Failure(FailureKind.BAD_OUTPUT, cause)
     return Failure(FailureKind.OTHER, exc)

@@ -18,6 +18,9 @@ class FailureKind(enum.Enum):
     # The replica's engine could not copy a layer to the device (an I/O error, a fill past its bounded
     # wait): its slots and buffers were given back, it stays usable; the client may retry.
     COPY_FAILED = "copy_failed"
+    # The decoder made non-finite values (NonFiniteOutput): a fault the same seed repeats, said as a 500
+    # naming it (the request id and the fix), not rerun.
+    BAD_OUTPUT = "bad_output"
     OTHER = "other"  # anything else: a fault, not worth a rerun
 
     @property

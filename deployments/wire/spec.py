@@ -192,6 +192,11 @@ class RankLost(RuntimeError):
     the call fails with 503 and Serve replaces the replica. Crosses Ray to the ingress."""
 
 
+class NonFiniteOutput(RuntimeError):
+    """The decoder made NaN or infinite values (a float16 overflow, a broken checkpoint): a server fault,
+    said as a 500 naming it instead of a black image (a NaN casts to pixel 0). Crosses Ray to the ingress."""
+
+
 class RequestRejected(ValueError):
     """A stage could not serve this request because of what the request asked (HTTP 4xx naming
     ``param``), as opposed to a fault of the server. Pickles itself: it crosses Ray to the ingress."""

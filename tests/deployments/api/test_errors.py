@@ -10,6 +10,7 @@ from ray.serve.exceptions import BackPressureError
 from cluster.replica.ledger_view import DeviceBusy
 from deployments.api import errors
 from deployments.ingress.failures import sort_failure
+from deployments.wire.spec import NonFiniteOutput
 from offload_core.host.budget import Refusal
 from offload_core.streaming.copier import CopyFailed, FillTimeout
 
@@ -59,3 +60,13 @@ def test_a_failed_or_timed_out_weight_copy_in_a_ray_task_error_is_a_503_with_ret
         assert response.status_code == 503 and response.headers["retry-after"] == "2"
         body = _body(response)["error"]
         assert body["code"] == "copy_failed" and type(error).__name__ in body["message"]
+
+
+def test_non_finite_output_in_a_ray_task_error_is_a_500_saying_what_and_the_request():
+    cause = NonFiniteOutput("the decoder made 7 of 12 output values NaN or infinite in float16")
+    response = errors.overload_or_failure(sort_failure(ray_errors.RayTaskError("decode", "tb", cause)),
+                                          retry_after_s=2, request_id="r9")
+    body = _body(response)["error"]
+    assert response.status_code == 500 and response.headers["x-request-id"] == "r9"
+    assert body["code"] == "non_finite_output" and body["type"] == "server_error"
+    assert body["message"] == "request r9: the decoder made 7 of 12 output values NaN or infinite in float16"
