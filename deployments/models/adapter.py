@@ -23,6 +23,7 @@ from typing import Callable, ClassVar, Mapping
 import torch
 
 from deployments.wire.spec import DenoiseProgress, EncodedPrompt, Family, GenerationSpec, PipelineStage
+from offload_core.planner.flow_timesteps import min_steps
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +73,13 @@ class FamilyTraits:
     # The most outputs one request may ask for (the ``n`` of a batch the family's VAE can decode);
     # None: only the configured limit. HunyuanVideo 1.5's pipeline fails on a batch of two: 1.
     max_n: int | None = None
-    # The folder's scheduler's ``shift_terminal`` (Qwen-Image: 0.02), or None. diffusers stretches the
-    # schedule so that its last sigma is this; with one step that sigma is also the first (1.0), and
-    # the stretch divides 0 by 0: NaN timesteps, a black image. Such a model needs two steps.
+    # The folder's scheduler's ``shift_terminal`` (Qwen-Image: 0.02), or None: it decides min_steps.
     shift_terminal: float | None = None
 
     @property
     def min_steps(self) -> int:
-        """The fewest denoising steps that make a finite schedule."""
-        return 1 if self.shift_terminal is None else 2
+        """The fewest denoising steps that make a finite schedule (2 with a shift_terminal: flow_timesteps)."""
+        return min_steps({"shift_terminal": self.shift_terminal})
 
 
 def read_json(path: pathlib.Path) -> dict:

@@ -7,7 +7,8 @@ costs 1.2-2.2 s of CPU (it pulls in ``torch._dynamo``), twice a plan's own time;
 ``UniPCMultistepScheduler.set_timesteps`` for the configuration Wan's folders ship
 (``use_flow_sigmas``, a fixed ``flow_shift``), checked equal to diffusers' in
 tests/offload_core/planner/test_flow_timesteps.py. Any other configuration returns None: the caller
-asks diffusers. Torch only; runs in whichever process plans.
+asks diffusers. Also the fewest steps a scheduler's schedule is finite at (:func:`min_steps`), for the
+planner and the service's request checks. Torch only; runs in whichever process plans or checks.
 """
 from __future__ import annotations
 
@@ -18,6 +19,13 @@ import torch
 # Options that change UniPC's flow sigmas from the plain shifted linspace reproduced here.
 _OTHER_SIGMAS = ("use_dynamic_shifting", "shift_terminal", "use_karras_sigmas", "use_exponential_sigmas",
                  "use_beta_sigmas")
+
+
+def min_steps(config: Mapping[str, Any]) -> int:
+    """The fewest steps a flow-match scheduler ``config`` makes a finite schedule with. diffusers stretches
+    the schedule so that its last sigma is ``shift_terminal`` (Qwen-Image: 0.02); with one step that
+    sigma is also the first (1.0), and the stretch divides 0 by 0: NaN timesteps, a black image."""
+    return 1 if config.get("shift_terminal") is None else 2
 
 
 def unipc_flow_timesteps(steps: int, config: Mapping[str, Any]) -> torch.Tensor | None:

@@ -24,6 +24,7 @@ import torch
 
 from offload_core.planner import real_models
 from offload_core.planner.facts import PipelineFacts
+from offload_core.planner.flow_timesteps import min_steps
 from offload_core.planner.inputs import GiB, GpuSpec, expert_steps, pipeline_facts, pipeline_stages
 from offload_core.tables import HostTablesConfig
 
@@ -131,6 +132,11 @@ def folder_facts(folder: Path, gpu: GpuSpec, host_ram: int, *, working_set: int 
     defaults = real_models.pipeline_defaults(kind.model)
     published_shift = defaults.pop("flow_shift", None)  # upstream's sampling shift; the folder's scheduler has its own
     if steps is not None:
+        scheduler = folder / "scheduler" / "scheduler_config.json"
+        fewest = min_steps(json.loads(scheduler.read_text())) if scheduler.is_file() else 1
+        if steps < fewest:
+            raise UnsupportedFolder(f"--steps {steps}: {folder} needs at least {fewest} (its scheduler's "
+                                    "shift_terminal makes a shorter schedule NaN; the service refuses such requests)")
         defaults["num_inference_steps"] = steps
     shown = {k: defaults[k] for k in ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
              if k in defaults}

@@ -33,7 +33,7 @@ from offload_core.planner.facts import (
     profile_component,
     with_compute,
 )
-from offload_core.planner.flow_timesteps import high_noise_steps
+from offload_core.planner.flow_timesteps import high_noise_steps, min_steps
 from offload_core.tables import HostTablesConfig
 from offload_core.tensor_parallel.plans import (
     check_heads_divide,
@@ -203,6 +203,10 @@ def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_se
         # The CLI reports ValueErrors as bad arguments (exit 2); args[0] is the message unquoted.
         raise ValueError(error.args[0]) from error
     if steps is not None:
+        fewest = min_steps(real_models.scheduler_config(model_name).get("config", {}))
+        if steps < fewest:
+            raise ValueError(f"--steps {steps}: {model_name} needs at least {fewest} (its scheduler's shift_terminal "
+                             "makes a shorter schedule NaN; the service refuses such requests)")
         defaults["num_inference_steps"] = steps
     notes = []
     if "transformer_2" in {s.component for s in specs}:

@@ -99,6 +99,8 @@ def test_tp_2_plans_the_flux_dit_with_diffusers_plan_as_one_rank_holds_it(capsys
     (["--model", "flux.1-dev", "--gpu", "L4", "--host-ram", "64GiB", "--tp", "5"],
      "transformer (FluxTransformer2DModel) has 24 attention heads, which do not divide over 5 ranks"),
     (["--model", "wan2.2-t2v-a14b", "--gpu", "L4", "--host-ram", "64GiB", "--shift", "0"], "--shift must be > 0, got 0"),
+    (["--model", "qwen-image", "--gpu", "L4", "--host-ram", "64GiB", "--steps", "1"],
+     "--steps 1: qwen-image needs at least 2 (its scheduler's shift_terminal makes a shorter schedule NaN"),
     (["--model", "wan2.2-t2v-a14b", "--gpu", "L4", "--host-ram", "64GiB", "--shift", "-1"], "--shift must be > 0"),
     (["--model", "wan2.1-t2v-14b", "--gpu", "TPU", "--host-ram", "64GiB"], "unknown GPU 'TPU'"),
     (["--model", "sd-9", "--gpu", "L4", "--host-ram", "64GiB"], "unknown model 'sd-9'"),
