@@ -57,7 +57,7 @@ class ModelList(BaseModel):
 
 def model_card(model_id: str, facts: FamilyTraits, limits: Limits,
                admissions: Sequence[StageAdmission], loras: Sequence[ServedLora] = ()) -> ModelCard:
-    return ModelCard(id=model_id, family=facts.family.value,
-                     modalities=list(facts.modalities),
-                     size_multiple=facts.size_multiple, min_steps=facts.min_steps, limits=model_limits(facts, limits, admissions),
-                     configured_limits=limits, loras=[LoraCard(name=lora.name, scale=lora.scale) for lora in loras])
+    return ModelCard(id=model_id, family=facts.family.value, modalities=list(facts.modalities),
+                     size_multiple=facts.size_multiple, min_steps=facts.min_steps,
+                     limits=model_limits(facts, limits, admissions), configured_limits=limits,
+                     loras=[LoraCard(name=lora.name, scale=lora.scale) for lora in loras])

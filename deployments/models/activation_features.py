@@ -104,9 +104,10 @@ def calibrate_stage(facts: FamilyTraits, stage: PipelineStage, shapes: Sequence[
 def calibration_shapes(facts: FamilyTraits, steps: int | None = None,
                        stage: PipelineStage | None = None) -> tuple[GenerationSpec, ...]:
     """Two shapes per regime, small enough to run at start-up, that separate each stage's features
-    (they differ in n and in size), at ``steps`` (the fewest the model's schedule allows when None). A family that makes at most ``facts.max_n`` outputs per request
-    decodes no more (HunyuanVideo 1.5: one video at a time, so its decoder's peak is not linear in a
-    larger n); its other stages still vary n, which their features need."""
+    (they differ in n and in size), at ``steps`` (None: the fewest the model's schedule allows). A family
+    that makes at most ``facts.max_n`` outputs per request decodes no more (HunyuanVideo 1.5: one video
+    at a time, so its decoder's peak is not linear in a larger n); its other stages still vary n, which
+    their features need."""
     from deployments.models.registry import adapter_for
 
     m, guidance, prompt = facts.size_multiple, facts.default_guidance, adapter_for(facts).warmup_prompt(facts)
