@@ -50,11 +50,13 @@ from deployments.wire.spec import EncodedPrompt, Family, GenerationSpec, Pipelin
 
 
 def reference_image(spec: GenerationSpec):
-    """The request's reference image as the RGB PIL image the pipeline is given (checked by the ingress)."""
-    from PIL import Image
+    """The request's reference image as the RGB PIL image the pipeline is given (checked by the ingress),
+    turned upright by its EXIF orientation as diffusers' ``load_image`` does: a phone's portrait photo is
+    stored landscape with an orientation tag, and would otherwise condition the video on its side."""
+    from PIL import Image, ImageOps
 
     with Image.open(io.BytesIO(spec.reference_image)) as image:
-        return image.convert("RGB")
+        return ImageOps.exif_transpose(image).convert("RGB")
 
 
 def with_stand_in_image(spec: GenerationSpec) -> GenerationSpec:
