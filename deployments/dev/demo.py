@@ -48,6 +48,33 @@ def load_config(path: pathlib.Path, port: int | None):
     return ServeDeploySchema.model_validate(raw)
 
 
+_FLAGS = {"num_inference_steps": "steps"}  # a request field -> the demo's flag, where the names differ
+
+
+def request_fault(path: pathlib.Path, prompt: str, size: str, steps: int, seed: int) -> str | None:
+    """What the service would refuse in the demo's image request, by the ingress's own checks, or None:
+    a size off the model's multiple or too few steps fails here in seconds, not after the minute Ray
+    and the replicas take to start. The config's model is resolved as ``build_app`` resolves it."""
+    from pydantic import ValidationError
+
+    from deployments.api.schemas import ImageRequest, image_spec
+    from deployments.app import AppArgs, resolve_model_folder
+    from deployments.capacity.request_limits import FieldError
+    from deployments.models.registry import read_family_traits
+
+    (app,) = load_config(path, None).applications
+    args = AppArgs.model_validate(app.args or {})
+    try:
+        request = ImageRequest(prompt=prompt, size=size, num_inference_steps=steps, seed=seed)
+        image_spec(request, read_family_traits(resolve_model_folder(args)), args.limits, "demo")
+    except FieldError as exc:
+        return f"--{_FLAGS.get(exc.param, exc.param)}: {exc.message}"
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        return f"--{_FLAGS.get(str(first['loc'][0]), first['loc'][0])}: {first['msg']}"
+    return None
+
+
 def deploy(config) -> None:
     """What ``serve run <config file>`` does: start Serve with the file's options, deploy its apps."""
     deploy_config(config)
@@ -119,6 +146,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    fault = request_fault(args.config, args.prompt, args.size, args.steps, args.seed)
+    if fault is not None:
+        parser.error(fault)  # exit 2, before anything starts
     from deployments.dev import doctor
 
     # `offload-serve doctor`'s checks first (0.2 s; silent unless something is wrong): a blocker such

@@ -65,3 +65,23 @@ def test_the_demo_finds_the_repositorys_config_by_default():
     from deployments.dev import demo
 
     assert (demo.REPO / "configs" / "local.yaml").is_file(), "make demo would fail before starting anything"
+    assert demo.request_fault(demo.REPO / "configs" / "local.yaml", "a lighthouse", "64x64", 4, 0) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--size", "63x64"], "--size: width and height must be positive multiples of 16 for this model"),
+    (["--size", "2048x2048"], "--size: 2048x2048 exceeds the configured maximum 512x512"),
+    (["--steps", "0"], "--steps: Input should be greater than or equal to 1"),
+    (["--prompt", " "], "--prompt: must not be empty"),
+])
+def test_a_demo_request_the_service_would_refuse_exits_2_before_ray_starts(argv, message, capsys, monkeypatch):
+    from deployments.dev import demo, doctor, local_ray
+
+    def started(*_args, **_kwargs):
+        raise AssertionError("the demo went on to check the machine or start Ray")
+
+    monkeypatch.setattr(doctor, "preflight", started)
+    monkeypatch.setattr(local_ray, "start_head", started)
+    with pytest.raises(SystemExit) as exit_:
+        demo.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
