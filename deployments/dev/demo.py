@@ -54,19 +54,26 @@ _FLAGS = {"num_inference_steps": "steps"}  # a request field -> the demo's flag,
 def request_fault(path: pathlib.Path, prompt: str, size: str, steps: int, seed: int) -> str | None:
     """What the service would refuse in the demo's image request, by the ingress's own checks, or None:
     a size off the model's multiple or too few steps fails here in seconds, not after the minute Ray
-    and the replicas take to start. The config's model is resolved as ``build_app`` resolves it."""
+    and the replicas take to start. The config's model and limits are read from its args as ``doctor``
+    reads them (``model_path``, else the tiny zoo's ``tiny_family``)."""
     from pydantic import ValidationError
 
     from deployments.api.schemas import ImageRequest, image_spec
-    from deployments.app import AppArgs, resolve_model_folder
-    from deployments.capacity.request_limits import FieldError
+    from deployments.capacity.request_limits import FieldError, Limits
     from deployments.models.registry import read_family_traits
+    from zoo import tiny
 
     (app,) = load_config(path, None).applications
-    args = AppArgs.model_validate(app.args or {})
+    raw = app.args or {}
+    zoo = tiny.ensure_tiny_flux if raw.get("tiny_family") == "flux" else tiny.ensure_tiny_wan
+    folder = pathlib.Path(raw["model_path"]).expanduser() if raw.get("model_path") else zoo()
+    try:
+        limits, facts = Limits.model_validate(raw.get("limits", {})), read_family_traits(folder)
+    except ValueError:  # a config fault (pydantic's ValidationError is one): the checks that follow name it
+        return None
     try:
         request = ImageRequest(prompt=prompt, size=size, num_inference_steps=steps, seed=seed)
-        image_spec(request, read_family_traits(resolve_model_folder(args)), args.limits, "demo")
+        image_spec(request, facts, limits, "demo")
     except FieldError as exc:
         return f"--{_FLAGS.get(exc.param, exc.param)}: {exc.message}"
     except ValidationError as exc:
