@@ -56,6 +56,7 @@ def request_fault(path: pathlib.Path, prompt: str, size: str, steps: int, seed: 
     a size off the model's multiple or too few steps fails here in seconds, not after the minute Ray
     and the replicas take to start. The config's model and limits are read from its args as ``doctor``
     reads them (``model_path``, else the tiny zoo's ``tiny_family``)."""
+    import yaml
     from pydantic import ValidationError
 
     from deployments.api.schemas import ImageRequest, image_spec
@@ -63,8 +64,10 @@ def request_fault(path: pathlib.Path, prompt: str, size: str, steps: int, seed: 
     from deployments.models.registry import read_family_traits
     from zoo import tiny
 
-    (app,) = load_config(path, None).applications
-    raw = app.args or {}
+    # The file read as yaml, not through Serve's schema: importing Ray here, before main() sets Ray's token
+    # environment, left the driver unauthenticated against the head it then started.
+    (app,) = yaml.safe_load(path.read_text())["applications"]
+    raw = app.get("args") or {}
     zoo = tiny.ensure_tiny_flux if raw.get("tiny_family") == "flux" else tiny.ensure_tiny_wan
     folder = pathlib.Path(raw["model_path"]).expanduser() if raw.get("model_path") else zoo()
     try:
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    fault = request_fault(args.config, args.prompt, args.size, args.steps, args.seed)
+    fault = request_fault(args.config, args.prompt, args.size, args.steps, args.seed)  # imports no Ray
     if fault is not None:
         parser.error(fault)  # exit 2, before anything starts
     from deployments.dev import doctor

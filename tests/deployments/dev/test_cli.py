@@ -65,7 +65,13 @@ def test_the_demo_finds_the_repositorys_config_by_default():
     from deployments.dev import demo
 
     assert (demo.REPO / "configs" / "local.yaml").is_file(), "make demo would fail before starting anything"
-    assert demo.request_fault(demo.REPO / "configs" / "local.yaml", "a lighthouse", "64x64", 4, 0) is None
+    # Checked before main() sets Ray's token environment: importing Ray then left make demo's driver
+    # unauthenticated against its own head ("InvalidAuthToken"), so the check imports no Ray.
+    probe = ("import sys; from deployments.dev import demo; "
+             "assert demo.request_fault(demo.REPO / 'configs' / 'local.yaml', 'a lighthouse', '64x64', 4, 0) is None; "
+             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=demo.REPO)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("argv, message", [
