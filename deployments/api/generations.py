@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from deployments.api import errors
+from deployments.api.rendering import ImageRendering, VideoRendering
 from deployments.api.schemas import ImageRequest, VideoRequest, image_spec, video_spec
 from deployments.api.service import Service
 from deployments.capacity.request_limits import FieldError
@@ -30,7 +31,8 @@ async def images(request: Request):
     if isinstance(checked, JSONResponse):
         return checked
     parsed, spec = checked
-    return await service.respond(spec, parsed.stream, service.image_body)
+    rendering = ImageRendering(parsed.output_format, parsed.output_compression)
+    return await service.respond(spec, parsed.stream, rendering)
 
 
 @router.post(VIDEOS)
@@ -43,4 +45,5 @@ async def videos(request: Request):
     if parsed.stream and parsed.response_format == "mp4":
         return errors.field_error(FieldError("stream", "a stream of events carries JSON; use "
                                                        "response_format 'b64_json' with stream"))
-    return await service.respond(spec, parsed.stream, service.video_renderer(spec, parsed))
+    rendering = VideoRendering(parsed.fps or service.config.limits.default_fps, as_mp4=parsed.response_format == "mp4")
+    return await service.respond(spec, parsed.stream, rendering)

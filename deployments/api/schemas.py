@@ -17,6 +17,7 @@ from deployments.api.reference_images import ReferenceImageError, check_referenc
 from deployments.capacity.request_limits import FieldError, Limits, parse_size
 from deployments.models.families import FamilyTraits, ReferenceImage
 from deployments.models.lora_rows import MAX_LORA_SCALE, ServedLora
+from deployments.wire.media import ImageFormat
 from deployments.wire.spec import GenerationSpec
 
 # OpenAI does not bound ``user``; it is logged, so it is bounded here.
@@ -64,6 +65,11 @@ class _Generation(BaseModel):
 class ImageRequest(_Generation):
     n: int = Field(1, ge=1)
     response_format: Text = "b64_json"
+    # OpenAI's gpt-image fields: the encoding, and JPEG's or WebP's quality (100 keeps the most).
+    output_format: ImageFormat = ImageFormat.PNG
+    output_compression: int | None = Field(None, ge=0, le=100)
+    # OpenAI's preview images while streaming. None are made here (see image_spec): 0 only.
+    partial_images: int = Field(0, ge=0, le=3)
 
 
 class VideoRequest(_Generation):
@@ -156,6 +162,12 @@ def image_spec(req: ImageRequest, facts: FamilyTraits, limits: Limits, model_id:
     if req.response_format != "b64_json":
         raise FieldError("response_format", f"{req.response_format!r} is not supported; use 'b64_json' "
                                             "(this server keeps no files to serve by url)")
+    if req.output_compression is not None and not req.output_format.lossy:
+        raise FieldError("output_compression", f"applies to output_format 'jpeg' or 'webp', not "
+                                               f"{req.output_format.value!r} (lossless)")
+    if req.partial_images:
+        raise FieldError("partial_images", f"{req.partial_images} partial images asked; this server streams "
+                                           "each denoising step's progress and then the finished image: use 0")
     if req.n > limits.max_n:
         raise FieldError("n", f"{req.n} exceeds the configured maximum of {limits.max_n}")
     if facts.max_n is not None and req.n > facts.max_n:

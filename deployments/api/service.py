@@ -8,11 +8,9 @@ of :mod:`deployments.api.seams`.
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import json
 import logging
-import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -25,14 +23,13 @@ from deployments.api import errors
 from deployments.api.body import BodyError, parse_object
 from deployments.api.guard import request_id
 from deployments.api.model_list import ModelList, model_card
-from deployments.api.schemas import VideoRequest
+from deployments.api.rendering import Generated, ImageRendering, Rendering
 from deployments.api.seams import ReplicaBoard, StagePipeline
 from deployments.capacity.admission import StageAdmission
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.jobs.queue import JobsArgs
 from deployments.models.families import FamilyTraits
 from deployments.models.lora_rows import ServedLora
-from deployments.wire import media
 from deployments.wire.failures import FailureKind
 from deployments.wire.spec import DenoiseProgress, GenerationSpec, StageOutput
 
@@ -52,13 +49,6 @@ class IngressConfig:
     loras: tuple[ServedLora, ...] = ()  # the LoRA adapters a request may name (args.lora_adapters)
 
 
-@dataclass(frozen=True)
-class Generated:
-    spec: GenerationSpec
-    frames: object  # torch.Tensor (n, frames, H, W, 3)
-    stats: tuple  # tuple[StageStats, ...], in stage order
-
-
 def _cancel(stream) -> None:
     """Stop the Denoiser's call when its reader leaves early (cancelled between two steps, or
     ``on_progress`` failed). Serve passes a cancelled *request's* cancellation on to the calls it
@@ -70,7 +60,7 @@ def _cancel(stream) -> None:
 
 
 def _sse(event: str, data: dict) -> ServerSentEvent:
-    return ServerSentEvent(json.dumps(data), event=event, sep="\n")
+    return ServerSentEvent(json.dumps({"type": event, **data}), event=event, sep="\n")
 
 
 class Service:
@@ -123,27 +113,13 @@ class Service:
                     spec.height, spec.num_frames, spec.n, spec.steps, per_stage)
         return Generated(spec, decoded.value, stats)
 
-    def body(self, generated: Generated, data: list[dict]) -> dict:
-        return {"created": int(time.time()), "id": generated.spec.request_id, "seed": generated.spec.seed,
-                "data": data,
-                "stages": [{"stage": s.stage, "replica": s.replica, "seconds": round(s.seconds, 4),
-                            "started_at": round(s.started_at, 6),
-                            "bytes_streamed": s.bytes_streamed,
-                            "device_peak_bytes": s.device_peak_bytes,
-                            **({"steps": s.steps, "cache_skips": s.cache_skips} if s.steps else {})}
-                           for s in generated.stats]}
-
-    def image_body(self, generated: Generated) -> dict:
-        images = [{"b64_json": base64.b64encode(media.png_bytes(item[0])).decode()} for item in generated.frames]
-        return self.body(generated, images)
-
-    async def respond(self, spec: GenerationSpec, stream: bool, render: Callable[[Generated], Response | dict]):
+    async def respond(self, spec: GenerationSpec, stream: bool, rendering: Rendering):
         """The answer to a valid request. A client that disconnects cancels this coroutine (Serve's
         proxy cancels it; for SSE, Starlette cancels the stream), and with it the stage calls."""
         if stream:
             # sse-starlette frames the events, pings a quiet stream every 15 s (a long step keeps a
             # proxy's idle timer from closing it) and cancels the generator when the client leaves.
-            return EventSourceResponse(self.events(spec, render), sep="\n")
+            return EventSourceResponse(self.events(spec, rendering), sep="\n")
         try:
             generated = await self.generate(spec)
         except asyncio.CancelledError:
@@ -151,11 +127,13 @@ class Service:
             raise
         except Exception as exc:  # 4xx (request-caused), 503 (overload, lost replica) or a logged 500
             return errors.overload_or_failure(self.stages.failure(exc), self.config.retry_after_s, spec.request_id)
-        result = await self.render(render, generated)
+        result = await self.render(rendering, generated)
         return result if isinstance(result, Response) else JSONResponse(result)
 
-    async def events(self, spec: GenerationSpec, render) -> AsyncIterator[ServerSentEvent]:
-        """Server-Sent Events: "accepted", one "progress" per denoising step, then "result" or "error"."""
+    async def events(self, spec: GenerationSpec, rendering: Rendering) -> AsyncIterator[ServerSentEvent]:
+        """Server-Sent Events: "accepted", one "progress" per denoising step, then the rendering's closing
+        events (``deployments.api.rendering``) or "error". Each event's data names its ``type``, as
+        OpenAI's do: the official client reads an event's fields from its data alone."""
         progress: asyncio.Queue = asyncio.Queue()
         task = asyncio.ensure_future(self.generate(spec, progress.put))
         try:
@@ -173,18 +151,21 @@ class Service:
                 generated = task.result()
             except Exception as exc:  # same mapping as the plain response, as an "error" event
                 response = errors.overload_or_failure(self.stages.failure(exc), self.config.retry_after_s, spec.request_id)
+                # {"error": {...}}: what the official client raises as APIError with the message.
                 yield _sse("error", {"status": response.status_code, **json.loads(response.body)})
                 return
-            yield _sse("result", await self.render(render, generated))
+            for event, data in await self.render(rendering, generated, as_events=True):
+                yield _sse(event, data)
         finally:
             if not task.done():  # the client went away mid-stream: stop the stages too
                 logger.info("request %s cancelled: the event stream's client went away", spec.request_id)
                 task.cancel()
 
-    async def render(self, render: Callable[[Generated], Response | dict], generated: Generated):
-        """PNG / H.264 encoding takes a core for a while on large outputs: off the event loop,
-        unless the output is a few small images (``inline_render_values``)."""
-        if render == self.image_body and generated.frames.numel() <= self.inline_render_values:
+    async def render(self, rendering: Rendering, generated: Generated, as_events: bool = False):
+        """``rendering``'s body (or closing events). Image / H.264 encoding takes a core for a while on
+        large outputs: off the event loop, unless the output is a few small images (``inline_render_values``)."""
+        render = rendering.events if as_events else rendering.body
+        if isinstance(rendering, ImageRendering) and generated.frames.numel() <= self.inline_render_values:
             return render(generated)
         return await asyncio.to_thread(render, generated)
 
@@ -207,15 +188,3 @@ class Service:
         admissions = await self.admissions()
         return ModelList(data=[model_card(self.config.model_id, self.config.facts, self.config.limits, admissions,
                                           self.config.loras)])
-
-    def video_renderer(self, spec: GenerationSpec, parsed: VideoRequest) -> Callable[[Generated], Response | dict]:
-        fps = parsed.fps or self.config.limits.default_fps
-
-        def render(generated: Generated):
-            video = media.mp4_bytes(generated.frames[0], fps)
-            if parsed.response_format == "mp4":
-                return Response(video, media_type="video/mp4", headers={"X-Seed": str(spec.seed)})
-            return self.body(generated, [{"b64_json": base64.b64encode(video).decode(), "mime_type": "video/mp4",
-                                          "frames": spec.num_frames, "fps": fps}])
-
-        return render

@@ -1,10 +1,11 @@
-"""Frames (float32 in [0, 1], the pipelines' ``output_type="np"``) to PNG and MP4 bytes.
+"""Frames (float32 in [0, 1], the pipelines' ``output_type="np"``) to image (PNG, JPEG, WebP) and MP4 bytes.
 
-PNG through Pillow, MP4 (H.264) through imageio with its bundled ffmpeg (imageio-ffmpeg). Runs in
+Images through Pillow, MP4 (H.264) through imageio with its bundled ffmpeg (imageio-ffmpeg). Runs in
 the process that answers the request or runs the video job (an ingress replica), on a worker thread.
 """
 from __future__ import annotations
 
+import enum
 import io
 import os
 
@@ -18,6 +19,18 @@ FFMPEG_NO_PREEXEC_ENV = "IMAGEIO_FFMPEG_NO_PREVENT_SIGINT"
 MP4_BOXES = frozenset({"ftyp", "moov", "mdat"})
 
 
+class ImageFormat(str, enum.Enum):
+    """An image's encoding: OpenAI's ``output_format`` values."""
+
+    PNG = "png"
+    JPEG = "jpeg"
+    WEBP = "webp"
+
+    @property
+    def lossy(self) -> bool:
+        return self is not ImageFormat.PNG
+
+
 class VideoEncodeError(RuntimeError):
     """The encoder's output is not a whole mp4 (ffmpeg died, or stopped early); names what is missing."""
 
@@ -29,10 +42,19 @@ def to_uint8(frames: torch.Tensor) -> np.ndarray:
 
 def png_bytes(image: torch.Tensor) -> bytes:
     """One image (H, W, 3) as PNG."""
+    return image_bytes(image, ImageFormat.PNG)
+
+
+def image_bytes(image: torch.Tensor, fmt: ImageFormat, compression: int | None = None) -> bytes:
+    """One image (H, W, 3) as ``fmt``. ``compression`` (JPEG and WebP only): 0-100, OpenAI's
+    ``output_compression``, where 100 keeps the most (Pillow's ``quality``); None: 100, as OpenAI."""
     from PIL import Image
 
+    if compression is not None and not fmt.lossy:
+        raise ValueError(f"compression applies to jpeg and webp, not {fmt.value}")
     buffer = io.BytesIO()
-    Image.fromarray(to_uint8(image)).save(buffer, format="PNG")
+    options = {} if not fmt.lossy else {"quality": 100 if compression is None else compression}
+    Image.fromarray(to_uint8(image)).save(buffer, format=fmt.value.upper(), **options)
     return buffer.getvalue()
 
 

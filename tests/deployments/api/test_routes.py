@@ -99,18 +99,18 @@ def test_only_a_caller_that_reads_the_steps_asks_the_denoiser_for_progress_event
 
 
 def test_a_few_small_images_are_encoded_on_the_event_loop_and_larger_ones_in_a_thread(monkeypatch):
-    encoded_on, real = {}, media.png_bytes
+    encoded_on, real = {}, media.image_bytes
 
-    def recording(image):
+    def recording(image, *args):
         encoded_on.setdefault(tuple(image.shape[:2]), set()).add(threading.current_thread().name)
-        return real(image)
+        return real(image, *args)
 
     class _LoopStages(FakeStages):
         async def decode(self, latents, spec):
             self.loop_threads[(spec.height, spec.width)] = threading.current_thread().name
             return await super().decode(latents, spec)
 
-    monkeypatch.setattr(media, "png_bytes", recording)
+    monkeypatch.setattr(media, "image_bytes", recording)
     monkeypatch.setattr(routes, "INLINE_RENDER_VALUES", 32 * 32 * 3)  # the fake limits stop at 64x64
     client, stages = _client(_LoopStages())
     stages.loop_threads = {}
@@ -144,10 +144,23 @@ def test_an_event_stream_sends_accepted_each_step_then_the_result():
     with client.stream("POST", IMAGES, json={"prompt": "a tree", "stream": True, "num_inference_steps": 3}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = _events("".join(r.iter_text()))
-    assert [name for name, _ in events] == ["accepted", "progress", "progress", "progress", "result"]
+    assert [name for name, _ in events] == ["accepted", "progress", "progress", "progress",
+                                            "image_generation.completed"]
     assert [data["message"] for name, data in events if name == "progress"] == \
         ["step 1 of 3", "step 2 of 3", "step 3 of 3"]
-    assert len(events[-1][1]["data"]) == 1
+    assert all(data["type"] == name for name, data in events)
+
+
+def test_a_video_event_stream_closes_with_one_result_holding_the_synchronous_body():
+    client, _ = _client()
+    body = {"prompt": "waves", "size": "32x32", "num_frames": 5, "seed": 2, "num_inference_steps": 2}
+    with client.stream("POST", VIDEOS, json={**body, "stream": True}) as r:
+        events = _events("".join(r.iter_text()))
+    assert [name for name, _ in events] == ["accepted", "progress", "progress", "result"]
+    result = events[-1][1]
+    plain = client.post(VIDEOS, json=body).json()
+    assert result["type"] == "result" and result["data"] == plain["data"]
+    assert media.check_mp4(base64.b64decode(result["data"][0]["b64_json"])) is None
 
 
 @pytest.mark.parametrize("stage, exc, status, code", [

@@ -29,6 +29,8 @@ def wan():
     ({"prompt": "a cat", "negative_prompt": "y" * 21}, "negative_prompt", 400),
     ({"prompt": "a cat", "model": "sdxl"}, "model", 404),
     ({"prompt": "a cat", "response_format": "url"}, "response_format", 400),
+    ({"prompt": "a cat", "output_compression": 50}, "output_compression", 400),  # png is lossless
+    ({"prompt": "a cat", "stream": True, "partial_images": 2}, "partial_images", 400),  # none are made
 ])
 def test_an_invalid_image_field_is_refused_naming_it(wan, body, param, status):
     with pytest.raises(FieldError) as caught:
@@ -43,6 +45,9 @@ def test_an_invalid_image_field_is_refused_naming_it(wan, body, param, status):
     ({"prompt": "a cat", "guidance_scale": "high"}, "guidance_scale"),
     ({"size": "16x16"}, "prompt"),
     ({"prompt": "a cat", "num_inference_step": 2}, "num_inference_step"),  # a typo is an unknown field
+    ({"prompt": "a cat", "output_format": "gif"}, "output_format"),
+    ({"prompt": "a cat", "output_format": "jpeg", "output_compression": 101}, "output_compression"),
+    ({"prompt": "a cat", "partial_images": 4}, "partial_images"),  # OpenAI's range is 0-3
 ])
 def test_a_mistyped_or_unknown_field_fails_validation_naming_it(body, field):
     with pytest.raises(ValidationError) as caught:

@@ -105,7 +105,7 @@ def test_a_video_request_returns_a_decodable_mp4(client):
     assert base64.b64decode(as_json.json()["data"][0]["b64_json"]) == response.content
 
 
-def test_a_streaming_client_sees_denoising_step_k_of_n_then_the_result(client):
+def test_a_streaming_client_sees_denoising_step_k_of_n_then_the_image(client):
     with client.stream("POST", IMAGES, json={"prompt": "a tree", "stream": True, "num_inference_steps": 3,
                                              "seed": 1}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -113,11 +113,11 @@ def test_a_streaming_client_sees_denoising_step_k_of_n_then_the_result(client):
     events = [(block.split("\n")[0][len("event: "):], json.loads(block.split("\n")[1][len("data: "):]))
               for block in text.strip().split("\n\n")]
     names = [name for name, _ in events]
-    assert names == ["accepted", "progress", "progress", "progress", "result"]
+    assert names == ["accepted", "progress", "progress", "progress", "image_generation.completed"]
     assert [data["message"] for name, data in events if name == "progress"] == \
         ["step 1 of 3", "step 2 of 3", "step 3 of 3"]
     plain = response_pngs(client.post(IMAGES, json={"prompt": "a tree", "num_inference_steps": 3, "seed": 1}))
-    assert [base64.b64decode(d["b64_json"]) for d in events[-1][1]["data"]] == plain
+    assert [base64.b64decode(events[-1][1]["b64_json"])] == plain
 
 
 @pytest.mark.parametrize("body, param, status", [
