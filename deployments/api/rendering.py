@@ -20,6 +20,7 @@ from deployments.wire.media import ImageFormat
 from deployments.wire.spec import GenerationSpec
 
 COMPLETED = "image_generation.completed"  # OpenAI's event type for a streamed image
+PARTIAL = "image_generation.partial_image"  # and for a preview before it (partial_images)
 
 
 @dataclass(frozen=True)
@@ -62,15 +63,23 @@ class ImageRendering:
         return envelope(generated, [{"b64_json": image} for image in self.encoded(generated)],
                         size=self._size(generated), output_format=self.output_format.value)
 
+    def _event(self, generated: Generated, index: int, image: str, **extra) -> dict:
+        """An image event's data in OpenAI's shape (``background``: these images have no alpha), with
+        this project's ``id`` and ``index`` (the image's place among the request's ``n``)."""
+        return {"b64_json": image, "created_at": int(time.time()), "size": self._size(generated),
+                "output_format": self.output_format.value, "background": "opaque",
+                "id": generated.spec.request_id, "index": index, **extra}
+
     def events(self, generated: Generated) -> list[tuple[str, dict]]:
-        """(event, data) to close a stream (the stream adds each data's ``type``: its event's name).
-        One ``image_generation.completed`` per image, in OpenAI's shape (``background``: these
-        images have no alpha), with this project's ``id``, ``index``, ``seed`` and ``stages``."""
-        created, stats = int(time.time()), stage_stats(generated)
-        return [(COMPLETED, {"b64_json": image, "created_at": created,
-                             "size": self._size(generated), "output_format": self.output_format.value,
-                             "background": "opaque", "id": generated.spec.request_id, "index": index,
-                             "seed": generated.spec.seed, "stages": stats})
+        """(event, data) to close a stream (the stream adds each data's ``type``: its event's name):
+        one ``image_generation.completed`` per image, with the ``seed`` and the ``stages``."""
+        stats = stage_stats(generated)
+        return [(COMPLETED, self._event(generated, index, image, seed=generated.spec.seed, stages=stats))
+                for index, image in enumerate(self.encoded(generated))]
+
+    def partial_events(self, generated: Generated, partial_image_index: int, step: int) -> list[tuple[str, dict]]:
+        """One ``image_generation.partial_image`` per image: the preview decoded after ``step``."""
+        return [(PARTIAL, self._event(generated, index, image, partial_image_index=partial_image_index, step=step))
                 for index, image in enumerate(self.encoded(generated))]
 
 

@@ -68,7 +68,8 @@ class ImageRequest(_Generation):
     # OpenAI's gpt-image fields: the encoding, and JPEG's or WebP's quality (100 keeps the most).
     output_format: ImageFormat = ImageFormat.PNG
     output_compression: int | None = Field(None, ge=0, le=100)
-    # OpenAI's preview images while streaming. None are made here (see image_spec): 0 only.
+    # OpenAI's preview images while streaming: each the decoded estimate of the final image at a step
+    # spread evenly before the last (GenerationSpec.preview_steps; fewer when there are few steps).
     partial_images: int = Field(0, ge=0, le=3)
 
 
@@ -165,15 +166,15 @@ def image_spec(req: ImageRequest, facts: FamilyTraits, limits: Limits, model_id:
     if req.output_compression is not None and not req.output_format.lossy:
         raise FieldError("output_compression", f"applies to output_format 'jpeg' or 'webp', not "
                                                f"{req.output_format.value!r} (lossless)")
-    if req.partial_images:
-        raise FieldError("partial_images", f"{req.partial_images} partial images asked; this server streams "
-                                           "each denoising step's progress and then the finished image: use 0")
+    if req.partial_images and not req.stream:
+        raise FieldError("partial_images", "preview images are sent as events: set 'stream': true with it")
     if req.n > limits.max_n:
         raise FieldError("n", f"{req.n} exceeds the configured maximum of {limits.max_n}")
     if facts.max_n is not None and req.n > facts.max_n:
         raise FieldError("n", f"{req.n} exceeds what the {facts.family.value} model family makes per request "
                               f"({facts.max_n})")
-    return with_lora(_spec(req, facts, limits, req.n, 1, reference), req, loras)
+    spec = dataclasses.replace(_spec(req, facts, limits, req.n, 1, reference), partial_images=req.partial_images)
+    return with_lora(spec, req, loras)
 
 
 def reference_bytes(value: object) -> bytes | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from deployments.jobs.queue import JobsArgs
 from deployments.models.families import FamilyTraits
 from deployments.models.lora_rows import ServedLora
 from deployments.wire.failures import FailureKind
-from deployments.wire.spec import DenoiseProgress, GenerationSpec, StageOutput
+from deployments.wire.spec import DenoiseProgress, GenerationSpec, StageOutput, StageStats
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,9 @@ class Service:
                 step: DenoiseProgress = getter.result()
                 yield _sse("progress", {"id": step.request_id, "step": step.step, "total": step.total,
                                         "message": f"step {step.step} of {step.total}"})
+                if step.preview is not None and isinstance(rendering, ImageRendering):
+                    for event, data in await self.preview(spec, rendering, step):
+                        yield _sse(event, data)
             try:
                 generated = task.result()
             except Exception as exc:  # same mapping as the plain response, as an "error" event
@@ -154,17 +158,36 @@ class Service:
                 # {"error": {...}}: what the official client raises as APIError with the message.
                 yield _sse("error", {"status": response.status_code, **json.loads(response.body)})
                 return
-            for event, data in await self.render(rendering, generated, as_events=True):
+            for event, data in await self.render(rendering, generated, rendering.events):
                 yield _sse(event, data)
         finally:
             if not task.done():  # the client went away mid-stream: stop the stages too
                 logger.info("request %s cancelled: the event stream's client went away", spec.request_id)
                 task.cancel()
 
-    async def render(self, rendering: Rendering, generated: Generated, as_events: bool = False):
-        """``rendering``'s body (or closing events). Image / H.264 encoding takes a core for a while on
-        large outputs: off the event loop, unless the output is a few small images (``inline_render_values``)."""
-        render = rendering.events if as_events else rendering.body
+    async def preview(self, spec: GenerationSpec, rendering: ImageRendering, step: DenoiseProgress) -> list:
+        """A preview's events: its latents decoded by the VaeDecoder (the Denoiser goes on meanwhile;
+        its progress waits in the queue). A preview that fails is not sent, as OpenAI's stream may send
+        fewer than asked; the finished image is what the request is answered with, or fails with."""
+        index = sorted(spec.preview_steps).index(step.step)
+        try:
+            decoded = await self.stages.decode(StageOutput(step.preview, StageStats("denoise", "preview", 0.0, 0, 0)),
+                                               spec)
+        except Exception as exc:  # the finished image's decode meets the same fault and answers it
+            failure = self.stages.failure(exc)
+            logger.warning("request %s: preview %d (after step %d of %d) not sent: %s (%s: %s)", spec.request_id,
+                           index, step.step, step.total, failure.kind.value, type(failure.cause).__name__,
+                           failure.cause)
+            return []
+        generated = Generated(spec, decoded.value, decoded.all_stats)
+        return await self.render(rendering, generated, functools.partial(rendering.partial_events,
+                                                                         partial_image_index=index, step=step.step))
+
+    async def render(self, rendering: Rendering, generated: Generated, make: Callable | None = None):
+        """``make(generated)``: by default ``rendering``'s body. Image / H.264 encoding takes a core for a
+        while on large outputs: off the event loop, unless the output is a few small images
+        (``inline_render_values``)."""
+        render = rendering.body if make is None else make
         if isinstance(rendering, ImageRendering) and generated.frames.numel() <= self.inline_render_values:
             return render(generated)
         return await asyncio.to_thread(render, generated)

@@ -72,13 +72,30 @@ class StepRequest:
         return self.step >= len(self.timesteps)
 
     def advance(self, noise_pred: torch.Tensor) -> None:
-        t = self.timesteps[self.step]
-        self.latents = self.scheduler.step(noise_pred, t, self.latents, return_dict=False)[0]
+        t, sample = self.timesteps[self.step], self.latents
+        self.latents = self.scheduler.step(noise_pred, t, sample, return_dict=False)[0]
         self.step += 1
         if self.done and self.finish is not None:
             self.latents = self.finish(self.latents)
         if self.on_step is not None:
-            self.on_step(DenoiseProgress(self.spec.request_id, self.step, len(self.timesteps)))
+            preview = self.preview(sample, noise_pred) if self.step in self.spec.preview_steps else None
+            self.on_step(DenoiseProgress(self.spec.request_id, self.step, len(self.timesteps), preview))
+
+    def preview(self, sample: torch.Tensor, noise_pred: torch.Tensor) -> torch.Tensor:
+        """The step's estimate of the final latents, on the CPU, for a preview image. Every served
+        family's scheduler integrates a flow (``x_t = (1 - sigma) x_0 + sigma noise``, the model
+        predicting ``noise - x_0``), so ``x_0 = x_t - sigma_t v`` with the step's sigma: a recognisable
+        image from the first steps, where the stepped latents are still mostly noise. A scheduler
+        without sigmas gives the stepped latents. Reads the scheduler, changes nothing."""
+        sigmas, index = getattr(self.scheduler, "sigmas", None), getattr(self.scheduler, "step_index", None)
+        if sigmas is None or index is None:
+            estimate = self.latents
+        else:  # step() advanced step_index past the sigma it used
+            estimate = sample.float() - sigmas[index - 1].item() * noise_pred.float()
+            estimate = estimate.to(self.latents.dtype)
+            if self.finish is not None:
+                estimate = self.finish(estimate)
+        return estimate.to("cpu", copy=True)
 
 
 class Stepper(Protocol):

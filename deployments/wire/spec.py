@@ -68,6 +68,15 @@ class GenerationSpec:
     # and its scale (the ingress resolves the adapter's configured scale); None: the base model.
     lora: str | None = None
     lora_scale: float = 1.0
+    # Preview images to stream before the finished one (OpenAI's partial_images, 0-3; images only).
+    partial_images: int = 0
+
+    @property
+    def preview_steps(self) -> frozenset[int]:
+        """The steps (1-based, as DenoiseProgress counts) after which the Denoiser sends a preview:
+        ``partial_images`` spread evenly before the last step (fewer when there are too few steps)."""
+        k = self.partial_images
+        return frozenset(s for s in (round(i * self.steps / (k + 1)) for i in range(1, k + 1)) if 0 < s < self.steps)
 
 
 @dataclass(frozen=True)
@@ -148,6 +157,9 @@ class DenoiseProgress:
     request_id: str
     step: int
     total: int
+    # At a preview step (GenerationSpec.preview_steps): the latents the decoder turns into a preview
+    # image, on the CPU (the step's estimate of the final latents); None at every other step.
+    preview: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

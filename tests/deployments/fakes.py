@@ -32,7 +32,8 @@ def _stats(stage: str) -> StageStats:
 
 @dataclass
 class FakeStages:
-    """deployments.api.seams.StagePipeline in process. ``fail``: stage name -> exception to raise."""
+    """deployments.api.seams.StagePipeline in process. ``fail``: stage name ("encode", "denoise",
+    "decode", or "preview" for a preview's decode) -> exception to raise."""
 
     fail: dict[str, BaseException] = field(default_factory=dict)
     # When set, the denoiser waits on it before every step after the first (a slow step).
@@ -63,22 +64,29 @@ class FakeStages:
                     await self.hold.wait()
                 self._maybe_fail("denoise")
                 self.steps_done[spec.request_id] = step
-                if progress:
-                    yield DenoiseProgress(spec.request_id, step, spec.steps)
+                if progress:  # a preview's latents are filled with the fraction of steps done
+                    preview = torch.full(self._latent_shape(spec), step / spec.steps) \
+                        if step in spec.preview_steps else None
+                    yield DenoiseProgress(spec.request_id, step, spec.steps, preview)
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled.append(spec.request_id)
             raise
         # As the Denoiser's: the latents come after the step loop (a reader that stops there cancels nothing).
-        yield StageOutput(torch.zeros(spec.n, 4, 1, spec.height // 8, spec.width // 8), _stats("denoise")).after(enc)
+        yield StageOutput(torch.zeros(self._latent_shape(spec)), _stats("denoise")).after(enc)
+
+    @staticmethod
+    def _latent_shape(spec: GenerationSpec) -> tuple[int, ...]:
+        return spec.n, 4, 1, spec.height // 8, spec.width // 8
 
     def failure(self, exc: BaseException) -> Failure:
         return sort_failure(exc)  # the ingress's own sorting: the fakes raise Ray's exceptions
 
     async def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput:
         self.calls.append(("decode", spec.request_id))
-        self._maybe_fail("decode")
-        # A gradient, so PNG/MP4 encoding has something to encode.
+        self._maybe_fail("preview" if latents.stats.replica == "preview" else "decode")
+        # A gradient, so PNG/MP4 encoding has something to encode; a preview's dimmed by its latents' fill.
         ramp = torch.linspace(0, 1, spec.width).expand(spec.n, spec.num_frames, spec.height, spec.width)
+        ramp = ramp * (1 - latents.value.flatten()[0].item())
         return StageOutput(ramp.unsqueeze(-1).expand(-1, -1, -1, -1, 3).contiguous(), _stats("decode")).after(latents)
 
 

@@ -40,6 +40,37 @@ def test_a_streamed_image_arrives_as_the_completed_events_b64_json_equal_to_the_
     assert (plain.size, plain.output_format) == ("32x16", "png")
 
 
+def test_partial_images_stream_previews_spread_before_the_last_step_then_the_image():
+    client = _client()
+    events = list(client.images.generate(prompt="a fox", size="32x16", n=2, stream=True, partial_images=2,
+                                         output_format="jpeg", extra_body={"seed": 5, "num_inference_steps": 6}))
+    partial = [e for e in events if e.type == "image_generation.partial_image"]
+    # After steps 2 and 4 of 6 (each preview before the progress event that follows its step).
+    assert [(e.partial_image_index, e.index, e.step) for e in partial] == [(0, 0, 2), (0, 1, 2), (1, 0, 4), (1, 1, 4)]
+    types = [e.type for e in events]
+    assert types.index("image_generation.partial_image") == types.index("progress") + 2
+    assert types[-2:] == ["image_generation.completed"] * 2
+    # The fake decoder dims a preview by the steps left: each is its own image, and a JPEG as asked.
+    assert [_image(e.b64_json).format for e in partial] == ["JPEG"] * 4
+    assert len({e.b64_json for e in partial if e.index == 0} | {events[-2].b64_json}) == 3
+
+
+def test_more_partial_images_than_steps_before_the_last_sends_fewer():
+    events = list(_client().images.generate(prompt="a fox", stream=True, partial_images=3,
+                                            extra_body={"num_inference_steps": 2}))
+    assert [e.step for e in events if e.type == "image_generation.partial_image"] == [1]
+
+
+def test_a_preview_that_fails_is_not_sent_and_the_image_still_is(caplog):
+    client = _client(FakeStages(fail={"preview": RuntimeError("preview decode broke")}))
+    with caplog.at_level("WARNING", logger="deployments.api.service"):
+        events = list(client.images.generate(prompt="a fox", stream=True, partial_images=1,
+                                             extra_body={"num_inference_steps": 2}))
+    assert [e.type for e in events] == ["accepted", "progress", "progress", "image_generation.completed"]
+    assert any("preview 0 (after step 1 of 2) not sent" in r.getMessage() and "preview decode broke" in r.getMessage()
+               for r in caplog.records)
+
+
 @pytest.mark.parametrize("output_format, pil_format", [("png", "PNG"), ("jpeg", "JPEG"), ("webp", "WEBP")])
 def test_output_format_encodes_the_image_as_asked(output_format, pil_format):
     answer = _client().images.generate(prompt="a fox", size="32x16", output_format=output_format)
@@ -65,7 +96,7 @@ def test_a_stage_failure_mid_stream_is_an_api_error_with_the_servers_message_and
 
 @pytest.mark.parametrize("kwargs, param", [
     ({"output_format": "png", "output_compression": 50}, "output_compression"),
-    ({"stream": True, "partial_images": 2}, "partial_images"),
+    ({"partial_images": 2}, "partial_images"),  # previews are events: without stream there are none
     ({"quality": "high"}, "quality"),  # gpt-image's field: not this server's
 ])
 def test_fields_this_server_does_not_honour_are_a_400_naming_them(kwargs, param):

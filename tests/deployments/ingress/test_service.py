@@ -105,19 +105,24 @@ def test_a_video_request_returns_a_decodable_mp4(client):
     assert base64.b64decode(as_json.json()["data"][0]["b64_json"]) == response.content
 
 
-def test_a_streaming_client_sees_denoising_step_k_of_n_then_the_image(client):
+def test_a_streaming_client_sees_denoising_step_k_of_n_a_preview_then_the_image(client):
     with client.stream("POST", IMAGES, json={"prompt": "a tree", "stream": True, "num_inference_steps": 3,
-                                             "seed": 1}) as response:
+                                             "seed": 1, "partial_images": 1}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         text = "".join(response.iter_text())
     events = [(block.split("\n")[0][len("event: "):], json.loads(block.split("\n")[1][len("data: "):]))
               for block in text.strip().split("\n\n")]
     names = [name for name, _ in events]
-    assert names == ["accepted", "progress", "progress", "progress", "image_generation.completed"]
+    assert names == ["accepted", "progress", "progress", "image_generation.partial_image", "progress",
+                     "image_generation.completed"]
     assert [data["message"] for name, data in events if name == "progress"] == \
         ["step 1 of 3", "step 2 of 3", "step 3 of 3"]
     plain = response_pngs(client.post(IMAGES, json={"prompt": "a tree", "num_inference_steps": 3, "seed": 1}))
-    assert [base64.b64decode(events[-1][1]["b64_json"])] == plain
+    assert [base64.b64decode(events[-1][1]["b64_json"])] == plain, "a preview changes nothing in the image"
+    # The preview: the Denoiser's estimate after step 2, decoded by the VaeDecoder replica.
+    preview = base64.b64decode(events[3][1]["b64_json"])
+    assert Image.open(io.BytesIO(preview)).size == Image.open(io.BytesIO(plain[0])).size and preview != plain[0]
+    assert (events[3][1]["partial_image_index"], events[3][1]["step"]) == (0, 2)
 
 
 @pytest.mark.parametrize("body, param, status", [

@@ -174,6 +174,40 @@ def test_a_lone_default_request_through_the_step_batcher_is_the_in_process_pipel
     assert levels <= 1, f"{family.case.name}: {levels} levels off the pipeline"
 
 
+def _alone(stepper, request) -> torch.Tensor:
+    batch = StepBatch(stepper, BatchingConfig(max_batch=1))
+    future = batch.submit(request)
+    while not batch.idle:
+        batch.step()
+    return future.result()
+
+
+def test_previews_are_the_flow_estimate_of_the_final_latents_and_change_nothing(family):
+    facts = family.facts
+    spec = dataclasses.replace(family.spec(), steps=4, partial_images=3)
+    stepper, encoded = adapter_for(facts).stepper(family.pipes[DENOISE], facts, CPU), family.encoded(spec)
+    plain = _alone(stepper, stepper.start(encoded, spec))
+    seen, last = [], {}
+    request = stepper.start(encoded, spec, on_step=seen.append)
+    advance = request.advance
+
+    def recording(noise_pred):  # the last step's input, to ask for its estimate after it
+        last.update(sample=request.latents, noise_pred=noise_pred)
+        advance(noise_pred)
+
+    request.advance = recording
+    assert torch.equal(_alone(stepper, request), plain), "previews change the result"
+    assert [p.step for p in seen if p.preview is not None] == [1, 2, 3]
+    for progress in seen:
+        if progress.preview is not None:
+            assert progress.preview.shape == plain.shape and torch.isfinite(progress.preview).all()
+    frames = families.decode(family.pipes[DECODE], facts, seen[0].preview, spec, CPU)
+    assert frames.shape == (spec.n, spec.num_frames, spec.height, spec.width, 3) and torch.isfinite(frames).all()
+    # The estimate after the last step is where the scheduler's last step lands (its next sigma is 0):
+    # the sigma read is the one the step used.
+    assert torch.allclose(request.preview(last["sample"], last["noise_pred"]), plain, atol=1e-5)
+
+
 def _staggered(stepper, encoded, specs):
     """Request i joins before boundary i; each request's latents, and the batch."""
     batch, futures, boundary = StepBatch(stepper, BatchingConfig(max_batch=4)), {}, 0
