@@ -141,7 +141,8 @@ def _spec(req: _Generation, facts: FamilyTraits, limits: Limits, n: int, frames:
           reference: bytes | None = None) -> GenerationSpec:
     _check_prompt(req, facts, limits)
     _check_reference(facts, reference)
-    width, height = parse_size(limits.default_size if req.size is None else req.size, facts, limits)
+    # "auto" (OpenAI's default for its gpt-image models: the model picks) is the configured default.
+    width, height = parse_size(limits.default_size if req.size in (None, "auto") else req.size, facts, limits)
     guidance = facts.default_guidance if req.guidance_scale is None else req.guidance_scale
     seed = secrets.randbelow(2**31) if req.seed is None else req.seed
     return GenerationSpec(uuid.uuid4().hex, req.prompt, req.negative_prompt, height, width, frames,

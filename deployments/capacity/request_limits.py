@@ -41,7 +41,7 @@ class Limits(BaseModel):
     max_prompt_chars: int = Field(2000, ge=1)
     # The most video frames (num_frames, or seconds x fps + 1).
     max_frames: int = Field(81, ge=1)
-    # The size of a request that names none; also the shape each replica warms up on.
+    # The size of a request that names none or asks "auto"; also the shape each replica warms up on.
     default_size: str = "256x256"
     # The steps of a request that names none.
     default_steps: int = Field(20, ge=1)

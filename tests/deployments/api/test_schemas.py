@@ -84,6 +84,13 @@ def test_a_valid_request_gets_the_configured_defaults_and_a_seed(wan):
     assert (video.num_frames, video.seed, video.n) == (LIMITS.default_frames, 7, 1)
 
 
+def test_size_auto_is_the_configured_default_size(wan):
+    """OpenAI's gpt-image models default to size "auto" (the model picks): here the configured default."""
+    for request in (ImageRequest(prompt="a cat", size="auto"), VideoRequest(prompt="a cat", size="auto")):
+        spec = (image_spec if isinstance(request, ImageRequest) else video_spec)(request, wan, LIMITS, "tiny-wan")
+        assert f"{spec.width}x{spec.height}" == LIMITS.default_size
+
+
 def test_a_request_sets_its_step_cache_threshold_or_leaves_it_to_the_deployment(wan):
     assert image_spec(ImageRequest(prompt="a cat"), wan, LIMITS, "m").cache_threshold is None
     assert image_spec(ImageRequest(prompt="a cat", cache_threshold=0.1), wan, LIMITS, "m").cache_threshold == 0.1
