@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offload_core.planner.config_file import UnknownModel, config_file
+from offload_core.planner.config_file import config_file, resolve_name
 
 GiB = 1024**3
 # Ray's accelerator_type names that differ from the table's keys.
@@ -74,9 +74,7 @@ def gpu_names() -> tuple[str, ...]:
 
 def gpu_model(name: str) -> GpuModel:
     """The table's facts of ``name`` (a table key, or Ray's accelerator_type for it)."""
-    key = RAY_TYPE_ALIASES.get(name, name)
-    if key not in gpu_names():
-        raise UnknownModel(f"unknown GPU {name!r}; known: {', '.join(gpu_names())}")
+    key = resolve_name(RAY_TYPE_ALIASES.get(name, name), gpu_names(), "GPU")
     entry = config_file()["gpus"][key]
     gen, width = parse_link(entry["link"])
     return GpuModel(key, int(entry["memory_gb"]), int(entry["memory_gb"]) * GiB, entry["link"], gen, width,

@@ -23,7 +23,7 @@ from torch import nn
 
 from compat.diffusers import keep_in_fp32_modules
 from compat.torch import own_buffers, own_parameters
-from offload_core.planner.config_file import CONFIG_PATH, UnknownModel, config_file  # noqa: F401 (re-exported)
+from offload_core.planner.config_file import CONFIG_PATH, UnknownModel, config_file, resolve_name  # noqa: F401 (re-exported)
 
 # transformer_2: Wan2.2 A14B's low-noise expert (the same class as the high-noise ``transformer``);
 # text_encoder_3: SD3.5's T5-XXL (after its two CLIPs); image_encoder: Wan2.1 image-to-video's CLIP vision tower.
@@ -62,9 +62,7 @@ def model_names() -> tuple[str, ...]:
 def _model_entry(model_name: str) -> dict[str, Any]:
     """The model's entry with "same_as" resolved and "transformer_overrides" applied (a deep copy)."""
     raw = config_file()
-    if model_name not in model_names():
-        raise UnknownModel(f"unknown model {model_name!r}; known: {', '.join(model_names())}")
-    entry = copy.deepcopy(raw[model_name])
+    entry = copy.deepcopy(raw[resolve_name(model_name, model_names(), "model")])
     base_name = entry.pop("same_as", None)
     if base_name is None:
         return entry

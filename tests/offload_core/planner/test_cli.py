@@ -27,6 +27,11 @@ def test_wan_14b_on_an_l4_prints_a_table_row_per_component(capsys):
     assert {"transformer", "text_encoder", "vae"} <= rows
 
 
+def test_model_and_gpu_names_are_read_whatever_their_case(capsys):
+    assert run(capsys, "--model", "FLUX.1-dev", "--gpu", "l4", "--host-ram", "64GiB", "--json")[1] == \
+        run(capsys, "--model", "flux.1-dev", "--gpu", "L4", "--host-ram", "64GiB", "--json")[1]
+
+
 def test_json_is_one_object_with_the_plan_and_its_predictions(capsys):
     code, out = run(capsys, "--model", "flux.1-dev", "--gpu", "H100", "--host-ram", "128GiB", "--mode", "memory",
                     "--json")
@@ -104,6 +109,9 @@ def test_tp_2_plans_the_flux_dit_with_diffusers_plan_as_one_rank_holds_it(capsys
     (["--model", "wan2.2-t2v-a14b", "--gpu", "L4", "--host-ram", "64GiB", "--shift", "-1"], "--shift must be > 0"),
     (["--model", "wan2.1-t2v-14b", "--gpu", "TPU", "--host-ram", "64GiB"], "unknown GPU 'TPU'"),
     (["--model", "sd-9", "--gpu", "L4", "--host-ram", "64GiB"], "unknown model 'sd-9'"),
+    (["--model", "flux.1-dev", "--gpu", "4090", "--host-ram", "64GiB"], "unknown GPU '4090'; did you mean RTX4090?"),
+    (["--model", "wan2.1-14b", "--gpu", "L4", "--host-ram", "64GiB"], "unknown model 'wan2.1-14b'; did you mean wan2.1-t2v-14b?"),
+    (["--model", "flux.1-dev", "--gpu", "V100", "--host-ram", "64GiB"], "unknown GPU 'V100'; known:"),  # no H100 hint
     (["--model", "wan2.1-t2v-14b", "--gpu", "L4", "--host-ram", "lots"], "not a byte size: 'lots'"),
     (["--model-dir", "/nonexistent", "--gpu", "L4", "--host-ram", "64GiB"], "has no model_index.json"),
     (["--model", "flux.1-dev", "--gpu", "L4", "--host-ram", "64GiB", "--working-set", "100GiB"],
