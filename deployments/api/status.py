@@ -1,4 +1,4 @@
-"""Whether the service answers: ``GET /health`` and ``GET /v1/models``.
+"""Whether the service answers: ``GET /health``, ``GET /v1/models`` and ``GET /v1/models/{id}``.
 
 One router, mounted by :func:`deployments.api.routes.build_api` in the ingress replica's process.
 Both follow ``app.state.serving`` (a :class:`deployments.api.seams.ServingCheck`, or None when
@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from deployments.api.model_list import ModelList
+from deployments.api import errors
+from deployments.api.model_list import ModelCard, ModelList
+from deployments.api.schemas import check_model
 from deployments.api.serving import not_serving
+from deployments.capacity.request_limits import FieldError
 
 router = APIRouter()
 
@@ -39,3 +42,13 @@ async def models(request: Request) -> ModelList:
         return listed
     down = {"serving": False, "not_serving": state.describe()}
     return listed.model_copy(update={"data": [card.model_copy(update=down) for card in listed.data]})
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard)
+async def model(request: Request, model_id: str):
+    """OpenAI's retrieve: the served model's card (an id with a '/' too), or 404 ``model_not_found``."""
+    try:
+        check_model(model_id, request.app.state.service.config.model_id)
+    except FieldError as exc:
+        return errors.field_error(exc)
+    return (await models(request)).data[0]

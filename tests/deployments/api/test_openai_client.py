@@ -104,3 +104,13 @@ def test_fields_this_server_does_not_honour_are_a_400_naming_them(kwargs, param)
         result = _client().images.generate(prompt="a fox", **kwargs)
         list(result) if kwargs.get("stream") else None
     assert caught.value.body["param"] == param, caught.value.body
+
+
+def test_models_retrieve_gives_the_served_models_card_and_any_other_id_is_model_not_found():
+    client = _client()
+    listed = client.models.list().data
+    card = client.models.retrieve(listed[0].id)
+    assert card.model_dump() == listed[0].model_dump() and card.id == "tiny-wan" and card.family == "wan"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("Wan-AI/Wan2.1-T2V-14B")  # an id with a '/' reaches the route too
+    assert caught.value.body["code"] == "model_not_found" and "tiny-wan" in caught.value.message
