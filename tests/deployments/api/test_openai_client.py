@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import io
+import pathlib
+import re
 
 import openai
 import pytest
@@ -14,6 +16,8 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from tests.deployments.fakes import TOKEN, FakeStages, fake_api
+
+README = pathlib.Path(__file__).resolve().parents[3] / "README.md"
 
 
 def _client(stages: FakeStages | None = None) -> openai.OpenAI:
@@ -114,3 +118,20 @@ def test_models_retrieve_gives_the_served_models_card_and_any_other_id_is_model_
     with pytest.raises(openai.NotFoundError) as caught:
         client.models.retrieve("Wan-AI/Wan2.1-T2V-14B")  # an id with a '/' reaches the route too
     assert caught.value.body["code"] == "model_not_found" and "tiny-wan" in caught.value.message
+
+
+def test_the_readmes_image_examples_run_as_printed_and_the_stream_ends_with_the_plain_image(tmp_path, monkeypatch,
+                                                                                            capsys):
+    section = README.read_text().split("### An image", 1)[1].split("\n### ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 2, "the plain example and the streamed one"
+    made = _client()
+    monkeypatch.setattr(openai, "OpenAI", lambda **kwargs: made)  # the README's base_url: the fake API
+    monkeypatch.chdir(tmp_path)
+    exec(compile(blocks[0], str(README), "exec"), namespace := {"__name__": "readme_image"})
+    plain = (tmp_path / "fox.png").read_bytes()
+    exec(compile(blocks[1], str(README), "exec"), namespace)
+    assert (tmp_path / "fox.png").read_bytes() == plain, "the stream's image is the plain answer's"
+    previews = [(tmp_path / f"fox-{i}.png").read_bytes() for i in (0, 1)]
+    assert len({plain, *previews}) == 3 and all(_image(base64.b64encode(p)).size == (64, 64) for p in previews)
+    assert capsys.readouterr().out.splitlines() == [f"step {k} of 8" for k in range(1, 9)]
