@@ -85,10 +85,10 @@ class StepRequest:
         """The step's estimate of the final latents, on the CPU, for a preview image. Every served
         family's scheduler integrates a flow (``x_t = (1 - sigma) x_0 + sigma noise``, the model
         predicting ``noise - x_0``), so ``x_0 = x_t - sigma_t v`` with the step's sigma: a recognisable
-        image from the first steps, where the stepped latents are still mostly noise. A scheduler
-        without sigmas gives the stepped latents. Reads the scheduler, changes nothing."""
+        image from the first steps, where the stepped latents are still mostly noise. Any other
+        scheduler (a family added later) gives the stepped latents. Reads the scheduler, changes nothing."""
         sigmas, index = getattr(self.scheduler, "sigmas", None), getattr(self.scheduler, "step_index", None)
-        if sigmas is None or index is None:
+        if not integrates_flow(self.scheduler) or sigmas is None or index is None:
             estimate = self.latents
         else:  # step() advanced step_index past the sigma it used
             estimate = sample.float() - sigmas[index - 1].item() * noise_pred.float()
@@ -96,6 +96,13 @@ class StepRequest:
             if self.finish is not None:
                 estimate = self.finish(estimate)
         return estimate.to("cpu", copy=True)
+
+
+def integrates_flow(scheduler) -> bool:
+    """Whether ``scheduler`` steps a flow-matching model (its output ``noise - x_0``): diffusers'
+    FlowMatch* schedulers, or a multistep one told ``prediction_type: flow_prediction`` (Wan's UniPC)."""
+    config = getattr(scheduler, "config", {})
+    return type(scheduler).__name__.startswith("FlowMatch") or config.get("prediction_type") == "flow_prediction"
 
 
 class Stepper(Protocol):
