@@ -170,6 +170,8 @@ class Denoiser(RankedStage):
         self.in_flight[spec.request_id] = request.cancel
         try:
             while (item := await events.get()) is not _DONE:
+                if isinstance(item, DenoiseProgress) and item.ready is not None:
+                    await asyncio.to_thread(item.ready.synchronize)  # the preview's bytes have landed
                 yield item
             latents = future.result()
         finally:

@@ -160,6 +160,13 @@ class DenoiseProgress:
     # At a preview step (GenerationSpec.preview_steps): the latents the decoder turns into a preview
     # image, on the CPU (the step's estimate of the final latents); None at every other step.
     preview: torch.Tensor | None = None
+    # On a CUDA replica, the event after ``preview``'s non-blocking copy to the host: the Denoiser waits
+    # on it before the item leaves the replica (until then the tensor's bytes may not have landed).
+    # Never crosses a process: pickling drops it.
+    ready: object | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __reduce__(self):
+        return (DenoiseProgress, (self.request_id, self.step, self.total, self.preview))
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,19 @@
 """A cancelled Denoiser call stops at the next step boundary and frees the replica (in process:
-the Denoiser class itself, cancelled the way Serve cancels it when the client disconnects)."""
+the Denoiser class itself, cancelled the way Serve cancels it when the client disconnects); what
+else its stream sends: nothing but the latents without progress, a preview only once its copy landed."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import pickle
+import threading
 import time
 
 import pytest
 
 from deployments.app import stage_configs
 from deployments.models.cancel import CancelFlag, RequestCancelled
+from deployments.models import steppers
 from deployments.models.families import read_family_traits
 from deployments.replica.stages import Denoiser, TextEncoder
 from deployments.wire.spec import DenoiseProgress, GenerationSpec, PipelineStage
@@ -89,6 +93,43 @@ def test_without_progress_the_denoiser_sends_the_latents_alone(stages):
     assert [type(i).__name__ for i in with_steps] == ["DenoiseProgress", "DenoiseProgress", "StageOutput"]
     assert [type(i).__name__ for i in alone] == ["StageOutput"]
     assert alone[0].value.equal(with_steps[-1].value)
+
+
+class _SlowCopy:
+    """A CUDA copy's event that completes a while after the step that recorded it."""
+
+    def __init__(self):
+        self.landed = threading.Event()
+
+    def synchronize(self) -> None:
+        time.sleep(0.05)
+        self.landed.set()
+
+
+def test_a_preview_leaves_the_denoiser_only_after_its_copy_landed_and_crosses_without_its_event(stages,
+                                                                                                 monkeypatch):
+    encoder, denoiser = stages
+    spec = GenerationSpec("preview", "a still pond", None, 32, 32, 1, 4, 1.0, 5, 1, partial_images=1)
+    events = []
+
+    def copy_with_event(tensor):
+        events.append(_SlowCopy())
+        return tensor.to("cpu", copy=True), events[-1]
+
+    monkeypatch.setattr(steppers, "host_copy", copy_with_event)
+    encoded = asyncio.run(encoder.encode(spec))
+
+    async def run():
+        seen = []
+        async for item in denoiser.denoise(encoded, spec):
+            if isinstance(item, DenoiseProgress) and item.preview is not None:
+                seen.append((item.step, item.ready.landed.is_set()))
+                wire = pickle.loads(pickle.dumps(item))  # as Serve sends it to the ingress
+                assert wire.ready is None and wire.preview.equal(item.preview)
+                assert (wire.request_id, wire.step, wire.total) == (item.request_id, item.step, item.total)
+        return seen
+
+    assert asyncio.run(run()) == [(2, True)] and len(events) == 1
 
 
 def test_a_flag_stops_the_loop_only_once_set():
