@@ -12,8 +12,8 @@ import time
 import pytest
 
 from deployments.app import stage_configs
-from deployments.models.cancel import CancelFlag, RequestCancelled
 from deployments.models import steppers
+from deployments.models.cancel import CancelFlag, RequestCancelled
 from deployments.models.families import read_family_traits
 from deployments.replica.stages import Denoiser, TextEncoder
 from deployments.wire.spec import DenoiseProgress, GenerationSpec, PipelineStage
