@@ -30,9 +30,10 @@ from offload_core.planner.facts import ComponentProfile
 
 logger = logging.getLogger(__name__)
 
-# The code a profile is computed by: an edit to any of these is a new digest.
-_SOURCES = ("layout.py", "order.py", "tables.py", "planner/facts.py", "planner/real_models.py",
-            "planner/facts_cache.py", "planner/skeletons.py")
+# The code a profile (and the notes cached with it) is computed by: an edit to any of these is a new
+# digest. Every module a build runs is here (tests/offload_core/planner/test_facts_cache.py traces one).
+_SOURCES = ("layout.py", "order.py", "tables.py", "quant.py", "planner/facts.py", "planner/inputs.py",
+            "planner/real_models.py", "planner/facts_cache.py", "planner/skeletons.py", "tensor_parallel/sharded.py")
 _ROOT = Path(__file__).resolve().parents[1]
 _LIBRARIES = ("torch", "diffusers", "transformers")
 

@@ -94,12 +94,17 @@ def gpu_spec(name: str) -> GpuSpec:
 def _groups(model: nn.Module, declared: tuple[str, ...] | None, notes: list[str], name: str) -> tuple[str, ...]:
     try:
         groups = declared or declared_layer_groups(model)
+    except LayoutError:  # its message tells a library user how to declare them: not the plan's reader's business
+        notes.append(f"{name}: {type(model).__name__} has no layer groups to stream; planned resident or "
+                     "model-offloaded")
+        return ()
+    try:
         for path in groups:
             resolve_layer_group(model, path)
-        return tuple(groups)
     except LayoutError as error:
-        notes.append(f"{name}: no streamable layer groups ({error}); planned resident or model-offloaded")
+        notes.append(f"{name}: its layer groups do not resolve ({error}); planned resident or model-offloaded")
         return ()
+    return tuple(groups)
 
 
 EXPERTS = ("transformer", "transformer_2")

@@ -50,3 +50,37 @@ def test_the_key_changes_with_anything_the_profile_is_computed_from():
     for change in ({"config": {"num_layers": 40}}, {"dtype": torch.float32}, {"groups": None}, {"uses": 50},
                    {"tables": "u"}, {"class_name": "FluxTransformer2DModel"}):
         assert facts_cache.profile_key(**{**base, **change}) != key, change
+
+
+def test_the_code_digest_covers_every_project_module_a_cached_build_runs(cache, monkeypatch):
+    """A profile (and its notes) is cached under a digest of the code that computes it: a module the
+    build runs but the digest leaves out would serve a stale profile after that module changed."""
+    import sys
+    from pathlib import Path
+
+    root = Path(facts_cache.__file__).resolve().parents[1]  # offload_core/
+    ran: set[str] = set()
+
+    def record(frame, event, _arg):
+        if event == "call":
+            path = Path(frame.f_code.co_filename)
+            if path.is_relative_to(root):
+                ran.add(path.relative_to(root).as_posix())
+
+    built = []
+    real_cached = facts_cache.cached_profile
+
+    def traced(key, build):
+        def run():
+            sys.setprofile(record)
+            try:
+                return build()
+            finally:
+                sys.setprofile(None)
+        built.append(key)
+        return real_cached(key, run)
+
+    monkeypatch.setattr(facts_cache, "cached_profile", traced)
+    real_model_facts("flux.1-dev", gpu_spec("L4"), 64 * GiB)  # a VAE without layer groups: its note is cached too
+    assert built and ran, "nothing was built under the trace"
+    assert ran <= set(facts_cache._SOURCES), f"run by a cached build, not in the digest: {sorted(ran - set(facts_cache._SOURCES))}"
