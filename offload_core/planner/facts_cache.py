@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 _SOURCES = ("layout.py", "order.py", "tables.py", "quant.py", "planner/facts.py", "planner/inputs.py",
             "planner/real_models.py", "planner/facts_cache.py", "planner/skeletons.py", "tensor_parallel/sharded.py")
 _ROOT = Path(__file__).resolve().parents[1]
+# And the data a build reads beside its key: the committed skeletons (planner/skeletons.py), from the repository root.
+_DATA = ("configs/models/real_model_skeletons.json",)
 _LIBRARIES = ("torch", "diffusers", "transformers")
 
 
@@ -51,6 +53,9 @@ def _code_digest() -> str:
     for name in _SOURCES:
         h.update(name.encode())
         h.update((_ROOT / name).read_bytes())
+    for name in _DATA:
+        h.update(name.encode())
+        h.update((_ROOT.parent / name).read_bytes())
     for library in _LIBRARIES:
         try:
             h.update(f"{library}={importlib.metadata.version(library)}".encode())

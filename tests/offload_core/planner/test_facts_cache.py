@@ -84,3 +84,12 @@ def test_the_code_digest_covers_every_project_module_a_cached_build_runs(cache, 
     real_model_facts("flux.1-dev", gpu_spec("L4"), 64 * GiB)  # a VAE without layer groups: its note is cached too
     assert built and ran, "nothing was built under the trace"
     assert ran <= set(facts_cache._SOURCES), f"run by a cached build, not in the digest: {sorted(ran - set(facts_cache._SOURCES))}"
+
+
+def test_the_code_digest_covers_the_skeletons_a_build_reads():
+    from pathlib import Path
+
+    from offload_core.planner import skeletons
+
+    repo = Path(facts_cache.__file__).resolve().parents[2]
+    assert skeletons.SKELETON_PATH.relative_to(repo).as_posix() in facts_cache._DATA
