@@ -109,22 +109,33 @@ def test_a_video_job_naming_the_served_adapter_makes_the_synchronous_adapters_vi
     client.videos.delete(video.id)
 
 
-def readme_example(heading: str) -> str:
-    """The one python block under the README's ``heading`` (a quickstart subsection)."""
+def readme_examples(heading: str) -> list[str]:
+    """The python blocks under the README's ``heading`` (a quickstart subsection), in order."""
     text = (pathlib.Path(__file__).resolve().parents[3] / "README.md").read_text()
     assert heading in text, f"README.md lost its {heading!r} section"
     section = re.split(r"\n##+ ", text.split(heading, 1)[1], maxsplit=1)[0]
-    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+def readme_example(heading: str) -> str:
+    """The one python block under the README's ``heading``."""
+    (block,) = readme_examples(heading)
     return block
 
 
-def test_the_readme_image_example_runs_against_the_service(service, tmp_path, monkeypatch):
-    code = readme_example("### An image")
-    assert 'base_url="http://127.0.0.1:8000/v1"' in code and 'api_key="your-token"' in code
-    code = code.replace("http://127.0.0.1:8000", service).replace("your-token", TOKEN)
+def test_the_readme_image_examples_run_against_the_service(service, tmp_path, monkeypatch):
+    plain, streamed = readme_examples("### An image")  # the plain answer, then the stream with previews
+    assert 'base_url="http://127.0.0.1:8000/v1"' in plain and 'api_key="your-token"' in plain
+    plain = plain.replace("http://127.0.0.1:8000", service).replace("your-token", TOKEN)
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme_image_example"})
+    exec(compile(plain, "README.md", "exec"), namespace := {"__name__": "readme_image_example"})
+    image = (tmp_path / "fox.png").read_bytes()
     assert Image.open(tmp_path / "fox.png").size == (64, 64)
+    exec(compile(streamed, "README.md", "exec"), namespace)  # with the first block's client
+    assert (tmp_path / "fox.png").read_bytes() == image, "the stream's image is the plain answer's"
+    previews = [tmp_path / f"fox-{i}.png" for i in (0, 1)]
+    assert all(Image.open(p).size == (64, 64) for p in previews)
+    assert len({image, *(p.read_bytes() for p in previews)}) == 3, "two previews, each its own image"
 
 
 def test_the_readme_client_calls_run_against_the_service(service, tmp_path, monkeypatch):
