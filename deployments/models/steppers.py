@@ -83,11 +83,13 @@ class StepRequest:
 
     def preview(self, sample: torch.Tensor, noise_pred: torch.Tensor) -> tuple[torch.Tensor, object | None]:
         """(the step's estimate of the final latents on the CPU, for a preview image; on CUDA the event
-        its copy completes at, else None). Every served
-        family's scheduler integrates a flow (``x_t = (1 - sigma) x_0 + sigma noise``, the model
-        predicting ``noise - x_0``), so ``x_0 = x_t - sigma_t v`` with the step's sigma: a recognisable
-        image from the first steps, where the stepped latents are still mostly noise. Any other
-        scheduler (a family added later) gives the stepped latents. Reads the scheduler, changes nothing."""
+        its copy completes at, else None).
+
+        Every served family's scheduler integrates a flow (``x_t = (1 - sigma) x_0 + sigma noise``, the
+        model predicting ``noise - x_0``), so ``x_0 = x_t - sigma_t v`` with the step's sigma: a
+        recognisable image from the first steps, where the stepped latents are still mostly noise. Any
+        other scheduler (a family added later) gives the stepped latents. Reads the scheduler, changes
+        nothing."""
         sigmas, index = getattr(self.scheduler, "sigmas", None), getattr(self.scheduler, "step_index", None)
         if not integrates_flow(self.scheduler) or sigmas is None or index is None:
             estimate = self.latents
