@@ -59,6 +59,13 @@ def unpack_latents(pipe: Any, latents: torch.Tensor, height: int, width: int) ->
     return type(pipe)._unpack_latents(latents, height, width, pipe.vae_scale_factor)
 
 
+@relies_on("diffusers", "FluxPipeline._pack_latents / QwenImagePipeline._pack_latents", CHECKED,
+           "an image edit's noised start is packed as the pipeline packs its latents; no public packing")
+def pack_latents(pipe: Any, latents: torch.Tensor, batch: int, channels: int, height: int, width: int) -> torch.Tensor:
+    """A latent image (Flux: [n, c, h, w]; Qwen-Image: [n, 1, c, h, w]) as the pipeline's token sequence."""
+    return type(pipe)._pack_latents(latents, batch, channels, height, width)
+
+
 @relies_on("diffusers", "DiffusionPipeline._execution_device", CHECKED,
            "the device a pipeline runs on, after its offload hooks, has no public accessor")
 def execution_device(pipe: Any) -> torch.device:

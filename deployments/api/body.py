@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import re
 
+from deployments.capacity.request_limits import FieldError
+
 # Not pydantic_core.from_json: its depth limit is fixed at 200, any number length passes, lone surrogates fail unnamed.
 # Our bodies are flat objects (depth 1); 32 leaves room for clients that wrap extras, far below
 # the ~1,000 levels where CPython's json recursion fails.
@@ -70,3 +72,41 @@ def parse_object(raw: bytes) -> dict:
     if not isinstance(body, dict):
         raise BodyError("body must be a JSON object")
     return body
+
+
+# The official client posts multipart/form-data when a request carries a file; curl users post JSON.
+FORM_TYPES = ("application/json", "multipart/form-data")
+MAX_FORM_FIELDS = 32
+
+
+async def read_fields(request, file_fields: tuple[str, ...], max_bytes: int, max_file_bytes: int,
+                      max_files: int = 1) -> dict:
+    """A create body's fields as a dict: a JSON object (:func:`parse_object`), or multipart/form-data with
+    at most ``max_files`` files, each in one of ``file_fields`` (its bytes; every other value a string). The whole body is bounded
+    by ``max_bytes``, plus ``max_file_bytes`` for a form. Anything else is a :class:`FieldError` naming it:
+    415 for another content type, 413 for a body over the bound, 400 for a malformed one."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    raw = await request.body()
+    limit = max_bytes + (max_file_bytes if content_type == "multipart/form-data" else 0)
+    if len(raw) > limit:
+        raise FieldError("body", f"{len(raw)} B exceeds the limit of {limit} B", 413, "body_too_large")
+    if content_type == "application/json":
+        try:
+            return parse_object(raw)
+        except BodyError as exc:
+            raise FieldError("body", exc.message, exc.status, exc.code) from None
+    if content_type != "multipart/form-data":
+        raise FieldError("content-type", f"Content-Type {content_type or '(none)'!r} is not accepted here; send "
+                                         f"{' or '.join(FORM_TYPES)}", 415, "unsupported_media_type")
+    try:
+        form = await request.form(max_files=max_files, max_fields=MAX_FORM_FIELDS, max_part_size=limit)
+    except Exception as exc:  # starlette's MultiPartException and malformed boundaries
+        raise FieldError("body", f"body is not valid multipart/form-data: {exc}", code="invalid_form") from None
+    fields = {}
+    for name, value in form.multi_items():
+        if not isinstance(value, str):
+            if name not in file_fields:
+                raise FieldError(name, f"file uploads are taken only as {' or '.join(file_fields)}")
+            value = await value.read()  # within the body limit already read above
+        fields[name] = value
+    return fields

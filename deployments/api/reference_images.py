@@ -57,6 +57,15 @@ def check_reference_image(data: bytes) -> bytes:
     return data
 
 
+def image_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of an image :func:`check_reference_image` passed, from its header, as it will be
+    given to the pipeline (its EXIF orientation applied: a portrait photo stored landscape is portrait)."""
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = image.size
+        orientation = image.getexif().get(0x0112, 1)  # 5-8: stored rotated by 90 or 270 degrees
+    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+
+
 def from_data_url(text: str) -> bytes:
     """The checked image of a ``data:image/<png|jpeg|webp>;base64,...`` URL."""
     match = DATA_URL.fullmatch(text.strip())

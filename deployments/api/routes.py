@@ -1,7 +1,7 @@
 """The HTTP API as a plain FastAPI app over the two seams (:mod:`deployments.api.seams`).
 
 :func:`build_api` is what the Serve ingress serves and what the unit tests drive with fakes. It
-only assembles: one router per family of endpoints (generations, status, residency, and the
+only assembles: one router per family of endpoints (generations, image edits, status, residency, and the
 Videos API with a jobs backend), the OpenAI error object for every 4xx/5xx (404, 405 and 422
 included), the not-serving gate and the guard. The drive behind the routes (validation, the
 stage calls, Server-Sent Events, cancellation when the client goes away) is
@@ -13,14 +13,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from deployments.api import errors, generations, residency, status, video_jobs
+from deployments.api import errors, generations, image_edits, residency, status, video_jobs
+from deployments.api.body import FORM_TYPES
 from deployments.api.generations import IMAGES, VIDEOS
 from deployments.api.guard import JSON_TYPES, Guard, GuardConfig, request_id
+from deployments.api.image_edits import EDITS
 from deployments.api.seams import ReplicaBoard, ServingCheck, StagePipeline
 from deployments.api.service import Generated, IngressConfig, Service
 from deployments.api.serving import NotServingGate
 
-__all__ = ["IMAGES", "VIDEOS", "Generated", "IngressConfig", "Service", "build_api"]
+__all__ = ["EDITS", "IMAGES", "VIDEOS", "Generated", "IngressConfig", "Service", "build_api"]
 
 # Images this small are encoded on the event loop: PNG takes 0.32 ms per 64x64 image here, less
 # than the trip to a worker thread and back on a busy 2-core node (0.6-1.8 ms measured from the
@@ -61,16 +63,17 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
     _install_error_handlers(api)
     # The routers reach the drive (and tests reach it) through the app's state.
     api.state.service, api.state.serving = service, serving
-    for router in (status.router, residency.router, generations.router):
+    for router in (status.router, residency.router, generations.router, image_edits.router):
         api.include_router(router)
     if jobs is not None:
         video_jobs.mount(api, video_jobs.VideoJobsConfig(config.model_id, config.facts, config.limits, config.jobs,
                                                                    loras=config.loras),
                          jobs, service.generate, config.retry_after_s, stages.failure, service.admissions)
     if serving is not None:  # inside the Guard (added after): a request without the token is still a 401
-        api.add_middleware(NotServingGate, check=serving, paths=frozenset({IMAGES, VIDEOS, video_jobs.CREATE}),
+        api.add_middleware(NotServingGate, check=serving, paths=frozenset({IMAGES, EDITS, VIDEOS, video_jobs.CREATE}),
                            retry_after_s=config.retry_after_s)
     guard = GuardConfig(config.api_token, config.cors_origins, ((IMAGES, JSON_TYPES), (VIDEOS, JSON_TYPES),
+                                                                (EDITS, FORM_TYPES),
                                                                 (video_jobs.CREATE, video_jobs.CREATE_TYPES)))
     api.add_middleware(Guard, config=guard)
     return api

@@ -178,17 +178,18 @@ def image_spec(req: ImageRequest, facts: FamilyTraits, limits: Limits, model_id:
     return with_lora(spec, req, loras)
 
 
-def reference_bytes(value: object) -> bytes | None:
-    """The checked image of an ``input_reference`` (a data URL, or the bytes of an uploaded file)."""
+def reference_bytes(value: object, param: str = "input_reference") -> bytes | None:
+    """The checked image of an ``input_reference`` (or an edit's ``image``): a data URL, or the bytes of an
+    uploaded file; a :class:`FieldError` naming ``param`` otherwise."""
     if value is None:
         return None
     if not isinstance(value, (bytes, str)):
-        raise FieldError("input_reference", f"must be an image file (multipart/form-data) or a data URL string "
-                                            f"'data:image/png;base64,...', got {type(value).__name__}")
+        raise FieldError(param, f"must be an image file (multipart/form-data) or a data URL string "
+                                f"'data:image/png;base64,...', got {type(value).__name__}")
     try:
         return check_reference_image(value) if isinstance(value, bytes) else from_data_url(str(value))
     except ReferenceImageError as exc:
-        raise FieldError("input_reference", str(exc)) from None
+        raise FieldError(param, str(exc)) from None
 
 
 def video_spec(req: VideoRequest, facts: FamilyTraits, limits: Limits, model_id: str,

@@ -13,7 +13,7 @@ import functools
 import json
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -71,10 +71,12 @@ class Service:
         self.config, self.stages, self.board = config, stages, board
         self.inline_render_values = inline_render_values  # outputs up to this many values render on the loop
 
-    async def parse(self, request: Request, model: type, to_spec: Callable) -> tuple | JSONResponse:
-        """(parsed body, GenerationSpec), or the 4xx answer: bounded JSON, fields, then limits."""
+    async def parse(self, request: Request, model: type, to_spec: Callable,
+                    read: Callable[[Request], Awaitable[dict]] | None = None) -> tuple | JSONResponse:
+        """(parsed body, GenerationSpec), or the 4xx answer: bounded JSON (or what ``read`` reads: a form),
+        fields, then limits."""
         try:
-            body = parse_object(await request.body())
+            body = parse_object(await request.body()) if read is None else await read(request)
             parsed = model.model_validate(body)
             spec = to_spec(parsed, self.config.facts, self.config.limits, self.config.model_id,
                            loras=self.config.loras)
@@ -138,7 +140,7 @@ class Service:
         progress: asyncio.Queue = asyncio.Queue()
         task = asyncio.ensure_future(self.generate(spec, progress.put))
         try:
-            yield _sse("accepted", {"id": spec.request_id, "total_steps": spec.steps})
+            yield _sse("accepted", {"id": spec.request_id, "total_steps": spec.run_steps})
             while not (task.done() and progress.empty()):
                 getter = asyncio.ensure_future(progress.get())
                 done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)

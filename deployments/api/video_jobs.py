@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from deployments.api import errors
-from deployments.api.body import BodyError, parse_object
+from deployments.api.body import FORM_TYPES, read_fields
 from deployments.api.reference_images import MAX_REFERENCE_BYTES
 from deployments.api.video_requests import VideoJobRequest, job_params
 from deployments.capacity.admission import StageAdmission, memory_refusal
@@ -42,12 +42,10 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 
 CREATE = "/v1/videos"
-# The official client posts multipart/form-data; curl users post JSON.
-CREATE_TYPES = ("application/json", "multipart/form-data")
+CREATE_TYPES = FORM_TYPES
 JOB_ID = re.compile(r"^video_[0-9a-f]{24}$")
 # A create body is a prompt or two (2,000 characters each by default) and a few numbers.
 MAX_CREATE_BYTES = 256 * 1024
-MAX_FORM_FIELDS = 32
 MAX_LIST_LIMIT = 100
 # What the stage replicas admit now (deployments.api.routes.Service.admissions).
 Admissions = Callable[[], Awaitable[Sequence[StageAdmission]]]
@@ -85,39 +83,12 @@ class VideoJobs:
     def _started(self) -> None:
         self.runner.start()  # a no-op once started; started here if the app was built without a loop
 
-    async def _read_body(self, request: Request) -> dict:
-        """The fields as a dict: JSON, or the multipart/form-data the official client sends (values are strings)."""
-        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        raw = await request.body()
-        limit = MAX_CREATE_BYTES + (MAX_REFERENCE_BYTES if content_type == "multipart/form-data" else 0)
-        if len(raw) > limit:
-            raise FieldError("body", f"{len(raw)} B exceeds the limit of {limit} B", 413, "body_too_large")
-        if content_type == "application/json":
-            try:
-                return parse_object(raw)
-            except BodyError as exc:
-                raise FieldError("body", exc.message, exc.status, exc.code) from None
-        if content_type == "multipart/form-data":
-            try:
-                form = await request.form(max_files=1, max_fields=MAX_FORM_FIELDS, max_part_size=limit)
-            except Exception as exc:  # starlette's MultiPartException and malformed boundaries
-                raise FieldError("body", f"body is not valid multipart/form-data: {exc}", code="invalid_form")
-            fields = {}
-            for name, value in form.multi_items():
-                if not isinstance(value, str):
-                    if name != "input_reference":
-                        raise FieldError(name, "file uploads are taken only as input_reference (a reference image)")
-                    value = await value.read()  # within the body limit already read above
-                fields[name] = value
-            return fields
-        raise FieldError("content-type", f"Content-Type {content_type or '(none)'!r} is not accepted here; send "
-                                         f"{' or '.join(CREATE_TYPES)}", 415, "unsupported_media_type")
-
     async def create(self, request: Request):
         self._started()
         cfg = self.config
         try:
-            req = VideoJobRequest.model_validate(await self._read_body(request))
+            fields = await read_fields(request, ("input_reference",), MAX_CREATE_BYTES, MAX_REFERENCE_BYTES)
+            req = VideoJobRequest.model_validate(fields)
             params = job_params(req, cfg.facts, cfg.limits, cfg.model_id, cfg.loras)
             if self.admissions is not None:
                 refusal = memory_refusal(cfg.facts, await self.admissions(), params_spec(params, "create"))

@@ -14,6 +14,7 @@ ingress (recognition and request features, from the folder's json files: no weig
 from __future__ import annotations
 
 import enum
+import io
 import json
 import logging
 import pathlib
@@ -22,7 +23,7 @@ from typing import Callable, ClassVar, Mapping
 
 import torch
 
-from deployments.wire.spec import DenoiseProgress, EncodedPrompt, Family, GenerationSpec, PipelineStage
+from deployments.wire.spec import DenoiseProgress, EditSource, EncodedPrompt, Family, GenerationSpec, PipelineStage
 from offload_core.planner.flow_timesteps import min_steps
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class FamilyTraits:
     default_guidance: float
     # The folder's diffusers pipeline class (model_index.json's _class_name).
     pipeline_class: str = ""
-    # What it serves, as /v1/models lists it: "image", "video", "image-to-video".
+    # What it serves, as /v1/models lists it: "image", "image-edit", "video", "image-to-video".
     modalities: tuple[str, ...] = ("image",)
     # The denoiser's transformers: one runs per step (Wan2.2 A14B: high noise, then low noise).
     experts: tuple[str, ...] = ("transformer",)
@@ -92,6 +93,16 @@ def read_json(path: pathlib.Path) -> dict:
 def generator_for(spec: GenerationSpec) -> torch.Generator:
     # A CPU generator on every device: the noise, and so the output, does not depend on the GPU.
     return torch.Generator(device="cpu").manual_seed(spec.seed)
+
+
+def reference_image(spec: GenerationSpec):
+    """The request's reference image as the RGB PIL image the pipeline is given (checked by the ingress),
+    turned upright by its EXIF orientation as diffusers' ``load_image`` does: a phone's portrait photo is
+    stored landscape with an orientation tag, and would otherwise condition the video on its side."""
+    from PIL import Image, ImageOps
+
+    with Image.open(io.BytesIO(spec.reference_image)) as image:
+        return ImageOps.exif_transpose(image).convert("RGB")
 
 
 def step_callback(spec: GenerationSpec, on_step: Callable[[DenoiseProgress], None] | None):
@@ -191,9 +202,11 @@ class FamilyAdapter:
     def encode(self, pipe, facts: FamilyTraits, spec: GenerationSpec, device: torch.device) -> EncodedPrompt:
         raise NotImplementedError
 
-    def condition(self, pipe, facts: FamilyTraits, spec: GenerationSpec, device: torch.device) -> torch.Tensor | None:
+    def condition(self, pipe, facts: FamilyTraits, spec: GenerationSpec,
+                  device: torch.device) -> torch.Tensor | EditSource | None:
         """The reference image's conditioning, computed where its weights are (the decoder stage's
-        VAE); None for a family without one."""
+        VAE): image-to-video's, or an image edit's start (``deployments.models.edits.ImageEdits``);
+        None for a family without one."""
         return None
 
     def denoise(self, pipe, facts: FamilyTraits, encoded: EncodedPrompt, spec: GenerationSpec,

@@ -21,7 +21,7 @@ from deployments.models.adapter import (  # noqa: F401 (re-exported: the service
     generator_for,
 )
 from deployments.models.registry import adapter_for, read_family_traits  # noqa: F401 (re-exported)
-from deployments.wire.spec import DenoiseProgress, EncodedPrompt, GenerationSpec, PipelineStage
+from deployments.wire.spec import DenoiseProgress, EditSource, EncodedPrompt, GenerationSpec, PipelineStage
 
 
 def stage_component_names(facts: FamilyTraits, stage: PipelineStage) -> tuple[str, ...]:
@@ -67,14 +67,20 @@ def encode(pipe, facts: FamilyTraits, spec: GenerationSpec, device: torch.device
     return adapter_for(facts).encode(pipe, facts, spec, device)
 
 
-def condition(pipe, facts: FamilyTraits, spec: GenerationSpec, device: torch.device) -> torch.Tensor | None:
-    """The reference image's conditioning (image-to-video), on the CPU; None without one."""
+def condition(pipe, facts: FamilyTraits, spec: GenerationSpec,
+              device: torch.device) -> torch.Tensor | EditSource | None:
+    """The reference image's conditioning (image-to-video), or an image edit's start
+    (``deployments.models.edits``), on the CPU; None without a reference image."""
     return adapter_for(facts).condition(pipe, facts, spec, device)
 
 
 def denoise(pipe, facts: FamilyTraits, encoded: EncodedPrompt, spec: GenerationSpec, device: torch.device,
             on_step: Callable[[DenoiseProgress], None] | None = None) -> torch.Tensor:
-    """Latents exactly as ``pipe(..., output_type="latent")`` returns them, on the CPU."""
+    """Latents exactly as ``pipe(..., output_type="latent")`` returns them, on the CPU. Text-to-image and
+    -video only: an image edit runs through the family's stepper (``deployments.models.edits``)."""
+    if spec.strength is not None:
+        raise ValueError(f"request {spec.request_id} is an image edit: it runs through the family's stepper "
+                         "(begin_edit), not the text-to-image pipeline")
     return adapter_for(facts).denoise(pipe, facts, encoded, spec, device, on_step)
 
 

@@ -10,7 +10,8 @@ import copy
 
 import torch
 
-from compat.diffusers import unpack_latents
+from compat.diffusers import pack_latents, unpack_latents
+from deployments.models import edits
 from deployments.models.adapter import (
     CPU,
     DECODE,
@@ -23,7 +24,7 @@ from deployments.models.adapter import (
     step_callback,
 )
 from deployments.models.steppers import BatchKey, StepRequest, TransformerStepper, cached, rows_of, split_noise
-from deployments.wire.spec import EncodedPrompt, Family
+from deployments.wire.spec import EditSource, EncodedPrompt, Family
 
 FLUX_GUIDANCE = 3.5  # FluxPipeline.__call__'s default
 TEXT_TOKENS = 512  # encode pads every prompt to max_sequence_length=512
@@ -58,6 +59,13 @@ class FluxStepper(TransformerStepper):
         key = BatchKey(tuple(latents.shape[1:]), latents.dtype, prompt_embeds.shape[1], False)
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, None, on_step, shared)
 
+    def begin_edit(self, request: StepRequest, source: EditSource) -> None:
+        """FluxImg2ImgPipeline's start: the image's latents noised to the edit's first step, packed."""
+        spec, pipe = request.spec, self.pipe
+        timestep = edits.enter_schedule(request)
+        latents = edits.noised(request, source, timestep, request.latents.dtype)
+        request.latents = pack_latents(pipe, latents, spec.n, *latents.shape[1:])
+
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
         latents = torch.cat([r.latents for r in batch])
         timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch]).to(latents.dtype)
@@ -70,9 +78,10 @@ class FluxStepper(TransformerStepper):
         return split_noise(batch, noise)
 
 
-class FluxAdapter(KLImageAdapter):
+class FluxAdapter(edits.ImageEdits, KLImageAdapter):
     family = Family.FLUX
     pipeline_classes = ("FluxPipeline",)
+    edit_pipeline = "FluxImg2ImgPipeline"
     stage_modules = {ENCODE: ("text_encoder", "text_encoder_2"), DENOISE: ("transformer",), DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer", "tokenizer_2"), DENOISE: ("scheduler",), DECODE: ()}
 

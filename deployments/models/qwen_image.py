@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from compat.diffusers import unpack_latents
+from compat.diffusers import pack_latents, unpack_latents
+from deployments.models import edits
 from deployments.models.adapter import (
     CPU,
     DECODE,
@@ -36,7 +37,7 @@ from deployments.models.adapter import (
 from deployments.models.step_cache import BlockForm, BlockOutput
 from deployments.models.steppers import BatchKey, StepRequest, TransformerStepper, cached, uncached
 from deployments.wire.prompt_tensors import PromptTensors
-from deployments.wire.spec import Family, PipelineStage
+from deployments.wire.spec import EditSource, Family, PipelineStage
 
 
 class _MaskNotice(logging.Filter):
@@ -130,6 +131,14 @@ class QwenImageStepper(TransformerStepper):
         key = BatchKey(tuple(latents.shape[1:]), latents.dtype, 0, uncond is not None)
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step, shared)
 
+    def begin_edit(self, request: StepRequest, source: EditSource) -> None:
+        """QwenImageImg2ImgPipeline's start: the image's latents ([n, z, 1, h, w]) as [n, 1, z, h, w],
+        noised to the edit's first step, packed."""
+        spec, pipe = request.spec, self.pipe
+        timestep = edits.enter_schedule(request)
+        latents = edits.noised(request, source, timestep, request.latents.dtype, lambda t: t.transpose(1, 2))
+        request.latents = pack_latents(pipe, latents, spec.n, *latents.shape[2:])
+
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
         latents = torch.cat([r.latents for r in batch])
         timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch]).to(latents.dtype)
@@ -161,12 +170,22 @@ class QwenImageStepper(TransformerStepper):
         return out
 
 
-class QwenImageAdapter(FamilyAdapter):
+def qwen_latents(vae, sampled: torch.Tensor) -> torch.Tensor:
+    """QwenImageImg2ImgPipeline._encode_vae_image's normalisation: per channel, by the VAE's mean and std."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(sampled.device, sampled.dtype)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(sampled.device, sampled.dtype)
+    return (sampled - mean) * inv_std
+
+
+class QwenImageAdapter(edits.ImageEdits, FamilyAdapter):
     family = Family.QWEN_IMAGE
     pipeline_classes = ("QwenImagePipeline",)
+    edit_pipeline = "QwenImageImg2ImgPipeline"
+    to_latents = staticmethod(qwen_latents)
+    frame_axis = True  # its VAE encodes videos: the image is a one-frame one
     stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
-    serves = ("image",)
 
     def facts(self, folder, index) -> FamilyTraits:
         vae = read_json(folder / "vae" / "config.json")
@@ -223,9 +242,14 @@ class QwenImageAdapter(FamilyAdapter):
         return QwenImageStepper(pipe, facts, device)
 
     def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
+        if spec.strength is not None:
+            return super().reference_frames(pipe, facts, spec)
+        return pipeline_images(pipe, spec, **self.edit_knobs(pipe, spec))
+
+    def edit_knobs(self, pipe, spec) -> dict:
         # What a user passes: the request's negative prompt as is (a distilled variant's pipe ignores it).
         negative = None if _distilled(pipe) else spec.negative_prompt
-        return pipeline_images(pipe, spec, negative_prompt=negative, **self._knobs(pipe, spec, as_sent=True))
+        return dict(negative_prompt=negative, **self._knobs(pipe, spec, as_sent=True))
 
     def uses_per_request(self, facts, stage, steps, guidance_scale, batched=False) -> dict[str, int]:
         # The default request has no negative prompt, so no true CFG: one encoder pass and one

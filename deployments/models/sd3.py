@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deployments.models import edits
 from deployments.models.adapter import (
     CPU,
     DECODE,
@@ -37,7 +38,7 @@ from deployments.models.steppers import (
     split_noise,
 )
 from deployments.wire.prompt_tensors import PromptTensors
-from deployments.wire.spec import Family
+from deployments.wire.spec import EditSource, Family
 
 SD3_GUIDANCE = 7.0  # StableDiffusion3Pipeline.__call__'s default (SD3.5 Large's card suggests 3.5)
 T5_TOKENS = 256  # the pipeline's max_sequence_length default
@@ -92,6 +93,11 @@ class SD3Stepper(TransformerStepper):
         key = BatchKey(tuple(latents.shape[1:]), dtype, cond["encoder_hidden_states"].shape[1], uncond is not None)
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step)
 
+    def begin_edit(self, request: StepRequest, source: EditSource) -> None:
+        """StableDiffusion3Img2ImgPipeline's start: the image's latents noised to the edit's first step."""
+        timestep = edits.enter_schedule(request)
+        request.latents = edits.noised(request, source, timestep, request.latents.dtype)
+
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
         latents = torch.cat([r.latents for r in batch])
         timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch])
@@ -110,9 +116,10 @@ class SD3Stepper(TransformerStepper):
         return split_noise(batch, noise)
 
 
-class SD3Adapter(KLImageAdapter):
+class SD3Adapter(edits.ImageEdits, KLImageAdapter):
     family = Family.SD3
     pipeline_classes = ("StableDiffusion3Pipeline",)
+    edit_pipeline = "StableDiffusion3Img2ImgPipeline"
     stage_modules = {ENCODE: ("text_encoder", "text_encoder_2", "text_encoder_3"), DENOISE: ("transformer",),
                      DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer", "tokenizer_2", "tokenizer_3"), DENOISE: ("scheduler",), DECODE: ()}

@@ -37,6 +37,7 @@ from deployments.models.adapter import (
     ReferenceImage,
     generator_for,
     read_json,
+    reference_image,
 )
 from deployments.models.steppers import StepRequest, rows_of
 from deployments.models.wan import (
@@ -47,16 +48,6 @@ from deployments.models.wan import (
     wan_frames,
 )
 from deployments.wire.spec import EncodedPrompt, Family, GenerationSpec, PipelineStage
-
-
-def reference_image(spec: GenerationSpec):
-    """The request's reference image as the RGB PIL image the pipeline is given (checked by the ingress),
-    turned upright by its EXIF orientation as diffusers' ``load_image`` does: a phone's portrait photo is
-    stored landscape with an orientation tag, and would otherwise condition the video on its side."""
-    from PIL import Image, ImageOps
-
-    with Image.open(io.BytesIO(spec.reference_image)) as image:
-        return ImageOps.exif_transpose(image).convert("RGB")
 
 
 def with_stand_in_image(spec: GenerationSpec) -> GenerationSpec:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from deployments.models.adapter import CPU, FamilyTraits, ReferenceImage, generator_for
+from deployments.models.adapter import CPU, FamilyTraits, ReferenceImage, generator_for, reference_image
 from deployments.models.steppers import StepRequest
 from deployments.models.wan import WanAdapter, WanStepper, wan_facts
-from deployments.models.wan_i2v import denoise_alone, image_latents, reference_image
+from deployments.models.wan_i2v import denoise_alone, image_latents
 from deployments.wire.spec import EncodedPrompt, Family
 
 

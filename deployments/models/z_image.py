@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deployments.models import edits
 from deployments.models.adapter import (
     CPU,
     DECODE,
@@ -29,7 +30,7 @@ from deployments.models.adapter import (
 )
 from deployments.models.steppers import BatchKey, StepRequest, TransformerStepper, uncached
 from deployments.wire.prompt_tensors import PromptTensors
-from deployments.wire.spec import Family
+from deployments.wire.spec import EditSource, Family
 
 Z_IMAGE_GUIDANCE = 5.0  # ZImagePipeline.__call__'s default (Turbo: 0.0)
 TEXT_TOKENS = 512  # the pipeline's max_sequence_length: the encoder's pass is this long whatever the prompt
@@ -79,6 +80,12 @@ class ZImageStepper(TransformerStepper):
         key = BatchKey(tuple(latents.shape[1:]), self.dtype, 0, uncond is not None)
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step)
 
+    def begin_edit(self, request: StepRequest, source: EditSource) -> None:
+        """ZImageImg2ImgPipeline's start: the image's latents noised to the edit's first step, in the
+        prompt's dtype (its text-to-image latents are float32; its img2img ones are not)."""
+        timestep = edits.enter_schedule(request)
+        request.latents = edits.noised(request, source, timestep, self.dtype)
+
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
         uncached(batch, self.family)
         latents = torch.cat([r.latents for r in batch]).to(self.dtype)
@@ -104,9 +111,10 @@ class ZImageStepper(TransformerStepper):
         return noise
 
 
-class ZImageAdapter(KLImageAdapter):
+class ZImageAdapter(edits.ImageEdits, KLImageAdapter):
     family = Family.Z_IMAGE
     pipeline_classes = ("ZImagePipeline",)
+    edit_pipeline = "ZImageImg2ImgPipeline"
     stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
 

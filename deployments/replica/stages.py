@@ -38,6 +38,7 @@ from deployments.replica.tensor_parallel.ranked_denoiser import (
 from deployments.replica.worker import StageConfig, StageWorker, replica_id
 from deployments.wire.spec import (
     DenoiseProgress,
+    EditSource,
     GenerationSpec,
     NonFiniteOutput,
     RequestRejected,
@@ -158,9 +159,12 @@ class Denoiser(RankedStage):
         refuse_cached_request(self.worker.config, spec)
         self.worker.admit(spec)
         value = encoded.value.unpacked()
-        if condition is not None:  # image-to-video: the reference image's condition, from the decoder
+        edit = condition.value if condition is not None and isinstance(condition.value, EditSource) else None
+        if condition is not None and edit is None:  # image-to-video: the reference image's condition
             value = dataclasses.replace(value, image_condition=condition.value)
         request = self.stepper.start(value, spec, on_step=put if progress else None)
+        if edit is not None:  # an image edit: its image's latents, from the decoder, noised to its first step
+            self.stepper.begin_edit(request, edit)
         default = self.worker.config.cache_threshold
         request.cache.threshold = default if spec.cache_threshold is None else spec.cache_threshold
         self.last_spec = spec  # batched requests share a shape: a busy period leases max_batch of it

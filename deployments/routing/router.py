@@ -119,7 +119,7 @@ class PredictedFinishRouter(RequestRouter):
                 if s.sent_at_s > load.at_s)
             candidates.append(Candidate(replica.replica_id.unique_id, load, since))
         spec = spec_of(pending)
-        work = None if spec is None else QueuedWork(Shape.of(spec), int(spec.steps))
+        work = None if spec is None else QueuedWork(Shape.of(spec), int(spec.run_steps))
         if work is None:
             made = decide.spread(candidates, now_s, self.stale_after_s)
         else:

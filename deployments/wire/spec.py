@@ -70,13 +70,43 @@ class GenerationSpec:
     lora_scale: float = 1.0
     # Preview images to stream before the finished one (OpenAI's partial_images, 0-3; images only).
     partial_images: int = 0
+    # An image edit (POST /v1/images/edits): ``reference_image`` is the image to edit, and this how far
+    # the edit may go from it, in (0, 1] (diffusers' img2img ``strength``: the fraction of the schedule
+    # run, from the image noised to that level). None: not an edit.
+    strength: float | None = None
+
+    @property
+    def run_steps(self) -> int:
+        """The denoising steps the request runs: ``steps``, or an edit's last ``strength`` of them
+        (diffusers' img2img ``get_timesteps``: the schedule of ``steps`` entered at step ``t_start``)."""
+        if self.strength is None:
+            return self.steps
+        return self.steps - edit_start(self.steps, self.strength)
 
     @property
     def preview_steps(self) -> frozenset[int]:
         """The steps (1-based, as DenoiseProgress counts) after which the Denoiser sends a preview:
         ``partial_images`` spread evenly before the last step (fewer when there are too few steps)."""
-        k = self.partial_images
-        return frozenset(s for s in (round(i * self.steps / (k + 1)) for i in range(1, k + 1)) if 0 < s < self.steps)
+        k, steps = self.partial_images, self.run_steps
+        return frozenset(s for s in (round(i * steps / (k + 1)) for i in range(1, k + 1)) if 0 < s < steps)
+
+
+def edit_start(steps: int, strength: float) -> int:
+    """The schedule's first step an edit runs (diffusers' img2img ``get_timesteps``, order-1 schedulers:
+    every served family's FlowMatchEuler): the image is noised to that step's sigma."""
+    return int(max(steps - min(steps * strength, steps), 0))
+
+
+@dataclass(frozen=True)
+class EditSource:
+    """An image edit's start, computed by the decoder stage (it holds the VAE) for the Denoiser."""
+
+    # The image's latents as the family's img2img pipeline encodes them (sampled, shifted, scaled),
+    # batch 1, on the CPU; the Denoiser repeats them to the request's n.
+    latents: torch.Tensor
+    # The request's generator (``generator_for(spec)``) after the VAE's sampling drew from it: the
+    # Denoiser's noise continues from here, as the pipeline's single generator does.
+    generator_state: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -96,6 +126,8 @@ class EncodedPrompt:
     # Wan2.1 image-to-video: the CLIP image encoder's penultimate hidden states of the reference
     # image (n, 257, 1280 on the 14B), computed by the encoder stage (it holds the image encoder).
     image_embeds: torch.Tensor | None = None
+    # An image edit's start (its image's latents), from the decoder stage; None otherwise.
+    edit_source: EditSource | None = None
 
     def to(self, device: torch.device) -> "EncodedPrompt":
         def move(t: torch.Tensor | None) -> torch.Tensor | None:

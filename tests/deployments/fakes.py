@@ -41,6 +41,7 @@ class FakeStages:
     calls: list[tuple[str, str]] = field(default_factory=list)  # (stage, request id)
     steps_done: dict[str, int] = field(default_factory=dict)
     cancelled: list[str] = field(default_factory=list)  # request ids whose denoise was cancelled
+    specs: dict[str, GenerationSpec] = field(default_factory=dict)  # request id -> its spec, as encode got it
 
     def _maybe_fail(self, stage: str) -> None:
         if stage in self.fail:
@@ -48,6 +49,7 @@ class FakeStages:
 
     def encode(self, spec: GenerationSpec):
         self.calls.append(("encode", spec.request_id))
+        self.specs[spec.request_id] = spec
 
         async def run() -> StageOutput:
             self._maybe_fail("encode")
@@ -59,15 +61,15 @@ class FakeStages:
         self.calls.append(("denoise", spec.request_id))
         enc = await encoded
         try:
-            for step in range(1, spec.steps + 1):
+            for step in range(1, spec.run_steps + 1):
                 if step > 1 and self.hold is not None:
                     await self.hold.wait()
                 self._maybe_fail("denoise")
                 self.steps_done[spec.request_id] = step
                 if progress:  # a preview's latents are filled with the fraction of steps done
-                    preview = torch.full(self._latent_shape(spec), step / spec.steps) \
+                    preview = torch.full(self._latent_shape(spec), step / spec.run_steps) \
                         if step in spec.preview_steps else None
-                    yield DenoiseProgress(spec.request_id, step, spec.steps, preview)
+                    yield DenoiseProgress(spec.request_id, step, spec.run_steps, preview)
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled.append(spec.request_id)
             raise
@@ -104,12 +106,14 @@ class FakeBoard:
         return self.pending
 
 
-def fake_config(token: str | None = TOKEN, cors: tuple[str, ...] = ()) -> IngressConfig:
-    facts = read_family_traits(ensure_tiny_wan())  # only configs are read: sizes, families
-    return IngressConfig("fake-app", "tiny-wan", facts, LIMITS, token, 1, cors)
+def fake_config(token: str | None = TOKEN, cors: tuple[str, ...] = (), folder=ensure_tiny_wan) -> IngressConfig:
+    """``folder``: the zoo model whose configs (sizes, family) the API validates by; its weights are never read."""
+    facts = read_family_traits(folder())
+    return IngressConfig("fake-app", facts.folder.rsplit("/", 1)[-1], facts, LIMITS, token, 1, cors)
 
 
-def fake_api(stages: FakeStages | None = None, token: str | None = TOKEN, cors: tuple[str, ...] = ()):
-    """(FastAPI app, its FakeStages) with the fake board."""
+def fake_api(stages: FakeStages | None = None, token: str | None = TOKEN, cors: tuple[str, ...] = (),
+             folder=ensure_tiny_wan):
+    """(FastAPI app, its FakeStages) with the fake board, validating as ``folder``'s family (tiny Wan)."""
     stages = stages if stages is not None else FakeStages()
-    return build_api(fake_config(token, cors), stages, FakeBoard()), stages
+    return build_api(fake_config(token, cors, folder), stages, FakeBoard()), stages

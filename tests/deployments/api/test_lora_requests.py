@@ -11,7 +11,6 @@ from fastapi.testclient import TestClient
 from deployments.api.routes import build_api
 from deployments.capacity.replica_report import AdapterResidency, ReplicaResidency
 from deployments.models.lora_rows import ServedLora
-from deployments.wire.spec import GenerationSpec
 from tests.deployments.fakes import TOKEN, FakeBoard, FakeStages, fake_config
 from tests.deployments.video_fakes import harness
 
@@ -20,21 +19,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LORAS = (ServedLora("ink", "/srv/loras/ink.safetensors", 0.8), ServedLora("neon", "/srv/loras/neon", 1.0))
 
 
-class _SpecStages(FakeStages):
-    """Keeps the spec each denoise call got."""
-
-    def __init__(self):
-        super().__init__()
-        self.specs: list[GenerationSpec] = []
-
-    async def denoise(self, encoded, spec, progress=True):
-        self.specs.append(spec)
-        async for item in super().denoise(encoded, spec, progress):
-            yield item
-
-
-def _client(loras=LORAS) -> tuple[TestClient, _SpecStages]:
-    stages = _SpecStages()
+def _client(loras=LORAS) -> tuple[TestClient, FakeStages]:
+    stages = FakeStages()
     config = dataclasses.replace(fake_config(), loras=loras)
     return TestClient(build_api(config, stages, FakeBoard()), headers=AUTH, raise_server_exceptions=False), stages
 
@@ -59,7 +45,7 @@ def test_a_named_adapter_reaches_the_denoiser_with_its_configured_scale_or_the_r
     assert client.post(IMAGES, json={"prompt": "a fox", "lora": "neon", "lora_scale": -0.5}).status_code == 200
     assert client.post(VIDEOS, json={"prompt": "a fox", "lora": "neon", "num_frames": 5}).status_code == 200
     assert client.post(IMAGES, json={"prompt": "a fox"}).status_code == 200
-    assert [(s.lora, s.lora_scale) for s in stages.specs] == [("ink", 0.8), ("neon", -0.5), ("neon", 1.0),
+    assert [(s.lora, s.lora_scale) for s in stages.specs.values()] == [("ink", 0.8), ("neon", -0.5), ("neon", 1.0),
                                                                (None, 1.0)]
 
 
@@ -102,7 +88,7 @@ def test_residency_lists_each_replicas_adapters_with_their_bytes_and_place():
 
 
 def test_a_video_job_carries_its_adapter_to_the_denoiser_and_an_unknown_one_is_refused_at_creation(tmp_path):
-    stages = _SpecStages()
+    stages = FakeStages()
 
     async def scenario():
         async with harness(tmp_path, stages=stages, loras=LORAS) as h:
@@ -113,4 +99,4 @@ def test_a_video_job_carries_its_adapter_to_the_denoiser_and_an_unknown_one_is_r
             assert refused.status_code == 404 and refused.json()["error"]["param"] == "lora"
 
     asyncio.run(scenario())
-    assert [(s.lora, s.lora_scale) for s in stages.specs] == [("ink", 0.8)]
+    assert [(s.lora, s.lora_scale) for s in stages.specs.values()] == [("ink", 0.8)]

@@ -1,5 +1,7 @@
 """The service serves a Stable Diffusion 3.5 folder through the official openai client: images equal the
-in-process StableDiffusion3Pipeline bitwise (guidance with a negative prompt included), videos are refused.
+in-process StableDiffusion3Pipeline bitwise (guidance with a negative prompt included), edits the in-process
+StableDiffusion3Img2ImgPipeline (the image encoded by the decoder replica, noised and denoised by the
+Denoiser's), videos are refused.
 
 One deployed app for the module (real Ray Serve is the point: the family's adapter in every stage replica).
 It is the image-only family on real Serve; Flux and the others are held to the same staged results
@@ -9,11 +11,13 @@ an app of their own cost the suite ~19 s and ~40 CPU-s each for the same Serve p
 from __future__ import annotations
 
 import base64
+import io
 import os
 
 import openai
 import pytest
 import torch
+from PIL import Image
 
 from deployments.models import families
 from deployments.wire import media
@@ -54,7 +58,7 @@ def test_images_generate_through_the_openai_client_equal_the_in_process_pipeline
     assert [base64.b64decode(d.b64_json) for d in result.data] == \
         _reference(GenerationSpec("r", "a red barn", "fog", 16, 32, 1, 2, 5.0, 3, 2))
     (model,) = client.models.list().data
-    assert (model.id, model.model_extra["family"], model.model_extra["modalities"]) == ("sd3", "sd3", ["image"])
+    assert (model.id, model.model_extra["family"], model.model_extra["modalities"]) == ("sd3", "sd3", ["image", "image-edit"])
 
 
 def test_the_default_guidance_is_the_pipelines_and_guidance_1_runs_one_branch(client):
@@ -75,3 +79,17 @@ def test_a_video_or_a_size_off_the_multiple_is_the_openai_error_naming_the_field
     with pytest.raises(openai.BadRequestError) as refused:
         client.images.generate(model="sd3", prompt="a red barn", size="18x16")
     assert refused.value.body["param"] == "size"
+
+
+def test_an_edit_through_the_openai_client_equals_the_in_process_img2img_pipeline(client):
+    photo = io.BytesIO()
+    Image.new("RGB", (32, 16), (200, 120, 40)).save(photo, format="PNG")
+    events = list(client.images.edit(model="sd3", image=("barn.png", photo.getvalue(), "image/png"), prompt="a red barn",
+                                     n=2, stream=True, partial_images=1,
+                                     extra_body={"seed": 3, "num_inference_steps": 4, "strength": 0.5,
+                                                 "negative_prompt": "fog", "guidance_scale": 5.0}))
+    assert [e.step for e in events if e.type == "progress"] == [1, 2]  # 0.5 of 4 steps
+    assert [e.step for e in events if e.type == "image_generation.partial_image"] == [1, 1]
+    completed = [base64.b64decode(e.b64_json) for e in events if e.type == "image_generation.completed"]
+    spec = GenerationSpec("r", "a red barn", "fog", 16, 32, 1, 4, 5.0, 3, 2, photo.getvalue(), strength=0.5)
+    assert completed == _reference(spec)

@@ -8,7 +8,7 @@ import io
 from diffusers.utils import load_image
 from PIL import Image
 
-from deployments.models.wan_i2v import reference_image
+from deployments.models.adapter import reference_image
 from deployments.wire.spec import GenerationSpec
 
 ORIENTATION = 0x0112  # the EXIF tag; 6: rotate 90 degrees clockwise to display

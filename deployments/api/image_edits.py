@@ -1,0 +1,97 @@
+"""``POST /v1/images/edits``: OpenAI's image edits, run as diffusers' img2img (deployments/models/edits.py).
+
+The official client's ``images.edit`` posts multipart/form-data: ``image`` a file (``image[]`` when it is
+given a list; one image per edit here), the other fields strings. JSON with ``image`` as a data URL works
+too. This project's extra ``strength`` (0-1, the img2img pipelines' default 0.6) is how far the edit may
+go from the image: the image is noised to the step ``strength`` from the end of ``num_inference_steps``'
+schedule, and only those steps run. ``size`` absent or ``auto``: the image's own size, rounded down to
+the model's multiple. ``mask`` (inpainting) is refused, naming it. Every other field is
+``/v1/images/generations``' (``n``, ``output_format``, ``stream`` with ``partial_images``, the extras).
+Run by the ingress replica.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field
+
+from deployments.api.body import read_fields
+from deployments.api.reference_images import MAX_REFERENCE_BYTES, image_size
+from deployments.api.rendering import ImageRendering
+from deployments.api.schemas import ImageRequest, image_spec, reference_bytes
+from deployments.api.service import Service
+from deployments.capacity.request_limits import FieldError, Limits, parse_size
+from deployments.models.families import FamilyTraits
+from deployments.models.lora_rows import ServedLora
+from deployments.wire.spec import GenerationSpec
+
+EDITS = "/v1/images/edits"
+# Fields and prompts as /v1/images/generations takes them (its JSON bound), beside the image's own bound.
+MAX_FIELDS_BYTES = 1024 * 1024
+DEFAULT_STRENGTH = 0.6  # FluxImg2ImgPipeline's, StableDiffusion3Img2ImgPipeline's, ... default
+
+router = APIRouter()
+
+
+class ImageEditRequest(ImageRequest):
+    # The image to edit: an uploaded file's bytes (multipart), or a data URL (JSON).
+    image: object | None = None  # checked by reference_bytes
+    mask: object | None = None  # OpenAI's inpainting mask: refused by name (edit_spec)
+    strength: float = Field(DEFAULT_STRENGTH, gt=0.0, le=1.0)
+
+
+def own_size(image: bytes, facts: FamilyTraits, limits: Limits) -> str:
+    """``size`` for an edit that gave none (or ``auto``): the image's size rounded down to the model's multiple."""
+    width, height = image_size(image)
+    m = facts.size_multiple
+    size = f"{width - width % m}x{height - height % m}"
+    try:
+        parse_size(size, facts, limits)
+    except FieldError as exc:
+        raise FieldError("image", f"is {width}x{height}, so the edit would be {size}, and {exc.message}; "
+                                  "pass 'size' to resize it") from None
+    return size
+
+
+def edit_spec(req: ImageEditRequest, facts: FamilyTraits, limits: Limits, model_id: str,
+              loras: Sequence[ServedLora] = ()) -> GenerationSpec:
+    """The edit's GenerationSpec, or :class:`FieldError` naming the first bad field."""
+    if "image-edit" not in facts.modalities:
+        raise FieldError("model", f"the {facts.family.value} model family does not edit images (it makes "
+                                  f"{', '.join(facts.modalities)}); POST /v1/images/generations makes one from text")
+    if req.mask is not None:
+        raise FieldError("mask", "inpainting is not supported: an edit changes the whole image, as far as "
+                                 "'strength' lets it")
+    if req.image is None:
+        raise FieldError("image", "required: the image to edit (a file in multipart/form-data, or a data URL "
+                                  "'data:image/png;base64,...' in JSON)")
+    image = reference_bytes(req.image, "image")
+    size = own_size(image, facts, limits) if req.size in (None, "auto") else req.size
+    plain = ImageRequest.model_validate({**req.model_dump(exclude={"image", "mask", "strength"}), "size": size})
+    spec = image_spec(plain, facts, limits, model_id, loras=loras)
+    # Any strength > 0 runs at least one step: the schedule is entered at int(steps - steps * strength).
+    return dataclasses.replace(spec, reference_image=image, strength=req.strength)
+
+
+async def _fields(request: Request) -> dict:
+    # Two files at most: the image, and a mask that edit_spec refuses by name (not as "too many files").
+    fields = await read_fields(request, ("image", "image[]", "mask"), MAX_FIELDS_BYTES, 2 * MAX_REFERENCE_BYTES,
+                               max_files=2)
+    if "image[]" in fields:  # the official client's list form; one image per edit
+        if "image" in fields:
+            raise FieldError("image", "one image per edit: send 'image' or 'image[]', not both")
+        fields["image"] = fields.pop("image[]")
+    return fields
+
+
+@router.post(EDITS)
+async def edits(request: Request):
+    service: Service = request.app.state.service
+    checked = await service.parse(request, ImageEditRequest, edit_spec, read=_fields)
+    if isinstance(checked, JSONResponse):
+        return checked
+    parsed, spec = checked
+    return await service.respond(spec, parsed.stream, ImageRendering(parsed.output_format, parsed.output_compression))

@@ -1,0 +1,111 @@
+"""Image edits (``POST /v1/images/edits``): the request's image, noised to a step of the schedule, denoised from there.
+
+diffusers' img2img pipelines (``FluxImg2ImgPipeline``, ``StableDiffusion3Img2ImgPipeline``,
+``ZImageImg2ImgPipeline``, ``QwenImageImg2ImgPipeline``) run this in one process; here it splits by where
+the weights are:
+
+- the decoder stage (it holds the VAE) resizes and encodes the image, sampling the VAE's latent
+  distribution with the request's generator (:func:`encode_image`), and sends the latents with the
+  generator's state after that draw (:class:`EditSource`, a few KB beside the latents);
+- the Denoiser enters the schedule at the edit's first step (:func:`enter_schedule`) and noises the image's
+  latents to that step's sigma with the same generator's next draws (:func:`noised`), as the pipeline's
+  one generator would; the family packs them as its text-to-image latents are packed.
+
+From there the request is any other in the step batch: each row carries its own timestep. Bitwise each
+family's img2img pipeline (tests/deployments/models/test_edits.py). Run by the stage replicas.
+"""
+from __future__ import annotations
+
+from typing import Callable, ClassVar
+
+import torch
+
+from deployments.models.adapter import CPU, FamilyTraits, generator_for, pipeline_images, reference_image
+from deployments.models.steppers import StepRequest
+from deployments.wire.spec import EditSource, GenerationSpec, edit_start
+
+# The image's latents from the VAE's sample: the family's shift and scale (a KL VAE's, or Qwen-Image's
+# per-channel mean and std).
+ToLatents = Callable[[object, torch.Tensor], torch.Tensor]
+
+
+def kl_latents(vae, sampled: torch.Tensor) -> torch.Tensor:
+    """An AutoencoderKL's latents as FLUX.1's, SD3.5's and Z-Image's img2img pipelines scale them."""
+    return (sampled - vae.config.shift_factor) * vae.config.scaling_factor
+
+
+@torch.no_grad()
+def encode_image(pipe, spec: GenerationSpec, device: torch.device, to_latents: ToLatents = kl_latents,
+                 frame_axis: bool = False) -> EditSource:
+    """The decoder stage's half: the image resized to the request's size by the pipeline's image
+    processor, encoded by its VAE with the request's generator, on the CPU. ``frame_axis``: the VAE
+    encodes videos (Qwen-Image's): the image is a one-frame video. The image goes in at the VAE's dtype,
+    which is the dtype the img2img pipeline casts it to (its prompt's) when the pipeline is loaded in one."""
+    from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
+
+    vae = pipe.vae
+    image = pipe.image_processor.preprocess(reference_image(spec), height=spec.height, width=spec.width)
+    image = image.to(dtype=torch.float32).to(device=device, dtype=vae.dtype)
+    if frame_axis:
+        image = image.unsqueeze(2)
+    generator = generator_for(spec)
+    latents = to_latents(vae, retrieve_latents(vae.encode(image), generator=generator))
+    return EditSource(latents.to(CPU), generator.get_state())
+
+
+def enter_schedule(request: StepRequest) -> torch.Tensor:
+    """The Denoiser's first half: ``request`` runs the last ``strength`` of its schedule (diffusers'
+    ``get_timesteps``); the timestep its image is noised to, one per row."""
+    spec = request.spec
+    start = edit_start(spec.steps, spec.strength) * request.scheduler.order
+    request.timesteps = request.timesteps[start:]
+    request.scheduler.set_begin_index(start)
+    return request.timesteps[:1].repeat(request.latents.shape[0])
+
+
+def noised(request: StepRequest, source: EditSource, timestep: torch.Tensor, dtype: torch.dtype,
+           arrange: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The Denoiser's second half: the image's latents repeated to the request's rows (``arrange``d as
+    the family's pipeline lays them out) and noised to ``timestep`` by the scheduler, with noise drawn
+    where the decoder's sampling left the generator. Unpacked: the family packs them."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    device, rows = request.latents.device, request.latents.shape[0]
+    generator = torch.Generator(device="cpu")
+    generator.set_state(source.generator_state)
+    image = source.latents.to(device=device, dtype=dtype)
+    image = torch.cat([image] * (rows // image.shape[0]), dim=0)
+    if arrange is not None:
+        image = arrange(image)
+    noise = randn_tensor(image.shape, generator=generator, device=device, dtype=dtype)
+    return request.scheduler.scale_noise(image, timestep, noise)
+
+
+class ImageEdits:
+    """An image family's edits, mixed into its adapter ahead of its base (``class FluxAdapter(ImageEdits,
+    KLImageAdapter)``): the decoder stage's :meth:`condition` for an edit, the family's img2img pipeline as
+    the bitwise reference, and ``image-edit`` in what ``/v1/models`` says the model serves. The family's
+    stepper implements ``begin_edit(request, source)`` (:func:`enter_schedule`, :func:`noised`, its packing)."""
+
+    serves = ("image", "image-edit")
+    edit_pipeline: ClassVar[str] = ""  # the family's diffusers img2img pipeline, on the same folder
+    to_latents: ClassVar[ToLatents] = staticmethod(kl_latents)
+    frame_axis: ClassVar[bool] = False  # its VAE encodes videos (Qwen-Image's)
+
+    def condition(self, pipe, facts: FamilyTraits, spec: GenerationSpec, device: torch.device) -> EditSource | None:
+        if spec.strength is None:
+            return super().condition(pipe, facts, spec, device)
+        return encode_image(pipe, spec, device, self.to_latents, self.frame_axis)
+
+    def reference_frames(self, pipe, facts: FamilyTraits, spec: GenerationSpec) -> torch.Tensor:
+        if spec.strength is None:
+            return super().reference_frames(pipe, facts, spec)
+        import diffusers
+
+        edit = getattr(diffusers, self.edit_pipeline)(**pipe.components)
+        return pipeline_images(edit, spec, image=reference_image(spec), strength=spec.strength,
+                               **self.edit_knobs(pipe, spec))
+
+    def edit_knobs(self, pipe, spec: GenerationSpec) -> dict:
+        """The img2img pipeline's guidance arguments for ``spec``, as its text-to-image reference passes them."""
+        return {"negative_prompt": spec.negative_prompt, "guidance_scale": spec.guidance_scale}

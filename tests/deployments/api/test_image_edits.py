@@ -1,0 +1,129 @@
+"""``POST /v1/images/edits`` with the official ``openai`` client, over fake stages validating as tiny FLUX.1.
+
+What reaches the stages (the image, its size, the strength and the steps it runs) and every refusal,
+named; the stages' own edit is pinned bitwise in tests/deployments/models/test_edits.py.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import pathlib
+import re
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from tests.deployments.fakes import TOKEN, FakeStages, fake_api
+from zoo import tiny
+
+EXTRAS = {"seed": 4, "num_inference_steps": 4}
+
+
+def _client(folder=tiny.ensure_tiny_flux) -> tuple[openai.OpenAI, FakeStages]:
+    api, stages = fake_api(folder=folder)
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key=TOKEN, max_retries=0,
+                           http_client=TestClient(api, raise_server_exceptions=False))
+    return client, stages
+
+
+def png(width: int = 40, height: int = 24, exif_orientation: int | None = None) -> bytes:
+    out = io.BytesIO()
+    image = Image.new("RGB", (width, height), (10, 200, 30))
+    exif = Image.Exif()
+    if exif_orientation is not None:
+        exif[0x0112] = exif_orientation
+    image.save(out, format="PNG", exif=exif)
+    return out.getvalue()
+
+
+def _spec(stages: FakeStages):
+    (spec,) = stages.specs.values()
+    return spec
+
+
+def test_an_edit_sends_the_image_at_its_own_size_with_the_strength_and_runs_that_share_of_the_steps():
+    client, stages = _client()
+    answer = client.images.edit(image=("in.png", png(), "image/png"), prompt="a fox",
+                                extra_body={**EXTRAS, "strength": 0.5})
+    spec = _spec(stages)
+    assert (spec.width, spec.height, spec.strength, spec.reference_image) == (40, 24, 0.5, png())
+    assert (spec.steps, spec.run_steps) == (4, 2)  # the schedule of 4, entered at its step 2
+    assert answer.size == "40x24" and Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))).size == (40, 24)
+
+
+def test_auto_size_is_the_upright_image_rounded_down_to_the_models_multiple_and_size_resizes_it():
+    client, stages = _client()
+    client.images.edit(image=("in.png", png(45, 30, exif_orientation=6), "image/png"), prompt="a fox", size="auto",
+                       extra_body=EXTRAS)
+    assert (_spec(stages).width, _spec(stages).height) == (28, 44)  # stored 45x30, turned a quarter: 30x45, to 4s
+    stages.specs.clear()
+    client.images.edit(image=("in.png", png(), "image/png"), prompt="a fox", size="32x32", extra_body=EXTRAS)
+    assert (_spec(stages).width, _spec(stages).height, _spec(stages).strength) == (32, 32, 0.6)  # the default
+
+
+def test_a_streamed_edit_counts_its_own_steps_and_previews_within_them():
+    client, stages = _client()
+    events = list(client.images.edit(image=("in.png", png(), "image/png"), prompt="a fox", stream=True,
+                                     partial_images=1, extra_body={"seed": 4, "num_inference_steps": 8,
+                                                                   "strength": 0.5}))
+    assert events[0].type == "accepted" and events[0].model_extra["total_steps"] == 4
+    assert [e.step for e in events if e.type == "progress"] == [1, 2, 3, 4]
+    assert [e.step for e in events if e.type == "image_generation.partial_image"] == [2]
+    assert events[-1].type == "image_generation.completed"
+
+
+def test_the_list_form_of_image_and_a_json_data_url_are_edits_too():
+    client, stages = _client()
+    client.images.edit(image=[("in.png", png(), "image/png")], prompt="a fox", extra_body=EXTRAS)
+    assert _spec(stages).reference_image == png()
+    stages.specs.clear()
+    url = "data:image/png;base64," + base64.b64encode(png()).decode()
+    answer = client.post("/images/edits", cast_to=object, body={"prompt": "a fox", "image": url, **EXTRAS})
+    assert answer["size"] == "40x24" and _spec(stages).reference_image == png()
+
+
+@pytest.mark.parametrize("kwargs, param, words", [
+    ({"mask": ("m.png", png(), "image/png")}, "mask", "inpainting is not supported"),
+    ({"extra_body": {"strength": 0}}, "strength", "greater than 0"),
+    ({"extra_body": {"strength": 1.5}}, "strength", "less than or equal to 1"),
+    ({"image": ("in.txt", b"not an image", "text/plain")}, "image", "not an image"),
+    ({"image": ("big.png", png(200, 24), "image/png")}, "image", "pass 'size' to resize it"),
+    ({"image": ("tiny.png", png(3, 3), "image/png")}, "image", "pass 'size' to resize it"),
+    ({"extra_body": {"quality": "high"}}, "quality", "Extra inputs are not permitted"),
+    ({"size": "33x32"}, "size", "positive multiples of 4"),
+])
+def test_what_an_edit_cannot_do_is_a_400_naming_the_field(kwargs, param, words):
+    client, stages = _client()
+    kwargs = {"image": ("in.png", png(), "image/png"), **kwargs}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.edit(prompt="a fox", **kwargs)
+    assert refused.value.body["param"] == param and words in refused.value.body["message"], refused.value.body
+    assert not stages.calls, "nothing reached a stage"
+
+
+def test_an_edit_without_an_image_and_a_family_that_cannot_edit_are_refused_by_name():
+    client, _ = _client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.post("/images/edits", cast_to=object, body={"prompt": "a fox"})
+    assert refused.value.body["param"] == "image" and "required" in refused.value.body["message"]
+    wan, stages = _client(tiny.ensure_tiny_wan)
+    with pytest.raises(openai.BadRequestError) as refused:
+        wan.images.edit(image=("in.png", png(), "image/png"), prompt="a fox")
+    assert refused.value.body["param"] == "model" and "does not edit images" in refused.value.body["message"]
+    assert not stages.calls
+
+
+def test_the_readmes_edit_example_runs_as_printed(tmp_path, monkeypatch):
+    readme = pathlib.Path(__file__).resolve().parents[3] / "README.md"
+    section = readme.read_text().split("### An edit", 1)[1].split("\n### ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    client, stages = _client()
+    monkeypatch.setattr(openai, "OpenAI", lambda **kwargs: client)  # the README's base_url: the fake API
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fox.png").write_bytes(png(64, 48))
+    exec(compile(block, str(readme), "exec"), {"__name__": "readme_edit"})
+    assert Image.open(tmp_path / "fox-snow.png").size == (64, 48)
+    spec = _spec(stages)
+    assert (spec.reference_image, spec.strength, spec.steps, spec.run_steps) == (png(64, 48), 0.6, 8, 5)

@@ -1,0 +1,128 @@
+"""Image edits (deployments/models/edits.py) on each editing family's tiny zoo model, in-process.
+
+Staged as the service runs an edit (the decoder stage encodes the image, the Denoiser's step batch
+enters the schedule at the edit's first step) is bitwise the family's diffusers img2img pipeline with
+the same seed; an edit batched beside a text-to-image request of its shape is its result alone,
+within the batched kernels' rounding.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from deployments.models import families
+from deployments.models.registry import adapter_for
+from deployments.replica.batching import BatchingConfig, StepBatch
+from deployments.wire.spec import EditSource, GenerationSpec, PipelineStage
+from zoo import tiny, tiny_families
+
+CPU, F32 = torch.device("cpu"), torch.float32
+ENCODE, DENOISE, DECODE = PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineStage.DECODE
+EDITING = {"flux": tiny.ensure_tiny_flux, "sd3.5": tiny_families.ensure_tiny_sd3,
+           "z-image": tiny_families.ensure_tiny_zimage, "qwen-image": tiny_families.ensure_tiny_qwen_image}
+# Batched kernels may sum in another order than batch-1 kernels: measured < 1e-5 on the tiny zoo (fp32).
+ALONE_ATOL = 1e-4
+
+
+def a_photo(side: int) -> bytes:
+    """An image with structure (a gradient and a square), so an edit that ignored it would show."""
+    image = Image.new("RGB", (side, side))
+    image.putdata([(8 * x % 256, 8 * y % 256, 128) for y in range(side) for x in range(side)])
+    image.paste((250, 250, 20), (side // 4, side // 4, side // 2, side // 2))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+class Editing:
+    def __init__(self, name: str):
+        self.facts = families.read_family_traits(EDITING[name]())
+        self.pipes = {s: families.load_stage_pipeline(self.facts, s, F32) for s in PipelineStage}
+        self.stepper = adapter_for(self.facts).stepper(self.pipes[DENOISE], self.facts, CPU)
+
+    def spec(self, rid="e", steps=4, strength=0.6, n=1, seed=3, side=None) -> GenerationSpec:
+        side = side or 2 * self.facts.size_multiple
+        return GenerationSpec(rid, "a red fox", None, side, side, 1, steps, self.facts.default_guidance, seed, n,
+                              a_photo(side), strength=strength)
+
+    def request(self, spec: GenerationSpec, on_step=None):
+        encoded = families.encode(self.pipes[ENCODE], self.facts, spec, CPU).packed().unpacked()
+        request = self.stepper.start(encoded, spec, on_step=on_step)
+        if spec.strength is not None:
+            source = families.condition(self.pipes[DECODE], self.facts, spec, CPU)
+            assert isinstance(source, EditSource)
+            self.stepper.begin_edit(request, source)
+        return request
+
+    def decode(self, latents, spec) -> torch.Tensor:
+        return families.decode(self.pipes[DECODE], self.facts, latents, spec, CPU)
+
+    def reference(self, spec) -> torch.Tensor:
+        return families.reference_frames(families.load_full_pipeline(self.facts, F32), self.facts, spec)
+
+
+_LOADED: dict[str, Editing] = {}
+
+
+@pytest.fixture(params=sorted(EDITING))
+def editing(request) -> Editing:
+    if request.param not in _LOADED:
+        _LOADED.clear()
+        _LOADED[request.param] = Editing(request.param)
+    return _LOADED[request.param]
+
+
+def run(batch: StepBatch) -> None:
+    while not batch.idle:
+        batch.step()
+
+
+def test_an_edit_through_the_step_batcher_is_bitwise_the_familys_img2img_pipeline(editing):
+    spec = editing.spec(n=2)
+    seen = []
+    batch = StepBatch(editing.stepper, BatchingConfig(max_batch=1))
+    future = batch.submit(editing.request(spec, on_step=seen.append))
+    run(batch)
+    frames = editing.decode(future.result(), spec)
+    assert frames.shape == (2, 1, spec.height, spec.width, 3)
+    assert torch.equal(frames, editing.reference(spec))
+    # strength 0.6 of 4 steps: the schedule entered at step int(4 - 2.4) = 1, so 3 steps run
+    assert [p.step for p in seen] == [1, 2, 3] and {p.total for p in seen} == {spec.run_steps} == {3}
+
+
+def test_strength_enters_the_schedule_later_the_lower_it_is_and_each_is_the_pipelines_edit(editing):
+    """The image is noised to the sigma of the step the edit enters at: 1 (noise alone) at strength 1,
+    less the lower the strength, and the steps run are the rest of the schedule."""
+    entered = {}
+    for strength in (0.25, 0.6, 1.0):
+        spec = editing.spec(steps=4, strength=strength)
+        request = editing.request(spec)
+        scheduler = request.scheduler
+        entered[strength] = scheduler.sigmas[scheduler.begin_index].item()
+        assert len(request.timesteps) == spec.run_steps == {0.25: 1, 0.6: 3, 1.0: 4}[strength]
+        assert torch.equal(_staged(editing, spec), editing.reference(spec)), strength
+    assert entered[0.25] < entered[0.6] < entered[1.0] == 1.0, entered
+
+
+def _staged(editing, spec) -> torch.Tensor:
+    batch = StepBatch(editing.stepper, BatchingConfig(max_batch=1))
+    future = batch.submit(editing.request(spec))
+    run(batch)
+    return editing.decode(future.result(), spec)
+
+
+def test_an_edit_batched_beside_a_text_to_image_request_is_its_result_alone(editing):
+    edit, text = editing.spec(rid="edit"), dataclasses.replace(editing.spec(rid="text"), strength=None,
+                                                               reference_image=None)
+    alone = {s.request_id: _staged(editing, s) for s in (edit, text)}
+    batch = StepBatch(editing.stepper, BatchingConfig(max_batch=2))
+    futures = {s.request_id: batch.submit(editing.request(s)) for s in (text, edit)}
+    run(batch)
+    for rid, future in futures.items():
+        spec = edit if rid == "edit" else text
+        together = editing.decode(future.result(), spec)
+        assert torch.allclose(together, alone[rid], atol=ALONE_ATOL, rtol=0), rid
