@@ -16,6 +16,7 @@ family's img2img pipeline (tests/deployments/models/test_edits.py). Run by the s
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, ClassVar
 
 import torch
@@ -27,6 +28,8 @@ from deployments.wire.spec import EditSource, GenerationSpec, edit_start
 # The image's latents from the VAE's sample: the family's shift and scale (a KL VAE's, or Qwen-Image's
 # per-channel mean and std).
 ToLatents = Callable[[object, torch.Tensor], torch.Tensor]
+
+logger = logging.getLogger(__name__)
 
 
 def kl_latents(vae, sampled: torch.Tensor) -> torch.Tensor:
@@ -56,10 +59,13 @@ def encode_image(pipe, spec: GenerationSpec, device: torch.device, to_latents: T
 def enter_schedule(request: StepRequest) -> torch.Tensor:
     """The Denoiser's first half: ``request`` runs the last ``strength`` of its schedule (diffusers'
     ``get_timesteps``); the timestep its image is noised to, one per row."""
-    spec = request.spec
-    start = edit_start(spec.steps, spec.strength) * request.scheduler.order
+    spec, scheduler = request.spec, request.scheduler
+    start = edit_start(spec.steps, spec.strength) * scheduler.order
     request.timesteps = request.timesteps[start:]
-    request.scheduler.set_begin_index(start)
+    scheduler.set_begin_index(start)
+    logger.info("request %s: an edit at strength %g enters the schedule of %d steps at step %d (sigma %.3f): "
+                "%d steps run", spec.request_id, spec.strength, spec.steps, start,
+                float(scheduler.sigmas[start]), len(request.timesteps))
     return request.timesteps[:1].repeat(request.latents.shape[0])
 
 

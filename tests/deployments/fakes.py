@@ -78,7 +78,7 @@ class FakeStages:
 
     @staticmethod
     def _latent_shape(spec: GenerationSpec) -> tuple[int, ...]:
-        return spec.n, 4, 1, spec.height // 8, spec.width // 8
+        return spec.n, 4, 1, max(1, spec.height // 8), max(1, spec.width // 8)  # never empty: a 4x4 edit is valid
 
     def failure(self, exc: BaseException) -> Failure:
         return sort_failure(exc)  # the ingress's own sorting: the fakes raise Ray's exceptions

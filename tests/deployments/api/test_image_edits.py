@@ -13,9 +13,11 @@ import re
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import strategies as st
 from PIL import Image
 
 from tests.deployments.fakes import TOKEN, FakeStages, fake_api
+from tests.deployments.properties import status_codes_never_5xx
 from zoo import tiny
 
 EXTRAS = {"seed": 4, "num_inference_steps": 4}
@@ -127,3 +129,34 @@ def test_the_readmes_edit_example_runs_as_printed(tmp_path, monkeypatch):
     assert Image.open(tmp_path / "fox-snow.png").size == (64, 48)
     spec = _spec(stages)
     assert (spec.reference_image, spec.strength, spec.steps, spec.run_steps) == (png(64, 48), 0.6, 8, 5)
+
+
+EDIT_FIELDS = ["prompt", "size", "seed", "num_inference_steps", "strength", "n", "stream", "partial_images",
+               "output_format", "guidance_scale", "mask", "model"]
+
+
+@st.composite
+def edit_requests(draw) -> dict:
+    """Edits as a hostile or careless client sends them: forms with any image bytes (a PNG of any size,
+    garbage, nothing) and any field values, JSON with any data URL."""
+    image = draw(st.one_of(st.just(png()), st.builds(png, st.integers(1, 300), st.integers(1, 300)),
+                           st.binary(max_size=64), st.just(b"")))
+    fields = draw(st.dictionaries(st.sampled_from(EDIT_FIELDS),
+                                  st.one_of(st.text(max_size=12), st.integers(-5, 40).map(str),
+                                            st.sampled_from(["0.5", "1", "0", "1e9", "nan", "auto", "16x16", "true"])),
+                                  max_size=6))
+    fields.setdefault("prompt", "a fox")
+    if draw(st.booleans()):
+        name = draw(st.sampled_from(["image", "image[]", "mask", "other"]))
+        return {"method": "POST", "url": "/v1/images/edits", "data": fields,
+                "files": {name: ("in.png", image, "image/png")}, "headers": {"Authorization": f"Bearer {TOKEN}"}}
+    fields["image"] = draw(st.one_of(st.just("data:image/png;base64," + base64.b64encode(image).decode()),
+                                     st.text(max_size=20), st.integers()))
+    return {"method": "POST", "url": "/v1/images/edits", "json": fields,
+            "headers": {"Authorization": f"Bearer {TOKEN}"}}
+
+
+def test_no_generated_edit_gets_a_5xx_and_every_error_is_the_openai_object():
+    api, _ = fake_api(folder=tiny.ensure_tiny_flux)
+    seen = status_codes_never_5xx(TestClient(api, raise_server_exceptions=False), edit_requests(), 200)
+    assert any(code == 200 for code in seen) and any(code == 400 for code in seen), sorted(set(seen))
