@@ -21,7 +21,7 @@ from deployments.wire.spec import GenerationSpec, RequestRejected
 from offload_core.host.budget import Refusal
 from tests.deployments.fakes import TOKEN, FakeStages, fake_api
 
-IMAGES, VIDEOS = "/v1/images/generations", "/v1/videos/generations"
+IMAGES, VIDEOS, EDITS = "/v1/images/generations", "/v1/videos/generations", "/v1/images/edits"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -198,7 +198,8 @@ def test_a_stage_failure_mid_stream_ends_the_stream_with_an_error_event():
 
 
 @pytest.mark.parametrize("method, path", [
-    ("GET", "/v1/models"), ("GET", "/v1/models/tiny-wan"), ("GET", "/v1/residency"), ("POST", IMAGES), ("POST", VIDEOS), ("GET", "/docs"),
+    ("GET", "/v1/models"), ("GET", "/v1/models/tiny-wan"), ("GET", "/v1/residency"), ("POST", IMAGES), ("POST", VIDEOS),
+    ("POST", EDITS), ("GET", "/docs"),
     ("GET", "/openapi.json"), ("GET", "/redoc"), ("GET", "/no/such/route"),
 ])
 def test_with_a_token_every_route_but_health_needs_it(method, path):
