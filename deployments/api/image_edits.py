@@ -6,7 +6,8 @@ too. This project's extra ``strength`` (0-1, the img2img pipelines' default 0.6)
 go from the image: the image is noised to the step ``strength`` from the end of ``num_inference_steps``'
 schedule, and only those steps run. ``size`` absent or ``auto``: the image's own size, rounded down to
 the model's multiple. ``mask`` (inpainting) is refused, naming it. Every other field is
-``/v1/images/generations``' (``n``, ``output_format``, ``stream`` with ``partial_images``, the extras).
+``/v1/images/generations``' (``n``, ``output_format``, ``stream`` with ``partial_images``, the extras);
+a stream's images are OpenAI's edit events, ``image_edit.partial_image`` and ``image_edit.completed``.
 Run by the ingress replica.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pydantic import Field
 
 from deployments.api.body import read_fields
 from deployments.api.reference_images import MAX_REFERENCE_BYTES, image_size
-from deployments.api.rendering import ImageRendering
+from deployments.api.rendering import ImageRendering, ImageStream
 from deployments.api.schemas import ImageRequest, image_spec, reference_bytes
 from deployments.api.service import Service
 from deployments.capacity.request_limits import FieldError, Limits, parse_size
@@ -94,4 +95,5 @@ async def edits(request: Request):
     if isinstance(checked, JSONResponse):
         return checked
     parsed, spec = checked
-    return await service.respond(spec, parsed.stream, ImageRendering(parsed.output_format, parsed.output_compression))
+    rendering = ImageRendering(parsed.output_format, parsed.output_compression, ImageStream.EDIT)
+    return await service.respond(spec, parsed.stream, rendering)

@@ -3,13 +3,15 @@
 
 Runs in the ingress replica's process, on a worker thread unless the output is a few small images
 (:meth:`deployments.api.service.Service.render`). An image stream closes the way OpenAI's does, one
-``image_generation.completed`` event per image with its ``b64_json``, so the official client's
-``images.generate(..., stream=True)`` hands each image over as ``event.b64_json``; a video has no
-OpenAI stream and closes with one ``result`` event holding the synchronous body.
+``image_generation.completed`` event per image with its ``b64_json`` (an edit's: ``image_edit.completed``),
+so the official client's ``images.generate(..., stream=True)`` and ``images.edit(..., stream=True)`` hand
+each image over as ``event.b64_json``; a video has no OpenAI stream and closes with one ``result`` event
+holding the synchronous body.
 """
 from __future__ import annotations
 
 import base64
+import enum
 import time
 from dataclasses import dataclass
 
@@ -19,8 +21,21 @@ from deployments.wire import media
 from deployments.wire.media import ImageFormat
 from deployments.wire.spec import GenerationSpec
 
-COMPLETED = "image_generation.completed"  # OpenAI's event type for a streamed image
-PARTIAL = "image_generation.partial_image"  # and for a preview before it (partial_images)
+
+class ImageStream(str, enum.Enum):
+    """Whose event types an image stream uses: OpenAI names a generation's and an edit's apart (the
+    official client parses each by them)."""
+
+    GENERATION = "image_generation"
+    EDIT = "image_edit"
+
+    @property
+    def completed(self) -> str:
+        return f"{self.value}.completed"  # a streamed image
+
+    @property
+    def partial(self) -> str:
+        return f"{self.value}.partial_image"  # a preview before it (partial_images)
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,7 @@ class ImageRendering:
 
     output_format: ImageFormat = ImageFormat.PNG
     compression: int | None = None
+    stream: ImageStream = ImageStream.GENERATION
 
     def encoded(self, generated: Generated) -> list[str]:
         return [base64.b64encode(media.image_bytes(item[0], self.output_format, self.compression)).decode()
@@ -72,14 +88,16 @@ class ImageRendering:
 
     def events(self, generated: Generated) -> list[tuple[str, dict]]:
         """(event, data) to close a stream (the stream adds each data's ``type``: its event's name):
-        one ``image_generation.completed`` per image, with the ``seed`` and the ``stages``."""
+        one ``image_generation.completed`` (``image_edit.completed``) per image, with the ``seed`` and the
+        ``stages``."""
         stats = stage_stats(generated)
-        return [(COMPLETED, self._event(generated, index, image, seed=generated.spec.seed, stages=stats))
+        return [(self.stream.completed, self._event(generated, index, image, seed=generated.spec.seed, stages=stats))
                 for index, image in enumerate(self.encoded(generated))]
 
     def partial_events(self, generated: Generated, partial_image_index: int, step: int) -> list[tuple[str, dict]]:
-        """One ``image_generation.partial_image`` per image: the preview decoded after ``step``."""
-        return [(PARTIAL, self._event(generated, index, image, partial_image_index=partial_image_index, step=step))
+        """One ``image_generation.partial_image`` (``image_edit.partial_image``) per image: the preview
+        decoded after ``step``."""
+        return [(self.stream.partial, self._event(generated, index, image, partial_image_index=partial_image_index, step=step))
                 for index, image in enumerate(self.encoded(generated))]
 
 

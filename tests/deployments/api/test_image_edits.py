@@ -14,6 +14,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import strategies as st
+from openai.types import ImageEditCompletedEvent, ImageEditPartialImageEvent
 from PIL import Image
 
 from tests.deployments.fakes import TOKEN, FakeStages, fake_api
@@ -65,15 +66,18 @@ def test_auto_size_is_the_upright_image_rounded_down_to_the_models_multiple_and_
     assert (_spec(stages).width, _spec(stages).height, _spec(stages).strength) == (32, 32, 0.6)  # the default
 
 
-def test_a_streamed_edit_counts_its_own_steps_and_previews_within_them():
+def test_a_streamed_edit_is_openais_edit_events_counting_its_own_steps_and_ending_with_the_plain_answer():
     client, stages = _client()
+    extras = {"seed": 4, "num_inference_steps": 8, "strength": 0.5}
+    plain = client.images.edit(image=("in.png", png(), "image/png"), prompt="a fox", extra_body=extras)
     events = list(client.images.edit(image=("in.png", png(), "image/png"), prompt="a fox", stream=True,
-                                     partial_images=1, extra_body={"seed": 4, "num_inference_steps": 8,
-                                                                   "strength": 0.5}))
+                                     partial_images=1, extra_body=extras))
     assert events[0].type == "accepted" and events[0].model_extra["total_steps"] == 4
     assert [e.step for e in events if e.type == "progress"] == [1, 2, 3, 4]
-    assert [e.step for e in events if e.type == "image_generation.partial_image"] == [2]
-    assert events[-1].type == "image_generation.completed"
+    (preview,) = [e for e in events if e.type == "image_edit.partial_image"]
+    assert isinstance(preview, ImageEditPartialImageEvent) and preview.model_extra["step"] == 2
+    assert isinstance(events[-1], ImageEditCompletedEvent) and events[-1].type == "image_edit.completed"
+    assert events[-1].b64_json == plain.data[0].b64_json != preview.b64_json
 
 
 def test_the_list_form_of_image_and_a_json_data_url_are_edits_too():

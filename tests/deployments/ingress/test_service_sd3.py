@@ -89,7 +89,7 @@ def test_an_edit_through_the_openai_client_equals_the_in_process_img2img_pipelin
                                      extra_body={"seed": 3, "num_inference_steps": 4, "strength": 0.5,
                                                  "negative_prompt": "fog", "guidance_scale": 5.0}))
     assert [e.step for e in events if e.type == "progress"] == [1, 2]  # 0.5 of 4 steps
-    assert [e.step for e in events if e.type == "image_generation.partial_image"] == [1, 1]
-    completed = [base64.b64decode(e.b64_json) for e in events if e.type == "image_generation.completed"]
+    assert [e.step for e in events if e.type == "image_edit.partial_image"] == [1, 1]
+    completed = [base64.b64decode(e.b64_json) for e in events if e.type == "image_edit.completed"]
     spec = GenerationSpec("r", "a red barn", "fog", 16, 32, 1, 4, 5.0, 3, 2, photo.getvalue(), strength=0.5)
     assert completed == _reference(spec)
