@@ -107,6 +107,8 @@ async def read_fields(request, file_fields: tuple[str, ...], max_bytes: int, max
         if not isinstance(value, str):
             if name not in file_fields:
                 raise FieldError(name, f"file uploads are taken only as {' or '.join(file_fields)}")
+            if name in fields:  # a list of files (the client's ``image[]``): one is taken, never the last silently
+                raise FieldError(name, "takes one file per request")
             value = await value.read()  # within the body limit already read above
         fields[name] = value
     return fields

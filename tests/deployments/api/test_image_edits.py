@@ -109,6 +109,15 @@ def test_what_an_edit_cannot_do_is_a_400_naming_the_field(kwargs, param, words):
     assert not stages.calls, "nothing reached a stage"
 
 
+def test_two_images_are_refused_not_one_of_them_taken_silently():
+    client, stages = _client()
+    images = [("a.png", png(), "image/png"), ("b.png", png(32, 32), "image/png")]  # sent as image[] twice
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.edit(image=images, prompt="a fox", extra_body=EXTRAS)
+    assert refused.value.body["param"] == "image[]" and "one file" in refused.value.body["message"]
+    assert not stages.calls
+
+
 def test_an_edit_without_an_image_and_a_family_that_cannot_edit_are_refused_by_name():
     client, _ = _client()
     with pytest.raises(openai.BadRequestError) as refused:
