@@ -69,7 +69,7 @@ def adapter_family(kind: FolderKind) -> tuple[str, str]:
     if len(found) != 1:
         raise LookupError(f"{len(found)} adapters in deployments/models recognise {kind.describe()} "
                           f"({kind.pipeline}): {[a.family.value for a in found]}; exactly one must")
-    return found[0].family.value, ", ".join(found[0].serves)
+    return found[0].family.value, ", ".join(found[0].modalities(index))
 
 
 def published(model: str) -> str:

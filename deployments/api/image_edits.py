@@ -73,8 +73,12 @@ def edit_spec(req: ImageEditRequest, facts: FamilyTraits, limits: Limits, model_
     size = own_size(image, facts, limits) if req.size in (None, "auto") else req.size
     plain = ImageRequest.model_validate({**req.model_dump(exclude={"image", "mask", "strength"}), "size": size})
     spec = image_spec(plain, facts, limits, model_id, loras=loras)
-    # Any strength > 0 runs at least one step: the schedule is entered at int(steps - steps * strength).
-    return dataclasses.replace(spec, reference_image=image, strength=req.strength)
+    spec = dataclasses.replace(spec, reference_image=image, strength=req.strength, edit_rule=facts.edit_rule)
+    if spec.run_steps < 1:  # the video2video rule enters at steps - int(steps * strength)
+        raise FieldError("strength", f"{req.strength} of {spec.steps} steps runs no denoising step on the "
+                                     f"{facts.family.value} model family; use at least {1 / spec.steps:.3g}, or "
+                                     "more steps")
+    return spec
 
 
 async def _fields(request: Request) -> dict:

@@ -23,7 +23,15 @@ from typing import Callable, ClassVar, Mapping
 
 import torch
 
-from deployments.wire.spec import DenoiseProgress, EditSource, EncodedPrompt, Family, GenerationSpec, PipelineStage
+from deployments.wire.spec import (
+    DenoiseProgress,
+    EditRule,
+    EditSource,
+    EncodedPrompt,
+    Family,
+    GenerationSpec,
+    PipelineStage,
+)
 from offload_core.planner.flow_timesteps import min_steps
 
 logger = logging.getLogger(__name__)
@@ -76,6 +84,8 @@ class FamilyTraits:
     max_n: int | None = None
     # The folder's scheduler's ``shift_terminal`` (Qwen-Image: 0.02), or None: it decides min_steps.
     shift_terminal: float | None = None
+    # Where an image edit enters the schedule (with "image-edit" in ``modalities``): the family's pipeline's rounding.
+    edit_rule: EditRule = EditRule.IMG2IMG
 
     @property
     def min_steps(self) -> int:
@@ -152,6 +162,10 @@ class FamilyAdapter:
         """Why this adapter cannot serve a folder it recognises (a pipeline variant it does not
         handle), or None."""
         return None
+
+    def modalities(self, index: Mapping) -> tuple[str, ...]:
+        """What a folder of this family with ``model_index.json`` ``index`` serves, as ``/v1/models`` lists it."""
+        return self.serves
 
     def facts(self, folder: pathlib.Path, index: Mapping) -> FamilyTraits:
         raise NotImplementedError

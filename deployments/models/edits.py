@@ -23,7 +23,7 @@ import torch
 
 from deployments.models.adapter import CPU, FamilyTraits, generator_for, pipeline_images, reference_image
 from deployments.models.steppers import StepRequest
-from deployments.wire.spec import EditSource, GenerationSpec, edit_start
+from deployments.wire.spec import EditSource, GenerationSpec
 
 # The image's latents from the VAE's sample: the family's shift and scale (a KL VAE's, or Qwen-Image's
 # per-channel mean and std).
@@ -38,29 +38,26 @@ def kl_latents(vae, sampled: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_image(pipe, spec: GenerationSpec, device: torch.device, to_latents: ToLatents = kl_latents,
-                 frame_axis: bool = False) -> EditSource:
-    """The decoder stage's half: the image resized to the request's size by the pipeline's image
-    processor, encoded by its VAE with the request's generator, on the CPU. ``frame_axis``: the VAE
-    encodes videos (Qwen-Image's): the image is a one-frame video. The image goes in at the VAE's dtype,
-    which is the dtype the img2img pipeline casts it to (its prompt's) when the pipeline is loaded in one."""
+def encode_image(pipe, spec: GenerationSpec, device: torch.device, image: torch.Tensor,
+                 to_latents: ToLatents = kl_latents, sample_mode: str = "sample") -> EditSource:
+    """The decoder stage's half: ``image`` (as the family's edit pipeline preprocessed it) encoded by
+    the VAE with the request's generator, on the CPU. The image goes in at the VAE's dtype, which is the
+    dtype the pipeline casts it to when it is loaded in one. ``sample_mode`` "argmax": the pipeline reads
+    the latent distribution's mode and draws nothing (Wan's video-to-video)."""
     from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 
     vae = pipe.vae
-    image = pipe.image_processor.preprocess(reference_image(spec), height=spec.height, width=spec.width)
-    image = image.to(dtype=torch.float32).to(device=device, dtype=vae.dtype)
-    if frame_axis:
-        image = image.unsqueeze(2)
     generator = generator_for(spec)
-    latents = to_latents(vae, retrieve_latents(vae.encode(image), generator=generator))
-    return EditSource(latents.to(CPU), generator.get_state())
+    sampled = retrieve_latents(vae.encode(image.to(device=device, dtype=vae.dtype)), generator=generator,
+                               sample_mode=sample_mode)
+    return EditSource(to_latents(vae, sampled).to(CPU), generator.get_state())
 
 
 def enter_schedule(request: StepRequest) -> torch.Tensor:
     """The Denoiser's first half: ``request`` runs the last ``strength`` of its schedule (diffusers'
     ``get_timesteps``); the timestep its image is noised to, one per row."""
     spec, scheduler = request.spec, request.scheduler
-    start = edit_start(spec.steps, spec.strength) * scheduler.order
+    start = spec.edit_start * scheduler.order
     request.timesteps = request.timesteps[start:]
     scheduler.set_begin_index(start)
     logger.info("request %s: an edit at strength %g enters the schedule of %d steps at step %d (sigma %.3f): "
@@ -70,10 +67,12 @@ def enter_schedule(request: StepRequest) -> torch.Tensor:
 
 
 def noised(request: StepRequest, source: EditSource, timestep: torch.Tensor, dtype: torch.dtype,
-           arrange: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+           arrange: Callable[[torch.Tensor], torch.Tensor] | None = None, add_noise: bool = False) -> torch.Tensor:
     """The Denoiser's second half: the image's latents repeated to the request's rows (``arrange``d as
     the family's pipeline lays them out) and noised to ``timestep`` by the scheduler, with noise drawn
-    where the decoder's sampling left the generator. Unpacked: the family packs them."""
+    where the decoder's sampling left the generator. Unpacked: the family packs them. ``add_noise``: the
+    scheduler's ``add_noise`` (Wan's UniPC, as WanVideoToVideoPipeline calls it), else ``scale_noise``
+    (the flow-matching Euler schedulers the image pipelines call)."""
     from diffusers.utils.torch_utils import randn_tensor
 
     device, rows = request.latents.device, request.latents.shape[0]
@@ -84,33 +83,57 @@ def noised(request: StepRequest, source: EditSource, timestep: torch.Tensor, dty
     if arrange is not None:
         image = arrange(image)
     noise = randn_tensor(image.shape, generator=generator, device=device, dtype=dtype)
+    if add_noise:
+        return request.scheduler.add_noise(image, noise, timestep)
     return request.scheduler.scale_noise(image, timestep, noise)
 
 
 class ImageEdits:
     """An image family's edits, mixed into its adapter ahead of its base (``class FluxAdapter(ImageEdits,
     KLImageAdapter)``): the decoder stage's :meth:`condition` for an edit, the family's img2img pipeline as
-    the bitwise reference, and ``image-edit`` in what ``/v1/models`` says the model serves. The family's
-    stepper implements ``begin_edit(request, source)`` (:func:`enter_schedule`, :func:`noised`, its packing)."""
+    the bitwise reference, and ``image-edit`` in what ``/v1/models`` says a folder that :meth:`edits` serves.
+    The family's stepper implements ``begin_edit(request, source)`` (:func:`enter_schedule`, :func:`noised`, its packing)."""
 
-    serves = ("image", "image-edit")
-    edit_pipeline: ClassVar[str] = ""  # the family's diffusers img2img pipeline, on the same folder
+    edit_pipeline: ClassVar[str] = ""  # the family's diffusers img2img pipeline, on the same folder ("": none)
     to_latents: ClassVar[ToLatents] = staticmethod(kl_latents)
-    frame_axis: ClassVar[bool] = False  # its VAE encodes videos (Qwen-Image's)
+    frame_axis: ClassVar[bool] = False  # its VAE encodes videos (Qwen-Image's): the image is a one-frame one
+    sample_mode: ClassVar[str] = "sample"  # how its pipeline reads the VAE's latent distribution
+
+    def edits(self, index) -> bool:
+        """Whether a folder of this family with ``model_index.json`` ``index`` edits images."""
+        return bool(self.edit_pipeline)
+
+    def modalities(self, index) -> tuple[str, ...]:
+        return super().modalities(index) + (("image-edit",) if self.edits(index) else ())
+
+    def edit_image(self, pipe, spec: GenerationSpec) -> torch.Tensor:
+        """The request's image as the family's edit pipeline preprocesses it: resized to the request's
+        size by the pipeline's image processor, float32, a batch of one."""
+        image = pipe.image_processor.preprocess(reference_image(spec), height=spec.height, width=spec.width)
+        image = image.to(dtype=torch.float32)
+        return image.unsqueeze(2) if self.frame_axis else image
 
     def condition(self, pipe, facts: FamilyTraits, spec: GenerationSpec, device: torch.device) -> EditSource | None:
         if spec.strength is None:
             return super().condition(pipe, facts, spec, device)
-        return encode_image(pipe, spec, device, self.to_latents, self.frame_axis)
+        return encode_image(pipe, spec, device, self.edit_image(pipe, spec), self.to_latents, self.sample_mode)
 
     def reference_frames(self, pipe, facts: FamilyTraits, spec: GenerationSpec) -> torch.Tensor:
         if spec.strength is None:
             return super().reference_frames(pipe, facts, spec)
+        return pipeline_images(self.edit_pipeline_of(pipe), spec, image=reference_image(spec), strength=spec.strength,
+                               **self.edit_knobs(pipe, spec))
+
+    def edit_pipeline_of(self, pipe):
+        """The family's edit pipeline over ``pipe``'s components (those it takes: WanPipeline's
+        ``transformer_2`` slot is not WanVideoToVideoPipeline's)."""
+        import inspect
+
         import diffusers
 
-        edit = getattr(diffusers, self.edit_pipeline)(**pipe.components)
-        return pipeline_images(edit, spec, image=reference_image(spec), strength=spec.strength,
-                               **self.edit_knobs(pipe, spec))
+        edit = getattr(diffusers, self.edit_pipeline)
+        taken = inspect.signature(edit.__init__).parameters
+        return edit(**{name: module for name, module in pipe.components.items() if name in taken})
 
     def edit_knobs(self, pipe, spec: GenerationSpec) -> dict:
         """The img2img pipeline's guidance arguments for ``spec``, as its text-to-image reference passes them."""

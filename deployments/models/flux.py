@@ -88,7 +88,7 @@ class FluxAdapter(edits.ImageEdits, KLImageAdapter):
     def facts(self, folder, index) -> FamilyTraits:
         # x2: the transformer packs 2x2 latent patches into one token.
         return FamilyTraits(self.family, str(folder), kl_vae_scale(folder) * 2, 1, False, False, FLUX_GUIDANCE,
-                           pipeline_class=index["_class_name"], modalities=self.serves)
+                           pipeline_class=index["_class_name"], modalities=self.modalities(index))
 
     @torch.no_grad()
     def encode(self, pipe, facts, spec, device) -> EncodedPrompt:

@@ -149,7 +149,7 @@ class HunyuanVideo15Adapter(FamilyAdapter):
         guidance = float(read_json(folder / "guider" / "guider_config.json").get("guidance_scale", 6.0))
         return FamilyTraits(self.family, str(folder), int(vae.get("spatial_compression_ratio", 16)) * patch,
                            int(vae.get("temporal_compression_ratio", 4)), True, True, guidance,
-                           pipeline_class=index["_class_name"], modalities=self.serves, max_n=1)
+                           pipeline_class=index["_class_name"], modalities=self.modalities(index), max_n=1)
 
     def load_stage_pipeline(self, facts, stage, dtype, loaded=None):
         """The base loading, except that a stage without the VAE gets it on the meta device for the

@@ -186,13 +186,14 @@ class QwenImageAdapter(edits.ImageEdits, FamilyAdapter):
     frame_axis = True  # its VAE encodes videos: the image is a one-frame one
     stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
+    serves = ("image",)
 
     def facts(self, folder, index) -> FamilyTraits:
         vae = read_json(folder / "vae" / "config.json")
         # QwenImagePipeline: 2 ** len(temperal_downsample) spatial, x2 for the packed 2x2 patches.
         multiple = 2 ** len(vae.get("temperal_downsample", [False, True, True])) * 2
         return FamilyTraits(self.family, str(folder), multiple, 1, False, True, QWEN_GUIDANCE,
-                           pipeline_class=index["_class_name"], modalities=self.serves)
+                           pipeline_class=index["_class_name"], modalities=self.modalities(index))
 
     def restore_scale_factors(self, pipe, facts) -> None:
         vae = read_json(pathlib.Path(facts.folder) / "vae" / "config.json")

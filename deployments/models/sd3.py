@@ -128,7 +128,7 @@ class SD3Adapter(edits.ImageEdits, KLImageAdapter):
         patch = int(read_json(folder / "transformer" / "config.json").get("patch_size", 2))
         # StableDiffusion3Pipeline.check_inputs: sides are multiples of vae_scale_factor x patch_size.
         return FamilyTraits(self.family, str(folder), kl_vae_scale(folder) * patch, 1, False, True, SD3_GUIDANCE,
-                           pipeline_class=index["_class_name"], modalities=self.serves)
+                           pipeline_class=index["_class_name"], modalities=self.modalities(index))
 
     @torch.no_grad()
     def encode(self, pipe, facts, spec, device) -> SD3Prompt:

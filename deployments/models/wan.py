@@ -20,6 +20,7 @@ from typing import Mapping
 
 import torch
 
+from deployments.models import edits
 from deployments.models.adapter import (
     CPU,
     DECODE,
@@ -29,10 +30,11 @@ from deployments.models.adapter import (
     FamilyTraits,
     generator_for,
     read_json,
+    reference_image,
     step_callback,
 )
 from deployments.models.steppers import BatchKey, StepRequest, cached, guided_noise, rows_of, split_noise
-from deployments.wire.spec import EncodedPrompt, Family, GenerationSpec, PipelineStage
+from deployments.wire.spec import EditRule, EditSource, EncodedPrompt, Family, GenerationSpec, PipelineStage
 from offload_core.planner.inputs import expert_steps as planner_expert_steps
 
 # WanPipeline.__call__'s default guidance; Wan2.2 A14B uses the same scale for both experts
@@ -53,7 +55,7 @@ def wan_facts(adapter: FamilyAdapter, folder: pathlib.Path, index: Mapping, **ex
     spatial = int(vae.get("scale_factor_spatial", 8))
     multiple = math.lcm(16, spatial * int(patch[1]), spatial * int(patch[2]))
     return FamilyTraits(adapter.family, str(folder), multiple, int(vae.get("scale_factor_temporal", 4)), True, True,
-                       WAN_GUIDANCE, pipeline_class=index["_class_name"], modalities=adapter.serves,
+                       WAN_GUIDANCE, pipeline_class=index["_class_name"], modalities=adapter.modalities(index),
                        experts=experts_of(index), **extra)
 
 
@@ -112,6 +114,12 @@ class WanStepper:
         self.attach(request, encoded)
         return request
 
+    def begin_edit(self, request: StepRequest, source: EditSource) -> None:
+        """WanVideoToVideoPipeline's start (a one-frame video): the image's latents noised by the
+        scheduler's add_noise to the edit's first step, float32."""
+        timestep = edits.enter_schedule(request)
+        request.latents = edits.noised(request, source, timestep, torch.float32, add_noise=True)
+
     def initial_latents(self, encoded: EncodedPrompt, spec: GenerationSpec) -> torch.Tensor:
         pipe = self.pipe
         channels = getattr(pipe, self.experts[0]).config.in_channels
@@ -165,19 +173,42 @@ class WanStepper:
         return split_noise(batch, noise)
 
 
-class WanAdapter(FamilyAdapter):
+def wan_latents(vae, sampled: torch.Tensor) -> torch.Tensor:
+    """WanVideoToVideoPipeline.prepare_latents' normalisation: float32, per channel by the VAE's mean and std."""
+    sampled = sampled.to(torch.float32)
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(sampled.device, torch.float32)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(sampled.device, torch.float32)
+    return (sampled - mean) * inv_std
+
+
+class WanAdapter(edits.ImageEdits, FamilyAdapter):
     family = Family.WAN
     pipeline_classes = ("WanPipeline",)
     stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
-    serves = ("image", "video")
+    serves = ("image", "video")  # and image-edit where one transformer runs (edits)
+    # An image edit is WanVideoToVideoPipeline's edit of a one-frame video: it runs one transformer (no
+    # Wan2.2 A14B expert switch), reads the VAE's mode (no draw) and rounds its start its own way.
+    edit_pipeline = "WanVideoToVideoPipeline"
+    to_latents = staticmethod(wan_latents)
+    sample_mode = "argmax"
 
     def recognises(self, index) -> bool:
         # A WanPipeline folder with expanded timesteps (TI2V-5B) is deployments.models.wan_ti2v's.
         return super().recognises(index) and not index.get("expand_timesteps")
 
     def facts(self, folder, index) -> FamilyTraits:
-        return wan_facts(self, folder, index)
+        return wan_facts(self, folder, index, edit_rule=EditRule.VIDEO2VIDEO)
+
+    def edits(self, index) -> bool:
+        # WanVideoToVideoPipeline runs one transformer: no Wan2.2 A14B expert switch.
+        return super().edits(index) and experts_of(index) == ("transformer",)
+
+    def edit_image(self, pipe, spec) -> torch.Tensor:
+        # WanVideoToVideoPipeline's preprocessing: a video of the one frame, (1, c, 1, h, w).
+        video = pipe.video_processor.preprocess_video([reference_image(spec)], height=spec.height, width=spec.width)
+        return video.to(dtype=torch.float32)
 
     def modules(self, facts, stage):
         return facts.experts if PipelineStage(stage) is DENOISE else super().modules(facts, stage)
@@ -219,6 +250,16 @@ class WanAdapter(FamilyAdapter):
         return WanStepper(pipe, facts, device)
 
     def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
+        if spec.strength is not None:  # WanVideoToVideoPipeline makes one video per embedding row
+            with torch.no_grad():  # as the encoder stage and the pipeline's own call encode (grad mode picks other kernels)
+                positive, negative = pipe.encode_prompt(
+                    prompt=spec.prompt, negative_prompt=spec.negative_prompt,
+                    do_classifier_free_guidance=spec.guidance_scale > 1.0, num_videos_per_prompt=spec.n,
+                    max_sequence_length=TEXT_TOKENS)
+            return torch.from_numpy(self.edit_pipeline_of(pipe)(
+                video=[reference_image(spec)], prompt_embeds=positive, negative_prompt_embeds=negative,
+                height=spec.height, width=spec.width, num_inference_steps=spec.steps, strength=spec.strength,
+                guidance_scale=spec.guidance_scale, generator=generator_for(spec), output_type="np").frames)
         return torch.from_numpy(pipe(
             prompt=spec.prompt, negative_prompt=spec.negative_prompt, height=spec.height, width=spec.width,
             num_frames=spec.num_frames, num_inference_steps=spec.steps, guidance_scale=spec.guidance_scale,

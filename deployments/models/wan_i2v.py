@@ -149,6 +149,7 @@ class WanI2VAdapter(WanAdapter):
     stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
     serves = ("image-to-video",)
+    edit_pipeline = ""  # no edits: WanVideoToVideoPipeline is text-to-video's
 
     def recognises(self, index) -> bool:
         return index.get("_class_name") in self.pipeline_classes and not has_image_encoder(index)

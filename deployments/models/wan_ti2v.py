@@ -55,6 +55,7 @@ class WanTI2VStepper(WanStepper):
 class WanTI2VAdapter(WanAdapter):
     family = Family.WAN_TI2V
     serves = ("image", "video", "image-to-video")
+    edit_pipeline = ""  # no edits: WanVideoToVideoPipeline is text-to-video's
 
     def recognises(self, index) -> bool:
         return index.get("_class_name") in self.pipeline_classes and bool(index.get("expand_timesteps"))

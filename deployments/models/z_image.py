@@ -122,7 +122,7 @@ class ZImageAdapter(edits.ImageEdits, KLImageAdapter):
         patch = int(read_json(folder / "transformer" / "config.json").get("all_patch_size", [2])[0])
         # ZImagePipeline.__call__: sides are multiples of vae_scale_factor x 2 (the 2x2 patch).
         return FamilyTraits(self.family, str(folder), kl_vae_scale(folder) * patch, 1, False, True, Z_IMAGE_GUIDANCE,
-                           pipeline_class=index["_class_name"], modalities=self.serves)
+                           pipeline_class=index["_class_name"], modalities=self.modalities(index))
 
     @torch.no_grad()
     def encode(self, pipe, facts, spec, device) -> ZImagePrompt:

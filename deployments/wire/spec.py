@@ -45,6 +45,24 @@ class PipelineStage(str, enum.Enum):
     DECODE = "decode"  # the VAE: once per request
 
 
+class EditRule(str, enum.Enum):
+    """Where an image edit enters a schedule of ``steps`` at ``strength``: each family's diffusers pipeline
+    rounds its own way (with order-1 stepping: every served family's scheduler)."""
+
+    # The image pipelines' get_timesteps (FluxImg2ImgPipeline, StableDiffusion3Img2ImgPipeline, ...):
+    # at int(steps - steps * strength); any strength > 0 runs at least one step.
+    IMG2IMG = "img2img"
+    # WanVideoToVideoPipeline's (AnimateDiff's): at steps - int(steps * strength); a strength under
+    # 1 / steps runs none.
+    VIDEO2VIDEO = "video2video"
+
+    def start(self, steps: int, strength: float) -> int:
+        """The schedule's first step the edit runs: the image is noised to that step's sigma."""
+        if self is EditRule.IMG2IMG:
+            return int(max(steps - min(steps * strength, steps), 0))
+        return max(steps - min(int(steps * strength), steps), 0)
+
+
 @dataclass(frozen=True)
 class GenerationSpec:
     """One validated generation request, as every stage sees it."""
@@ -74,14 +92,18 @@ class GenerationSpec:
     # the edit may go from it, in (0, 1] (diffusers' img2img ``strength``: the fraction of the schedule
     # run, from the image noised to that level). None: not an edit.
     strength: float | None = None
+    # How the family's pipeline rounds where an edit enters its schedule (FamilyTraits.edit_rule).
+    edit_rule: EditRule = EditRule.IMG2IMG
+
+    @property
+    def edit_start(self) -> int:
+        """The schedule's first step this request runs: 0, or where an edit enters it."""
+        return 0 if self.strength is None else self.edit_rule.start(self.steps, self.strength)
 
     @property
     def run_steps(self) -> int:
-        """The denoising steps the request runs: ``steps``, or an edit's last ``strength`` of them
-        (diffusers' img2img ``get_timesteps``: the schedule of ``steps`` entered at step ``t_start``)."""
-        if self.strength is None:
-            return self.steps
-        return self.steps - edit_start(self.steps, self.strength)
+        """The denoising steps the request runs: ``steps``, or an edit's last ``strength`` of them."""
+        return self.steps - self.edit_start
 
     @property
     def preview_steps(self) -> frozenset[int]:
@@ -89,12 +111,6 @@ class GenerationSpec:
         ``partial_images`` spread evenly before the last step (fewer when there are too few steps)."""
         k, steps = self.partial_images, self.run_steps
         return frozenset(s for s in (round(i * steps / (k + 1)) for i in range(1, k + 1)) if 0 < s < steps)
-
-
-def edit_start(steps: int, strength: float) -> int:
-    """The schedule's first step an edit runs (diffusers' img2img ``get_timesteps``, order-1 schedulers:
-    every served family's FlowMatchEuler): the image is noised to that step's sigma."""
-    return int(max(steps - min(steps * strength, steps), 0))
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from openai.types import ImageEditCompletedEvent, ImageEditPartialImageEvent
 from PIL import Image
 
+from deployments.wire.spec import EditRule
 from tests.deployments.fakes import TOKEN, FakeStages, fake_api
 from tests.deployments.properties import status_codes_never_5xx
-from zoo import tiny
+from zoo import tiny, wan22
 
 EXTRAS = {"seed": 4, "num_inference_steps": 4}
 
@@ -123,11 +124,22 @@ def test_an_edit_without_an_image_and_a_family_that_cannot_edit_are_refused_by_n
     with pytest.raises(openai.BadRequestError) as refused:
         client.post("/images/edits", cast_to=object, body={"prompt": "a fox"})
     assert refused.value.body["param"] == "image" and "required" in refused.value.body["message"]
-    wan, stages = _client(tiny.ensure_tiny_wan)
+    a14b, stages = _client(wan22.ensure_tiny_wan22_a14b)  # two experts: WanVideoToVideoPipeline runs one
     with pytest.raises(openai.BadRequestError) as refused:
-        wan.images.edit(image=("in.png", png(), "image/png"), prompt="a fox")
+        a14b.images.edit(image=("in.png", png(), "image/png"), prompt="a fox")
     assert refused.value.body["param"] == "model" and "does not edit images" in refused.value.body["message"]
     assert not stages.calls
+
+
+def test_wan_enters_its_schedule_its_own_way_and_a_strength_that_runs_no_step_is_refused():
+    client, stages = _client(tiny.ensure_tiny_wan)
+    client.images.edit(image=("in.png", png(48, 32), "image/png"), prompt="a fox",
+                       extra_body={**EXTRAS, "num_inference_steps": 8, "strength": 0.6})
+    assert (_spec(stages).edit_rule, _spec(stages).run_steps) == (EditRule.VIDEO2VIDEO, 4)  # 8 - int(4.8)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.edit(image=("in.png", png(48, 32), "image/png"), prompt="a fox",
+                           extra_body={**EXTRAS, "strength": 0.2})  # int(4 x 0.2) = 0 steps
+    assert refused.value.body["param"] == "strength" and "runs no denoising step" in refused.value.body["message"]
 
 
 def test_the_readmes_edit_example_runs_as_printed(tmp_path, monkeypatch):

@@ -16,14 +16,19 @@ import time
 
 import httpx
 import imageio.v3 as iio
+import numpy
 import openai
 import pytest
 import ray
+import torch
 from PIL import Image
 
 from deployments.jobs.actor import drop_job_queue, queue_name
+from deployments.models import families
+from deployments.wire.spec import GenerationSpec
 from tests.deployments.conftest import APP, MAX_STEPS, SHARED_LORA, TOKEN, deploy_shared, shared_args
 from tests.deployments.ingress.test_service import IMAGES, VIDEOS, replica_name, response_pngs, sse_events
+from zoo.tiny import ensure_tiny_wan
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 # Up to 200 steps (the shared app's max_steps) so a job runs long enough (seconds at 64x64, 9 frames)
@@ -136,6 +141,16 @@ def test_the_readme_image_examples_run_against_the_service(service, tmp_path, mo
     previews = [tmp_path / f"fox-{i}.png" for i in (0, 1)]
     assert all(Image.open(p).size == (64, 64) for p in previews)
     assert len({image, *(p.read_bytes() for p in previews)}) == 3, "two previews, each its own image"
+    (edit,) = readme_examples("### An edit")  # on fox.png, as printed: the decoder encodes it, 4 of 8 steps run
+    exec(compile(edit.replace("http://127.0.0.1:8000", service).replace("your-token", TOKEN), "README.md", "exec"),
+         {"__name__": "readme_edit_example"})
+    edited = numpy.asarray(Image.open(tmp_path / "fox-snow.png"), dtype=numpy.int16)
+    facts = families.read_family_traits(ensure_tiny_wan())
+    spec = GenerationSpec("r", "a red fox in the snow", None, 64, 64, 1, 8, facts.default_guidance, 1, 1, image,
+                          strength=0.6, edit_rule=facts.edit_rule)
+    reference = families.reference_frames(families.load_full_pipeline(facts, torch.float32), facts, spec)
+    levels = numpy.abs(edited - (reference[0, 0].numpy() * 255).round()).max()
+    assert levels <= 1, f"{levels} 8-bit levels off WanVideoToVideoPipeline (guided: within one, as text-to-video)"
 
 
 def test_the_readme_client_calls_run_against_the_service(service, tmp_path, monkeypatch):

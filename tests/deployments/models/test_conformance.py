@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -74,6 +75,8 @@ CASES = [
     Case("hunyuan-video-1.5", tiny_families.ensure_tiny_hunyuan15, glyphs=True, joins_branches=True),
 ]
 IDS = [c.name for c in CASES]
+# The cases whose folders edit images (tests/deployments/models/test_edits.py pins each bitwise).
+EDITING = {"wan2.1", "flux", "sd3.5", "z-image", "qwen-image"}
 GLYPH_CASES = [c for c in CASES if c.glyphs]
 
 
@@ -298,7 +301,9 @@ def test_v1_models_states_what_the_adapter_declares(family):
     facts = family.facts
     card = model_card("m", facts, Limits(default_size=f"{facts.size_multiple}x{facts.size_multiple}"), ())
     assert card.family == facts.family.value and card.size_multiple == facts.size_multiple
-    assert card.modalities == list(adapter_for(facts).serves)
+    index = json.loads((Path(facts.folder) / "model_index.json").read_text())
+    assert card.modalities == list(adapter_for(facts).modalities(index))
+    assert ("image-edit" in card.modalities) == (family.case.name in EDITING), "the editing families, as test_edits pins them"
     assert card.min_steps == facts.min_steps == (2 if family.case.name == "qwen-image" else 1)
     # Configured limits (no replica reported): the longest video the VAE makes within 81 frames.
     assert card.limits.frames == (1 + (81 - 1) // facts.temporal_factor * facts.temporal_factor

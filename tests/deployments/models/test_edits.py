@@ -1,9 +1,11 @@
 """Image edits (deployments/models/edits.py) on each editing family's tiny zoo model, in-process.
 
 Staged as the service runs an edit (the decoder stage encodes the image, the Denoiser's step batch
-enters the schedule at the edit's first step) is bitwise the family's diffusers img2img pipeline with
-the same seed; an edit batched beside a text-to-image request of its shape is its result alone,
-within the batched kernels' rounding.
+enters the schedule at the edit's first step) is bitwise the family's diffusers img2img pipeline (Wan:
+WanVideoToVideoPipeline on a one-frame video) with the same seed; an edit batched beside a text-to-image
+request of its shape is its result alone, within the batched kernels' rounding. Wan's pipeline runs
+guidance's two branches as two forwards where the step batcher runs one of twice the rows: bitwise
+unguided, within one 8-bit level guided (as tests/deployments/models/test_conformance.py holds it).
 """
 from __future__ import annotations
 
@@ -17,13 +19,16 @@ from PIL import Image
 from deployments.models import families
 from deployments.models.registry import adapter_for
 from deployments.replica.batching import BatchingConfig, StepBatch
-from deployments.wire.spec import EditSource, GenerationSpec, PipelineStage
+from deployments.wire.spec import EditRule, EditSource, GenerationSpec, PipelineStage
 from zoo import tiny, tiny_families
 
 CPU, F32 = torch.device("cpu"), torch.float32
 ENCODE, DENOISE, DECODE = PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineStage.DECODE
-EDITING = {"flux": tiny.ensure_tiny_flux, "sd3.5": tiny_families.ensure_tiny_sd3,
+EDITING = {"flux": tiny.ensure_tiny_flux, "sd3.5": tiny_families.ensure_tiny_sd3, "wan2.1": tiny.ensure_tiny_wan,
            "z-image": tiny_families.ensure_tiny_zimage, "qwen-image": tiny_families.ensure_tiny_qwen_image}
+JOINS_BRANCHES = {"wan2.1"}
+# Where each rule enters a schedule of 4 steps: the steps run at strength 0.25, 0.6, 1.0.
+RUN_STEPS = {EditRule.IMG2IMG: {0.25: 1, 0.6: 3, 1.0: 4}, EditRule.VIDEO2VIDEO: {0.25: 1, 0.6: 2, 1.0: 4}}
 # Batched kernels may sum in another order than batch-1 kernels: measured < 1e-5 on the tiny zoo (fp32).
 ALONE_ATOL = 1e-4
 
@@ -40,14 +45,20 @@ def a_photo(side: int) -> bytes:
 
 class Editing:
     def __init__(self, name: str):
+        self.name = name
         self.facts = families.read_family_traits(EDITING[name]())
+        assert "image-edit" in self.facts.modalities
         self.pipes = {s: families.load_stage_pipeline(self.facts, s, F32) for s in PipelineStage}
         self.stepper = adapter_for(self.facts).stepper(self.pipes[DENOISE], self.facts, CPU)
 
-    def spec(self, rid="e", steps=4, strength=0.6, n=1, seed=3, side=None) -> GenerationSpec:
+    def spec(self, rid="e", steps=4, strength=0.6, n=1, seed=3, side=None, guidance=None) -> GenerationSpec:
+        """An edit at the family's default guidance, or one branch where the pipeline's two would not be
+        bitwise the step batch's one forward (``guidance``: else as given)."""
         side = side or 2 * self.facts.size_multiple
-        return GenerationSpec(rid, "a red fox", None, side, side, 1, steps, self.facts.default_guidance, seed, n,
-                              a_photo(side), strength=strength)
+        if guidance is None:
+            guidance = 1.0 if self.name in JOINS_BRANCHES else self.facts.default_guidance
+        return GenerationSpec(rid, "a red fox", None, side, side, 1, steps, guidance, seed, n, a_photo(side),
+                              strength=strength, edit_rule=self.facts.edit_rule)
 
     def request(self, spec: GenerationSpec, on_step=None):
         encoded = families.encode(self.pipes[ENCODE], self.facts, spec, CPU).packed().unpacked()
@@ -90,12 +101,12 @@ def test_an_edit_through_the_step_batcher_is_bitwise_the_familys_img2img_pipelin
     frames = editing.decode(future.result(), spec)
     assert frames.shape == (2, 1, spec.height, spec.width, 3)
     assert torch.equal(frames, editing.reference(spec))
-    # strength 0.6 of 4 steps: the schedule entered at step int(4 - 2.4) = 1, so 3 steps run
-    assert [p.step for p in seen] == [1, 2, 3] and {p.total for p in seen} == {spec.run_steps} == {3}
+    steps = RUN_STEPS[editing.facts.edit_rule][0.6]  # img2img: entered at int(4 - 2.4) = 1; Wan's at 4 - int(2.4)
+    assert [p.step for p in seen] == list(range(1, steps + 1)) and {p.total for p in seen} == {spec.run_steps} == {steps}
 
 
 def test_strength_enters_the_schedule_later_the_lower_it_is_and_each_is_the_pipelines_edit(editing):
-    """The image is noised to the sigma of the step the edit enters at: 1 (noise alone) at strength 1,
+    """The image is noised to the sigma of the step the edit enters at: 1 (noise alone; Wan's UniPC 1 - 1e-6) at strength 1,
     less the lower the strength, and the steps run are the rest of the schedule."""
     entered = {}
     for strength in (0.25, 0.6, 1.0):
@@ -103,9 +114,9 @@ def test_strength_enters_the_schedule_later_the_lower_it_is_and_each_is_the_pipe
         request = editing.request(spec)
         scheduler = request.scheduler
         entered[strength] = scheduler.sigmas[scheduler.begin_index].item()
-        assert len(request.timesteps) == spec.run_steps == {0.25: 1, 0.6: 3, 1.0: 4}[strength]
+        assert len(request.timesteps) == spec.run_steps == RUN_STEPS[editing.facts.edit_rule][strength]
         assert torch.equal(_staged(editing, spec), editing.reference(spec)), strength
-    assert entered[0.25] < entered[0.6] < entered[1.0] == 1.0, entered
+    assert entered[0.25] < entered[0.6] < entered[1.0] and entered[1.0] == pytest.approx(1.0, abs=1e-5), entered
 
 
 def _staged(editing, spec) -> torch.Tensor:
@@ -126,3 +137,11 @@ def test_an_edit_batched_beside_a_text_to_image_request_is_its_result_alone(edit
         spec = edit if rid == "edit" else text
         together = editing.decode(future.result(), spec)
         assert torch.allclose(together, alone[rid], atol=ALONE_ATOL, rtol=0), rid
+
+
+def test_a_guided_wan_edit_is_the_video_to_video_pipeline_within_one_level():
+    editing = _LOADED.get("wan2.1") or Editing("wan2.1")
+    spec = editing.spec(guidance=editing.facts.default_guidance, n=2)
+    frames, reference = _staged(editing, spec), editing.reference(spec)
+    levels = ((frames * 255).round() - (reference * 255).round()).abs().max().item()  # the delivered 8-bit pixels
+    assert spec.guidance_scale > 1 and levels <= 1, levels
