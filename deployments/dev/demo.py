@@ -1,6 +1,6 @@
 """`make demo`: start Ray and the service from configs/local.yaml, generate one image over HTTP,
-make one short video through the Videos API's jobs (create, poll, download), save both, print
-where every replica's weights are, and shut everything down.
+edit it (``POST /v1/images/edits``), make one short video through the Videos API's jobs (create,
+poll, download), save all three, print where every replica's weights are, and shut everything down.
 
 Ray is started as ``make serve`` starts it (:mod:`deployments.dev.local_ray`: token authentication,
 node address 127.0.0.1, dashboard on loopback), then the config is deployed exactly as
@@ -146,10 +146,29 @@ def make_video(client, out: pathlib.Path, prompt: str, size: str, steps: int, se
     return True
 
 
+def make_edit(client, image: bytes, out: pathlib.Path, prompt: str, steps: int, seed: int) -> bool:
+    """``POST /v1/images/edits`` of ``image`` (multipart, as the official client sends it), saved to ``out``."""
+    started = time.monotonic()
+    response = client.post("/v1/images/edits", files={"image": ("demo.png", image, "image/png")},
+                           data={"prompt": prompt, "num_inference_steps": str(steps), "seed": str(seed),
+                                 "strength": "0.6"})
+    if response.status_code != 200:
+        print(f"edit failed: HTTP {response.status_code} {response.text}", file=sys.stderr)
+        return False
+    body = response.json()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(base64.b64decode(body["data"][0]["b64_json"]))
+    denoised = next(s for s in body["stages"] if s["stage"] == "denoise")
+    print(f"POST /v1/images/edits -> {out} ({body['size']}, strength 0.6: {denoised['steps']} of {steps} steps) "
+          f"in {time.monotonic() - started:.2f} s")
+    return True
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=pathlib.Path, default=REPO / "configs" / "local.yaml")
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "out" / "demo.png")
+    parser.add_argument("--edit-out", type=pathlib.Path, default=REPO / "out" / "demo-edit.png")
     parser.add_argument("--video-out", type=pathlib.Path, default=REPO / "out" / "demo.mp4")
     parser.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
     parser.add_argument("--size", default="64x64")
@@ -206,6 +225,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                   f"{body['seed']}) in {time.monotonic() - started:.2f} s; stages: " +
                   ", ".join(f"{s['stage']} {s['seconds']:.3f} s / {s['bytes_streamed']} B streamed"
                             for s in body["stages"]))
+            if not make_edit(client, args.out.read_bytes(), args.edit_out, f"{args.prompt}, in a storm", args.steps,
+                             args.seed):
+                return 1
             if not make_video(client, args.video_out, args.prompt, args.size, args.steps, args.seed):
                 return 1
             print_residency(client.get("/v1/residency").json()["replicas"])
