@@ -1,18 +1,20 @@
 """Image edits (``POST /v1/images/edits``): the request's image, noised to a step of the schedule, denoised from there.
 
 diffusers' img2img pipelines (``FluxImg2ImgPipeline``, ``StableDiffusion3Img2ImgPipeline``,
-``ZImageImg2ImgPipeline``, ``QwenImageImg2ImgPipeline``) run this in one process; here it splits by where
-the weights are:
+``ZImageImg2ImgPipeline``, ``QwenImageImg2ImgPipeline``; for Wan2.1, ``WanVideoToVideoPipeline`` on a
+one-frame video) run this in one process; here it splits by where the weights are:
 
 - the decoder stage (it holds the VAE) resizes and encodes the image, sampling the VAE's latent
-  distribution with the request's generator (:func:`encode_image`), and sends the latents with the
-  generator's state after that draw (:class:`EditSource`, a few KB beside the latents);
-- the Denoiser enters the schedule at the edit's first step (:func:`enter_schedule`) and noises the image's
+  distribution with the request's generator (Wan's pipeline reads its mode: no draw) (:func:`encode_image`),
+  and sends the latents with the generator's state after that (:class:`EditSource`, 5 KB beside the latents);
+- the Denoiser enters the schedule at the edit's first step (:func:`enter_schedule`; each family's pipeline
+  rounds it its own way: ``deployments.wire.spec.EditRule``) and noises the image's
   latents to that step's sigma with the same generator's next draws (:func:`noised`), as the pipeline's
   one generator would; the family packs them as its text-to-image latents are packed.
 
 From there the request is any other in the step batch: each row carries its own timestep. Bitwise each
-family's img2img pipeline (tests/deployments/models/test_edits.py). Run by the stage replicas.
+family's pipeline (Wan guided: within one 8-bit level, as its text-to-video is; tests/deployments/models/
+test_edits.py). A family edits by mixing :class:`ImageEdits` into its adapter. Run by the stage replicas.
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from deployments.models.adapter import CPU, FamilyTraits, generator_for, pipelin
 from deployments.models.steppers import StepRequest
 from deployments.wire.spec import EditSource, GenerationSpec
 
-# The image's latents from the VAE's sample: the family's shift and scale (a KL VAE's, or Qwen-Image's
-# per-channel mean and std).
+# The image's latents from the VAE's sample: the family's shift and scale (a KL VAE's, or Qwen-Image's and
+# Wan's per-channel mean and std).
 ToLatents = Callable[[object, torch.Tensor], torch.Tensor]
 
 logger = logging.getLogger(__name__)
