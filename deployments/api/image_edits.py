@@ -5,7 +5,8 @@ given a list; one image per edit here), the other fields strings. JSON with ``im
 too. This project's extra ``strength`` (0-1, the img2img pipelines' default 0.6) is how far the edit may
 go from the image: the image is noised to the step ``strength`` from the end of ``num_inference_steps``'
 schedule, and only those steps run. ``size`` absent or ``auto``: the image's own size, rounded down to
-the model's multiple. ``mask`` (inpainting) is refused, naming it. Every other field is
+the model's multiple. ``mask`` (inpainting, on the families whose ``/v1/models`` lists ``image-inpaint``):
+OpenAI's, a PNG of the image's size whose fully transparent pixels mark where to edit. Every other field is
 ``/v1/images/generations``' (``n``, ``output_format``, ``stream`` with ``partial_images``, the extras);
 a stream's images are OpenAI's edit events, ``image_edit.partial_image`` and ``image_edit.completed``.
 Run by the ingress replica.
@@ -20,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from deployments.api.body import read_fields
-from deployments.api.reference_images import MAX_REFERENCE_BYTES, image_size
+from deployments.api.reference_images import MAX_REFERENCE_BYTES, has_alpha, image_size
 from deployments.api.rendering import ImageRendering, ImageStream
 from deployments.api.schemas import ImageRequest, image_spec, reference_bytes
 from deployments.api.service import Service
@@ -40,7 +41,7 @@ router = APIRouter()
 class ImageEditRequest(ImageRequest):
     # The image to edit: an uploaded file's bytes (multipart), or a data URL (JSON).
     image: object | None = None  # checked by reference_bytes
-    mask: object | None = None  # OpenAI's inpainting mask: refused by name (edit_spec)
+    mask: object | None = None  # OpenAI's inpainting mask, as the image: checked by checked_mask
     strength: float = Field(DEFAULT_STRENGTH, gt=0.0, le=1.0)
 
 
@@ -63,9 +64,9 @@ def edit_spec(req: ImageEditRequest, facts: FamilyTraits, limits: Limits, model_
     if "image-edit" not in facts.modalities:
         raise FieldError("model", f"the {facts.family.value} model family does not edit images (it makes "
                                   f"{', '.join(facts.modalities)}); POST /v1/images/generations makes one from text")
-    if req.mask is not None:
-        raise FieldError("mask", "inpainting is not supported: an edit changes the whole image, as far as "
-                                 "'strength' lets it")
+    if req.mask is not None and "image-inpaint" not in facts.modalities:
+        raise FieldError("mask", f"inpainting is not supported by the {facts.family.value} model family: an edit "
+                                 "changes the whole image, as far as 'strength' lets it")
     if req.image is None:
         raise FieldError("image", "required: the image to edit (a file in multipart/form-data, or a data URL "
                                   "'data:image/png;base64,...' in JSON)")
@@ -73,7 +74,8 @@ def edit_spec(req: ImageEditRequest, facts: FamilyTraits, limits: Limits, model_
     size = own_size(image, facts, limits) if req.size in (None, "auto") else req.size
     plain = ImageRequest.model_validate({**req.model_dump(exclude={"image", "mask", "strength"}), "size": size})
     spec = image_spec(plain, facts, limits, model_id, loras=loras)
-    spec = dataclasses.replace(spec, reference_image=image, strength=req.strength, edit_rule=facts.edit_rule)
+    spec = dataclasses.replace(spec, reference_image=image, strength=req.strength, edit_rule=facts.edit_rule,
+                               mask_image=None if req.mask is None else checked_mask(req.mask, image))
     if spec.run_steps < 1:  # the video2video rule enters at steps - int(steps * strength)
         raise FieldError("strength", f"{req.strength} of {spec.steps} steps runs no denoising step on the "
                                      f"{facts.family.value} model family; use at least {1 / spec.steps:.3g}, or "
@@ -81,8 +83,21 @@ def edit_spec(req: ImageEditRequest, facts: FamilyTraits, limits: Limits, model_
     return spec
 
 
+def checked_mask(value: object, image: bytes) -> bytes:
+    """The mask's bytes if it is an image with transparency of the image's size (OpenAI's rule: its fully
+    transparent pixels mark where to edit), else a :class:`FieldError` naming ``mask``."""
+    mask = reference_bytes(value, "mask")
+    if not has_alpha(mask):
+        raise FieldError("mask", "has no alpha channel: its fully transparent pixels mark where to edit "
+                                 "(a PNG with transparency)")
+    if image_size(mask) != image_size(image):
+        raise FieldError("mask", "is {}x{}, the image {}x{}: they must be the same size".format(
+            *image_size(mask), *image_size(image)))
+    return mask
+
+
 async def _fields(request: Request) -> dict:
-    # Two files at most: the image, and a mask that edit_spec refuses by name (not as "too many files").
+    # Two files at most: the image and its mask.
     fields = await read_fields(request, ("image", "image[]", "mask"), MAX_FIELDS_BYTES, 2 * MAX_REFERENCE_BYTES,
                                max_files=2)
     if "image[]" in fields:  # the official client's list form; one image per edit

@@ -66,6 +66,13 @@ def image_size(data: bytes) -> tuple[int, int]:
     return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
 
 
+def has_alpha(data: bytes) -> bool:
+    """Whether an image :func:`check_reference_image` passed carries transparency (an alpha channel, or a
+    PNG's transparency chunk): an OpenAI edit mask marks where to edit by it."""
+    with Image.open(io.BytesIO(data)) as image:
+        return image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info
+
+
 def from_data_url(text: str) -> bytes:
     """The checked image of a ``data:image/<png|jpeg|webp>;base64,...`` URL."""
     match = DATA_URL.fullmatch(text.strip())

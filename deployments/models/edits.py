@@ -18,6 +18,8 @@ test_edits.py). A family edits by mixing :class:`ImageEdits` into its adapter. R
 """
 from __future__ import annotations
 
+import dataclasses
+import io
 import logging
 from typing import Callable, ClassVar
 
@@ -69,12 +71,14 @@ def enter_schedule(request: StepRequest) -> torch.Tensor:
 
 
 def noised(request: StepRequest, source: EditSource, timestep: torch.Tensor, dtype: torch.dtype,
-           arrange: Callable[[torch.Tensor], torch.Tensor] | None = None, add_noise: bool = False) -> torch.Tensor:
-    """The Denoiser's second half: the image's latents repeated to the request's rows (``arrange``d as
-    the family's pipeline lays them out) and noised to ``timestep`` by the scheduler, with noise drawn
-    where the decoder's sampling left the generator. Unpacked: the family packs them. ``add_noise``: the
-    scheduler's ``add_noise`` (Wan's UniPC, as WanVideoToVideoPipeline calls it), else ``scale_noise``
-    (the flow-matching Euler schedulers the image pipelines call)."""
+           arrange: Callable[[torch.Tensor], torch.Tensor] | None = None,
+           add_noise: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Denoiser's second half: (the start latents, the image's latents, the noise). The image's latents
+    repeated to the request's rows (``arrange``d as the family's pipeline lays them out) and noised to
+    ``timestep`` by the scheduler, with noise drawn where the decoder's sampling left the generator.
+    Unpacked: the family packs them. ``add_noise``: the scheduler's ``add_noise`` (Wan's UniPC, as
+    WanVideoToVideoPipeline calls it), else ``scale_noise`` (the flow-matching Euler schedulers the image
+    pipelines call)."""
     from diffusers.utils.torch_utils import randn_tensor
 
     device, rows = request.latents.device, request.latents.shape[0]
@@ -86,8 +90,33 @@ def noised(request: StepRequest, source: EditSource, timestep: torch.Tensor, dty
         image = arrange(image)
     noise = randn_tensor(image.shape, generator=generator, device=device, dtype=dtype)
     if add_noise:
-        return request.scheduler.add_noise(image, noise, timestep)
-    return request.scheduler.scale_noise(image, timestep, noise)
+        return request.scheduler.add_noise(image, noise, timestep), image, noise
+    return request.scheduler.scale_noise(image, timestep, noise), image, noise
+
+
+def inpaint(request: StepRequest, image: torch.Tensor, noise: torch.Tensor, mask: torch.Tensor) -> None:
+    """An inpainting edit's touch after every step (the inpaint pipelines' loop): outside the mask
+    (``mask`` 0) the latents are the image's, noised to the next step's sigma (the image itself after the
+    last step); inside, as stepped. ``image``, ``noise`` and ``mask`` in the request's latent layout."""
+    scheduler = request.scheduler
+
+    def blend(latents: torch.Tensor) -> torch.Tensor:
+        proper = image
+        if not request.done:  # the scheduler's step index is the next step's: its sigma noises the image
+            proper = scheduler.scale_noise(image, request.timesteps[request.step].reshape(1), noise)
+        return (1 - mask) * proper + mask * latents
+
+    request.blend = blend
+
+
+def openai_mask(spec: GenerationSpec):
+    """The request's mask as the inpaint pipelines take one (white repaints, black keeps), from OpenAI's
+    (fully transparent pixels mark where to edit), upright as the image is."""
+    from PIL import Image, ImageOps
+
+    with Image.open(io.BytesIO(spec.mask_image)) as mask:
+        alpha = ImageOps.exif_transpose(mask).convert("RGBA").getchannel("A")
+    return alpha.point(lambda a: 255 if a == 0 else 0, mode="L")
 
 
 class ImageEdits:
@@ -100,13 +129,18 @@ class ImageEdits:
     to_latents: ClassVar[ToLatents] = staticmethod(kl_latents)
     frame_axis: ClassVar[bool] = False  # its VAE encodes videos (Qwen-Image's): the image is a one-frame one
     sample_mode: ClassVar[str] = "sample"  # how its pipeline reads the VAE's latent distribution
+    # The family's diffusers inpaint pipeline ("": no masks): its start is the img2img one's, and its
+    # loop puts the image back outside the mask after every step (:func:`inpaint`).
+    inpaint_pipeline: ClassVar[str] = ""
 
     def edits(self, index) -> bool:
         """Whether a folder of this family with ``model_index.json`` ``index`` edits images."""
         return bool(self.edit_pipeline)
 
     def modalities(self, index) -> tuple[str, ...]:
-        return super().modalities(index) + (("image-edit",) if self.edits(index) else ())
+        edits = self.edits(index)
+        return (super().modalities(index) + (("image-edit",) if edits else ())
+                + (("image-inpaint",) if edits and self.inpaint_pipeline else ()))
 
     def edit_image(self, pipe, spec: GenerationSpec) -> torch.Tensor:
         """The request's image as the family's edit pipeline preprocesses it: resized to the request's
@@ -118,22 +152,36 @@ class ImageEdits:
     def condition(self, pipe, facts: FamilyTraits, spec: GenerationSpec, device: torch.device) -> EditSource | None:
         if spec.strength is None:
             return super().condition(pipe, facts, spec, device)
-        return encode_image(pipe, spec, device, self.edit_image(pipe, spec), self.to_latents, self.sample_mode)
+        source = encode_image(pipe, spec, device, self.edit_image(pipe, spec), self.to_latents, self.sample_mode)
+        if spec.mask_image is None:
+            return source
+        return dataclasses.replace(source, mask=self.edit_mask(pipe, spec))
+
+    def edit_mask(self, pipe, spec: GenerationSpec) -> torch.Tensor:
+        """The request's mask as the inpaint pipeline makes it: its mask processor's (resized to the
+        request's size, grey, binarised at 0.5), then resized to the latents' size (nearest), on the CPU."""
+        processor = self.edit_pipeline_of(pipe, self.inpaint_pipeline).mask_processor
+        mask = processor.preprocess(openai_mask(spec), height=spec.height, width=spec.width)
+        scale = pipe.vae_scale_factor
+        return torch.nn.functional.interpolate(mask, size=(spec.height // scale, spec.width // scale))
 
     def reference_frames(self, pipe, facts: FamilyTraits, spec: GenerationSpec) -> torch.Tensor:
         if spec.strength is None:
             return super().reference_frames(pipe, facts, spec)
+        if spec.mask_image is not None:
+            return pipeline_images(self.edit_pipeline_of(pipe, self.inpaint_pipeline), spec, image=reference_image(spec),
+                                   mask_image=openai_mask(spec), strength=spec.strength, **self.edit_knobs(pipe, spec))
         return pipeline_images(self.edit_pipeline_of(pipe), spec, image=reference_image(spec), strength=spec.strength,
                                **self.edit_knobs(pipe, spec))
 
-    def edit_pipeline_of(self, pipe):
-        """The family's edit pipeline over ``pipe``'s components (those it takes: WanPipeline's
-        ``transformer_2`` slot is not WanVideoToVideoPipeline's)."""
+    def edit_pipeline_of(self, pipe, name: str = ""):
+        """The family's edit pipeline (or the one ``name``d: its inpaint pipeline) over ``pipe``'s components
+        (those it takes: WanPipeline's ``transformer_2`` slot is not WanVideoToVideoPipeline's)."""
         import inspect
 
         import diffusers
 
-        edit = getattr(diffusers, self.edit_pipeline)
+        edit = getattr(diffusers, name or self.edit_pipeline)
         taken = inspect.signature(edit.__init__).parameters
         return edit(**{name: module for name, module in pipe.components.items() if name in taken})
 

@@ -60,11 +60,19 @@ class FluxStepper(TransformerStepper):
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, None, on_step, shared)
 
     def begin_edit(self, request: StepRequest, source: EditSource) -> None:
-        """FluxImg2ImgPipeline's start: the image's latents noised to the edit's first step, packed."""
-        spec, pipe = request.spec, self.pipe
+        """FluxImg2ImgPipeline's start (FluxInpaintPipeline's too): the image's latents noised to the edit's
+        first step, packed; with a mask, the inpaint loop's blend after every step."""
+        spec, pipe, dtype = request.spec, self.pipe, request.latents.dtype
         timestep = edits.enter_schedule(request)
-        latents = edits.noised(request, source, timestep, request.latents.dtype)
-        request.latents = pack_latents(pipe, latents, spec.n, *latents.shape[1:])
+        latents, image, noise = edits.noised(request, source, timestep, dtype)
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            return pack_latents(pipe, t, spec.n, *t.shape[1:])
+
+        request.latents = pack(latents)
+        if source.mask is not None:  # FluxInpaintPipeline.prepare_mask_latents: one mask row per channel
+            mask = source.mask.to(latents.device, dtype).repeat(spec.n, latents.shape[1], 1, 1)
+            edits.inpaint(request, pack(image), pack(noise), pack(mask))
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
         latents = torch.cat([r.latents for r in batch])
@@ -82,6 +90,7 @@ class FluxAdapter(edits.ImageEdits, KLImageAdapter):
     family = Family.FLUX
     pipeline_classes = ("FluxPipeline",)
     edit_pipeline = "FluxImg2ImgPipeline"
+    inpaint_pipeline = "FluxInpaintPipeline"
     stage_modules = {ENCODE: ("text_encoder", "text_encoder_2"), DENOISE: ("transformer",), DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer", "tokenizer_2"), DENOISE: ("scheduler",), DECODE: ()}
 

@@ -132,12 +132,20 @@ class QwenImageStepper(TransformerStepper):
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step, shared)
 
     def begin_edit(self, request: StepRequest, source: EditSource) -> None:
-        """QwenImageImg2ImgPipeline's start: the image's latents ([n, z, 1, h, w]) as [n, 1, z, h, w],
-        noised to the edit's first step, packed."""
-        spec, pipe = request.spec, self.pipe
+        """QwenImageImg2ImgPipeline's start (QwenImageInpaintPipeline's too): the image's latents ([n, z, 1,
+        h, w]) as [n, 1, z, h, w], noised to the edit's first step, packed; with a mask, the inpaint loop's
+        blend after every step."""
+        spec, pipe, dtype = request.spec, self.pipe, request.latents.dtype
         timestep = edits.enter_schedule(request)
-        latents = edits.noised(request, source, timestep, request.latents.dtype, lambda t: t.transpose(1, 2))
-        request.latents = pack_latents(pipe, latents, spec.n, *latents.shape[2:])
+        latents, image, noise = edits.noised(request, source, timestep, dtype, lambda t: t.transpose(1, 2))
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            return pack_latents(pipe, t, spec.n, *t.shape[-3:])
+
+        request.latents = pack(latents)
+        if source.mask is not None:  # QwenImageInpaintPipeline.prepare_mask_latents: one mask row per channel
+            mask = source.mask.to(latents.device, dtype).repeat(spec.n, latents.shape[2], 1, 1)
+            edits.inpaint(request, pack(image), pack(noise), pack(mask))
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
         latents = torch.cat([r.latents for r in batch])
@@ -182,6 +190,7 @@ class QwenImageAdapter(edits.ImageEdits, FamilyAdapter):
     family = Family.QWEN_IMAGE
     pipeline_classes = ("QwenImagePipeline",)
     edit_pipeline = "QwenImageImg2ImgPipeline"
+    inpaint_pipeline = "QwenImageInpaintPipeline"
     to_latents = staticmethod(qwen_latents)
     frame_axis = True  # its VAE encodes videos: the image is a one-frame one
     stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}

@@ -96,7 +96,7 @@ class SD3Stepper(TransformerStepper):
     def begin_edit(self, request: StepRequest, source: EditSource) -> None:
         """StableDiffusion3Img2ImgPipeline's start: the image's latents noised to the edit's first step."""
         timestep = edits.enter_schedule(request)
-        request.latents = edits.noised(request, source, timestep, request.latents.dtype)
+        request.latents, _, _ = edits.noised(request, source, timestep, request.latents.dtype)
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
         latents = torch.cat([r.latents for r in batch])
@@ -119,6 +119,8 @@ class SD3Stepper(TransformerStepper):
 class SD3Adapter(edits.ImageEdits, KLImageAdapter):
     family = Family.SD3
     pipeline_classes = ("StableDiffusion3Pipeline",)
+    # No inpaint_pipeline: StableDiffusion3InpaintPipeline runs 16-channel transformers only, so the tiny
+    # zoo's (4 channels) cannot hold a mask to it bitwise, and a mask is refused by name.
     edit_pipeline = "StableDiffusion3Img2ImgPipeline"
     stage_modules = {ENCODE: ("text_encoder", "text_encoder_2", "text_encoder_3"), DENOISE: ("transformer",),
                      DECODE: ("vae",)}

@@ -61,6 +61,9 @@ class StepRequest:
     # The family's last touch on the final latents, after the last step (Wan2.2 TI2V-5B's
     # image-to-video puts the reference frame's latents back, as its pipeline does); None: as stepped.
     finish: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # A touch after every step, before ``finish`` (an inpainting edit puts the image back outside its
+    # mask, noised to the next step: deployments.models.edits.inpaint); None: as stepped.
+    blend: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def rows(self) -> int:
@@ -75,6 +78,8 @@ class StepRequest:
         t, sample = self.timesteps[self.step], self.latents
         self.latents = self.scheduler.step(noise_pred, t, sample, return_dict=False)[0]
         self.step += 1
+        if self.blend is not None:
+            self.latents = self.blend(self.latents)
         if self.done and self.finish is not None:
             self.latents = self.finish(self.latents)
         if self.on_step is not None:

@@ -118,7 +118,7 @@ class WanStepper:
         """WanVideoToVideoPipeline's start (a one-frame video): the image's latents noised by the
         scheduler's add_noise to the edit's first step, float32."""
         timestep = edits.enter_schedule(request)
-        request.latents = edits.noised(request, source, timestep, torch.float32, add_noise=True)
+        request.latents, _, _ = edits.noised(request, source, timestep, torch.float32, add_noise=True)
 
     def initial_latents(self, encoded: EncodedPrompt, spec: GenerationSpec) -> torch.Tensor:
         pipe = self.pipe

@@ -81,10 +81,14 @@ class ZImageStepper(TransformerStepper):
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step)
 
     def begin_edit(self, request: StepRequest, source: EditSource) -> None:
-        """ZImageImg2ImgPipeline's start: the image's latents noised to the edit's first step, in the
-        prompt's dtype (its text-to-image latents are float32; its img2img ones are not)."""
+        """ZImageImg2ImgPipeline's start (ZImageInpaintPipeline's too): the image's latents noised to the
+        edit's first step, in the prompt's dtype (its text-to-image latents are float32; its img2img ones are
+        not); with a mask, the inpaint loop's blend after every step."""
         timestep = edits.enter_schedule(request)
-        request.latents = edits.noised(request, source, timestep, self.dtype)
+        request.latents, image, noise = edits.noised(request, source, timestep, self.dtype)
+        if source.mask is not None:  # ZImageInpaintPipeline: one mask channel, broadcast over the latents'
+            mask = source.mask.to(image.device, self.dtype).repeat(request.spec.n, 1, 1, 1)
+            edits.inpaint(request, image, noise, mask)
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
         uncached(batch, self.family)
@@ -115,6 +119,7 @@ class ZImageAdapter(edits.ImageEdits, KLImageAdapter):
     family = Family.Z_IMAGE
     pipeline_classes = ("ZImagePipeline",)
     edit_pipeline = "ZImageImg2ImgPipeline"
+    inpaint_pipeline = "ZImageInpaintPipeline"
     stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
 

@@ -94,6 +94,9 @@ class GenerationSpec:
     strength: float | None = None
     # How the family's pipeline rounds where an edit enters its schedule (FamilyTraits.edit_rule).
     edit_rule: EditRule = EditRule.IMG2IMG
+    # An inpainting edit's mask, as OpenAI takes it: a PNG of the image's size whose fully transparent
+    # pixels mark where to edit (checked by the ingress); None: the edit may change the whole image.
+    mask_image: bytes | None = None
 
     @property
     def edit_start(self) -> int:
@@ -123,6 +126,9 @@ class EditSource:
     # The request's generator (``generator_for(spec)``) after the VAE's sampling drew from it: the
     # Denoiser's noise continues from here, as the pipeline's single generator does.
     generator_state: torch.Tensor
+    # An inpainting edit's mask at the latents' size, (1, 1, h, w): 1 where the edit repaints, 0 where
+    # the image is kept (the inpaint pipeline's mask processor's, binarised), on the CPU; None: no mask.
+    mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from PIL import Image
 from deployments.wire.spec import EditRule
 from tests.deployments.fakes import TOKEN, FakeStages, fake_api
 from tests.deployments.properties import status_codes_never_5xx
-from zoo import tiny, wan22
+from zoo import tiny, tiny_families, wan22
 
 EXTRAS = {"seed": 4, "num_inference_steps": 4}
 
@@ -39,6 +39,15 @@ def png(width: int = 40, height: int = 24, exif_orientation: int | None = None) 
     if exif_orientation is not None:
         exif[0x0112] = exif_orientation
     image.save(out, format="PNG", exif=exif)
+    return out.getvalue()
+
+
+def rgba_mask(width: int = 40, height: int = 24) -> bytes:
+    """OpenAI's mask: opaque, with a transparent square where the edit may repaint."""
+    out = io.BytesIO()
+    mask = Image.new("RGBA", (width, height), (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (4, 4, 12, 12))
+    mask.save(out, format="PNG")
     return out.getvalue()
 
 
@@ -92,7 +101,9 @@ def test_the_list_form_of_image_and_a_json_data_url_are_edits_too():
 
 
 @pytest.mark.parametrize("kwargs, param, words", [
-    ({"mask": ("m.png", png(), "image/png")}, "mask", "inpainting is not supported"),
+    ({"mask": ("m.png", png(), "image/png")}, "mask", "has no alpha channel"),
+    ({"mask": ("m.png", rgba_mask(32, 24), "image/png")}, "mask", "is 32x24, the image 40x24"),
+    ({"mask": ("m.png", b"not an image", "image/png")}, "mask", "not an image"),
     ({"extra_body": {"strength": 0}}, "strength", "greater than 0"),
     ({"extra_body": {"strength": 1.5}}, "strength", "less than or equal to 1"),
     ({"image": ("in.txt", b"not an image", "text/plain")}, "image", "not an image"),
@@ -108,6 +119,18 @@ def test_what_an_edit_cannot_do_is_a_400_naming_the_field(kwargs, param, words):
         client.images.edit(prompt="a fox", **kwargs)
     assert refused.value.body["param"] == param and words in refused.value.body["message"], refused.value.body
     assert not stages.calls, "nothing reached a stage"
+
+
+def test_a_mask_reaches_the_stages_on_a_family_that_inpaints_and_is_refused_by_name_on_one_that_does_not():
+    client, stages = _client()
+    client.images.edit(image=("in.png", png(), "image/png"), mask=("m.png", rgba_mask(), "image/png"), prompt="a fox",
+                       extra_body=EXTRAS)
+    assert (_spec(stages).mask_image, _spec(stages).reference_image) == (rgba_mask(), png())
+    sd3, stages = _client(tiny_families.ensure_tiny_sd3)  # StableDiffusion3InpaintPipeline: 16-channel models only
+    with pytest.raises(openai.BadRequestError) as refused:
+        sd3.images.edit(image=("in.png", png(), "image/png"), mask=("m.png", rgba_mask(), "image/png"), prompt="a fox")
+    assert refused.value.body["param"] == "mask" and "not supported by the sd3" in refused.value.body["message"]
+    assert not stages.calls
 
 
 def test_two_images_are_refused_not_one_of_them_taken_silently():

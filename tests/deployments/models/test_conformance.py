@@ -77,6 +77,7 @@ CASES = [
 IDS = [c.name for c in CASES]
 # The cases whose folders edit images (tests/deployments/models/test_edits.py pins each bitwise).
 EDITING = {"wan2.1", "flux", "sd3.5", "z-image", "qwen-image"}
+INPAINTING = {"flux", "z-image", "qwen-image"}
 GLYPH_CASES = [c for c in CASES if c.glyphs]
 
 
@@ -304,6 +305,7 @@ def test_v1_models_states_what_the_adapter_declares(family):
     index = json.loads((Path(facts.folder) / "model_index.json").read_text())
     assert card.modalities == list(adapter_for(facts).modalities(index))
     assert ("image-edit" in card.modalities) == (family.case.name in EDITING), "the editing families, as test_edits pins them"
+    assert ("image-inpaint" in card.modalities) == (family.case.name in INPAINTING), "and those that take a mask"
     assert card.min_steps == facts.min_steps == (2 if family.case.name == "qwen-image" else 1)
     # Configured limits (no replica reported): the longest video the VAE makes within 81 frames.
     assert card.limits.frames == (1 + (81 - 1) // facts.temporal_factor * facts.temporal_factor

@@ -145,3 +145,27 @@ def test_a_guided_wan_edit_is_the_video_to_video_pipeline_within_one_level():
     frames, reference = _staged(editing, spec), editing.reference(spec)
     levels = ((frames * 255).round() - (reference * 255).round()).abs().max().item()  # the delivered 8-bit pixels
     assert spec.guidance_scale > 1 and levels <= 1, levels
+
+
+def an_openai_mask(side: int) -> bytes:
+    """OpenAI's mask: opaque everywhere but a transparent square (where the edit may repaint)."""
+    mask = Image.new("RGBA", (side, side), (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (side // 4, side // 2, 3 * side // 4, side))
+    out = io.BytesIO()
+    mask.save(out, format="PNG")
+    return out.getvalue()
+
+
+INPAINTING = ["flux", "z-image", "qwen-image"]
+
+
+@pytest.mark.parametrize("name", INPAINTING)
+@pytest.mark.parametrize("strength", [0.6, 1.0])
+def test_a_masked_edit_is_bitwise_the_familys_inpaint_pipeline_and_not_the_plain_edit(name, strength):
+    editing = _LOADED.get(name) or Editing(name)
+    assert "image-inpaint" in editing.facts.modalities
+    plain = editing.spec(n=2, strength=strength)
+    masked = dataclasses.replace(plain, mask_image=an_openai_mask(plain.width))
+    frames = _staged(editing, masked)
+    assert torch.equal(frames, editing.reference(masked))
+    assert not torch.equal(frames, _staged(editing, plain)), "the mask keeps the image outside it"
