@@ -97,7 +97,8 @@ def noised(request: StepRequest, source: EditSource, timestep: torch.Tensor, dty
 def inpaint(request: StepRequest, image: torch.Tensor, noise: torch.Tensor, mask: torch.Tensor) -> None:
     """An inpainting edit's touch after every step (the inpaint pipelines' loop): outside the mask
     (``mask`` 0) the latents are the image's, noised to the next step's sigma (the image itself after the
-    last step); inside, as stepped. ``image``, ``noise`` and ``mask`` in the request's latent layout."""
+    last step); inside, as stepped. A preview's estimate keeps the image outside the mask too, as the final
+    latents will. ``image``, ``noise`` and ``mask`` in the request's latent layout."""
     scheduler = request.scheduler
 
     def blend(latents: torch.Tensor) -> torch.Tensor:
@@ -107,6 +108,7 @@ def inpaint(request: StepRequest, image: torch.Tensor, noise: torch.Tensor, mask
         return (1 - mask) * proper + mask * latents
 
     request.blend = blend
+    request.keep = lambda estimate: (1 - mask) * image + mask * estimate  # a preview: the image outside the mask
 
 
 def openai_mask(spec: GenerationSpec):

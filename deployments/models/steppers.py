@@ -64,6 +64,9 @@ class StepRequest:
     # A touch after every step, before ``finish`` (an inpainting edit puts the image back outside its
     # mask, noised to the next step: deployments.models.edits.inpaint); None: as stepped.
     blend: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # A preview's touch (an inpainting edit's: the image itself outside its mask, as the final latents
+    # have it); None: the estimate as is.
+    keep: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def rows(self) -> int:
@@ -101,6 +104,8 @@ class StepRequest:
         else:  # step() advanced step_index past the sigma it used
             estimate = sample.float() - sigmas[index - 1].item() * noise_pred.float()
             estimate = estimate.to(self.latents.dtype)
+            if self.keep is not None:
+                estimate = self.keep(estimate)
             if self.finish is not None:
                 estimate = self.finish(estimate)
         return host_copy(estimate)

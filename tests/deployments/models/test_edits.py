@@ -169,3 +169,24 @@ def test_a_masked_edit_is_bitwise_the_familys_inpaint_pipeline_and_not_the_plain
     frames = _staged(editing, masked)
     assert torch.equal(frames, editing.reference(masked))
     assert not torch.equal(frames, _staged(editing, plain)), "the mask keeps the image outside it"
+
+
+@pytest.mark.parametrize("name", INPAINTING)
+def test_a_masked_edits_previews_keep_the_image_outside_the_mask_as_its_final_latents_do(name):
+    editing = _LOADED.get(name) or Editing(name)
+    spec = dataclasses.replace(editing.spec(n=2, steps=4, strength=1.0), partial_images=2,
+                               mask_image=an_openai_mask(2 * editing.facts.size_multiple))
+    seen = []
+    request = editing.request(spec, on_step=seen.append)
+    batch = StepBatch(editing.stepper, BatchingConfig(max_batch=1))
+    future = batch.submit(request)
+    run(batch)
+    final = future.result()
+    # Outside the mask the kept value does not depend on the estimate: the image's latents.
+    outside = request.keep(torch.zeros_like(final)) == request.keep(torch.ones_like(final))
+    assert outside.any() and not outside.all()
+    previews = [p.preview for p in seen if p.preview is not None]
+    assert len(previews) == 2
+    for preview in previews:
+        assert torch.equal(preview[outside], final[outside]), "the image, as the final latents keep it"
+        assert not torch.equal(preview[~outside], final[~outside]), "the model's estimate inside"
