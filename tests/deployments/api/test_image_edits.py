@@ -165,18 +165,21 @@ def test_wan_enters_its_schedule_its_own_way_and_a_strength_that_runs_no_step_is
     assert refused.value.body["param"] == "strength" and "runs no denoising step" in refused.value.body["message"]
 
 
-def test_the_readmes_edit_example_runs_as_printed(tmp_path, monkeypatch):
+def test_the_readmes_edit_example_runs_as_printed_on_the_image_and_client_of_its_first_block(tmp_path, monkeypatch):
     readme = pathlib.Path(__file__).resolve().parents[3] / "README.md"
-    section = readme.read_text().split("### An edit", 1)[1].split("\n### ", 1)[0]
-    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    client, stages = _client()
+    text = readme.read_text()
+    first = re.findall(r"```python\n(.*?)```", text.split("### An image", 1)[1], flags=re.S)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", text.split("### An edit", 1)[1].split("\n### ", 1)[0], flags=re.S)
+    client, stages = _client(tiny.ensure_tiny_wan)  # the quickstart's model
     monkeypatch.setattr(openai, "OpenAI", lambda **kwargs: client)  # the README's base_url: the fake API
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "fox.png").write_bytes(png(64, 48))
-    exec(compile(block, str(readme), "exec"), {"__name__": "readme_edit"})
-    assert Image.open(tmp_path / "fox-snow.png").size == (64, 48)
-    spec = _spec(stages)
-    assert (spec.reference_image, spec.strength, spec.steps, spec.run_steps) == (png(64, 48), 0.6, 8, 5)
+    exec(compile(first, str(readme), "exec"), namespace := {"__name__": "readme_image"})
+    stages.specs.clear()
+    exec(compile(block, str(readme), "exec"), namespace)
+    assert Image.open(tmp_path / "fox-snow.png").size == (64, 64)
+    spec = _spec(stages)  # "4 of 8 here": Wan enters its schedule at 8 - int(8 x 0.6)
+    assert (spec.reference_image, spec.strength, spec.steps, spec.run_steps) == \
+        ((tmp_path / "fox.png").read_bytes(), 0.6, 8, 4)
 
 
 EDIT_FIELDS = ["prompt", "size", "seed", "num_inference_steps", "strength", "n", "stream", "partial_images",

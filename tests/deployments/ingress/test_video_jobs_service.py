@@ -141,9 +141,8 @@ def test_the_readme_image_examples_run_against_the_service(service, tmp_path, mo
     previews = [tmp_path / f"fox-{i}.png" for i in (0, 1)]
     assert all(Image.open(p).size == (64, 64) for p in previews)
     assert len({image, *(p.read_bytes() for p in previews)}) == 3, "two previews, each its own image"
-    (edit,) = readme_examples("### An edit")  # on fox.png, as printed: the decoder encodes it, 4 of 8 steps run
-    exec(compile(edit.replace("http://127.0.0.1:8000", service).replace("your-token", TOKEN), "README.md", "exec"),
-         {"__name__": "readme_edit_example"})
+    (edit,) = readme_examples("### An edit")  # on fox.png with the first block's client: 4 of 8 steps run
+    exec(compile(edit, "README.md", "exec"), namespace)
     edited = numpy.asarray(Image.open(tmp_path / "fox-snow.png"), dtype=numpy.int16)
     facts = families.read_family_traits(ensure_tiny_wan())
     spec = GenerationSpec("r", "a red fox in the snow", None, 64, 64, 1, 8, facts.default_guidance, 1, 1, image,
@@ -154,12 +153,13 @@ def test_the_readme_image_examples_run_against_the_service(service, tmp_path, mo
 
 
 def test_the_readme_client_calls_run_against_the_service(service, tmp_path, monkeypatch):
-    code = readme_example("### A video job")
-    assert 'base_url="http://127.0.0.1:8000/v1"' in code and 'api_key="your-token"' in code
-    code = code.replace("http://127.0.0.1:8000", service).replace("your-token", TOKEN)
+    code = readme_example("### A video job")  # with the client the first image block makes
+    make_client = readme_examples("### An image")[0].split("image = client.images.generate", 1)[0]
+    assert 'base_url="http://127.0.0.1:8000/v1"' in make_client and 'api_key="your-token"' in make_client
+    make_client = make_client.replace("http://127.0.0.1:8000", service).replace("your-token", TOKEN)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "readme_video_example"}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(make_client + code, "README.md", "exec"), namespace)
     assert namespace["video"].status == "completed"
     assert _frames((tmp_path / "waves.mp4").read_bytes()).shape == (9, 64, 64, 3)
     assert Image.open(tmp_path / "waves.png").size == (64, 64)
