@@ -90,9 +90,9 @@ def checked_mask(value: object, image: bytes) -> bytes:
     if not has_alpha(mask):
         raise FieldError("mask", "has no alpha channel: its fully transparent pixels mark where to edit "
                                  "(a PNG with transparency)")
-    if image_size(mask) != image_size(image):
-        raise FieldError("mask", "is {}x{}, the image {}x{}: they must be the same size".format(
-            *image_size(mask), *image_size(image)))
+    (mask_w, mask_h), (image_w, image_h) = image_size(mask), image_size(image)
+    if (mask_w, mask_h) != (image_w, image_h):
+        raise FieldError("mask", f"is {mask_w}x{mask_h}, the image {image_w}x{image_h}: they must be the same size")
     return mask
 
 

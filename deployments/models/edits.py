@@ -185,7 +185,7 @@ class ImageEdits:
 
         edit = getattr(diffusers, name or self.edit_pipeline)
         taken = inspect.signature(edit.__init__).parameters
-        return edit(**{name: module for name, module in pipe.components.items() if name in taken})
+        return edit(**{slot: module for slot, module in pipe.components.items() if slot in taken})
 
     def edit_knobs(self, pipe, spec: GenerationSpec) -> dict:
         """The img2img pipeline's guidance arguments for ``spec``, as its text-to-image reference passes them."""

@@ -148,8 +148,6 @@ class EncodedPrompt:
     # Wan2.1 image-to-video: the CLIP image encoder's penultimate hidden states of the reference
     # image (n, 257, 1280 on the 14B), computed by the encoder stage (it holds the image encoder).
     image_embeds: torch.Tensor | None = None
-    # An image edit's start (its image's latents), from the decoder stage; None otherwise.
-    edit_source: EditSource | None = None
 
     def to(self, device: torch.device) -> "EncodedPrompt":
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
