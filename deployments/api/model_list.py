@@ -34,7 +34,7 @@ class ModelCard(BaseModel):
     created: int = 0
     owned_by: str = "offload-serve"
     family: str = Field(description="the model family (deployments/models/): wan, wan-i2v, flux, ...")
-    modalities: list[str] = Field(description="what the family makes: image, image-edit, image-inpaint, video, image-to-video")
+    modalities: list[str] = Field(description="what the family makes: image, image-edit, image-inpaint, video, video-edit, image-to-video")
     size_multiple: int = Field(description="Width and height must be multiples of this.")
     min_steps: int = Field(1, description="The fewest num_inference_steps the model's schedule makes finite "
                                           "(2 where its scheduler sets shift_terminal: Qwen-Image).")

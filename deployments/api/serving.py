@@ -10,6 +10,7 @@ nothing to run). No Ray here: the API reaches it through ``seams.ServingCheck``.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
@@ -61,11 +62,17 @@ class NotServingGate:
     the state says a stage is down. Plain ASGI, so a client's disconnect still cancels what it asked
     for on the routes it passes through (Starlette's BaseHTTPMiddleware would not)."""
 
-    def __init__(self, app: ASGIApp, check, paths: frozenset[str], retry_after_s: int):
+    def __init__(self, app: ASGIApp, check, paths: frozenset[str], retry_after_s: int,
+                 patterns: tuple[re.Pattern, ...] = ()):
+        """``patterns``: paths with an id in them (a video's remix), matched whole."""
         self.app, self.check, self.paths, self.retry_after_s = app, check, paths, retry_after_s
+        self.patterns = patterns
+
+    def _gated(self, path: str) -> bool:
+        return path in self.paths or any(p.fullmatch(path) for p in self.patterns)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") == "POST" and route_path(scope) in self.paths:
+        if scope["type"] == "http" and scope.get("method") == "POST" and self._gated(route_path(scope)):
             state = await self.check.confirm()
             if not state.serving:
                 await not_serving(state, self.retry_after_s)(scope, receive, send)

@@ -1,10 +1,12 @@
-"""The OpenAI Videos API: ``/v1/videos`` create, retrieve, list, download, delete.
+"""The OpenAI Videos API: ``/v1/videos`` create, retrieve, list, download, delete, remix.
 
 A video is a job: ``POST /v1/videos`` answers at once with a queued video object, a runner in
 some ingress replica generates it (:mod:`deployments.jobs.runner`), clients poll
 ``GET /v1/videos/{id}`` (``progress`` follows the denoising steps) and download
 ``GET /v1/videos/{id}/content`` (``?variant=thumbnail`` for the first frame as PNG).
 ``DELETE /v1/videos/{id}`` cancels a queued or running job and removes its result.
+``POST /v1/videos/{id}/remix`` (and ``POST /v1/videos/edits`` with ``video`` ``{"id": ...}``) queues a new
+job that edits a completed video's frames toward a new prompt (``deployments.api.video_requests.remix_params``).
 
 :func:`mount` adds the routes to the app :func:`deployments.api.routes.build_api` makes (its guard
 checks the bearer token and the content types first) and starts this replica's runner over the
@@ -26,11 +28,11 @@ from pydantic import ValidationError
 from deployments.api import errors
 from deployments.api.body import FORM_TYPES, read_fields
 from deployments.api.reference_images import MAX_REFERENCE_BYTES
-from deployments.api.video_requests import VideoJobRequest, job_params
+from deployments.api.video_requests import VideoJobRequest, VideoRemixRequest, job_params, remix_params
 from deployments.capacity.admission import StageAdmission, memory_refusal
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.jobs.queue import JobQueue, JobsArgs
-from deployments.jobs.records import JobStatus, ListOrder, VideoJob, new_job, new_job_id
+from deployments.jobs.records import JobParams, JobStatus, ListOrder, VideoJob, new_job, new_job_id
 from deployments.jobs.results import ResultFolder, Variant
 from deployments.jobs.runner import Generate, JobRunner, params_spec
 from deployments.models.families import FamilyTraits
@@ -44,6 +46,8 @@ router = APIRouter()
 CREATE = "/v1/videos"
 CREATE_TYPES = FORM_TYPES
 JOB_ID = re.compile(r"^video_[0-9a-f]{24}$")
+REMIX = re.compile(r"/v1/videos/video_[0-9a-f]{24}/remix")  # POST, a remix of that video (matched whole)
+VIDEO_EDITS = "/v1/videos/edits"
 # A create body is a prompt or two (2,000 characters each by default) and a few numbers.
 MAX_CREATE_BYTES = 256 * 1024
 MAX_LIST_LIMIT = 100
@@ -89,17 +93,58 @@ class VideoJobs:
         try:
             fields = await read_fields(request, ("input_reference",), MAX_CREATE_BYTES, MAX_REFERENCE_BYTES)
             req = VideoJobRequest.model_validate(fields)
-            params = job_params(req, cfg.facts, cfg.limits, cfg.model_id, cfg.loras)
-            if self.admissions is not None:
-                refusal = memory_refusal(cfg.facts, await self.admissions(), params_spec(params, "create"))
-                if refusal is not None:  # a job's length is asked in seconds
-                    raise FieldError("seconds" if refusal.param == "num_frames" else refusal.param, refusal.message)
+            return await self._queued(job_params(req, cfg.facts, cfg.limits, cfg.model_id, cfg.loras))
         except ValidationError as exc:
             return errors.validation_error(exc)
         except FieldError as exc:
             return errors.field_error(exc)
+
+    async def remix(self, request: Request, video_id: str | None = None):
+        """``POST /v1/videos/{video_id}/remix``; without ``video_id``, ``POST /v1/videos/edits``, whose
+        ``video`` names the source: ``{"id": ...}`` in JSON, ``video[id]`` in the official client's form."""
+        self._started()
+        cfg = self.config
+        try:
+            fields = await read_fields(request, ("video",), MAX_CREATE_BYTES, 0 if video_id else MAX_REFERENCE_BYTES)
+            if video_id is None:
+                video_id = _video_reference(fields)
+            req = VideoRemixRequest.model_validate(fields)
+            source, video = await self._source(video_id)
+            return await self._queued(remix_params(req, source, video, cfg.facts, cfg.limits, cfg.model_id, cfg.loras))
+        except ValidationError as exc:
+            return errors.validation_error(exc)
+        except FieldError as exc:
+            return errors.field_error(exc)
+
+    async def _source(self, video_id: str) -> tuple[VideoJob, bytes]:
+        """A remix's source job and its mp4, or :class:`FieldError` naming ``video_id`` (404: none; 409: not
+        completed)."""
+        job = await self.queue.get(video_id) if JOB_ID.match(video_id) else None
+        if job is None:
+            raise FieldError("video_id", f"no video {video_id!r} (never created, deleted, or expired)", 404,
+                             "video_not_found")
+        if job.status is not JobStatus.COMPLETED or job.result_key is None:
+            raise FieldError("video_id", f"video {video_id} is {job.status.value}; a remix starts from a completed "
+                                         "video", 409, "video_not_ready")
+        video = await asyncio.to_thread(self.results.get, job.result_key, Variant.VIDEO)
+        if video is None:
+            raise FieldError("video_id", f"the video of {video_id} is gone (expired or deleted)", 404,
+                             "video_not_found")
+        return job, video
+
+    async def _queued(self, params: JobParams) -> JSONResponse:
+        """A new job of ``params``, once the stage replicas could hold it (else :class:`FieldError`)."""
+        cfg = self.config
+        if self.admissions is not None:
+            refusal = memory_refusal(cfg.facts, await self.admissions(), params_spec(params, "create"))
+            if refusal is not None:  # a job's length is asked in seconds
+                raise FieldError("seconds" if refusal.param == "num_frames" else refusal.param, refusal.message)
         now = self.clock()
         job = await self.queue.create(new_job(new_job_id(now), cfg.model_id, params, int(now)))
+        if params.remixed_from is not None:
+            logger.info("job %s remixes %s at strength %g: %d of %d steps on its %d frames", job.id,
+                        params.remixed_from, params.strength, params_spec(params, job.id).run_steps, params.steps,
+                        params.num_frames)
         self.runner.wake()
         return JSONResponse(job.to_json())
 
@@ -170,6 +215,20 @@ class VideoJobs:
         return {"id": job.id, "object": "video.deleted", "deleted": True}
 
 
+def _video_reference(fields: dict) -> str:
+    """The id ``POST /v1/videos/edits`` names in ``video`` (taken out of ``fields``), or :class:`FieldError`."""
+    given = fields.pop("video", None)
+    in_form = fields.pop("video[id]", None)  # the official client's form of {"id": ...}
+    if isinstance(given, dict) and set(given) == {"id"} and isinstance(given["id"], str) and in_form is None:
+        return given["id"]
+    if given is None and isinstance(in_form, str):
+        return in_form
+    if isinstance(given, bytes):
+        raise FieldError("video", "an uploaded video is not taken here: name a completed video of this server as "
+                                  "{'id': 'video_...'} (POST /v1/videos makes one)")
+    raise FieldError("video", "required: the completed video to edit, as {'id': 'video_...'}")
+
+
 def mount(api: FastAPI, config: VideoJobsConfig, backend: JobsBackend, generate, retry_after_s: float,
           failures: FailureSorter, admissions: Admissions | None = None) -> VideoJobs:
     """Add the Videos API to ``api`` and start this replica's runner; ``generate`` is the
@@ -213,6 +272,16 @@ async def _answer(jobs: VideoJobs, call):
 @router.post(CREATE)
 async def create_video(request: Request, jobs: VideoJobs = Depends(current_jobs)):
     return await _answer(jobs, jobs.create(request))
+
+
+@router.post(VIDEO_EDITS)
+async def edit_video(request: Request, jobs: VideoJobs = Depends(current_jobs)):
+    return await _answer(jobs, jobs.remix(request))
+
+
+@router.post("/v1/videos/{video_id}/remix")
+async def remix_video(request: Request, video_id: str, jobs: VideoJobs = Depends(current_jobs)):
+    return await _answer(jobs, jobs.remix(request, video_id))
 
 
 @router.get("/v1/videos")

@@ -65,6 +65,11 @@ class JobParams:
     # base model. Records written before adapters existed read as None.
     lora: str | None = None
     lora_scale: float = 1.0
+    # A remix (POST /v1/videos/{id}/remix): the source video's mp4, base64, kept here so a rerun edits the
+    # same frames after the source is deleted; how far the remix may go from it (0-1]; the source's id.
+    source_video: str | None = None
+    strength: float | None = None
+    remixed_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,7 @@ class VideoJob:
         return {"id": self.id, "object": "video", "model": self.model, "status": self.status.value,
                 "progress": self.progress, "created_at": self.created_at, "completed_at": self.completed_at,
                 "expires_at": self.expires_at, "prompt": self.params.prompt, "seconds": self.params.seconds,
-                "size": self.size, "error": error}
+                "size": self.size, "error": error, "remixed_from_video_id": self.params.remixed_from}
 
 
 @dataclass(frozen=True)

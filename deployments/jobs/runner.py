@@ -24,7 +24,7 @@ from deployments.jobs.records import JobError, JobParams, VideoJob
 from deployments.jobs.results import ResultFolder, Variant, result_key
 from deployments.wire import media
 from deployments.wire.failures import FailureKind, FailureSorter
-from deployments.wire.spec import DenoiseProgress, GenerationSpec
+from deployments.wire.spec import DenoiseProgress, EditRule, GenerationSpec
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,11 @@ def params_spec(params: JobParams, request_id: str) -> GenerationSpec:
     """The generation a job with ``params`` runs (one video)."""
     p = params
     reference = None if p.reference_image is None else base64.b64decode(p.reference_image)
+    source = None if p.source_video is None else base64.b64decode(p.source_video)
+    # A remix is its family's video-to-video pipeline's edit (the only video edit there is: Wan's).
     return GenerationSpec(request_id, p.prompt, p.negative_prompt, p.height, p.width, p.num_frames, p.steps,
-                          p.guidance_scale, p.seed, 1, reference, lora=p.lora, lora_scale=p.lora_scale)
+                          p.guidance_scale, p.seed, 1, reference, lora=p.lora, lora_scale=p.lora_scale,
+                          strength=p.strength, edit_rule=EditRule.VIDEO2VIDEO, reference_video=source)
 
 
 def job_spec(job: VideoJob) -> GenerationSpec:

@@ -71,7 +71,7 @@ class FamilyTraits:
     default_guidance: float
     # The folder's diffusers pipeline class (model_index.json's _class_name).
     pipeline_class: str = ""
-    # What it serves, as /v1/models lists it: "image", "image-edit", "image-inpaint", "video", "image-to-video".
+    # What it serves, as /v1/models lists it: "image", "image-edit", "image-inpaint", "video", "video-edit", "image-to-video".
     modalities: tuple[str, ...] = ("image",)
     # The denoiser's transformers: one runs per step (Wan2.2 A14B: high noise, then low noise).
     experts: tuple[str, ...] = ("transformer",)

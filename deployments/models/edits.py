@@ -27,6 +27,7 @@ import torch
 
 from deployments.models.adapter import CPU, FamilyTraits, generator_for, pipeline_images, reference_image
 from deployments.models.steppers import StepRequest
+from deployments.wire import media
 from deployments.wire.spec import EditSource, GenerationSpec
 
 # The image's latents from the VAE's sample: the family's shift and scale (a KL VAE's, or Qwen-Image's and
@@ -121,6 +122,17 @@ def openai_mask(spec: GenerationSpec):
     return alpha.point(lambda a: 255 if a == 0 else 0, mode="L")
 
 
+def source_frames(spec: GenerationSpec) -> list:
+    """A video-to-video edit's source as the RGB PIL frames its pipeline is given: the first ``num_frames``
+    frames of a video edit's mp4 (:func:`deployments.wire.media.video_frames`), or an image edit's image as
+    a video of one frame."""
+    from PIL import Image
+
+    if spec.reference_video is None:
+        return [reference_image(spec)]
+    return [Image.fromarray(frame) for frame in media.video_frames(spec.reference_video, spec.num_frames)]
+
+
 class ImageEdits:
     """An image family's edits, mixed into its adapter ahead of its base (``class FluxAdapter(ImageEdits,
     KLImageAdapter)``): the decoder stage's :meth:`condition` for an edit, the family's img2img pipeline as
@@ -134,6 +146,8 @@ class ImageEdits:
     # The family's diffusers inpaint pipeline ("": no masks): its start is the img2img one's, and its
     # loop puts the image back outside the mask after every step (:func:`inpaint`).
     inpaint_pipeline: ClassVar[str] = ""
+    # Its edit pipeline edits videos too (WanVideoToVideoPipeline): a finished video's remix, ``video-edit``.
+    edits_videos: ClassVar[bool] = False
 
     def edits(self, index) -> bool:
         """Whether a folder of this family with ``model_index.json`` ``index`` edits images."""
@@ -142,7 +156,8 @@ class ImageEdits:
     def modalities(self, index) -> tuple[str, ...]:
         edits = self.edits(index)
         return (super().modalities(index) + (("image-edit",) if edits else ())
-                + (("image-inpaint",) if edits and self.inpaint_pipeline else ()))
+                + (("image-inpaint",) if edits and self.inpaint_pipeline else ())
+                + (("video-edit",) if edits and self.edits_videos else ()))
 
     def edit_image(self, pipe, spec: GenerationSpec) -> torch.Tensor:
         """The request's image as the family's edit pipeline preprocesses it: resized to the request's

@@ -30,7 +30,6 @@ from deployments.models.adapter import (
     FamilyTraits,
     generator_for,
     read_json,
-    reference_image,
     step_callback,
 )
 from deployments.models.steppers import BatchKey, StepRequest, cached, guided_noise, rows_of, split_noise
@@ -187,12 +186,13 @@ class WanAdapter(edits.ImageEdits, FamilyAdapter):
     pipeline_classes = ("WanPipeline",)
     stage_modules = {ENCODE: ("text_encoder",), DENOISE: ("transformer",), DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer",), DENOISE: ("scheduler",), DECODE: ()}
-    serves = ("image", "video")  # and image-edit where one transformer runs (edits)
+    serves = ("image", "video")  # and image-edit, video-edit where one transformer runs (edits)
     # An image edit is WanVideoToVideoPipeline's edit of a one-frame video: it runs one transformer (no
     # Wan2.2 A14B expert switch), reads the VAE's mode (no draw) and rounds its start its own way.
     edit_pipeline = "WanVideoToVideoPipeline"
     to_latents = staticmethod(wan_latents)
     sample_mode = "argmax"
+    edits_videos = True  # the same pipeline on a finished video's frames: POST /v1/videos/{id}/remix
 
     def recognises(self, index) -> bool:
         # A WanPipeline folder with expanded timesteps (TI2V-5B) is deployments.models.wan_ti2v's.
@@ -206,8 +206,8 @@ class WanAdapter(edits.ImageEdits, FamilyAdapter):
         return super().edits(index) and experts_of(index) == ("transformer",)
 
     def edit_image(self, pipe, spec) -> torch.Tensor:
-        # WanVideoToVideoPipeline's preprocessing: a video of the one frame, (1, c, 1, h, w).
-        video = pipe.video_processor.preprocess_video([reference_image(spec)], height=spec.height, width=spec.width)
+        # WanVideoToVideoPipeline's preprocessing: the video's frames (an image: one), (1, c, frames, h, w).
+        video = pipe.video_processor.preprocess_video(edits.source_frames(spec), height=spec.height, width=spec.width)
         return video.to(dtype=torch.float32)
 
     def modules(self, facts, stage):
@@ -257,7 +257,7 @@ class WanAdapter(edits.ImageEdits, FamilyAdapter):
                     do_classifier_free_guidance=spec.guidance_scale > 1.0, num_videos_per_prompt=spec.n,
                     max_sequence_length=TEXT_TOKENS)
             return torch.from_numpy(self.edit_pipeline_of(pipe)(
-                video=[reference_image(spec)], prompt_embeds=positive, negative_prompt_embeds=negative,
+                video=edits.source_frames(spec), prompt_embeds=positive, negative_prompt_embeds=negative,
                 height=spec.height, width=spec.width, num_inference_steps=spec.steps, strength=spec.strength,
                 guidance_scale=spec.guidance_scale, generator=generator_for(spec), output_type="np").frames)
         return torch.from_numpy(pipe(

@@ -1,7 +1,9 @@
-"""Frames (float32 in [0, 1], the pipelines' ``output_type="np"``) to image (PNG, JPEG, WebP) and MP4 bytes.
+"""Frames (float32 in [0, 1], the pipelines' ``output_type="np"``) to image (PNG, JPEG, WebP) and MP4 bytes,
+and an MP4's frames back (a video edit's source).
 
-Images through Pillow, MP4 (H.264) through imageio with its bundled ffmpeg (imageio-ffmpeg). Runs in
-the process that answers the request or runs the video job (an ingress replica), on a worker thread.
+Images through Pillow, MP4 (H.264) through imageio with its bundled ffmpeg (imageio-ffmpeg). Encoding runs in
+the process that answers the request or runs the video job (an ingress replica), on a worker thread;
+decoding in the decoder stage replica, which encodes a video edit's source (deployments/models/edits.py).
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ class ImageFormat(str, enum.Enum):
     @property
     def lossy(self) -> bool:
         return self is not ImageFormat.PNG
+
+
+class VideoDecodeError(ValueError):
+    """An edit's source video holds fewer frames than the edit asks for, or is not a video ffmpeg reads."""
 
 
 class VideoEncodeError(RuntimeError):
@@ -68,6 +74,25 @@ def mp4_bytes(video: torch.Tensor, fps: int) -> bytes:
                        macro_block_size=1, plugin="FFMPEG")
     check_mp4(data)  # imageio-ffmpeg does not read ffmpeg's exit status
     return data
+
+
+def video_frames(data: bytes, count: int) -> np.ndarray:
+    """The first ``count`` frames of an mp4 as (count, H, W, 3) uint8, decoded by ffmpeg: the same bytes
+    decode to the same pixels, so a video edit and its reference start from one video."""
+    import imageio.v3 as iio
+
+    os.environ[FFMPEG_NO_PREEXEC_ENV] = "1"  # the decoder stage is a Ray replica too (see mp4_bytes)
+    frames = []
+    try:
+        for frame in iio.imiter(data, extension=".mp4", plugin="FFMPEG"):
+            frames.append(frame)
+            if len(frames) == count:
+                break
+    except (OSError, RuntimeError) as exc:  # ffmpeg could not read it at all
+        raise VideoDecodeError(f"the mp4 of {len(data)} B does not decode: {exc}") from None
+    if len(frames) < count:
+        raise VideoDecodeError(f"the mp4 of {len(data)} B has {len(frames)} frames, {count} asked for")
+    return np.stack(frames)
 
 
 def check_mp4(data: bytes) -> None:

@@ -97,6 +97,9 @@ class GenerationSpec:
     # An inpainting edit's mask, as OpenAI takes it: a PNG of the image's size whose fully transparent
     # pixels mark where to edit (checked by the ingress); None: the edit may change the whole image.
     mask_image: bytes | None = None
+    # A video edit (a remix of a finished job, POST /v1/videos/{id}/remix): its source video as H.264 mp4
+    # bytes, whose first ``num_frames`` frames are edited at ``strength`` (``reference_image`` is None).
+    reference_video: bytes | None = None
 
     @property
     def edit_start(self) -> int:

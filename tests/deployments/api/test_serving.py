@@ -48,7 +48,9 @@ def test_while_a_stage_is_down_models_say_not_serving_and_new_work_is_refused_at
     assert card["serving"] is False and "stage Denoiser is not running" in card["not_serving"]
     for path, body in (("/v1/images/generations", {"prompt": "a fox"}),
                        ("/v1/videos/generations", {"prompt": "a fox"}),
-                       ("/v1/videos", {"prompt": "waves", "seconds": "1"})):
+                       ("/v1/videos", {"prompt": "waves", "seconds": "1"}),
+                       ("/v1/videos/edits", {"prompt": "waves", "video": {"id": "video_" + "0" * 24}}),
+                       ("/v1/videos/video_" + "0" * 24 + "/remix", {"prompt": "waves"})):
         response = client.post(path, json=body)
         assert _error(response, 503)["code"] == "stage_not_running", path
         assert response.headers["retry-after"] == "1"

@@ -306,6 +306,7 @@ def test_v1_models_states_what_the_adapter_declares(family):
     assert card.modalities == list(adapter_for(facts).modalities(index))
     assert ("image-edit" in card.modalities) == (family.case.name in EDITING), "the editing families, as test_edits pins them"
     assert ("image-inpaint" in card.modalities) == (family.case.name in INPAINTING), "and those that take a mask"
+    assert ("video-edit" in card.modalities) == (family.case.name == "wan2.1"), "and the one that remixes videos"
     assert card.min_steps == facts.min_steps == (2 if family.case.name == "qwen-image" else 1)
     # Configured limits (no replica reported): the longest video the VAE makes within 81 frames.
     assert card.limits.frames == (1 + (81 - 1) // facts.temporal_factor * facts.temporal_factor

@@ -190,3 +190,56 @@ def test_a_masked_edits_previews_keep_the_image_outside_the_mask_as_its_final_la
     for preview in previews:
         assert torch.equal(preview[outside], final[outside]), "the image, as the final latents keep it"
         assert not torch.equal(preview[~outside], final[~outside]), "the model's estimate inside"
+
+
+def a_video(frames: int, side: int) -> bytes:
+    """An H.264 mp4 whose frames differ (a square moving across a gradient), as a finished job stores one."""
+    from deployments.wire import media
+
+    y, x = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    video = torch.stack([(x / side), (y / side), torch.full((side, side), 0.5)], dim=-1).repeat(frames, 1, 1, 1)
+    for f in range(frames):
+        video[f, side // 4:side // 2, f * side // (2 * frames):f * side // (2 * frames) + side // 4] = 0.9
+    return media.mp4_bytes(video, 4)
+
+
+@pytest.mark.parametrize("strength, steps_run", [(0.6, 2), (1.0, 4)])
+def test_a_video_edit_is_the_video_to_video_pipeline_on_the_mp4s_frames(strength, steps_run):
+    """A remix (POST /v1/videos/{id}/remix): the finished video's mp4, decoded in the decoder stage, encoded
+    by its VAE and noised to the edit's step is WanVideoToVideoPipeline's edit of the same frames, bitwise."""
+    editing = _LOADED.get("wan2.1") or Editing("wan2.1")
+    assert "video-edit" in editing.facts.modalities
+    side = 2 * editing.facts.size_multiple
+    spec = dataclasses.replace(editing.spec(n=2, strength=strength), num_frames=5, reference_image=None,
+                               reference_video=a_video(5, side))
+    frames = _staged(editing, spec)
+    assert frames.shape == (2, 5, side, side, 3) and spec.run_steps == steps_run
+    assert torch.equal(frames, editing.reference(spec))
+    still = dataclasses.replace(spec, reference_video=_still(5, side))
+    assert not torch.equal(frames, _staged(editing, still)), "the edit starts from the video's own frames"
+
+
+def _still(frames: int, side: int) -> bytes:
+    from deployments.wire import media
+
+    return media.mp4_bytes(torch.full((frames, side, side, 3), 0.5), 4)
+
+
+def test_a_guided_video_edit_is_the_video_to_video_pipeline_within_one_level():
+    editing = _LOADED.get("wan2.1") or Editing("wan2.1")
+    side = 2 * editing.facts.size_multiple
+    spec = dataclasses.replace(editing.spec(guidance=editing.facts.default_guidance), num_frames=5,
+                               reference_image=None, reference_video=a_video(5, side))
+    frames, reference = _staged(editing, spec), editing.reference(spec)
+    levels = ((frames * 255).round() - (reference * 255).round()).abs().max().item()
+    assert spec.guidance_scale > 1 and levels <= 1, levels
+
+
+def test_a_video_edit_asking_more_frames_than_the_mp4_holds_is_refused_by_name():
+    from deployments.wire.media import VideoDecodeError
+
+    editing = _LOADED.get("wan2.1") or Editing("wan2.1")
+    side = 2 * editing.facts.size_multiple
+    spec = dataclasses.replace(editing.spec(), num_frames=9, reference_image=None, reference_video=a_video(5, side))
+    with pytest.raises(VideoDecodeError, match="has 5 frames, 9 asked for"):
+        families.condition(editing.pipes[DECODE], editing.facts, spec, CPU)

@@ -1,0 +1,222 @@
+"""Remixes (``POST /v1/videos/{id}/remix``, ``POST /v1/videos/edits``) over the Videos API in-process (fake stages).
+
+The official client's ``videos.remix`` and ``videos.edit(video={"id": ...})`` queue a new job whose run is
+the source's: its frames (the completed mp4's bytes), size, length, frame rate, steps, guidance, negative
+prompt and seed, with the new prompt, the body's extras over them, and ``strength``. What the Denoiser does
+with it is pinned in tests/deployments/models/test_edits.py, bitwise WanVideoToVideoPipeline.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import json
+
+import openai
+import pytest
+
+from deployments.jobs.runner import params_spec
+from deployments.models.families import read_family_traits
+from tests.deployments.video_fakes import FakePipeline, harness
+from zoo import tiny
+
+SOURCE = {"seconds": "2", "size": "32x16", "fps": 4, "seed": 3, "num_inference_steps": 4, "guidance_scale": 2.5,
+          "negative_prompt": "blur"}
+
+
+@dataclasses.dataclass
+class SeeingPipeline(FakePipeline):
+    """The fake pipeline, keeping each call's spec."""
+
+    specs: list = dataclasses.field(default_factory=list)
+
+    async def __call__(self, spec, on_progress):
+        self.specs.append(spec)
+        return await super().__call__(spec, on_progress)
+
+
+def run(scenario):
+    return asyncio.run(scenario)
+
+
+def _client(h) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", max_retries=0, http_client=h.client)
+
+
+async def _completed_source(h) -> tuple[str, bytes]:
+    created = await h.client.post("/v1/videos", json={"prompt": "waves on a beach", **SOURCE})
+    assert created.status_code == 200, created.text
+    video_id = created.json()["id"]
+    assert (await h.wait_for(video_id))["status"] == "completed"
+    return video_id, (await h.client.get(f"/v1/videos/{video_id}/content")).content
+
+
+def test_a_remix_is_a_new_job_on_the_completed_videos_frames_with_its_parameters_and_the_new_prompt(tmp_path):
+    async def scenario():
+        pipeline = SeeingPipeline()
+        async with harness(tmp_path, pipeline=pipeline) as h:
+            source_id, mp4 = await _completed_source(h)
+            remix = await _client(h).videos.remix(source_id, prompt="waves at dawn")
+            assert (remix.remixed_from_video_id, remix.status, remix.prompt) == (source_id, "queued", "waves at dawn")
+            assert (remix.seconds, remix.size) == ("2", "32x16")
+            done = await h.wait_for(remix.id)
+            assert (done["status"], done["remixed_from_video_id"]) == ("completed", source_id)
+            spec = pipeline.specs[-1]
+            assert spec.reference_video == mp4, "the remix edits the completed video's own bytes"
+            assert (spec.prompt, spec.width, spec.height, spec.num_frames, spec.steps, spec.guidance_scale,
+                    spec.negative_prompt, spec.seed) == ("waves at dawn", 32, 16, 9, 4, 2.5, "blur", 3)
+            # WanVideoToVideoPipeline's default strength 0.8 of 4 steps enters at 4 - int(3.2) = 1: 3 steps run.
+            assert (spec.strength, spec.edit_start, spec.run_steps) == (0.8, 1, 3)
+            source = (await h.client.get(f"/v1/videos/{source_id}")).json()
+            assert source["remixed_from_video_id"] is None
+
+    run(scenario())
+
+
+def test_the_bodys_extras_override_the_sources_parameters(tmp_path):
+    async def scenario():
+        pipeline = SeeingPipeline()
+        async with harness(tmp_path, pipeline=pipeline) as h:
+            source_id, _ = await _completed_source(h)
+            remix = await _client(h).videos.remix(source_id, prompt="waves at dawn", extra_body={
+                "strength": 0.5, "seed": 9, "num_inference_steps": 6, "guidance_scale": 1.0, "negative_prompt": None})
+            await h.wait_for(remix.id)
+            spec = pipeline.specs[-1]
+            assert (spec.strength, spec.seed, spec.steps, spec.guidance_scale, spec.negative_prompt) == \
+                (0.5, 9, 6, 1.0, None)
+            assert spec.run_steps == 3 and (spec.num_frames, spec.width) == (9, 32)
+
+    run(scenario())
+
+
+def test_videos_edits_naming_a_completed_video_in_json_or_a_form_is_its_remix(tmp_path):
+    async def scenario():
+        pipeline = SeeingPipeline()
+        async with harness(tmp_path, pipeline=pipeline) as h:
+            source_id, mp4 = await _completed_source(h)
+            as_json = await h.client.post("/v1/videos/edits", json={"prompt": "waves at dawn", "strength": 0.6,
+                                                                    "video": {"id": source_id}})
+            as_form = await h.client.post("/v1/videos/edits", files={  # curl -F 'video[id]=video_...'
+                "prompt": (None, "waves at dawn"), "strength": (None, "0.6"), "video[id]": (None, source_id)})
+            for response in (as_json, as_form):
+                assert response.status_code == 200, response.text
+                assert response.json()["remixed_from_video_id"] == source_id
+                await h.wait_for(response.json()["id"])
+            body, form = pipeline.specs[-2:]
+            assert form.reference_video == body.reference_video == mp4
+            assert dataclasses.replace(form, request_id="") == dataclasses.replace(body, request_id="")
+            assert form.strength == 0.6
+
+    run(scenario())
+
+
+def test_a_queued_remix_keeps_its_sources_frames_when_the_source_is_deleted_before_it_runs(tmp_path):
+    async def scenario():
+        pipeline = SeeingPipeline()
+        async with harness(tmp_path, pipeline=pipeline) as h:
+            source_id, mp4 = await _completed_source(h)
+            pipeline.gate = asyncio.Event()
+            remix = await _client(h).videos.remix(source_id, prompt="waves at dawn")
+            assert (await h.client.delete(f"/v1/videos/{source_id}")).status_code == 200
+            assert base64.b64decode(h.service.get(remix.id).params.source_video) == mp4
+            pipeline.gate.set()
+            assert (await h.wait_for(remix.id))["status"] == "completed"
+            assert pipeline.specs[-1].reference_video == mp4
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"strength": 0}, "strength"),
+    ({"strength": 1.5}, "strength"),
+    ({"strength": 0.2}, "strength"),  # 4 - int(4 x 0.2) = 4: no step would run
+    ({"seconds": "4"}, "seconds"),  # a remix keeps its source's length
+    ({"size": "16x16"}, "size"),
+    ({"prompt": ""}, "prompt"),
+    ({"num_inference_steps": 1000}, "num_inference_steps"),
+    ({"lora": "ink"}, "lora"),
+    ({"model": "sora-2"}, "model"),
+])
+def test_a_bad_remix_field_gets_the_openai_error_naming_it_and_queues_nothing(tmp_path, body, param):
+    async def scenario():
+        async with harness(tmp_path) as h:
+            source_id, _ = await _completed_source(h)
+            response = await h.client.post(f"/v1/videos/{source_id}/remix",
+                                           content=json.dumps({"prompt": "waves at dawn", **body}),
+                                           headers={"content-type": "application/json"})
+            assert response.status_code in (400, 404), response.text
+            assert response.json()["error"]["param"] == param
+            assert [j.id for j in h.service.list(None, 10, "desc").jobs] == [source_id]
+
+    run(scenario())
+
+
+def test_a_remix_of_an_unknown_unfinished_or_vanished_video_names_it(tmp_path):
+    async def scenario():
+        async with harness(tmp_path, pipeline=SeeingPipeline()) as h:
+            source_id, _ = await _completed_source(h)
+            for video_id in ("video_000000000000000000000000", "not-a-video", "video_0000000000000000000000zz"):
+                missing = await h.client.post(f"/v1/videos/{video_id}/remix", json={"prompt": "x"})
+                assert missing.status_code == 404 and missing.json()["error"]["code"] == "video_not_found"
+            h.pipeline.gate = asyncio.Event()
+            running = (await h.client.post("/v1/videos", json={"prompt": "a cat"})).json()["id"]
+            early = await h.client.post(f"/v1/videos/{running}/remix", json={"prompt": "x"})
+            assert early.status_code == 409 and early.json()["error"]["code"] == "video_not_ready"
+            h.pipeline.gate.set()
+            h.service.results.delete(h.service.get(source_id).result_key)
+            gone = await h.client.post(f"/v1/videos/{source_id}/remix", json={"prompt": "x"})
+            assert gone.status_code == 404 and "gone" in gone.json()["error"]["message"]
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("video, param", [
+    (None, "video"),
+    ({"url": "http://x/y.mp4"}, "video"),
+    ({"id": 7}, "video"),
+    ({"id": "video_000000000000000000000000"}, "video_id"),
+])
+def test_videos_edits_needs_a_completed_videos_id(tmp_path, video, param):
+    async def scenario():
+        async with harness(tmp_path) as h:
+            body = {"prompt": "waves at dawn"} | ({} if video is None else {"video": video})
+            response = await h.client.post("/v1/videos/edits", json=body)
+            assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, response.text
+
+    run(scenario())
+
+
+def test_an_uploaded_video_is_refused_naming_the_field(tmp_path):
+    async def scenario():
+        async with harness(tmp_path) as h:
+            upload = await h.client.post("/v1/videos/edits", data={"prompt": "waves"},
+                                         files={"video": ("clip.mp4", b"\x00\x00\x00\x18ftypmp42", "video/mp4")})
+            assert upload.status_code == 400 and upload.json()["error"]["param"] == "video"
+            assert "completed video" in upload.json()["error"]["message"]
+
+    run(scenario())
+
+
+def test_a_family_that_does_not_edit_videos_refuses_a_remix_naming_the_model(tmp_path, monkeypatch):
+    async def scenario():
+        async with harness(tmp_path) as h:
+            source_id, _ = await _completed_source(h)
+            jobs = h.client._transport.app.state.video_jobs
+            facts = read_family_traits(tiny.ensure_tiny_wan())
+            jobs.config = dataclasses.replace(jobs.config, facts=dataclasses.replace(facts, modalities=("image", "video")))
+            response = await h.client.post(f"/v1/videos/{source_id}/remix", json={"prompt": "x"})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+
+    run(scenario())
+
+
+def test_a_remix_job_record_reads_back_as_the_same_edit():
+    from deployments.jobs.records import JobParams
+
+    params = JobParams("p", None, 32, 16, 9, 4, 4, 2.5, 3, "2", source_video=base64.b64encode(b"mp4").decode(),
+                       strength=0.8, remixed_from="video_" + "0" * 24)
+    again = JobParams(**json.loads(json.dumps(dataclasses.asdict(params))))
+    spec = params_spec(again, "r")
+    assert (spec.reference_video, spec.strength, spec.run_steps) == (b"mp4", 0.8, 3)
+    plain = params_spec(dataclasses.replace(again, source_video=None, strength=None), "r")
+    assert (plain.reference_video, plain.strength, plain.run_steps) == (None, None, 4)
