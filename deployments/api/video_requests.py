@@ -113,6 +113,9 @@ class VideoRemixRequest(BaseModel):
     negative_prompt: Text | None = None
     lora: Text | None = Field(None, max_length=128)
     lora_scale: float | None = Field(None, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
+    # The source's: given, a 400 that says so (rather than pydantic's "extra inputs are not permitted").
+    seconds: Text | None = None
+    size: Text | None = None
 
 
 def remix_params(req: VideoRemixRequest, source: VideoJob, video: bytes, facts: FamilyTraits, limits: Limits,
@@ -123,6 +126,9 @@ def remix_params(req: VideoRemixRequest, source: VideoJob, video: bytes, facts: 
         raise FieldError("model", f"the {facts.family.value} model family does not edit videos (it makes "
                                   f"{', '.join(facts.modalities)}); POST /v1/videos makes one from text")
     was = source.params
+    for name, kept in (("seconds", was.seconds), ("size", f"{was.width}x{was.height}")):
+        if getattr(req, name) is not None:
+            raise FieldError(name, f"a remix keeps its source's {name} ({kept}); POST /v1/videos makes another")
     given = req.model_dump(exclude_unset=True)
     as_sync = VideoRequest(
         prompt=req.prompt, model=req.model, size=f"{was.width}x{was.height}", seed=given.get("seed", was.seed),

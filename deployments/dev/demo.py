@@ -1,6 +1,7 @@
 """`make demo`: start Ray and the service from configs/local.yaml, generate one image over HTTP,
 edit it (``POST /v1/images/edits``), make one short video through the Videos API's jobs (create,
-poll, download), save all three, print where every replica's weights are, and shut everything down.
+poll, download) and remix it (``POST /v1/videos/{id}/remix``), save all four, print where every
+replica's weights are, and shut everything down.
 
 Ray is started as ``make serve`` starts it (:mod:`deployments.dev.local_ray`: token authentication,
 node address 127.0.0.1, dashboard on loopback), then the config is deployed exactly as
@@ -120,14 +121,23 @@ def print_residency(replicas: list[dict]) -> None:
                   f"{c['parked_bytes']} B; streamed layers: {tiers or 'none'}")
 
 
-def make_video(client, out: pathlib.Path, prompt: str, size: str, steps: int, seed: int) -> bool:
-    """``POST /v1/videos``, poll ``GET /v1/videos/{id}`` until it finishes, download its mp4."""
+def make_video(client, out: pathlib.Path, prompt: str, size: str, steps: int, seed: int) -> str | None:
+    """``POST /v1/videos``, poll ``GET /v1/videos/{id}`` until it finishes, download its mp4; its id."""
+    return _job(client, "/v1/videos", {"prompt": prompt, "seconds": "1", "size": size, "num_inference_steps": steps,
+                                       "seed": seed}, out)
+
+
+def make_remix(client, video_id: str, out: pathlib.Path, prompt: str) -> str | None:
+    """``POST /v1/videos/{id}/remix`` of the finished video toward ``prompt`` (its default strength 0.8)."""
+    return _job(client, f"/v1/videos/{video_id}/remix", {"prompt": prompt}, out)
+
+
+def _job(client, path: str, body: dict, out: pathlib.Path) -> str | None:
     started = time.monotonic()
-    created = client.post("/v1/videos", json={"prompt": prompt, "seconds": "1", "size": size,
-                                              "num_inference_steps": steps, "seed": seed})
+    created = client.post(path, json=body)
     if created.status_code != 200:
         print(f"video job refused: HTTP {created.status_code} {created.text}", file=sys.stderr)
-        return False
+        return None
     video, seen = created.json(), []
     while video["status"] in ("queued", "in_progress"):
         if not seen or seen[-1] != (video["status"], video["progress"]):
@@ -136,14 +146,14 @@ def make_video(client, out: pathlib.Path, prompt: str, size: str, steps: int, se
         video = client.get(f"/v1/videos/{video['id']}").json()
     if video["status"] != "completed":
         print(f"video job {video['id']} {video['status']}: {video['error']}", file=sys.stderr)
-        return False
+        return None
     content = client.get(f"/v1/videos/{video['id']}/content")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(content.content)
-    print(f"POST /v1/videos -> {video['id']}: " + ", ".join(f"{status} {pct}%" for status, pct in seen) +
+    print(f"POST {path} -> {video['id']}: " + ", ".join(f"{status} {pct}%" for status, pct in seen) +
           f", completed; GET /v1/videos/{{id}}/content -> {out} ({len(content.content)} B, {video['seconds']} s, "
           f"{video['size']}) in {time.monotonic() - started:.2f} s")
-    return True
+    return video["id"]
 
 
 def make_edit(client, image: bytes, out: pathlib.Path, prompt: str, steps: int, seed: int) -> bool:
@@ -170,6 +180,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=REPO / "out" / "demo.png")
     parser.add_argument("--edit-out", type=pathlib.Path, default=REPO / "out" / "demo-edit.png")
     parser.add_argument("--video-out", type=pathlib.Path, default=REPO / "out" / "demo.mp4")
+    parser.add_argument("--remix-out", type=pathlib.Path, default=REPO / "out" / "demo-remix.mp4")
     parser.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
     parser.add_argument("--size", default="64x64")
     parser.add_argument("--steps", type=int, default=4)
@@ -228,7 +239,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             if not make_edit(client, args.out.read_bytes(), args.edit_out, f"{args.prompt}, in a storm", args.steps,
                              args.seed):
                 return 1
-            if not make_video(client, args.video_out, args.prompt, args.size, args.steps, args.seed):
+            video_id = make_video(client, args.video_out, args.prompt, args.size, args.steps, args.seed)
+            if video_id is None or make_remix(client, video_id, args.remix_out, f"{args.prompt}, at night") is None:
                 return 1
             print_residency(client.get("/v1/residency").json()["replicas"])
         return 0

@@ -52,9 +52,9 @@ class HandleStages:
     def denoise(self, encoded: Awaitable[StageOutput], spec: GenerationSpec, progress: bool = True
                 ) -> AsyncIterator[DenoiseProgress | StageOutput]:
         # Cancelling the iterating task cancels this call on the replica (Serve propagates it).
-        # Image-to-video: the decoder replica (it holds the VAE) encodes the reference image; its
-        # condition goes to the denoiser replica unresolved, as the embeddings do.
-        condition = None if spec.reference_image is None else self.decoder.condition.remote(spec)
+        # Image-to-video and edits: the decoder replica (it holds the VAE) encodes the reference image or
+        # the edit's source; its condition goes to the denoiser replica unresolved, as the embeddings do.
+        condition = self.decoder.condition.remote(spec) if spec.conditioned else None
         return self.denoiser.options(stream=True).denoise.remote(encoded, spec, progress, condition)
 
     async def decode(self, latents: StageOutput, spec: GenerationSpec) -> StageOutput:

@@ -157,9 +157,13 @@ class Denoiser(RankedStage):
 
         started_at, start = time.time(), time.perf_counter()
         refuse_cached_request(self.worker.config, spec)
+        edit = condition.value if condition is not None and isinstance(condition.value, EditSource) else None
+        if (spec.strength is not None) != (edit is not None):  # a drive that skipped (or misplaced) the condition
+            raise RuntimeError(f"request {spec.request_id}: an edit needs its source's latents from the decoder "
+                               f"stage and only an edit takes them (strength {spec.strength}, source "
+                               f"{type(edit).__name__})")
         self.worker.admit(spec)
         value = encoded.value.unpacked()
-        edit = condition.value if condition is not None and isinstance(condition.value, EditSource) else None
         if condition is not None and edit is None:  # image-to-video: the reference image's condition
             value = dataclasses.replace(value, image_condition=condition.value)
         request = self.stepper.start(value, spec, on_step=put if progress else None)

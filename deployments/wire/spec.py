@@ -102,6 +102,12 @@ class GenerationSpec:
     reference_video: bytes | None = None
 
     @property
+    def conditioned(self) -> bool:
+        """Whether the decoder stage (it holds the VAE) encodes an image or a video for the Denoiser first:
+        an image-to-video reference, or an edit's source."""
+        return self.reference_image is not None or self.reference_video is not None
+
+    @property
     def edit_start(self) -> int:
         """The schedule's first step this request runs: 0, or where an edit enters it."""
         return 0 if self.strength is None else self.edit_rule.start(self.steps, self.strength)

@@ -146,6 +146,8 @@ def test_a_bad_remix_field_gets_the_openai_error_naming_it_and_queues_nothing(tm
                                            headers={"content-type": "application/json"})
             assert response.status_code in (400, 404), response.text
             assert response.json()["error"]["param"] == param
+            if param in ("seconds", "size"):
+                assert "a remix keeps its source's" in response.json()["error"]["message"]
             assert [j.id for j in h.service.list(None, 10, "desc").jobs] == [source_id]
 
     run(scenario())

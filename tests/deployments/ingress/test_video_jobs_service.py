@@ -25,6 +25,7 @@ from PIL import Image
 
 from deployments.jobs.actor import drop_job_queue, queue_name
 from deployments.models import families
+from deployments.wire import media
 from deployments.wire.spec import GenerationSpec
 from tests.deployments.conftest import APP, MAX_STEPS, SHARED_LORA, TOKEN, deploy_shared, shared_args
 from tests.deployments.ingress.test_service import IMAGES, VIDEOS, replica_name, response_pngs, sse_events
@@ -163,8 +164,31 @@ def test_the_readme_client_calls_run_against_the_service(service, tmp_path, monk
     assert namespace["video"].status == "completed"
     assert _frames((tmp_path / "waves.mp4").read_bytes()).shape == (9, 64, 64, 3)
     assert Image.open(tmp_path / "waves.png").size == (64, 64)
+    remix = namespace["remix"]  # 8 - int(8 x 0.8) = 2: steps 3 to 8 of the source's schedule, on its frames
+    assert (remix.status, remix.remixed_from_video_id, remix.prompt) == ("completed", namespace["video"].id,
+                                                                         "waves at dawn")
+    assert _frames((tmp_path / "waves-dawn.mp4").read_bytes()).shape == (9, 64, 64, 3)
     with pytest.raises(openai.NotFoundError):
         namespace["client"].videos.retrieve(namespace["video"].id)
+    namespace["client"].videos.delete(remix.id)
+
+
+def test_a_remix_is_the_video_to_video_pipelines_edit_of_the_finished_videos_frames(client):
+    video = client.videos.create_and_poll(prompt="waves at dusk", seconds="1", size="32x32", poll_interval_ms=100,
+                                          extra_body={"fps": 4, "seed": 7, "num_inference_steps": 4,
+                                                      "guidance_scale": 1.0})
+    source = client.videos.download_content(video.id).content
+    remix = client.videos.remix(video.id, prompt="waves at dawn", extra_body={"strength": 0.6})
+    remix = client.videos.poll(remix.id, poll_interval_ms=100)
+    assert (remix.status, remix.remixed_from_video_id) == ("completed", video.id), remix
+    facts = families.read_family_traits(ensure_tiny_wan())
+    spec = GenerationSpec("r", "waves at dawn", None, 32, 32, 5, 4, 1.0, 7, 1, strength=0.6,
+                          edit_rule=facts.edit_rule, reference_video=source)
+    reference = families.reference_frames(families.load_full_pipeline(facts, torch.float32), facts, spec)
+    # Unguided, the staged edit is the pipeline's bit for bit (test_edits), so its mp4 is the same encode.
+    assert client.videos.download_content(remix.id).content == media.mp4_bytes(reference[0], 4)
+    for done in (video, remix):
+        client.videos.delete(done.id)
 
 
 def test_bad_input_from_the_client_gets_the_openai_error_naming_the_field(client):

@@ -72,3 +72,27 @@ def test_float16s_non_finite_output_names_bfloat16_and_survives_pickling():
     again = pickle.loads(pickle.dumps(caught.value))
     assert str(again) == ("the decoder made 1 of 12 output values NaN or infinite in float16 (float16 overflows "
                           "where bfloat16 does not: serve with dtype bfloat16)")
+
+
+def test_an_edit_that_reaches_the_denoiser_without_its_sources_latents_fails_rather_than_generating_from_noise():
+    # The remix's first drive asked the decoder for a condition only for a reference image: the edit ran as a
+    # text-to-video request from noise, with 200 OK. The Denoiser now refuses the mismatch either way.
+    from deployments.replica.stages import Denoiser
+    from deployments.wire.spec import EditRule, EncodedPrompt
+
+    config = stage_configs(tiny_args(), read_family_traits(ensure_tiny_wan()))[PipelineStage.DENOISE]
+    denoiser = Denoiser.func_or_class(config)
+    spec = GenerationSpec("r", "a cat", None, 16, 16, 5, 2, 1.0, 0, 1, strength=0.6, edit_rule=EditRule.VIDEO2VIDEO,
+                          reference_video=b"mp4")
+    encoded = StageOutput(EncodedPrompt(torch.zeros(1, 512, 32)), StageStats("encode", "e#1", 0.1, 0, 0))
+
+    async def drain(stream):
+        return [item async for item in stream]
+
+    try:
+        with pytest.raises(RuntimeError, match="an edit needs its source's latents"):
+            asyncio.run(drain(denoiser.denoise(encoded, spec)))
+        assert denoiser.in_flight == {} and not denoiser.worker.busy
+    finally:
+        denoiser.batcher.close()
+        denoiser.worker.close()
