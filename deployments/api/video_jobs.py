@@ -5,8 +5,8 @@ some ingress replica generates it (:mod:`deployments.jobs.runner`), clients poll
 ``GET /v1/videos/{id}`` (``progress`` follows the denoising steps) and download
 ``GET /v1/videos/{id}/content`` (``?variant=thumbnail`` for the first frame as PNG).
 ``DELETE /v1/videos/{id}`` cancels a queued or running job and removes its result.
-``POST /v1/videos/{id}/remix`` (and ``POST /v1/videos/edits`` with ``video`` ``{"id": ...}``) queues a new
-job that edits a completed video's frames toward a new prompt (``deployments.api.video_requests.remix_params``).
+``POST /v1/videos/{id}/remix`` and ``POST /v1/videos/edits`` queue a new job that edits a completed
+video's frames, or an uploaded video's, toward a new prompt (:mod:`deployments.api.video_edits`).
 
 :func:`mount` adds the routes to the app :func:`deployments.api.routes.build_api` makes (its guard
 checks the bearer token and the content types first) and starts this replica's runner over the
@@ -28,7 +28,9 @@ from pydantic import ValidationError
 from deployments.api import errors
 from deployments.api.body import FORM_TYPES, read_fields
 from deployments.api.reference_images import MAX_REFERENCE_BYTES
-from deployments.api.video_requests import VideoJobRequest, VideoRemixRequest, job_params, remix_params
+from deployments.api.source_videos import MAX_SOURCE_VIDEO_BYTES, check_source_video
+from deployments.api.video_edits import VideoEditRequest, check_video_edits, edit_params, remix_base, upload_base
+from deployments.api.video_requests import VideoJobRequest, job_params
 from deployments.capacity.admission import StageAdmission, memory_refusal
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.jobs.queue import JobQueue, JobsArgs
@@ -101,16 +103,29 @@ class VideoJobs:
 
     async def remix(self, request: Request, video_id: str | None = None):
         """``POST /v1/videos/{video_id}/remix``; without ``video_id``, ``POST /v1/videos/edits``, whose
-        ``video`` names the source: ``{"id": ...}`` in JSON, ``video[id]`` in the official client's form."""
+        ``video`` is an upload or names a completed video (``{"id": ...}``; ``video[id]`` in a form)."""
         self._started()
         cfg = self.config
         try:
-            fields = await read_fields(request, ("video",), MAX_CREATE_BYTES, 0 if video_id else MAX_REFERENCE_BYTES)
-            if video_id is None:
-                video_id = _video_reference(fields)
-            req = VideoRemixRequest.model_validate(fields)
-            source, video = await self._source(video_id)
-            return await self._queued(remix_params(req, source, video, cfg.facts, cfg.limits, cfg.model_id, cfg.loras))
+            fields = await read_fields(request, ("video",), MAX_CREATE_BYTES,
+                                       0 if video_id else MAX_SOURCE_VIDEO_BYTES)
+            named = _named_video(fields)
+            req = VideoEditRequest.model_validate(fields)
+            check_video_edits(cfg.facts)
+            if video_id is not None and (named is not None or req.video is not None):
+                raise FieldError("video", f"a remix edits the video in its path ({video_id}); send no 'video'")
+            if video_id is None and named is None:
+                if not isinstance(req.video, bytes):
+                    raise FieldError("video", "required: the video to edit, an mp4 file (multipart/form-data), or "
+                                              "a completed video of this server as {'id': 'video_...'}")
+                shape = await asyncio.to_thread(check_source_video, req.video, req.size, cfg.facts, cfg.limits)
+                base, source = upload_base(req, shape, cfg.facts), req.video
+            else:
+                video_id = video_id or named
+                job, source = await self._source(video_id)
+                base = remix_base(req, job)
+            params = edit_params(req, base, cfg.facts, cfg.limits, cfg.model_id, cfg.loras, video_id)
+            return await self._queued(params, source)
         except ValidationError as exc:
             return errors.validation_error(exc)
         except FieldError as exc:
@@ -132,19 +147,28 @@ class VideoJobs:
                              "video_not_found")
         return job, video
 
-    async def _queued(self, params: JobParams) -> JSONResponse:
-        """A new job of ``params``, once the stage replicas could hold it (else :class:`FieldError`)."""
+    async def _queued(self, params: JobParams, source: bytes | None = None) -> JSONResponse:
+        """A new job of ``params`` (an edit's: with its ``source`` video, kept beside its results), once the
+        stage replicas could hold it (else :class:`FieldError`)."""
         cfg = self.config
         if self.admissions is not None:
             refusal = memory_refusal(cfg.facts, await self.admissions(), params_spec(params, "create"))
             if refusal is not None:  # a job's length is asked in seconds
                 raise FieldError("seconds" if refusal.param == "num_frames" else refusal.param, refusal.message)
         now = self.clock()
-        job = await self.queue.create(new_job(new_job_id(now), cfg.model_id, params, int(now)))
-        if params.remixed_from is not None:
-            logger.info("job %s remixes %s at strength %g: %d of %d steps on its %d frames", job.id,
-                        params.remixed_from, params.strength, params_spec(params, job.id).run_steps, params.steps,
-                        params.num_frames)
+        job_id = new_job_id(now)
+        if source is not None:  # before the job exists: a runner may claim it at once
+            await asyncio.to_thread(self.results.put_source, job_id, source)
+            logger.info("job %s edits %s (%d B) at strength %g: %d of %d steps on %d frames at %dx%d", job_id,
+                        params.remixed_from or "an uploaded video", len(source), params.strength,
+                        params_spec(params, job_id).run_steps, params.steps, params.num_frames, params.width,
+                        params.height)
+        try:
+            job = await self.queue.create(new_job(job_id, cfg.model_id, params, int(now)))
+        except BaseException:
+            if source is not None:
+                await asyncio.to_thread(self.results.delete_source, job_id)
+            raise
         self.runner.wake()
         return JSONResponse(job.to_json())
 
@@ -215,18 +239,24 @@ class VideoJobs:
         return {"id": job.id, "object": "video.deleted", "deleted": True}
 
 
-def _video_reference(fields: dict) -> str:
-    """The id ``POST /v1/videos/edits`` names in ``video`` (taken out of ``fields``), or :class:`FieldError`."""
-    given = fields.pop("video", None)
-    in_form = fields.pop("video[id]", None)  # the official client's form of {"id": ...}
-    if isinstance(given, dict) and set(given) == {"id"} and isinstance(given["id"], str) and in_form is None:
+def _named_video(fields: dict) -> str | None:
+    """The completed video a body names (``{"id": ...}`` in JSON, ``video[id]`` in a form), taken out of
+    ``fields``; None where it names none (an upload, or no video)."""
+    in_form = fields.pop("video[id]", None)
+    given = fields.get("video")
+    if in_form is not None:
+        if given is not None:
+            raise FieldError("video", "send 'video' or 'video[id]', not both")
+        return str(in_form)
+    if isinstance(given, dict):
+        if set(given) != {"id"} or not isinstance(given["id"], str):
+            raise FieldError("video", "names a video as {'id': 'video_...'}, nothing else")
+        del fields["video"]
         return given["id"]
-    if given is None and isinstance(in_form, str):
-        return in_form
-    if isinstance(given, bytes):
-        raise FieldError("video", "an uploaded video is not taken here: name a completed video of this server as "
-                                  "{'id': 'video_...'} (POST /v1/videos makes one)")
-    raise FieldError("video", "required: the completed video to edit, as {'id': 'video_...'}")
+    if given is not None and not isinstance(given, bytes):
+        raise FieldError("video", f"must be an mp4 file (multipart/form-data) or {{'id': 'video_...'}}, got "
+                                  f"{type(given).__name__}")
+    return None
 
 
 def mount(api: FastAPI, config: VideoJobsConfig, backend: JobsBackend, generate, retry_after_s: float,

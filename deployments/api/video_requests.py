@@ -5,17 +5,11 @@ The official client posts ``multipart/form-data``, so every field may arrive as 
 map to frames and resolution: ``seconds`` s at ``fps`` frames per second is ``seconds * fps + 1``
 frames (Wan's 81 frames are 5 s at 16 fps), rounded up to what the VAE makes (1 + a multiple of its
 temporal factor). Every other check is the synchronous route's (:func:`deployments.api.schemas.video_spec`).
-
-A remix (``POST /v1/videos/{id}/remix``, OpenAI's ``videos.remix``) is a new job over a completed one: the
-source's frames edited toward a new prompt by the family's video-to-video pipeline
-(``WanVideoToVideoPipeline``). It keeps the source's size, length, frame rate, steps, guidance, negative
-prompt, seed and LoRA adapter; the body's extras override them, and ``strength`` (0-1, the pipeline's default
-0.8) is how far the remix may go from the source (:func:`remix_params`).
+A video edit's body is :mod:`deployments.api.video_edits`'.
 """
 from __future__ import annotations
 
 import base64
-import dataclasses
 import math
 import re
 from typing import Sequence
@@ -24,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from deployments.api.schemas import MAX_USER_CHARS, Text, VideoRequest, reference_bytes, video_spec
 from deployments.capacity.request_limits import FieldError, Limits
-from deployments.jobs.records import JobParams, VideoJob
+from deployments.jobs.records import JobParams
 from deployments.models.families import FamilyTraits
 from deployments.models.lora_rows import MAX_LORA_SCALE, ServedLora
 
@@ -94,61 +88,3 @@ def job_params(req: VideoJobRequest, facts: FamilyTraits, limits: Limits, model_
                      spec.guidance_scale, spec.seed, format_seconds(spec.num_frames, fps),
                      None if reference is None else base64.b64encode(reference).decode(), spec.lora, spec.lora_scale)
 
-
-DEFAULT_REMIX_STRENGTH = 0.8  # WanVideoToVideoPipeline's default
-
-
-class VideoRemixRequest(BaseModel):
-    """``POST /v1/videos/{id}/remix``: OpenAI's ``prompt``, and this project's extras over the source's."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prompt: Text
-    model: Text | None = None
-    user: Text | None = Field(None, max_length=MAX_USER_CHARS)  # accepted and ignored
-    strength: float = Field(DEFAULT_REMIX_STRENGTH, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    num_inference_steps: int | None = Field(None, ge=1)
-    guidance_scale: float | None = Field(None, ge=0.0, le=100.0)
-    negative_prompt: Text | None = None
-    lora: Text | None = Field(None, max_length=128)
-    lora_scale: float | None = Field(None, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
-    # The source's: given, a 400 that says so (rather than pydantic's "extra inputs are not permitted").
-    seconds: Text | None = None
-    size: Text | None = None
-
-
-def remix_params(req: VideoRemixRequest, source: VideoJob, video: bytes, facts: FamilyTraits, limits: Limits,
-                 model_id: str, loras: Sequence[ServedLora] = ()) -> JobParams:
-    """The remix job's parameters: ``source``'s (a completed job; ``video`` its mp4) with the request's prompt
-    and extras, or :class:`FieldError` naming the first bad field."""
-    if "video-edit" not in facts.modalities:
-        raise FieldError("model", f"the {facts.family.value} model family does not edit videos (it makes "
-                                  f"{', '.join(facts.modalities)}); POST /v1/videos makes one from text")
-    was = source.params
-    for name, kept in (("seconds", was.seconds), ("size", f"{was.width}x{was.height}")):
-        if getattr(req, name) is not None:
-            raise FieldError(name, f"a remix keeps its source's {name} ({kept}); POST /v1/videos makes another")
-    given = req.model_dump(exclude_unset=True)
-    as_sync = VideoRequest(
-        prompt=req.prompt, model=req.model, size=f"{was.width}x{was.height}", seed=given.get("seed", was.seed),
-        num_inference_steps=given.get("num_inference_steps", was.steps),
-        guidance_scale=given.get("guidance_scale", was.guidance_scale),
-        negative_prompt=given.get("negative_prompt", was.negative_prompt), num_frames=was.num_frames, fps=was.fps,
-        **_remix_lora(given, was))
-    spec = video_spec(as_sync, facts, limits, model_id, None, loras)
-    spec = dataclasses.replace(spec, strength=req.strength, edit_rule=facts.edit_rule, reference_video=video)
-    if spec.run_steps < 1:  # the video2video rule enters at steps - int(steps * strength)
-        raise FieldError("strength", f"{req.strength} of {spec.steps} steps runs no denoising step; use at least "
-                                     f"{1 / spec.steps:.3g}, or more steps")
-    return JobParams(spec.prompt, spec.negative_prompt, spec.width, spec.height, spec.num_frames, was.fps, spec.steps,
-                     spec.guidance_scale, spec.seed, was.seconds, None, spec.lora, spec.lora_scale,
-                     base64.b64encode(video).decode(), req.strength, source.id)
-
-
-def _remix_lora(given: dict, was: JobParams) -> dict:
-    """The remix's adapter: the source's at its scale, unless the request names one (at its configured scale
-    unless it gives one) or only a scale."""
-    if "lora" in given:
-        return {"lora": given["lora"], "lora_scale": given.get("lora_scale")}
-    return {"lora": was.lora, "lora_scale": given.get("lora_scale", None if was.lora is None else was.lora_scale)}

@@ -130,16 +130,22 @@ class JobQueueService:
 
     def delete(self, job_id: str) -> VideoJob | None:
         job = self.jobs.delete(job_id)
-        if job is not None and job.result_key is not None:
-            self.results.delete(job.result_key)
+        if job is not None:
+            self._delete_files(job)
         return job
 
     def expire(self) -> int:
         expired = self.jobs.expire()
-        files = sum(self.results.delete(job.result_key) for job in expired if job.result_key is not None)
+        files = sum(self._delete_files(job) for job in expired)
         if expired:
             logger.info("expired %d job(s), deleted %d result file(s)", len(expired), files)
         return len(expired)
+
+
+    def _delete_files(self, job: VideoJob) -> int:
+        """The job's result files and its source video (a remix's): how many there were."""
+        files = 0 if job.result_key is None else self.results.delete(job.result_key)
+        return files + (self.results.delete_source(job.id) if job.params.source_video else 0)
 
 
 class JobQueue(Protocol):

@@ -65,9 +65,11 @@ class JobParams:
     # base model. Records written before adapters existed read as None.
     lora: str | None = None
     lora_scale: float = 1.0
-    # A remix (POST /v1/videos/{id}/remix): the source video's mp4, base64, kept here so a rerun edits the
-    # same frames after the source is deleted; how far the remix may go from it (0-1]; the source's id.
-    source_video: str | None = None
+    # A remix (POST /v1/videos/{id}/remix): whether the job edits a video kept beside its results
+    # (ResultFolder.put_source, by this job's id: a rerun edits the same frames whatever became of the
+    # source job; not in the record, which every poll and list reads); how far it may go from it (0-1];
+    # the source job's id.
+    source_video: bool = False
     strength: float | None = None
     remixed_from: str | None = None
 

@@ -1,7 +1,9 @@
 """Where finished videos live: a local directory, or any fsspec URL (``s3://bucket/videos``, ...).
 
 The runner (an ingress replica) writes a job's mp4 and thumbnail here; any ingress replica serves
-them back; the job queue deletes them when the job is deleted or expires. So the location must be
+them back; the job queue deletes them when the job is deleted or expires. A remix's source video is kept
+here too, by the remix's job id, from its creation until the remix is deleted or expires (so a rerun edits
+the same frames whatever became of the source job). So the location must be
 one every ingress replica and the job queue reach: on one machine a directory, on a cluster shared
 storage or object storage (with its fsspec driver installed, e.g. s3fs).
 """
@@ -18,6 +20,7 @@ logger = logging.getLogger(__name__)
 # Keys are built from job ids the server made (video_<hex>) and an attempt number, never from
 # request text; this pattern keeps it so.
 _KEY = re.compile(r"^video_[0-9a-f]{24}-[0-9]{1,3}$")
+_JOB_ID = re.compile(r"^video_[0-9a-f]{24}$")
 
 
 class Variant(str, enum.Enum):
@@ -79,4 +82,33 @@ class ResultFolder:
                 if self.fs.exists(candidate):
                     self.fs.rm(candidate)
                     removed += 1
+        return removed
+
+    def _source_path(self, job_id: str) -> str:
+        if not _JOB_ID.match(job_id):
+            raise ValueError(f"not a job id: {job_id!r}")
+        return f"{self.root.rstrip('/')}/{job_id}.source.mp4"
+
+    def put_source(self, job_id: str, data: bytes) -> None:
+        """The mp4 the job ``job_id`` edits (a remix's source), written whole."""
+        path = self._source_path(job_id)
+        with self.fs.open(path + ".partial", "wb") as out:
+            out.write(data)
+        self.fs.mv(path + ".partial", path)
+
+    def get_source(self, job_id: str) -> bytes | None:
+        try:
+            with self.fs.open(self._source_path(job_id), "rb") as src:
+                return src.read()
+        except FileNotFoundError:
+            return None
+
+    def delete_source(self, job_id: str) -> int:
+        """Remove the job's source video; returns how many files there were."""
+        path = self._source_path(job_id)
+        removed = 0
+        for candidate in (path, path + ".partial"):
+            if self.fs.exists(candidate):
+                self.fs.rm(candidate)
+                removed += 1
         return removed

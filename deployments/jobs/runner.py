@@ -40,19 +40,19 @@ RETRY_S = 0.5
 SWEEP_EVERY_POLLS = 20
 
 
-def params_spec(params: JobParams, request_id: str) -> GenerationSpec:
-    """The generation a job with ``params`` runs (one video)."""
+def params_spec(params: JobParams, request_id: str, source: bytes | None = None) -> GenerationSpec:
+    """The generation a job with ``params`` runs (one video); ``source``: a remix's source mp4 (None where only
+    the shape matters, as admission)."""
     p = params
     reference = None if p.reference_image is None else base64.b64decode(p.reference_image)
-    source = None if p.source_video is None else base64.b64decode(p.source_video)
     # A remix is its family's video-to-video pipeline's edit (the only video edit there is: Wan's).
     return GenerationSpec(request_id, p.prompt, p.negative_prompt, p.height, p.width, p.num_frames, p.steps,
                           p.guidance_scale, p.seed, 1, reference, lora=p.lora, lora_scale=p.lora_scale,
                           strength=p.strength, edit_rule=EditRule.VIDEO2VIDEO, reference_video=source)
 
 
-def job_spec(job: VideoJob) -> GenerationSpec:
-    return params_spec(job.params, job.id)
+class SourceVideoGone(RuntimeError):
+    """A remix's source video is no longer where its creation put it (the results location lost it)."""
 
 
 def progress_percent(step: int, total: int) -> int:
@@ -212,7 +212,7 @@ class JobRunner:
                 raise asyncio.CancelledError
 
         try:
-            frames = await self.generate(job_spec(job), on_progress)
+            frames = await self.generate(await self._spec(job), on_progress)
             video, thumbnail = await asyncio.to_thread(encode_video, frames, job.params.fps)
             await asyncio.to_thread(self.results.put, key, Variant.VIDEO, video)
             await asyncio.to_thread(self.results.put, key, Variant.THUMBNAIL, thumbnail)
@@ -232,6 +232,15 @@ class JobRunner:
                 self._leases.pop(job.id, None)
                 self._progress.pop(job.id, None)
             self.wake()
+
+    async def _spec(self, job: VideoJob) -> GenerationSpec:
+        """The job's generation: a remix's with its source video, read from the results location."""
+        if not job.params.source_video:
+            return params_spec(job.params, job.id)
+        source = await asyncio.to_thread(self.results.get_source, job.id)
+        if source is None:
+            raise SourceVideoGone(f"the source video of {job.id} is gone from {self.results.url}")
+        return params_spec(job.params, job.id, source)
 
     async def _failed(self, job: VideoJob, lease: str, exc: Exception) -> None:
         kind = self.failures(exc).kind

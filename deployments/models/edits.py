@@ -124,13 +124,15 @@ def openai_mask(spec: GenerationSpec):
 
 def source_frames(spec: GenerationSpec) -> list:
     """A video-to-video edit's source as the RGB PIL frames its pipeline is given: the first ``num_frames``
-    frames of a video edit's mp4 (:func:`deployments.wire.media.video_frames`), or an image edit's image as
-    a video of one frame."""
+    frames of a video edit's video, decoded and scaled to the edit's size by ffmpeg
+    (:func:`deployments.wire.media.video_frames`; a remix's source is already that size), or an image
+    edit's image as a video of one frame."""
     from PIL import Image
 
     if spec.reference_video is None:
         return [reference_image(spec)]
-    return [Image.fromarray(frame) for frame in media.video_frames(spec.reference_video, spec.num_frames)]
+    frames = media.video_frames(spec.reference_video, spec.num_frames, (spec.width, spec.height))
+    return [Image.fromarray(frame) for frame in frames]
 
 
 class ImageEdits:

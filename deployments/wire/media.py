@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import io
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -76,23 +77,57 @@ def mp4_bytes(video: torch.Tensor, fps: int) -> bytes:
     return data
 
 
-def video_frames(data: bytes, count: int) -> np.ndarray:
-    """The first ``count`` frames of an mp4 as (count, H, W, 3) uint8, decoded by ffmpeg: the same bytes
-    decode to the same pixels, so a video edit and its reference start from one video."""
+@dataclass(frozen=True)
+class VideoProbe:
+    """What ffmpeg reads from a video's header, before any frame is decoded."""
+
+    width: int
+    height: int
+    fps: float
+    codec: str
+
+
+def video_probe(data: bytes) -> VideoProbe:
+    """The header of the video in ``data`` (ffmpeg, in its own process), or :class:`VideoDecodeError`."""
+    import imageio.v3 as iio
+
+    os.environ[FFMPEG_NO_PREEXEC_ENV] = "1"
+    try:
+        meta = iio.immeta(data, extension=".mp4", plugin="FFMPEG")
+        width, height = meta["size"]
+        return VideoProbe(int(width), int(height), float(meta["fps"]), str(meta.get("codec", "")))
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
+        raise VideoDecodeError(f"ffmpeg reads no video header in it ({type(exc).__name__})") from None
+
+
+def _frames(data: bytes, most: int, size: tuple[int, int] | None):
+    """Up to ``most`` frames of ``data``, each (H, W, 3) uint8, scaled by ffmpeg to ``size`` (width, height)."""
     import imageio.v3 as iio
 
     os.environ[FFMPEG_NO_PREEXEC_ENV] = "1"  # the decoder stage is a Ray replica too (see mp4_bytes)
-    frames = []
+    options = {} if size is None else {"size": size}
     try:
-        for frame in iio.imiter(data, extension=".mp4", plugin="FFMPEG"):
-            frames.append(frame)
-            if len(frames) == count:
-                break
+        for index, frame in enumerate(iio.imiter(data, extension=".mp4", plugin="FFMPEG", **options)):
+            if index == most:
+                return
+            yield frame
     except (OSError, RuntimeError) as exc:  # ffmpeg could not read it at all
-        raise VideoDecodeError(f"the mp4 of {len(data)} B does not decode: {exc}") from None
+        raise VideoDecodeError(f"the video of {len(data)} B does not decode: {str(exc).splitlines()[0]}") from None
+
+
+def video_frames(data: bytes, count: int, size: tuple[int, int] | None = None) -> np.ndarray:
+    """The first ``count`` frames of a video as (count, H, W, 3) uint8, decoded (and scaled to ``size``,
+    width by height) by ffmpeg: the same bytes decode to the same pixels, so a video edit and its reference
+    start from one video."""
+    frames = list(_frames(data, count, size))
     if len(frames) < count:
-        raise VideoDecodeError(f"the mp4 of {len(data)} B has {len(frames)} frames, {count} asked for")
+        raise VideoDecodeError(f"the video of {len(data)} B has {len(frames)} frames, {count} asked for")
     return np.stack(frames)
+
+
+def count_frames(data: bytes, most: int, size: tuple[int, int]) -> int:
+    """How many frames decode (at most ``most``), each scaled to ``size``: one frame held at a time."""
+    return sum(1 for _ in _frames(data, most, size))
 
 
 def check_mp4(data: bytes) -> None:

@@ -8,7 +8,6 @@ with it is pinned in tests/deployments/models/test_edits.py, bitwise WanVideoToV
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import json
 
@@ -118,7 +117,8 @@ def test_a_queued_remix_keeps_its_sources_frames_when_the_source_is_deleted_befo
             pipeline.gate = asyncio.Event()
             remix = await _client(h).videos.remix(source_id, prompt="waves at dawn")
             assert (await h.client.delete(f"/v1/videos/{source_id}")).status_code == 200
-            assert base64.b64decode(h.service.get(remix.id).params.source_video) == mp4
+            assert h.service.results.get_source(remix.id) == mp4, "kept beside the remix's results"
+            assert h.service.get(remix.id).params.source_video is True
             pipeline.gate.set()
             assert (await h.wait_for(remix.id))["status"] == "completed"
             assert pipeline.specs[-1].reference_video == mp4
@@ -176,25 +176,15 @@ def test_a_remix_of_an_unknown_unfinished_or_vanished_video_names_it(tmp_path):
     (None, "video"),
     ({"url": "http://x/y.mp4"}, "video"),
     ({"id": 7}, "video"),
+    ("video_000000000000000000000000", "video"),  # an id is {"id": ...}
     ({"id": "video_000000000000000000000000"}, "video_id"),
 ])
-def test_videos_edits_needs_a_completed_videos_id(tmp_path, video, param):
+def test_videos_edits_needs_an_upload_or_a_completed_videos_id(tmp_path, video, param):
     async def scenario():
         async with harness(tmp_path) as h:
             body = {"prompt": "waves at dawn"} | ({} if video is None else {"video": video})
             response = await h.client.post("/v1/videos/edits", json=body)
             assert response.status_code in (400, 404) and response.json()["error"]["param"] == param, response.text
-
-    run(scenario())
-
-
-def test_an_uploaded_video_is_refused_naming_the_field(tmp_path):
-    async def scenario():
-        async with harness(tmp_path) as h:
-            upload = await h.client.post("/v1/videos/edits", data={"prompt": "waves"},
-                                         files={"video": ("clip.mp4", b"\x00\x00\x00\x18ftypmp42", "video/mp4")})
-            assert upload.status_code == 400 and upload.json()["error"]["param"] == "video"
-            assert "completed video" in upload.json()["error"]["message"]
 
     run(scenario())
 
@@ -215,10 +205,164 @@ def test_a_family_that_does_not_edit_videos_refuses_a_remix_naming_the_model(tmp
 def test_a_remix_job_record_reads_back_as_the_same_edit():
     from deployments.jobs.records import JobParams
 
-    params = JobParams("p", None, 32, 16, 9, 4, 4, 2.5, 3, "2", source_video=base64.b64encode(b"mp4").decode(),
-                       strength=0.8, remixed_from="video_" + "0" * 24)
+    params = JobParams("p", None, 32, 16, 9, 4, 4, 2.5, 3, "2", source_video=True, strength=0.8,
+                       remixed_from="video_" + "0" * 24)
     again = JobParams(**json.loads(json.dumps(dataclasses.asdict(params))))
-    spec = params_spec(again, "r")
+    assert again == params
+    spec = params_spec(again, "r", b"mp4")
     assert (spec.reference_video, spec.strength, spec.run_steps) == (b"mp4", 0.8, 3)
-    plain = params_spec(dataclasses.replace(again, source_video=None, strength=None), "r")
+    plain = params_spec(dataclasses.replace(again, source_video=False, strength=None), "r")
     assert (plain.reference_video, plain.strength, plain.run_steps) == (None, None, 4)
+
+
+def a_clip(frames: int = 11, width: int = 56, height: int = 40, fps: int = 8, **options) -> bytes:
+    """An H.264 mp4 as a phone or an editor makes one: its own size (here not a multiple of the model's 16) and
+    frame rate, a frame count the VAE does not take whole (11 = 1 + 4 x 2.5)."""
+    import torch
+
+    from deployments.wire import media
+
+    if options:
+        import imageio.v3 as iio
+
+        video = (torch.rand(frames, height, width, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy()
+        return iio.imwrite("<bytes>", video, extension=".mp4", fps=fps, plugin="FFMPEG", macro_block_size=1, **options)
+    return media.mp4_bytes(torch.rand(frames, height, width, 3, generator=torch.Generator().manual_seed(0)), fps)
+
+
+def test_the_clients_videos_edit_of_an_uploaded_clip_edits_its_frames_at_its_own_size_and_frame_rate(tmp_path):
+    async def scenario():
+        pipeline = SeeingPipeline()
+        async with harness(tmp_path, pipeline=pipeline) as h:
+            clip = a_clip()
+            edited = await _client(h).videos.edit(prompt="waves at dawn", video=("clip.mp4", clip, "video/mp4"),
+                                                  extra_body={"seed": 4, "strength": 0.5})
+            # 56x40 rounded down to the model's multiple of 16; 11 frames to the 9 its VAE takes (1 + 4 x 2),
+            # within the server's 9: 1 s at the clip's 8 fps.
+            assert (edited.size, edited.seconds, edited.remixed_from_video_id) == ("48x32", "1", None)
+            assert (await h.wait_for(edited.id))["status"] == "completed"
+            spec = pipeline.specs[-1]
+            assert spec.reference_video == clip and h.service.results.get_source(edited.id) == clip
+            assert (spec.num_frames, spec.width, spec.height, spec.seed, spec.strength) == (9, 48, 32, 4, 0.5)
+            assert (spec.steps, spec.guidance_scale) == (2, 5.0), "the server's defaults, as for POST /v1/videos"
+            assert h.service.get(edited.id).params.fps == 8
+            video = (await h.client.get(f"/v1/videos/{edited.id}/content")).content
+            assert h.service.get(edited.id).status.value == "completed" and video[4:8] == b"ftyp"
+            assert (await h.client.delete(f"/v1/videos/{edited.id}")).status_code == 200
+            assert h.service.results.get_source(edited.id) is None, "deleting the job deletes its source"
+
+    run(scenario())
+
+
+def test_size_resizes_an_upload_and_seconds_takes_its_beginning(tmp_path):
+    async def scenario():
+        pipeline = SeeingPipeline()
+        async with harness(tmp_path, pipeline=pipeline) as h:
+            response = await h.client.post("/v1/videos/edits", files={
+                "video": ("clip.mp4", a_clip(), "video/mp4"), "prompt": (None, "waves"), "size": (None, "16x16"),
+                "seconds": (None, "0.5")})
+            assert response.status_code == 200, response.text
+            await h.wait_for(response.json()["id"])
+            spec = pipeline.specs[-1]
+            assert (spec.width, spec.height, spec.num_frames) == (16, 16, 5), "0.5 s at 8 fps: 5 frames"
+            too_long = await h.client.post("/v1/videos/edits", files={
+                "video": ("clip.mp4", a_clip(), "video/mp4"), "prompt": (None, "waves"), "seconds": (None, "2")})
+            assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "seconds"
+            assert "at most 1 s" in too_long.json()["error"]["message"]
+
+    run(scenario())
+
+
+def _png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (32, 32)).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("upload, fields, words", [
+    (b"", {}, "is empty"),
+    (_png(), {}, "not an mp4 or mov file"),
+    (a_clip()[:-200], {}, "not an mp4 or mov file"),  # cut short: its mdat box claims more than there is
+    (b"\x00\x00\x00\x10ftypisom\x00\x00\x00\x00" + b"\x00\x00\x00\x08moov" + b"\x00\x00\x00\x08mdat", {},
+     "no video header"),
+    (a_clip(width=96, height=96), {}, "pass 'size' to resize it"),  # 96x96 > the server's 64x64
+    (a_clip(fps=100), {}, "runs at 100 frames per second"),
+    (a_clip(codec="mjpeg"), {}, "send av1, h264"),
+])
+def test_an_upload_that_is_not_a_video_this_server_edits_is_a_400_naming_video(tmp_path, upload, fields, words):
+    async def scenario():
+        async with harness(tmp_path) as h:
+            response = await h.client.post("/v1/videos/edits", files={
+                "video": ("clip.mp4", upload, "video/mp4"), "prompt": (None, "waves"),
+                **{k: (None, v) for k, v in fields.items()}})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "video" and words in error["message"], error
+            assert h.service.list(None, 10, "desc").jobs == ()
+            assert not any(p.name.endswith(".source.mp4") for p in (tmp_path / "test-app-results").iterdir())
+
+    run(scenario())
+
+
+def test_an_upload_over_the_bound_is_a_413_before_anything_reads_it(tmp_path, monkeypatch):
+    from deployments.api import video_jobs
+
+    monkeypatch.setattr(video_jobs, "MAX_SOURCE_VIDEO_BYTES", 10_000)
+
+    async def scenario():
+        async with harness(tmp_path) as h:
+            response = await h.client.post("/v1/videos/edits", files={
+                "video": ("clip.mp4", b"\x00" * 2_000_000, "video/mp4"), "prompt": (None, "waves")})
+            assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+
+    run(scenario())
+
+
+def test_a_remix_with_a_video_in_its_body_is_refused_naming_it(tmp_path):
+    async def scenario():
+        async with harness(tmp_path) as h:
+            source_id, _ = await _completed_source(h)
+            response = await h.client.post(f"/v1/videos/{source_id}/remix",
+                                           json={"prompt": "x", "video": {"id": source_id}})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "video"
+
+    run(scenario())
+
+
+def test_an_expired_edit_takes_its_source_video_with_it(tmp_path):
+    async def scenario():
+        async with harness(tmp_path) as h:
+            response = await h.client.post("/v1/videos/edits", files={
+                "video": ("clip.mp4", a_clip(), "video/mp4"), "prompt": (None, "waves")})
+            edit_id = response.json()["id"]
+            done = await h.wait_for(edit_id)
+            names = sorted(p.name for p in (tmp_path / "test-app-results").iterdir())
+            assert names == [f"{edit_id}-1.mp4", f"{edit_id}-1.png", f"{edit_id}.source.mp4"]
+            h.clock.now = done["expires_at"]
+            for _ in range(100):
+                if not any((tmp_path / "test-app-results").iterdir()):
+                    break
+                await asyncio.sleep(0.05)
+            assert list((tmp_path / "test-app-results").iterdir()) == []
+
+    run(scenario())
+
+
+def test_an_edit_whose_source_video_vanished_fails_saying_so(tmp_path):
+    from deployments.jobs.records import JobParams, new_job, new_job_id
+
+    async def scenario():
+        async with harness(tmp_path) as h:
+            # A job record whose source the results location lost (a wiped volume): nothing to edit.
+            params = JobParams("waves", None, 32, 16, 9, 4, 4, 1.0, 3, "2", source_video=True, strength=0.8)
+            job = h.service.create(new_job(new_job_id(h.clock.now), "tiny-wan", params, int(h.clock.now)))
+            h.runner.wake()
+            failed = await h.wait_for(job.id)
+            assert failed["status"] == "failed" and "SourceVideoGone" in failed["error"]["message"], failed
+            assert "the source video of" in failed["error"]["message"]
+
+    run(scenario())

@@ -191,6 +191,22 @@ def test_a_remix_is_the_video_to_video_pipelines_edit_of_the_finished_videos_fra
         client.videos.delete(done.id)
 
 
+def test_the_clients_videos_edit_of_an_uploaded_clip_is_the_pipelines_edit_of_its_frames_scaled(client):
+    # 40x40 at 8 fps, 7 frames: edited at its own size rounded down to the model's 16 (32x32), 5 frames.
+    clip = media.mp4_bytes(torch.rand(7, 40, 40, 3, generator=torch.Generator().manual_seed(1)), 8)
+    edited = client.videos.edit(prompt="waves at dawn", video=("clip.mp4", clip, "video/mp4"),
+                                extra_body={"seed": 2, "num_inference_steps": 4, "guidance_scale": 1.0,
+                                            "strength": 0.6})
+    edited = client.videos.poll(edited.id, poll_interval_ms=100)
+    assert (edited.status, edited.size, edited.seconds) == ("completed", "32x32", "0.5"), edited
+    facts = families.read_family_traits(ensure_tiny_wan())
+    spec = GenerationSpec("r", "waves at dawn", None, 32, 32, 5, 4, 1.0, 2, 1, strength=0.6,
+                          edit_rule=facts.edit_rule, reference_video=clip)
+    reference = families.reference_frames(families.load_full_pipeline(facts, torch.float32), facts, spec)
+    assert client.videos.download_content(edited.id).content == media.mp4_bytes(reference[0], 8)
+    client.videos.delete(edited.id)
+
+
 def test_bad_input_from_the_client_gets_the_openai_error_naming_the_field(client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.videos.create(prompt="a cat", seconds="12")

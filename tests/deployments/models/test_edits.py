@@ -243,3 +243,16 @@ def test_a_video_edit_asking_more_frames_than_the_mp4_holds_is_refused_by_name()
     spec = dataclasses.replace(editing.spec(), num_frames=9, reference_image=None, reference_video=a_video(5, side))
     with pytest.raises(VideoDecodeError, match="has 5 frames, 9 asked for"):
         families.condition(editing.pipes[DECODE], editing.facts, spec, CPU)
+
+
+def test_an_uploaded_video_of_another_size_is_edited_at_the_asked_size_from_the_frames_ffmpeg_scaled():
+    """POST /v1/videos/edits with a clip of its own size: the decoder stage decodes it scaled to the edit's size
+    (as the ingress counted its frames), and the edit is the pipeline's on those frames."""
+    editing = _LOADED.get("wan2.1") or Editing("wan2.1")
+    side = 2 * editing.facts.size_multiple
+    clip = a_video(7, side + 8)  # 40x40 native, 7 frames: the edit takes 5 at 32x32
+    spec = dataclasses.replace(editing.spec(n=1, strength=0.6), num_frames=5, reference_image=None,
+                               reference_video=clip)
+    frames = _staged(editing, spec)
+    assert frames.shape == (1, 5, side, side, 3)
+    assert torch.equal(frames, editing.reference(spec))

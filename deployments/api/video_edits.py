@@ -1,0 +1,129 @@
+"""Video edits as jobs: the bodies of ``POST /v1/videos/{id}/remix`` and ``POST /v1/videos/edits``, to :class:`JobParams`.
+
+A remix (OpenAI's ``videos.remix(video_id, prompt=...)``) edits a completed job's video toward a new prompt;
+``POST /v1/videos/edits`` (``videos.edit(prompt=..., video=...)``) edits an uploaded video
+(:mod:`deployments.api.source_videos` checks it), or names a completed one as ``{"id": ...}``, which is its
+remix. Either runs the family's video-to-video pipeline (``WanVideoToVideoPipeline``) over the source's frames.
+
+- A remix keeps its source's size, length, frame rate, steps, guidance, negative prompt, seed and LoRA
+  adapter (:func:`remix_base`); an upload gives its size (or ``size``'s), its frames (or ``seconds``' of them)
+  and its frame rate, and the rest are the server's defaults (:func:`upload_base`).
+- The body's extras override those; ``strength`` (0-1, the pipeline's default 0.8) is how far the edit may
+  go from the source (:func:`edit_params`).
+
+Run by the ingress replica.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deployments.api.schemas import MAX_USER_CHARS, Text, VideoRequest, video_spec
+from deployments.api.source_videos import SourceShape
+from deployments.api.video_requests import format_seconds, frames_for
+from deployments.capacity.request_limits import FieldError, Limits
+from deployments.jobs.records import JobParams, VideoJob
+from deployments.models.families import FamilyTraits
+from deployments.models.lora_rows import MAX_LORA_SCALE, ServedLora
+
+DEFAULT_STRENGTH = 0.8  # WanVideoToVideoPipeline's default
+
+
+class VideoEditRequest(BaseModel):
+    """OpenAI's ``prompt`` (and ``video``, ``seconds``, ``size`` for an upload), and this project's extras."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: Text
+    model: Text | None = None
+    user: Text | None = Field(None, max_length=MAX_USER_CHARS)  # accepted and ignored
+    # POST /v1/videos/edits: the uploaded file's bytes, or {"id": "video_..."} (video_jobs reads which).
+    video: object | None = None
+    seconds: Text | None = None  # an upload: how much of it to edit; a remix keeps its source's (400)
+    size: Text | None = None  # an upload: the size to edit it at; a remix keeps its source's (400)
+    strength: float = Field(DEFAULT_STRENGTH, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, ge=0.0, le=100.0)
+    negative_prompt: Text | None = None
+    lora: Text | None = Field(None, max_length=128)
+    lora_scale: float | None = Field(None, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
+
+
+@dataclass(frozen=True)
+class EditBase:
+    """What an edit keeps unless its body says otherwise (None: the server's default)."""
+
+    width: int
+    height: int
+    num_frames: int
+    fps: int
+    steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+    seed: int | None = None
+    lora: str | None = None
+    lora_scale: float | None = None
+
+
+def check_video_edits(facts: FamilyTraits) -> None:
+    """:class:`FieldError` naming ``model`` unless the family edits videos (``video-edit`` in ``/v1/models``)."""
+    if "video-edit" not in facts.modalities:
+        raise FieldError("model", f"the {facts.family.value} model family does not edit videos (it makes "
+                                  f"{', '.join(facts.modalities)}); POST /v1/videos makes one from text")
+
+
+def remix_base(req: VideoEditRequest, source: VideoJob) -> EditBase:
+    """A completed job's parameters, or :class:`FieldError` for a body that asks to change what a remix keeps."""
+    was = source.params
+    for name, kept in (("seconds", was.seconds), ("size", f"{was.width}x{was.height}")):
+        if getattr(req, name) is not None:
+            raise FieldError(name, f"a remix keeps its source's {name} ({kept}); POST /v1/videos makes another")
+    return EditBase(was.width, was.height, was.num_frames, was.fps, was.steps, was.guidance_scale, was.negative_prompt,
+                    was.seed, was.lora, None if was.lora is None else was.lora_scale)
+
+
+def upload_base(req: VideoEditRequest, shape: SourceShape, facts: FamilyTraits) -> EditBase:
+    """An uploaded video's size and frame rate, and its frames: all that decode (up to the configured most), or
+    ``seconds``' of them, as the VAE takes them (1 + a multiple of its temporal factor)."""
+    t = facts.temporal_factor
+    usable = 1 + (shape.frames - 1) // t * t
+    frames = usable if req.seconds is None else frames_for(req.seconds, shape.fps, t)
+    if frames > usable:
+        raise FieldError("seconds", f"{req.seconds} s at the video's {shape.fps} fps is {frames} frames; it has "
+                                    f"{shape.frames} that this server edits, so at most "
+                                    f"{format_seconds(usable, shape.fps)} s")
+    return EditBase(shape.width, shape.height, frames, shape.fps)
+
+
+def edit_params(req: VideoEditRequest, base: EditBase, facts: FamilyTraits, limits: Limits, model_id: str,
+                loras: Sequence[ServedLora] = (), remixed_from: str | None = None) -> JobParams:
+    """The edit job's parameters: ``base`` with the body's prompt and extras over it, or :class:`FieldError`
+    naming the first bad field. The job's source video is kept beside its results, not in these."""
+    check_video_edits(facts)
+    given = req.model_dump(exclude_unset=True)
+    as_sync = VideoRequest(
+        prompt=req.prompt, model=req.model, size=f"{base.width}x{base.height}", seed=given.get("seed", base.seed),
+        num_inference_steps=given.get("num_inference_steps", base.steps),
+        guidance_scale=given.get("guidance_scale", base.guidance_scale),
+        negative_prompt=given.get("negative_prompt", base.negative_prompt), num_frames=base.num_frames,
+        fps=base.fps, **_lora(given, base))
+    spec = dataclasses.replace(video_spec(as_sync, facts, limits, model_id, None, loras), strength=req.strength,
+                               edit_rule=facts.edit_rule)
+    if spec.run_steps < 1:  # the video2video rule enters at steps - int(steps * strength)
+        raise FieldError("strength", f"{req.strength} of {spec.steps} steps runs no denoising step; use at least "
+                                     f"{1 / spec.steps:.3g}, or more steps")
+    return JobParams(spec.prompt, spec.negative_prompt, spec.width, spec.height, spec.num_frames, base.fps, spec.steps,
+                     spec.guidance_scale, spec.seed, format_seconds(spec.num_frames, base.fps), None, spec.lora,
+                     spec.lora_scale, source_video=True, strength=req.strength, remixed_from=remixed_from)
+
+
+def _lora(given: dict, base: EditBase) -> dict:
+    """The edit's adapter: the base's at its scale, unless the request names one (at its configured scale
+    unless it gives one) or only a scale."""
+    if "lora" in given:
+        return {"lora": given["lora"], "lora_scale": given.get("lora_scale")}
+    return {"lora": base.lora, "lora_scale": given.get("lora_scale", base.lora_scale)}
