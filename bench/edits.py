@@ -1,4 +1,4 @@
-"""What an image edit costs against a generation of the same size: its image's encode, then fewer steps.
+"""What an edit costs against a generation of the same size: its image's (or video's) encode, then fewer steps.
 
 In-process, one CPU thread, the stages' own code: the decoder stage's ``families.condition`` (the VAE
 encodes the image), the family's stepper through the step batcher (``StepBatch``) entered at the edit's
@@ -6,9 +6,12 @@ first step (``begin_edit``), then ``families.decode``; a generation is the same 
 with every step. A tiny zoo image family (``--family``; the zoo has no medium image model), its
 default guidance; strengths 0.25, 0.6 and 1.0 beside a generation, interleaved so the machine's load
 hits them alike; medians of the repetitions. Each strength's image is checked bitwise against the
-family's diffusers img2img pipeline once. Last line: one JSON object.
+family's diffusers img2img pipeline once. ``--family wan`` / ``medium-wan``: a video edit (a remix) of
+``--frames`` frames, unguided, the source an mp4 the decoder stage decodes with ffmpeg (in its encode
+time), checked bitwise against ``WanVideoToVideoPipeline``. Last line: one JSON object.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/edits.py --family sd3
+    OMP_NUM_THREADS=1 .venv/bin/python bench/edits.py --family medium-wan --frames 9
 """
 from __future__ import annotations
 
@@ -34,7 +37,9 @@ from zoo import tiny, tiny_families  # noqa: E402
 
 CPU = torch.device("cpu")
 FOLDERS = {"flux": tiny.ensure_tiny_flux, "sd3": tiny_families.ensure_tiny_sd3,
-           "z-image": tiny_families.ensure_tiny_zimage, "qwen-image": tiny_families.ensure_tiny_qwen_image}
+           "z-image": tiny_families.ensure_tiny_zimage, "qwen-image": tiny_families.ensure_tiny_qwen_image,
+           "wan": tiny.ensure_tiny_wan, "medium-wan": tiny.ensure_medium_wan}
+VIDEO_FAMILIES = {"wan", "medium-wan"}
 STRENGTHS = (0.25, 0.6, 1.0)
 
 
@@ -44,6 +49,24 @@ def photo(side: int) -> bytes:
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()
+
+
+def clip(frames: int, side: int) -> bytes:
+    """A video edit's source: frames with structure (a gradient, a square that moves), as an mp4."""
+    from deployments.wire import media
+
+    y, x = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    video = torch.stack([x / side, y / side, torch.full((side, side), 0.5)], dim=-1).repeat(frames, 1, 1, 1)
+    for f in range(frames):
+        video[f, side // 4:side // 2, f * side // (2 * frames):f * side // (2 * frames) + side // 4] = 0.9
+    return media.mp4_bytes(video, 8)
+
+
+def edit_specs(base: GenerationSpec, facts, video: bool) -> dict:
+    """The generation (None) and an edit of the same shape per strength."""
+    source = {"reference_video": clip(base.num_frames, base.width)} if video else {"reference_image": photo(base.width)}
+    return {None: base} | {s: dataclasses.replace(base, strength=s, edit_rule=facts.edit_rule, **source)
+                           for s in STRENGTHS}
 
 
 def one_request(pipes, facts, stepper, encoded, spec: GenerationSpec) -> tuple[float, float, float, torch.Tensor]:
@@ -70,15 +93,18 @@ def main() -> None:
     parser.add_argument("--side", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--frames", type=int, default=9, help="a video edit's frames (--family wan, medium-wan)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # as Ray runs a replica actor that asks for no CPUs
     facts = families.read_family_traits(FOLDERS[args.family]())
     pipes = {s: families.load_stage_pipeline(facts, s, torch.float32) for s in PipelineStage}
-    base = GenerationSpec("bench", "a red fox", None, args.side, args.side, 1, args.steps, facts.default_guidance, 1, 1)
+    video = args.family in VIDEO_FAMILIES
+    # A video edit unguided: WanVideoToVideoPipeline's two guided forwards are the step batch's one within a level.
+    base = GenerationSpec("bench", "a red fox", None, args.side, args.side, args.frames if video else 1, args.steps,
+                          1.0 if video else facts.default_guidance, 1, 1)
     encoded = families.encode(pipes[PipelineStage.ENCODE], facts, base, CPU).packed().unpacked()
     stepper = adapter_for(facts).stepper(pipes[PipelineStage.DENOISE], facts, CPU)
-    kinds = {None: base} | {s: dataclasses.replace(base, reference_image=photo(args.side), strength=s)
-                            for s in STRENGTHS}
+    kinds = edit_specs(base, facts, video)
     runs = {k: [] for k in kinds}
     with torch.no_grad():
         for _ in range(args.reps):
@@ -96,7 +122,8 @@ def main() -> None:
               f"{encode_s:.4f} s, denoise {denoise_s:.4f} s, decode {decode_s:.4f} s")
     generation = rows[0]
     summary = {"family": args.family, "model": Path(facts.folder).name, "size": f"{args.side}x{args.side}",
-               "steps": args.steps, "reps": args.reps, "rows": rows,
+               "frames": base.num_frames, "guidance": base.guidance_scale, "steps": args.steps, "reps": args.reps,
+               "rows": rows,
                # The whole request (encode + denoise + decode) of an edit over a generation's.
                "request_over_generation": {r["strength"]: round(r["request_s"] / generation["request_s"], 4)
                                            for r in rows[1:]},
@@ -104,7 +131,7 @@ def main() -> None:
                "per_step_over_generation": {r["strength"]: round(r["denoise_s"] / r["steps_run"]
                                                                  / (generation["denoise_s"] / args.steps), 4)
                                             for r in rows[1:]},
-               # The decoder's encode of the image, in decodes of the same size.
+               # The decoder's encode of the image (a video: its ffmpeg decode too), in decodes of the same size.
                "encode_over_decode": round(statistics.median(r["encode_s"] for r in rows[1:]) / generation["decode_s"], 4),
                "bitwise_img2img_pipeline": bitwise}
     print(json.dumps(summary))

@@ -26,13 +26,53 @@ _values = st.one_of(_json, st.sampled_from(["1", "2", "16x16", "64x64", "0.5", "
                     st.integers(-5, 300))
 _bodies = st.fixed_dictionaries({"prompt": st.one_of(_text, st.just("a cat"))},
                                 optional={name: _values for name in FIELDS if name != "prompt"})
+EDIT_FIELDS = ["model", "seconds", "size", "strength", "seed", "num_inference_steps", "guidance_scale", "lora",
+               "negative_prompt", "video", "video[id]"]
+_edit_bodies = st.fixed_dictionaries(
+    {"prompt": st.one_of(_text, st.just("a cat"))},
+    optional={name: st.one_of(_values, st.fixed_dictionaries({"id": st.sampled_from(IDS)})) for name in EDIT_FIELDS})
+
+
+def _clip() -> bytes:
+    import torch
+
+    from deployments.wire import media
+
+    return media.mp4_bytes(torch.rand(7, 32, 48, 3, generator=torch.Generator().manual_seed(0)), 8)
+
+
+CLIP = _clip()
+
+
+@st.composite
+def uploads(draw) -> bytes:
+    """A real clip, cut short, with bytes changed anywhere (its boxes or its frames), or not a video at all."""
+    clip = bytearray(CLIP)
+    kind = draw(st.sampled_from(["whole", "cut", "flipped", "flipped", "noise"]))
+    if kind == "cut":
+        return bytes(clip[:draw(st.integers(0, len(clip)))])
+    if kind == "flipped":
+        for at in draw(st.lists(st.integers(0, len(clip) - 1), min_size=1, max_size=8)):
+            clip[at] = draw(st.integers(0, 255))
+    if kind == "noise":
+        return draw(st.binary(max_size=2000))
+    return bytes(clip)
 
 
 @st.composite
 def requests(draw) -> dict:
     video_id = draw(st.sampled_from(IDS))
     kind = draw(st.sampled_from(["create_json", "create_json", "create_form", "retrieve", "content", "list",
-                                 "delete", "other_method"]))
+                                 "delete", "other_method", "remix", "edit_json", "edit_upload"]))
+    if kind in ("remix", "edit_json"):
+        url = f"/v1/videos/{video_id}/remix" if kind == "remix" else "/v1/videos/edits"
+        return {"method": "POST", "url": url, "content": json.dumps(draw(_edit_bodies)).encode(),
+                "headers": {"Content-Type": "application/json"}}
+    if kind == "edit_upload":
+        fields = {k: v if isinstance(v, str) else json.dumps(v) for k, v in draw(_edit_bodies).items() if k != "video"}
+        fields = {k: (None, v.encode("utf-8", "surrogatepass").decode("utf-8", "replace")) for k, v in fields.items()}
+        return {"method": "POST", "url": "/v1/videos/edits",
+                "files": {**fields, "video": ("clip.mp4", draw(uploads()), "video/mp4")}}
     if kind == "create_json":
         return {"method": "POST", "url": "/v1/videos", "content": json.dumps(draw(_bodies)).encode(),
                 "headers": {"Content-Type": draw(st.sampled_from(["application/json", "text/plain", ""]))}}
