@@ -29,7 +29,14 @@ from deployments.api import errors
 from deployments.api.body import FORM_TYPES, read_fields
 from deployments.api.reference_images import MAX_REFERENCE_BYTES
 from deployments.api.source_videos import MAX_SOURCE_VIDEO_BYTES, check_source_video
-from deployments.api.video_edits import VideoEditRequest, check_video_edits, edit_params, remix_base, upload_base
+from deployments.api.video_edits import (
+    EditBase,
+    VideoEditRequest,
+    check_video_edits,
+    edit_params,
+    remix_base,
+    upload_base,
+)
 from deployments.api.video_requests import VideoJobRequest, job_params
 from deployments.capacity.admission import StageAdmission, memory_refusal
 from deployments.capacity.request_limits import FieldError, Limits
@@ -112,24 +119,30 @@ class VideoJobs:
             named = _named_video(fields)
             req = VideoEditRequest.model_validate(fields)
             check_video_edits(cfg.facts)
-            if video_id is not None and (named is not None or req.video is not None):
-                raise FieldError("video", f"a remix edits the video in its path ({video_id}); send no 'video'")
-            if video_id is None and named is None:
-                if not isinstance(req.video, bytes):
-                    raise FieldError("video", "required: the video to edit, an mp4 file (multipart/form-data), or "
-                                              "a completed video of this server as {'id': 'video_...'}")
-                shape = await asyncio.to_thread(check_source_video, req.video, req.size, cfg.facts, cfg.limits)
-                base, source = upload_base(req, shape, cfg.facts), req.video
-            else:
-                video_id = video_id or named
-                job, source = await self._source(video_id)
-                base = remix_base(req, job)
+            base, source, video_id = await self._edit_source(req, video_id, named)
             params = edit_params(req, base, cfg.facts, cfg.limits, cfg.model_id, cfg.loras, video_id)
             return await self._queued(params, source)
         except ValidationError as exc:
             return errors.validation_error(exc)
         except FieldError as exc:
             return errors.field_error(exc)
+
+    async def _edit_source(self, req: VideoEditRequest, in_path: str | None,
+                           named: str | None) -> tuple[EditBase, bytes, str | None]:
+        """What an edit starts from: its base, its source's mp4, and the completed video it remixes (None: an
+        upload, checked here)."""
+        if in_path is not None:
+            if named is not None or req.video is not None:
+                raise FieldError("video", f"a remix edits the video in its path ({in_path}); send no 'video'")
+            named = in_path
+        if named is not None:
+            job, source = await self._source(named)
+            return remix_base(req, job), source, named
+        if not isinstance(req.video, bytes):
+            raise FieldError("video", "required: the video to edit, an mp4 file (multipart/form-data), or a "
+                                      "completed video of this server as {'id': 'video_...'}")
+        shape = await asyncio.to_thread(check_source_video, req.video, req.size, self.config.facts, self.config.limits)
+        return upload_base(req, shape, self.config.facts), req.video, None
 
     async def _source(self, video_id: str) -> tuple[VideoJob, bytes]:
         """A remix's source job and its mp4, or :class:`FieldError` naming ``video_id`` (404: none; 409: not
