@@ -160,7 +160,8 @@ def test_requests_without_the_bearer_token_get_401_but_health_does_not(service):
 def test_models_and_residency_describe_the_served_model_and_every_replica(client):
     assert client.post(IMAGES, json={"prompt": "a request to report on", "seed": 1}).status_code == 200
     (model,) = client.get("/v1/models").json()["data"]
-    assert (model["id"], model["family"], model["modalities"]) == ("tiny-wan", "wan", ["image", "video", "image-edit"])
+    assert (model["id"], model["family"], model["modalities"]) == ("tiny-wan", "wan", ["image", "video", "image-edit",
+                                                                         "video-edit"])
     # Replicas publish their report after the response has left; the Denoiser's batch size goes on its
     # own, within a second of its change (it read 1, not 0, in one run that waited for the report alone).
     deadline = time.monotonic() + 30
