@@ -7,14 +7,15 @@ check what depends on the configured model and limits. Either way a bad field be
 from __future__ import annotations
 
 import dataclasses
+import enum
 import secrets
 import uuid
-from typing import Annotated, Sequence
+from typing import Annotated, Literal, Sequence
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from deployments.api.reference_images import ReferenceImageError, check_reference_image, from_data_url
-from deployments.capacity.request_limits import FieldError, Limits, parse_size
+from deployments.capacity.request_limits import FieldError, Limits, Quality, parse_size
 from deployments.models.families import FamilyTraits, ReferenceImage
 from deployments.models.lora_rows import MAX_LORA_SCALE, ServedLora
 from deployments.wire.media import ImageFormat
@@ -62,12 +63,26 @@ class _Generation(BaseModel):
     user: Text | None = Field(None, max_length=MAX_USER_CHARS)  # OpenAI's end-user id; accepted and ignored
 
 
+class Background(str, enum.Enum):
+    """OpenAI's gpt-image ``background``: these models make opaque (RGB) images, so "transparent" is a 400."""
+
+    AUTO = "auto"
+    OPAQUE = "opaque"
+    TRANSPARENT = "transparent"
+
+
 class ImageRequest(_Generation):
     n: int = Field(1, ge=1)
     response_format: Text = "b64_json"
     # OpenAI's gpt-image fields: the encoding, and JPEG's or WebP's quality (100 keeps the most).
     output_format: ImageFormat = ImageFormat.PNG
     output_compression: int | None = Field(None, ge=0, le=100)
+    # The denoising steps a request that names none runs (Limits.steps_for): clients that send gpt-image's
+    # default "auto" (or DALL·E 3's "standard") get the deployment's default_steps.
+    quality: Quality = Quality.AUTO
+    background: Background = Background.AUTO
+    # OpenAI's content filtering level: this server filters nothing, at either level (docs/operations.md).
+    moderation: Literal["auto", "low"] = "auto"
     # OpenAI's preview images while streaming: each the decoded estimate of the final image at a step
     # spread evenly before the last (GenerationSpec.preview_steps; fewer when there are few steps).
     partial_images: int = Field(0, ge=0, le=3)
@@ -118,7 +133,7 @@ def with_lora(spec: GenerationSpec, req: _Generation, loras: Sequence[ServedLora
 
 
 def _steps(req: _Generation, facts: FamilyTraits, limits: Limits) -> int:
-    steps = req.num_inference_steps or limits.default_steps
+    steps = req.num_inference_steps or limits.steps_for(getattr(req, "quality", Quality.AUTO), facts.min_steps)
     if steps > limits.max_steps:
         raise FieldError("num_inference_steps", f"{steps} exceeds the configured maximum of {limits.max_steps}")
     if steps < facts.min_steps:
@@ -164,6 +179,9 @@ def image_spec(req: ImageRequest, facts: FamilyTraits, limits: Limits, model_id:
     if req.response_format != "b64_json":
         raise FieldError("response_format", f"{req.response_format!r} is not supported; use 'b64_json' "
                                             "(this server keeps no files to serve by url)")
+    if req.background is Background.TRANSPARENT:
+        raise FieldError("background", "'transparent' is not supported: these models make opaque (RGB) images; "
+                                       "send 'auto' or 'opaque'")
     if req.output_compression is not None and not req.output_format.lossy:
         raise FieldError("output_compression", f"applies to output_format 'jpeg' or 'webp', not "
                                                f"{req.output_format.value!r} (lossless)")

@@ -6,6 +6,8 @@ ingress as a 4xx JSON error.
 """
 from __future__ import annotations
 
+import enum
+import math
 import re
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +24,18 @@ class FieldError(ValueError):
     def __init__(self, param: str, message: str, status: int = 400, code: str = "invalid_value"):
         super().__init__(f"{param}: {message}")
         self.param, self.message, self.status, self.code = param, message, status, code
+
+
+class Quality(str, enum.Enum):
+    """OpenAI's image ``quality``: gpt-image's auto, low, medium and high, DALL·E 3's standard and hd. A
+    diffusion model's quality dial is its denoising steps: :meth:`Limits.steps_for`."""
+
+    AUTO = "auto"
+    LOW = "low"
+    MEDIUM = "medium"
+    HIGH = "high"
+    STANDARD = "standard"  # DALL·E 3's default: as auto
+    HD = "hd"  # DALL·E 3's finer one: as high
 
 
 class Limits(BaseModel):
@@ -49,6 +63,21 @@ class Limits(BaseModel):
     default_frames: int = Field(9, ge=1)
     # The frames per second of a video that names none (POST /v1/videos: seconds x fps + 1 frames).
     default_fps: int = Field(8, ge=1)
+    # An image request's quality "low" as a share of default_steps (rounded up, at least the model's fewest
+    # steps); "auto" and DALL·E 3's "standard" are default_steps. num_inference_steps, if given, wins.
+    quality_low: float = Field(0.5, gt=0.0, le=4.0)
+    # Quality "medium", the same way.
+    quality_medium: float = Field(0.75, gt=0.0, le=4.0)
+    # Quality "high" (and DALL·E 3's "hd"), the same way, at most max_steps.
+    quality_high: float = Field(1.0, gt=0.0, le=4.0)
+
+    def steps_for(self, quality: Quality, fewest: int = 1) -> int:
+        """The denoising steps of a request at ``quality`` that names none; ``fewest``: the model's minimum."""
+        share = {Quality.LOW: self.quality_low, Quality.MEDIUM: self.quality_medium, Quality.HIGH: self.quality_high,
+                 Quality.HD: self.quality_high}.get(Quality(quality))
+        if share is None:
+            return self.default_steps
+        return min(self.max_steps, max(fewest, math.ceil(share * self.default_steps)))
 
 
 def parse_size(size: str, facts: FamilyTraits, limits: Limits) -> tuple[int, int]:

@@ -109,7 +109,8 @@ def test_the_list_form_of_image_and_a_json_data_url_are_edits_too():
     ({"image": ("in.txt", b"not an image", "text/plain")}, "image", "not an image"),
     ({"image": ("big.png", png(200, 24), "image/png")}, "image", "pass 'size' to resize it"),
     ({"image": ("tiny.png", png(3, 3), "image/png")}, "image", "pass 'size' to resize it"),
-    ({"extra_body": {"quality": "high"}}, "quality", "Extra inputs are not permitted"),
+    ({"extra_body": {"input_fidelity": "high"}}, "input_fidelity", "Extra inputs are not permitted"),
+    ({"extra_body": {"background": "transparent"}}, "background", "opaque (RGB) images"),
     ({"size": "33x32"}, "size", "positive multiples of 4"),
 ])
 def test_what_an_edit_cannot_do_is_a_400_naming_the_field(kwargs, param, words):

@@ -101,11 +101,13 @@ def test_a_stage_failure_mid_stream_is_an_api_error_with_the_servers_message_and
 @pytest.mark.parametrize("kwargs, param", [
     ({"output_format": "png", "output_compression": 50}, "output_compression"),
     ({"partial_images": 2}, "partial_images"),  # previews are events: without stream there are none
-    ({"quality": "high"}, "quality"),  # gpt-image's field: not this server's
+    ({"background": "transparent"}, "background"),  # these models make opaque images
+    ({"style": "vivid"}, "style"),  # DALL·E 3's: nothing here it could change
 ])
 def test_fields_this_server_does_not_honour_are_a_400_naming_them(kwargs, param):
     with pytest.raises(openai.BadRequestError) as caught:
-        result = _client().images.generate(prompt="a fox", **kwargs)
+        extra = {"extra_body": {"style": kwargs.pop("style")}} if "style" in kwargs else {}
+        result = _client().images.generate(prompt="a fox", **kwargs, **extra)
         list(result) if kwargs.get("stream") else None
     assert caught.value.body["param"] == param, caught.value.body
 
@@ -135,3 +137,14 @@ def test_the_readmes_image_examples_run_as_printed_and_the_stream_ends_with_the_
     previews = [(tmp_path / f"fox-{i}.png").read_bytes() for i in (0, 1)]
     assert len({plain, *previews}) == 3 and all(_image(base64.b64encode(p)).size == (64, 64) for p in previews)
     assert capsys.readouterr().out.splitlines() == [f"step {k} of 8" for k in range(1, 9)]
+
+
+def test_gpt_image_clients_defaults_are_taken_and_quality_low_runs_fewer_steps():
+    # What gpt-image clients send by default (quality, background and moderation "auto") is a 200 with the
+    # deployment's default steps (2 here); "low" is half of them; an explicit num_inference_steps wins.
+    stages = FakeStages()
+    client = _client(stages)
+    client.images.generate(prompt="a fox", quality="auto", background="auto", moderation="auto", output_format="png")
+    client.images.generate(prompt="a fox", quality="low", background="opaque", moderation="low")
+    client.images.generate(prompt="a fox", quality="low", extra_body={"num_inference_steps": 3})
+    assert [spec.steps for spec in stages.specs.values()] == [2, 1, 3]
