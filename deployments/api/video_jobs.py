@@ -3,7 +3,8 @@
 A video is a job: ``POST /v1/videos`` answers at once with a queued video object, a runner in
 some ingress replica generates it (:mod:`deployments.jobs.runner`), clients poll
 ``GET /v1/videos/{id}`` (``progress`` follows the denoising steps) and download
-``GET /v1/videos/{id}/content`` (``?variant=thumbnail`` for the first frame as PNG).
+``GET /v1/videos/{id}/content`` (``?variant=thumbnail`` for the first frame as PNG, ``spritesheet`` for up to 16
+frames tiled as JPEG).
 ``DELETE /v1/videos/{id}`` cancels a queued or running job and removes its result.
 ``POST /v1/videos/{id}/remix`` and ``POST /v1/videos/edits`` queue a new job that edits a completed
 video's frames, or an uploaded video's, toward a new prompt (:mod:`deployments.api.video_edits`).
@@ -227,7 +228,7 @@ class VideoJobs:
         name = request.query_params.get("variant", Variant.VIDEO.value)
         if name not in {v.value for v in Variant}:
             return errors.field_error(FieldError("variant", f"{name!r} is not available; this server keeps "
-                                                            "'video' (mp4) and 'thumbnail' (png)"))
+                                                            "'video' (mp4), 'thumbnail' (png) and 'spritesheet' (jpeg)"))
         job = await self._job(video_id)
         if isinstance(job, JSONResponse):
             return job

@@ -1,6 +1,6 @@
 """Where finished videos live: a local directory, or any fsspec URL (``s3://bucket/videos``, ...).
 
-The runner (an ingress replica) writes a job's mp4 and thumbnail here; any ingress replica serves
+The runner (an ingress replica) writes a job's mp4, thumbnail and spritesheet here; any ingress replica serves
 them back; the job queue deletes them when the job is deleted or expires. A remix's source video is kept
 here too, by the remix's job id, from its creation until the remix is deleted or expires (so a rerun edits
 the same frames whatever became of the source job). So the location must be
@@ -28,14 +28,15 @@ class Variant(str, enum.Enum):
 
     VIDEO = "video"  # the H.264 mp4
     THUMBNAIL = "thumbnail"  # the first frame as PNG
+    SPRITESHEET = "spritesheet"  # up to 16 frames spread over the video, tiled, as JPEG (media.spritesheet_bytes)
 
     @property
     def suffix(self) -> str:
-        return ".mp4" if self is Variant.VIDEO else ".png"
+        return {Variant.VIDEO: ".mp4", Variant.THUMBNAIL: ".png", Variant.SPRITESHEET: ".jpg"}[self]
 
     @property
     def media_type(self) -> str:
-        return "video/mp4" if self is Variant.VIDEO else "image/png"
+        return {Variant.VIDEO: "video/mp4", Variant.THUMBNAIL: "image/png", Variant.SPRITESHEET: "image/jpeg"}[self]
 
 
 def result_key(job_id: str, attempt: int) -> str:

@@ -60,9 +60,10 @@ def progress_percent(step: int, total: int) -> int:
     return min(99, 100 * step // (total + 1))
 
 
-def encode_video(frames, fps: int) -> tuple[bytes, bytes]:
-    """(mp4, thumbnail PNG of the first frame)."""
-    return media.mp4_bytes(frames, fps), media.png_bytes(frames[0])
+def encode_video(frames, fps: int) -> dict[Variant, bytes]:
+    """The mp4, a PNG thumbnail of the first frame and a JPEG spritesheet."""
+    return {Variant.VIDEO: media.mp4_bytes(frames, fps), Variant.THUMBNAIL: media.png_bytes(frames[0]),
+            Variant.SPRITESHEET: media.spritesheet_bytes(frames)}
 
 
 class JobRunner:
@@ -213,12 +214,12 @@ class JobRunner:
 
         try:
             frames = await self.generate(await self._spec(job), on_progress)
-            video, thumbnail = await asyncio.to_thread(encode_video, frames, job.params.fps)
-            await asyncio.to_thread(self.results.put, key, Variant.VIDEO, video)
-            await asyncio.to_thread(self.results.put, key, Variant.THUMBNAIL, thumbnail)
+            assets = await asyncio.to_thread(encode_video, frames, job.params.fps)
+            for variant, data in assets.items():
+                await asyncio.to_thread(self.results.put, key, variant, data)
             if await self.queue.complete(job.id, lease, key):
                 logger.info("job %s done in %.2f s: %d B mp4 stored as %s", job.id, time.monotonic() - started,
-                            len(video), key)
+                            len(assets[Variant.VIDEO]), key)
             else:  # deleted while it ran: nobody will ask for this result
                 await asyncio.to_thread(self.results.delete, key)
         except asyncio.CancelledError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import io
+import math
 import os
 from dataclasses import dataclass
 
@@ -62,6 +63,32 @@ def image_bytes(image: torch.Tensor, fmt: ImageFormat, compression: int | None =
     buffer = io.BytesIO()
     options = {} if not fmt.lossy else {"quality": 100 if compression is None else compression}
     Image.fromarray(to_uint8(image)).save(buffer, format=fmt.value.upper(), **options)
+    return buffer.getvalue()
+
+
+# A spritesheet (OpenAI's ``variant=spritesheet``): up to 16 frames spread over the video, each at most 256 px
+# on its longer side, in a grid as square as the count allows (4 x 4 at 16), as one JPEG.
+SPRITESHEET_TILES = 16
+SPRITESHEET_TILE_SIDE = 256
+
+
+def spritesheet_bytes(video: torch.Tensor) -> bytes:
+    """Frames spread evenly from the first to the last of ``video`` (frames, H, W, 3), tiled row by row, JPEG."""
+    from PIL import Image
+
+    count = min(SPRITESHEET_TILES, video.shape[0])
+    picks = [round(i * (video.shape[0] - 1) / max(1, count - 1)) for i in range(count)]
+    height, width = video.shape[1:3]
+    shrink = min(1.0, SPRITESHEET_TILE_SIDE / max(height, width))
+    tile = (max(1, round(width * shrink)), max(1, round(height * shrink)))
+    columns = math.ceil(math.sqrt(count))
+    rows = math.ceil(count / columns)
+    sheet = Image.new("RGB", (columns * tile[0], rows * tile[1]))
+    for i, frame in enumerate(picks):
+        image = Image.fromarray(to_uint8(video[frame])).resize(tile, Image.Resampling.BILINEAR)
+        sheet.paste(image, ((i % columns) * tile[0], (i // columns) * tile[1]))
+    buffer = io.BytesIO()
+    sheet.save(buffer, format="JPEG", quality=90)
     return buffer.getvalue()
 
 

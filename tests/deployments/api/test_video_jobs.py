@@ -50,6 +50,10 @@ def test_a_job_is_queued_then_completes_with_an_mp4_of_the_asked_frames_and_size
             assert frames.shape == (9, 16, 32, 3), "2 s at 4 fps is 9 frames"
             thumb = await h.client.get(f"/v1/videos/{created['id']}/content", params={"variant": "thumbnail"})
             assert Image.open(io.BytesIO(thumb.content)).size == (32, 16)
+            sheet = await h.client.get(f"/v1/videos/{created['id']}/content", params={"variant": "spritesheet"})
+            assert sheet.headers["content-type"] == "image/jpeg"
+            with Image.open(io.BytesIO(sheet.content)) as tiles:  # all 9 frames, 3 by 3
+                assert (tiles.format, tiles.size) == ("JPEG", (3 * 32, 3 * 16))
 
     run(scenario())
 
@@ -219,7 +223,7 @@ def test_expired_jobs_and_their_results_are_deleted(tmp_path):
         async with harness(tmp_path) as h:
             video_id = (await _create(h))["id"]
             done = await h.wait_for(video_id)
-            assert len(_result_files(tmp_path)) == 2  # the mp4 and its thumbnail
+            assert len(_result_files(tmp_path)) == 3  # the mp4, its thumbnail and its spritesheet
             h.clock.now = done["expires_at"] - 1
             await asyncio.sleep(0.5)  # more than one sweep (every 20 polls of 20 ms)
             assert (await h.client.get(f"/v1/videos/{video_id}")).status_code == 200
@@ -342,7 +346,7 @@ def test_unknown_ids_unready_content_and_unknown_variants_get_openai_errors(tmp_
             video_id = (await _create(h))["id"]
             early = await h.client.get(f"/v1/videos/{video_id}/content")
             assert early.status_code == 409 and early.json()["error"]["code"] == "video_not_ready"
-            sheet = await h.client.get(f"/v1/videos/{video_id}/content", params={"variant": "spritesheet"})
+            sheet = await h.client.get(f"/v1/videos/{video_id}/content", params={"variant": "gif"})
             assert sheet.status_code == 400 and sheet.json()["error"]["param"] == "variant"
             polled = await h.client.get(f"/v1/videos/{video_id}")
             assert polled.headers["openai-poll-after-ms"] == "50"

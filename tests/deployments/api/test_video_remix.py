@@ -341,7 +341,7 @@ def test_an_expired_edit_takes_its_source_video_with_it(tmp_path):
             edit_id = response.json()["id"]
             done = await h.wait_for(edit_id)
             names = sorted(p.name for p in (tmp_path / "test-app-results").iterdir())
-            assert names == [f"{edit_id}-1.mp4", f"{edit_id}-1.png", f"{edit_id}.source.mp4"]
+            assert names == [f"{edit_id}-1.jpg", f"{edit_id}-1.mp4", f"{edit_id}-1.png", f"{edit_id}.source.mp4"]
             h.clock.now = done["expires_at"]
             for _ in range(100):
                 if not any((tmp_path / "test-app-results").iterdir()):
@@ -364,5 +364,28 @@ def test_an_edit_whose_source_video_vanished_fails_saying_so(tmp_path):
             failed = await h.wait_for(job.id)
             assert failed["status"] == "failed" and "SourceVideoGone" in failed["error"]["message"], failed
             assert "the source video of" in failed["error"]["message"]
+
+    run(scenario())
+
+
+def test_a_remix_keeps_its_sources_adapter_unless_it_names_another_or_only_a_scale(tmp_path):
+    from deployments.models.lora_rows import ServedLora
+
+    loras = (ServedLora("ink", "/srv/loras/ink.safetensors", 0.8), ServedLora("neon", "/srv/loras/neon", 1.0))
+
+    async def scenario():
+        pipeline = SeeingPipeline()
+        async with harness(tmp_path, pipeline=pipeline, loras=loras) as h:
+            created = await h.client.post("/v1/videos", json={"prompt": "waves", **SOURCE, "lora": "ink",
+                                                              "lora_scale": 0.5})
+            source_id = created.json()["id"]
+            await h.wait_for(source_id)
+            seen = []
+            for extra in ({}, {"lora_scale": 1.5}, {"lora": "neon"}, {"lora": None}):
+                remix = await h.client.post(f"/v1/videos/{source_id}/remix", json={"prompt": "x", **extra})
+                assert remix.status_code == 200, remix.text
+                await h.wait_for(remix.json()["id"])
+                seen.append((pipeline.specs[-1].lora, pipeline.specs[-1].lora_scale if pipeline.specs[-1].lora else None))
+            assert seen == [("ink", 0.5), ("ink", 1.5), ("neon", 1.0), (None, None)]
 
     run(scenario())

@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -63,3 +64,28 @@ def test_an_mp4_the_encoder_left_unfinished_is_an_error_naming_the_missing_box(m
     moov_at = whole.index(b"moov") - 4
     with pytest.raises(media.VideoEncodeError, match="no moov box"):
         media.check_mp4(whole[:moov_at])
+
+
+def test_a_spritesheet_tiles_sixteen_frames_spread_from_the_first_to_the_last_at_most_256_px_a_side():
+    video = torch.zeros(81, 480, 832, 3)
+    for f in range(81):
+        video[f, :, :, 0] = f / 80  # each frame's red level says which frame it is
+    with Image.open(io.BytesIO(media.spritesheet_bytes(video))) as sheet:
+        assert (sheet.format, sheet.size) == ("JPEG", (4 * 256, 4 * 148))
+        reds = [sheet.getpixel((c * 256 + 128, r * 148 + 74))[0] for r in range(4) for c in range(4)]
+    expected = [round(round(i * 80 / 15) / 80 * 255) for i in range(16)]  # frames 0, 5, 11, ..., 80
+    assert all(abs(a - b) <= 3 for a, b in zip(reds, expected)), (reds, expected)
+
+
+def test_a_video_edits_frames_decode_as_the_encoder_wrote_them_and_a_short_video_says_how_many_it_has():
+    video = torch.linspace(0.1, 0.9, 5).view(5, 1, 1, 1).expand(5, 32, 48, 3).contiguous()  # a grey level a frame
+    data = media.mp4_bytes(video, 4)
+    frames = media.video_frames(data, 5)
+    assert frames.shape == (5, 32, 48, 3)
+    assert np.abs(frames.astype(int) - media.to_uint8(video)).max() <= 3, "in order, each within H.264's rounding"
+    assert media.video_frames(data, 3, (16, 16)).shape == (3, 16, 16, 3)
+    assert media.count_frames(data, 100, (48, 32)) == 5
+    probe = media.video_probe(data)
+    assert (probe.width, probe.height, probe.fps, probe.codec) == (48, 32, 4.0, "h264")
+    with pytest.raises(media.VideoDecodeError, match="has 5 frames, 9 asked for"):
+        media.video_frames(data, 9)
