@@ -71,11 +71,13 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
                          jobs, service.generate, config.retry_after_s, stages.failure, service.admissions)
     if serving is not None:  # inside the Guard (added after): a request without the token is still a 401
         api.add_middleware(NotServingGate, check=serving, retry_after_s=config.retry_after_s,
-                           paths=frozenset({IMAGES, EDITS, VIDEOS, video_jobs.CREATE, video_jobs.VIDEO_EDITS}),
+                           paths=frozenset({IMAGES, EDITS, VIDEOS, video_jobs.CREATE, video_jobs.VIDEO_EDITS,
+                                            video_jobs.VIDEO_EXTENSIONS}),
                            patterns=(video_jobs.REMIX,))
     guard = GuardConfig(config.api_token, config.cors_origins, ((IMAGES, JSON_TYPES), (VIDEOS, JSON_TYPES),
                                                                 (EDITS, FORM_TYPES),
                                                                 (video_jobs.CREATE, video_jobs.CREATE_TYPES),
-                                                                (video_jobs.VIDEO_EDITS, FORM_TYPES)))
+                                                                (video_jobs.VIDEO_EDITS, FORM_TYPES),
+                                                                (video_jobs.VIDEO_EXTENSIONS, FORM_TYPES)))
     api.add_middleware(Guard, config=guard)
     return api

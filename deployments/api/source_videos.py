@@ -13,6 +13,9 @@ Run by the ingress replica, on a worker thread (the decode blocks).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+
+import numpy as np
 
 from deployments.capacity.request_limits import FieldError, Limits, parse_size
 from deployments.models.families import FamilyTraits
@@ -33,13 +36,17 @@ class SourceShape:
 
     width: int
     height: int
-    frames: int  # frames that decode, at most the configured max_frames
+    frames: int  # frames that decode, at most the most asked for
     fps: int  # the video's, rounded
+    last: np.ndarray | None = dataclass_field(default=None, compare=False, repr=False)  # its last frame, if asked
 
 
-def check_source_video(data: bytes, size: str | None, facts: FamilyTraits, limits: Limits) -> SourceShape:
-    """The upload's shape at ``size`` (None or ``auto``: its own, rounded down to the model's multiple), or a
-    :class:`FieldError` naming ``video`` (or ``size``)."""
+def check_source_video(data: bytes, size: str | None, facts: FamilyTraits, limits: Limits,
+                       most: int | None = None, whole: bool = False) -> SourceShape:
+    """The upload's shape at ``size`` (None or ``auto``: its own, rounded down to the model's multiple), its
+    frames counted up to ``most`` (None: ``limits.max_frames``), or a :class:`FieldError` naming ``video`` (or
+    ``size``). ``whole``: the video must end within ``most`` frames (an extension goes on from its last,
+    which :attr:`SourceShape.last` then holds)."""
     if not data:
         raise FieldError("video", "is empty")
     if len(data) > MAX_SOURCE_VIDEO_BYTES:
@@ -60,13 +67,19 @@ def check_source_video(data: bytes, size: str | None, facts: FamilyTraits, limit
     if not 1 <= fps <= 60:
         raise FieldError("video", f"runs at {probe.fps:g} frames per second; send 1 to 60")
     width, height = _edit_size(probe, size, facts, limits)
+    most = limits.max_frames if most is None else most
     try:
-        frames = media.count_frames(data, limits.max_frames, (width, height))
+        if whole:  # one frame past the most tells a video that goes on
+            frames, last = media.last_frame(data, most + 1, (width, height))
+        else:
+            frames, last = media.count_frames(data, most, (width, height)), None
     except media.VideoDecodeError as exc:
         raise FieldError("video", str(exc)) from None
     if frames < 1:
         raise FieldError("video", "has no frame that decodes")
-    return SourceShape(width, height, frames, fps)
+    if frames > most:
+        raise FieldError("video", f"has more than {most} frames; this server extends videos of at most {most}")
+    return SourceShape(width, height, frames, fps, last)
 
 
 def _edit_size(probe: media.VideoProbe, size: str | None, facts: FamilyTraits, limits: Limits) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""Video edits as jobs: the bodies of ``POST /v1/videos/{id}/remix`` and ``POST /v1/videos/edits``, to :class:`JobParams`.
+"""Video edits as jobs: the bodies of ``POST /v1/videos/{id}/remix``, ``POST /v1/videos/edits`` and
+``POST /v1/videos/extensions``, to :class:`JobParams`.
 
 A remix (OpenAI's ``videos.remix(video_id, prompt=...)``) edits a completed job's video toward a new prompt;
 ``POST /v1/videos/edits`` (``videos.edit(prompt=..., video=...)``) edits an uploaded video
@@ -11,10 +12,15 @@ remix. Either runs the family's video-to-video pipeline (``WanVideoToVideoPipeli
 - The body's extras override those; ``strength`` (0-1, the pipeline's default 0.8) is how far the edit may
   go from the source (:func:`edit_params`).
 
+An extension (OpenAI's ``videos.extend(prompt=..., seconds=..., video=...)``) goes on from a video's last frame
+for ``seconds`` more, on the families that make a video from an image (``video-extend``): the family's
+image-to-video generation from that frame, after the source's frames (:func:`extend_params`).
+
 Run by the ingress replica.
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
@@ -127,3 +133,69 @@ def _lora(given: dict, base: EditBase) -> dict:
     if "lora" in given:
         return {"lora": given["lora"], "lora_scale": given.get("lora_scale")}
     return {"lora": base.lora, "lora_scale": given.get("lora_scale", base.lora_scale)}
+
+
+# The runner holds an extension's whole video as 8-bit frames: twice the frames one request makes (162 frames of
+# 832x480 at the default 81: 194 MB) bounds what one job makes it hold.
+EXTENDED_SOURCE_FRAMES = 2
+
+
+class VideoExtendRequest(BaseModel):
+    """OpenAI's ``prompt``, ``seconds`` (the new part's length) and ``video``, and this project's extras."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: Text
+    seconds: Text
+    model: Text | None = None
+    user: Text | None = Field(None, max_length=MAX_USER_CHARS)  # accepted and ignored
+    video: object | None = None  # the uploaded file's bytes, or {"id": "video_..."} (video_jobs reads which)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, ge=0.0, le=100.0)
+    negative_prompt: Text | None = None
+    lora: Text | None = Field(None, max_length=128)
+    lora_scale: float | None = Field(None, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
+
+
+@dataclass(frozen=True)
+class ExtendedSource:
+    """What an extension goes on from: its source's size, frame rate and frames, and its last frame as PNG."""
+
+    width: int
+    height: int
+    fps: int
+    frames: int
+    last_frame: bytes = dataclasses.field(repr=False)
+
+
+def check_video_extends(facts: FamilyTraits) -> None:
+    """:class:`FieldError` naming ``model`` unless the family extends videos (``video-extend`` in ``/v1/models``)."""
+    if "video-extend" not in facts.modalities:
+        raise FieldError("model", f"the {facts.family.value} model family does not extend videos (it makes "
+                                  f"{', '.join(facts.modalities)}): an extension is an image-to-video generation "
+                                  "from the video's last frame")
+
+
+def extend_params(req: VideoExtendRequest, source: ExtendedSource, facts: FamilyTraits, limits: Limits,
+                  model_id: str, loras: Sequence[ServedLora] = ()) -> JobParams:
+    """The extension job's parameters: ``seconds`` more at the source's size and frame rate, from its last frame,
+    or :class:`FieldError` naming the first bad field. The source video is kept beside the job's results."""
+    check_video_extends(facts)
+    frames = frames_for(req.seconds, source.fps, facts.temporal_factor)
+    as_sync = VideoRequest(prompt=req.prompt, model=req.model, size=f"{source.width}x{source.height}", seed=req.seed,
+                           num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale,
+                           negative_prompt=req.negative_prompt, num_frames=frames, fps=source.fps, lora=req.lora,
+                           lora_scale=req.lora_scale)
+    try:
+        spec = video_spec(as_sync, facts, limits, model_id, source.last_frame, loras)
+    except FieldError as exc:
+        if exc.param != "num_frames":
+            raise
+        raise FieldError("seconds", f"{req.seconds} s at the video's {source.fps} fps is {frames} frames; this "
+                                    f"server makes at most {limits.max_frames} at once") from None
+    total = source.frames + spec.num_frames - 1
+    return JobParams(spec.prompt, spec.negative_prompt, spec.width, spec.height, spec.num_frames, source.fps,
+                     spec.steps, spec.guidance_scale, spec.seed, format_seconds(total, source.fps),
+                     base64.b64encode(source.last_frame).decode(), spec.lora, spec.lora_scale, source_video=True,
+                     extends=True, source_frames=source.frames)

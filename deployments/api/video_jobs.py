@@ -7,7 +7,8 @@ some ingress replica generates it (:mod:`deployments.jobs.runner`), clients poll
 frames tiled as JPEG).
 ``DELETE /v1/videos/{id}`` cancels a queued or running job and removes its result.
 ``POST /v1/videos/{id}/remix`` and ``POST /v1/videos/edits`` queue a new job that edits a completed
-video's frames, or an uploaded video's, toward a new prompt (:mod:`deployments.api.video_edits`).
+video's frames, or an uploaded video's, toward a new prompt; ``POST /v1/videos/extensions`` one that goes on
+from its last frame (:mod:`deployments.api.video_edits`).
 
 :func:`mount` adds the routes to the app :func:`deployments.api.routes.build_api` makes (its guard
 checks the bearer token and the content types first) and starts this replica's runner over the
@@ -29,15 +30,7 @@ from pydantic import ValidationError
 from deployments.api import errors
 from deployments.api.body import FORM_TYPES, read_fields
 from deployments.api.reference_images import MAX_REFERENCE_BYTES
-from deployments.api.source_videos import MAX_SOURCE_VIDEO_BYTES, check_source_video
-from deployments.api.video_edits import (
-    EditBase,
-    VideoEditRequest,
-    check_video_edits,
-    edit_params,
-    remix_base,
-    upload_base,
-)
+from deployments.api.video_edit_jobs import JOB_ID, VideoEditJobs
 from deployments.api.video_requests import VideoJobRequest, job_params
 from deployments.capacity.admission import StageAdmission, memory_refusal
 from deployments.capacity.request_limits import FieldError, Limits
@@ -55,9 +48,9 @@ router = APIRouter()
 
 CREATE = "/v1/videos"
 CREATE_TYPES = FORM_TYPES
-JOB_ID = re.compile(r"^video_[0-9a-f]{24}$")
 REMIX = re.compile(r"/v1/videos/video_[0-9a-f]{24}/remix")  # POST, a remix of that video (matched whole)
 VIDEO_EDITS = "/v1/videos/edits"
+VIDEO_EXTENSIONS = "/v1/videos/extensions"
 # A create body is a prompt or two (2,000 characters each by default) and a few numbers.
 MAX_CREATE_BYTES = 256 * 1024
 MAX_LIST_LIMIT = 100
@@ -85,7 +78,7 @@ class JobsBackend:
     generate: Generate | None = None
 
 
-class VideoJobs:
+class VideoJobs(VideoEditJobs):
     """One ingress replica's side of the jobs API: the queue, the results, and this replica's runner."""
 
     def __init__(self, config: VideoJobsConfig, queue: JobQueue, results: ResultFolder, runner: JobRunner,
@@ -109,58 +102,6 @@ class VideoJobs:
         except FieldError as exc:
             return errors.field_error(exc)
 
-    async def remix(self, request: Request, video_id: str | None = None):
-        """``POST /v1/videos/{video_id}/remix``; without ``video_id``, ``POST /v1/videos/edits``, whose
-        ``video`` is an upload or names a completed video (``{"id": ...}``; ``video[id]`` in a form)."""
-        self._started()
-        cfg = self.config
-        try:
-            fields = await read_fields(request, ("video",), MAX_CREATE_BYTES,
-                                       0 if video_id else MAX_SOURCE_VIDEO_BYTES)
-            named = _named_video(fields)
-            req = VideoEditRequest.model_validate(fields)
-            check_video_edits(cfg.facts)
-            base, source, video_id = await self._edit_source(req, video_id, named)
-            params = edit_params(req, base, cfg.facts, cfg.limits, cfg.model_id, cfg.loras, video_id)
-            return await self._queued(params, source)
-        except ValidationError as exc:
-            return errors.validation_error(exc)
-        except FieldError as exc:
-            return errors.field_error(exc)
-
-    async def _edit_source(self, req: VideoEditRequest, in_path: str | None,
-                           named: str | None) -> tuple[EditBase, bytes, str | None]:
-        """What an edit starts from: its base, its source's mp4, and the completed video it remixes (None: an
-        upload, checked here)."""
-        if in_path is not None:
-            if named is not None or req.video is not None:
-                raise FieldError("video", f"a remix edits the video in its path ({in_path}); send no 'video'")
-            named = in_path
-        if named is not None:
-            job, source = await self._source(named)
-            return remix_base(req, job), source, named
-        if not isinstance(req.video, bytes):
-            raise FieldError("video", "required: the video to edit, an mp4 file (multipart/form-data), or a "
-                                      "completed video of this server as {'id': 'video_...'}")
-        shape = await asyncio.to_thread(check_source_video, req.video, req.size, self.config.facts, self.config.limits)
-        return upload_base(req, shape, self.config.facts), req.video, None
-
-    async def _source(self, video_id: str) -> tuple[VideoJob, bytes]:
-        """A remix's source job and its mp4, or :class:`FieldError` naming ``video_id`` (404: none; 409: not
-        completed)."""
-        job = await self.queue.get(video_id) if JOB_ID.match(video_id) else None
-        if job is None:
-            raise FieldError("video_id", f"no video {video_id!r} (never created, deleted, or expired)", 404,
-                             "video_not_found")
-        if job.status is not JobStatus.COMPLETED or job.result_key is None:
-            raise FieldError("video_id", f"video {video_id} is {job.status.value}; a remix starts from a completed "
-                                         "video", 409, "video_not_ready")
-        video = await asyncio.to_thread(self.results.get, job.result_key, Variant.VIDEO)
-        if video is None:
-            raise FieldError("video_id", f"the video of {video_id} is gone (expired or deleted)", 404,
-                             "video_not_found")
-        return job, video
-
     async def _queued(self, params: JobParams, source: bytes | None = None) -> JSONResponse:
         """A new job of ``params`` (an edit's: with its ``source`` video, kept beside its results), once the
         stage replicas could hold it (else :class:`FieldError`)."""
@@ -173,10 +114,15 @@ class VideoJobs:
         job_id = new_job_id(now)
         if source is not None:  # before the job exists: a runner may claim it at once
             await asyncio.to_thread(self.results.put_source, job_id, source)
-            logger.info("job %s edits %s (%d B) at strength %g: %d of %d steps on %d frames at %dx%d", job_id,
-                        params.remixed_from or "an uploaded video", len(source), params.strength,
-                        params_spec(params, job_id).run_steps, params.steps, params.num_frames, params.width,
-                        params.height)
+            if params.extends:
+                logger.info("job %s extends a video (%d B) of %d frames by %d from its last, at %dx%d, %d fps",
+                            job_id, len(source), params.source_frames, params.num_frames - 1, params.width,
+                            params.height, params.fps)
+            else:
+                logger.info("job %s edits %s (%d B) at strength %g: %d of %d steps on %d frames at %dx%d", job_id,
+                            params.remixed_from or "an uploaded video", len(source), params.strength,
+                            params_spec(params, job_id).run_steps, params.steps, params.num_frames, params.width,
+                            params.height)
         try:
             job = await self.queue.create(new_job(job_id, cfg.model_id, params, int(now)))
         except BaseException:
@@ -253,26 +199,6 @@ class VideoJobs:
         return {"id": job.id, "object": "video.deleted", "deleted": True}
 
 
-def _named_video(fields: dict) -> str | None:
-    """The completed video a body names (``{"id": ...}`` in JSON, ``video[id]`` in a form), taken out of
-    ``fields``; None where it names none (an upload, or no video)."""
-    in_form = fields.pop("video[id]", None)
-    given = fields.get("video")
-    if in_form is not None:
-        if given is not None:
-            raise FieldError("video", "send 'video' or 'video[id]', not both")
-        return str(in_form)
-    if isinstance(given, dict):
-        if set(given) != {"id"} or not isinstance(given["id"], str):
-            raise FieldError("video", "names a video as {'id': 'video_...'}, nothing else")
-        del fields["video"]
-        return given["id"]
-    if given is not None and not isinstance(given, bytes):
-        raise FieldError("video", f"must be an mp4 file (multipart/form-data) or {{'id': 'video_...'}}, got "
-                                  f"{type(given).__name__}")
-    return None
-
-
 def mount(api: FastAPI, config: VideoJobsConfig, backend: JobsBackend, generate, retry_after_s: float,
           failures: FailureSorter, admissions: Admissions | None = None) -> VideoJobs:
     """Add the Videos API to ``api`` and start this replica's runner; ``generate`` is the
@@ -321,6 +247,11 @@ async def create_video(request: Request, jobs: VideoJobs = Depends(current_jobs)
 @router.post(VIDEO_EDITS)
 async def edit_video(request: Request, jobs: VideoJobs = Depends(current_jobs)):
     return await _answer(jobs, jobs.remix(request))
+
+
+@router.post(VIDEO_EXTENSIONS)
+async def extend_video(request: Request, jobs: VideoJobs = Depends(current_jobs)):
+    return await _answer(jobs, jobs.extend(request))
 
 
 @router.post("/v1/videos/{video_id}/remix")

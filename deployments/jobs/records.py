@@ -72,6 +72,16 @@ class JobParams:
     source_video: bool = False
     strength: float | None = None
     remixed_from: str | None = None
+    # An extension (POST /v1/videos/extensions): its source's frames (kept as above) go before the frames it
+    # makes from the source's last frame (``reference_image``) without that first one; ``num_frames`` are the
+    # frames it makes, ``seconds`` the whole video's.
+    extends: bool = False
+    source_frames: int = 0
+
+    @property
+    def video_frames(self) -> int:
+        """The frames of the finished video: an extension's source's and its own but the first."""
+        return self.num_frames + (self.source_frames - 1 if self.extends else 0)
 
 
 @dataclass(frozen=True)

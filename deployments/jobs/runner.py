@@ -19,6 +19,8 @@ import logging
 import time
 from typing import Awaitable, Callable
 
+import numpy as np
+
 from deployments.jobs.queue import JobQueue, JobsArgs
 from deployments.jobs.records import JobError, JobParams, VideoJob
 from deployments.jobs.results import ResultFolder, Variant, result_key
@@ -214,6 +216,9 @@ class JobRunner:
 
         try:
             frames = await self.generate(await self._spec(job), on_progress)
+            prefix = await self._extended(job)
+            if prefix is not None:  # an extension's first frame is the source's last: it stands once
+                frames = np.concatenate([prefix, media.to_uint8(frames[1:])])
             assets = await asyncio.to_thread(encode_video, frames, job.params.fps)
             for variant, data in assets.items():
                 await asyncio.to_thread(self.results.put, key, variant, data)
@@ -236,12 +241,24 @@ class JobRunner:
 
     async def _spec(self, job: VideoJob) -> GenerationSpec:
         """The job's generation: a remix's with its source video, read from the results location."""
-        if not job.params.source_video:
+        if not job.params.source_video or job.params.extends:
             return params_spec(job.params, job.id)
+        return params_spec(job.params, job.id, await self._source(job))
+
+    async def _extended(self, job: VideoJob) -> np.ndarray | None:
+        """An extension's source frames at the job's size, 8-bit (the whole video is held so: 162 frames of
+        832x480 are 194 MB); None for any other job."""
+        p = job.params
+        if not p.extends:
+            return None
+        return await asyncio.to_thread(media.video_frames, await self._source(job), p.source_frames,
+                                       (p.width, p.height))
+
+    async def _source(self, job: VideoJob) -> bytes:
         source = await asyncio.to_thread(self.results.get_source, job.id)
         if source is None:
             raise SourceVideoGone(f"the source video of {job.id} is gone from {self.results.url}")
-        return params_spec(job.params, job.id, source)
+        return source
 
     async def _failed(self, job: VideoJob, lease: str, exc: Exception) -> None:
         kind = self.failures(exc).kind

@@ -71,7 +71,8 @@ class FamilyTraits:
     default_guidance: float
     # The folder's diffusers pipeline class (model_index.json's _class_name).
     pipeline_class: str = ""
-    # What it serves, as /v1/models lists it: "image", "image-edit", "image-inpaint", "video", "video-edit", "image-to-video".
+    # What it serves, as /v1/models lists it: "image", "image-edit", "image-inpaint", "video", "video-edit",
+    # "image-to-video", "video-extend".
     modalities: tuple[str, ...] = ("image",)
     # The denoiser's transformers: one runs per step (Wan2.2 A14B: high noise, then low noise).
     experts: tuple[str, ...] = ("transformer",)
@@ -164,8 +165,9 @@ class FamilyAdapter:
         return None
 
     def modalities(self, index: Mapping) -> tuple[str, ...]:
-        """What a folder of this family with ``model_index.json`` ``index`` serves, as ``/v1/models`` lists it."""
-        return self.serves
+        """What a folder of this family with ``model_index.json`` ``index`` serves, as ``/v1/models`` lists it.
+        A family that makes a video from an image extends one from its last frame (``video-extend``)."""
+        return self.serves + (("video-extend",) if "image-to-video" in self.serves else ())
 
     def facts(self, folder: pathlib.Path, index: Mapping) -> FamilyTraits:
         raise NotImplementedError

@@ -43,7 +43,10 @@ class VideoEncodeError(RuntimeError):
     """The encoder's output is not a whole mp4 (ffmpeg died, or stopped early); names what is missing."""
 
 
-def to_uint8(frames: torch.Tensor) -> np.ndarray:
+def to_uint8(frames: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Float frames in [0, 1] as 8-bit pixels; 8-bit pixels (a decoded video's) as they are."""
+    if isinstance(frames, np.ndarray) and frames.dtype == np.uint8:
+        return frames
     # The same rounding as diffusers' numpy_to_pil, so PNGs match the pipeline's PIL output.
     return (frames.numpy() * 255).round().astype("uint8")
 
@@ -155,6 +158,15 @@ def video_frames(data: bytes, count: int, size: tuple[int, int] | None = None) -
 def count_frames(data: bytes, most: int, size: tuple[int, int]) -> int:
     """How many frames decode (at most ``most``), each scaled to ``size``: one frame held at a time."""
     return sum(1 for _ in _frames(data, most, size))
+
+
+def last_frame(data: bytes, most: int, size: tuple[int, int]) -> tuple[int, np.ndarray | None]:
+    """(how many frames decode, at most ``most``; the last of them, (H, W, 3) uint8, or None if none does),
+    each scaled to ``size``: one frame held at a time."""
+    count, last = 0, None
+    for count, last in enumerate(_frames(data, most, size), start=1):
+        pass
+    return count, last
 
 
 def check_mp4(data: bytes) -> None:

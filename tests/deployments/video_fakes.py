@@ -20,6 +20,7 @@ from deployments.jobs.queue import InProcessJobQueue, JobQueueService, JobsArgs
 from deployments.jobs.runner import JobRunner
 from deployments.wire.spec import DenoiseProgress, GenerationSpec
 from tests.deployments.fakes import FakeBoard, FakeStages, fake_config
+from zoo.tiny import ensure_tiny_wan
 
 MODEL = "tiny-wan"
 LIMITS = Limits(max_width=64, max_height=64, max_steps=50, max_n=2, max_prompt_chars=200, max_frames=9,
@@ -86,10 +87,10 @@ def jobs_args(tmp_path, **overrides) -> JobsArgs:
 @contextlib.asynccontextmanager
 async def harness(tmp_path, token: str | None = None, pipeline: FakePipeline | None = None,
                   stages: FakeStages | None = None, board: FakeBoard | None = None, loras: tuple = (),
-                  **arg_overrides):
+                  folder=None, **arg_overrides):
     """The whole HTTP API (guard, error handlers, routes) as :func:`build_api` makes it, over the
     jobs backend in-process. The runner drives ``pipeline``, or with ``stages`` the service's own
-    encode -> denoise -> decode over them."""
+    encode -> denoise -> decode over them; ``folder``: the zoo model the API validates as (the tiny Wan)."""
     args = jobs_args(tmp_path, **arg_overrides)
     clock = Clock()
     service = JobQueueService("test-app", args)
@@ -97,7 +98,8 @@ async def harness(tmp_path, token: str | None = None, pipeline: FakePipeline | N
     pipeline = None if stages is not None else pipeline or FakePipeline()
     backend = video_jobs.JobsBackend(InProcessJobQueue(service), service.results, "test-runner", pipeline)
     # No Retry-After wait on overload: the clock is frozen (test_jobs pins the wait itself).
-    config = dataclasses.replace(fake_config(token), limits=LIMITS, jobs=args, retry_after_s=0, loras=loras)
+    config = dataclasses.replace(fake_config(token, folder=folder or ensure_tiny_wan), limits=LIMITS, jobs=args,
+                                 retry_after_s=0, loras=loras)
     api = build_api(config, stages or FakeStages(), board or FakeBoard(), backend)
     jobs: video_jobs.VideoJobs = api.state.video_jobs
     jobs.clock = clock

@@ -50,6 +50,7 @@ def test_while_a_stage_is_down_models_say_not_serving_and_new_work_is_refused_at
                        ("/v1/videos/generations", {"prompt": "a fox"}),
                        ("/v1/videos", {"prompt": "waves", "seconds": "1"}),
                        ("/v1/videos/edits", {"prompt": "waves", "video": {"id": "video_" + "0" * 24}}),
+                       ("/v1/videos/extensions", {"prompt": "waves", "seconds": "1", "video": {"id": "x"}}),
                        ("/v1/videos/video_" + "0" * 24 + "/remix", {"prompt": "waves"})):
         response = client.post(path, json=body)
         assert _error(response, 503)["code"] == "stage_not_running", path

@@ -63,16 +63,16 @@ def uploads(draw) -> bytes:
 def requests(draw) -> dict:
     video_id = draw(st.sampled_from(IDS))
     kind = draw(st.sampled_from(["create_json", "create_json", "create_form", "retrieve", "content", "list",
-                                 "delete", "other_method", "remix", "edit_json", "edit_upload"]))
+                                 "delete", "other_method", "remix", "edit_json", "edit_upload", "extend_upload"]))
     if kind in ("remix", "edit_json"):
         url = f"/v1/videos/{video_id}/remix" if kind == "remix" else "/v1/videos/edits"
         return {"method": "POST", "url": url, "content": json.dumps(draw(_edit_bodies)).encode(),
                 "headers": {"Content-Type": "application/json"}}
-    if kind == "edit_upload":
+    if kind in ("edit_upload", "extend_upload"):
         fields = {k: v if isinstance(v, str) else json.dumps(v) for k, v in draw(_edit_bodies).items() if k != "video"}
         fields = {k: (None, v.encode("utf-8", "surrogatepass").decode("utf-8", "replace")) for k, v in fields.items()}
-        return {"method": "POST", "url": "/v1/videos/edits",
-                "files": {**fields, "video": ("clip.mp4", draw(uploads()), "video/mp4")}}
+        url = "/v1/videos/edits" if kind == "edit_upload" else "/v1/videos/extensions"
+        return {"method": "POST", "url": url, "files": {**fields, "video": ("clip.mp4", draw(uploads()), "video/mp4")}}
     if kind == "create_json":
         return {"method": "POST", "url": "/v1/videos", "content": json.dumps(draw(_bodies)).encode(),
                 "headers": {"Content-Type": draw(st.sampled_from(["application/json", "text/plain", ""]))}}

@@ -309,9 +309,9 @@ def test_an_upload_that_is_not_a_video_this_server_edits_is_a_400_naming_video(t
 
 
 def test_an_upload_over_the_bound_is_a_413_before_anything_reads_it(tmp_path, monkeypatch):
-    from deployments.api import video_jobs
+    from deployments.api import video_edit_jobs
 
-    monkeypatch.setattr(video_jobs, "MAX_SOURCE_VIDEO_BYTES", 10_000)
+    monkeypatch.setattr(video_edit_jobs, "MAX_SOURCE_VIDEO_BYTES", 10_000)
 
     async def scenario():
         async with harness(tmp_path) as h:

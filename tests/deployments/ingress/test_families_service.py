@@ -68,7 +68,7 @@ def _data_url(png: bytes) -> str:
 def test_the_openai_client_makes_a_video_from_a_reference_file_and_a_data_url_makes_the_same(app):
     client, http = app
     (model,) = http.get("/v1/models").json()["data"]
-    assert (model["family"], model["modalities"]) == ("wan-i2v", ["image-to-video"])
+    assert (model["family"], model["modalities"]) == ("wan-i2v", ["image-to-video", "video-extend"])
     video = client.videos.create_and_poll(prompt="a red cat", seconds="1", size="16x16", poll_interval_ms=100,
                                           input_reference=("ref.png", _png(), "image/png"), extra_body=EXTRA)
     assert video.status == "completed", video.error
@@ -111,3 +111,28 @@ def test_residency_lists_both_experts_each_streamed_one_at_a_time(app):
     # One expert's working set at a time: the plan peaks in one expert's phase, and the replica measured it.
     assert "in stage denoise:transformer" in denoiser["plan"][0], denoiser["plan"][0]
     assert denoiser["last_device_peak_bytes"] == denoiser["predicted_peak_bytes"]
+
+
+def test_an_extension_through_serve_is_the_source_then_the_pipelines_video_from_its_last_frame(app):
+    import numpy as np
+    import torch
+
+    from deployments.models import families
+    from deployments.wire import media
+    from deployments.wire.spec import GenerationSpec
+
+    client, _ = app
+    unguided = {**EXTRA, "guidance_scale": 1.0}  # the staged result is then the pipeline's bit for bit
+    video = client.videos.create_and_poll(prompt="a red cat", seconds="1", size="16x16", poll_interval_ms=100,
+                                          input_reference=("ref.png", _png(), "image/png"), extra_body=unguided)
+    source = client.videos.download_content(video.id).content
+    extended = client.videos.extend(prompt="a red cat sleeps", seconds="1", video=("cat.mp4", source, "video/mp4"),
+                                    extra_body={"seed": 4, "num_inference_steps": 4, "guidance_scale": 1.0})
+    extended = client.videos.poll(extended.id, poll_interval_ms=100)
+    assert (extended.status, extended.seconds, extended.size) == ("completed", "2", "16x16"), extended
+    frames = media.video_frames(source, 5, (16, 16))
+    facts = families.read_family_traits(ensure_tiny_wan22_i2v())
+    spec = GenerationSpec("r", "a red cat sleeps", None, 16, 16, 5, 4, 1.0, 4, 1, media.png_bytes(frames[-1]))
+    made = families.reference_frames(families.load_full_pipeline(facts, torch.float32), facts, spec)[0]
+    expected = media.mp4_bytes(np.concatenate([frames, media.to_uint8(made[1:])]), 4)
+    assert client.videos.download_content(extended.id).content == expected, "5 + 4 frames: 2 s at 4 fps"
