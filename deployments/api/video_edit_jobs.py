@@ -74,7 +74,7 @@ class VideoEditJobs:
             named = in_path
         if named is not None:
             job, source = await self._source(named)
-            return remix_base(req, job), source, named
+            return remix_base(req, job, self.config.limits), source, named
         if not isinstance(req.video, bytes):
             raise FieldError("video", "required: the video to edit, an mp4 file (multipart/form-data), or a "
                                       "completed video of this server as {'id': 'video_...'}")
@@ -116,15 +116,15 @@ class VideoEditJobs:
         return ExtendedSource(shape.width, shape.height, shape.fps, shape.frames, media.png_bytes(shape.last)), req.video
 
     async def _source(self, video_id: str) -> tuple[VideoJob, bytes]:
-        """A remix's source job and its mp4, or :class:`FieldError` naming ``video_id`` (404: none; 409: not
-        completed)."""
+        """An edit's (or extension's) source job and its mp4, or :class:`FieldError` naming ``video_id`` (404:
+        none; 409: not completed)."""
         job = await self.queue.get(video_id) if JOB_ID.match(video_id) else None
         if job is None:
             raise FieldError("video_id", f"no video {video_id!r} (never created, deleted, or expired)", 404,
                              "video_not_found")
         if job.status is not JobStatus.COMPLETED or job.result_key is None:
-            raise FieldError("video_id", f"video {video_id} is {job.status.value}; a remix starts from a completed "
-                                         "video", 409, "video_not_ready")
+            raise FieldError("video_id", f"video {video_id} is {job.status.value}; an edit or an extension starts "
+                                         "from a completed video", 409, "video_not_ready")
         video = await asyncio.to_thread(self.results.get, job.result_key, Variant.VIDEO)
         if video is None:
             raise FieldError("video_id", f"the video of {video_id} is gone (expired or deleted)", 404,

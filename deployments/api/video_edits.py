@@ -82,14 +82,18 @@ def check_video_edits(facts: FamilyTraits) -> None:
                                   f"{', '.join(facts.modalities)}); POST /v1/videos makes one from text")
 
 
-def remix_base(req: VideoEditRequest, source: VideoJob) -> EditBase:
-    """A completed job's parameters, or :class:`FieldError` for a body that asks to change what a remix keeps."""
+def remix_base(req: VideoEditRequest, source: VideoJob, limits: Limits) -> EditBase:
+    """A completed job's parameters, or :class:`FieldError` for a body that asks to change what a remix keeps,
+    or a source longer than one request may be (an extension's)."""
     was = source.params
     for name, kept in (("seconds", was.seconds), ("size", f"{was.width}x{was.height}")):
         if getattr(req, name) is not None:
             raise FieldError(name, f"a remix keeps its source's {name} ({kept}); POST /v1/videos makes another")
-    return EditBase(was.width, was.height, was.num_frames, was.fps, was.steps, was.guidance_scale, was.negative_prompt,
-                    was.seed, was.lora, None if was.lora is None else was.lora_scale)
+    if was.video_frames > limits.max_frames:
+        raise FieldError("video_id", f"{source.id} has {was.video_frames} frames; this server edits at most "
+                                     f"{limits.max_frames} at once")
+    return EditBase(was.width, was.height, was.video_frames, was.fps, was.steps, was.guidance_scale,
+                    was.negative_prompt, was.seed, was.lora, None if was.lora is None else was.lora_scale)
 
 
 def upload_base(req: VideoEditRequest, shape: SourceShape, facts: FamilyTraits) -> EditBase:

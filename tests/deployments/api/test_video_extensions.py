@@ -141,3 +141,29 @@ def test_a_family_that_makes_no_video_from_an_image_refuses_to_extend_naming_the
             assert "image-to-video generation from the video's last frame" in response.json()["error"]["message"]
 
     run(scenario())
+
+
+def test_an_extended_video_is_extended_again_from_its_own_last_frame_and_is_too_long_to_remix_at_once(tmp_path):
+    async def scenario():
+        pipeline = SeeingPipeline()
+        async with harness(tmp_path, pipeline=pipeline, folder=ensure_tiny_wan22_i2v) as h:
+            source_id, _ = await _completed_source(h)  # 9 frames
+            once = await h.client.post("/v1/videos/extensions", json={"prompt": "x", "seconds": "1",
+                                                                      "video": {"id": source_id}})
+            await h.wait_for(once.json()["id"])  # 13 frames
+            mp4 = (await h.client.get(f"/v1/videos/{once.json()['id']}/content")).content
+            twice = await h.client.post("/v1/videos/extensions", json={"prompt": "x", "seconds": "1",
+                                                                       "video": {"id": once.json()["id"]}})
+            assert twice.status_code == 200 and twice.json()["seconds"] == "4", twice.text  # 17 frames at 4 fps
+            await h.wait_for(twice.json()["id"])
+            with Image.open(io.BytesIO(pipeline.specs[-1].reference_image)) as reference:
+                assert np.array_equal(np.asarray(reference), media.video_frames(mp4, 13)[-1])
+            thrice = await h.client.post("/v1/videos/extensions", json={"prompt": "x", "seconds": "1",
+                                                                        "video": {"id": twice.json()["id"]}})
+            assert thrice.status_code == 200, thrice.text  # 17 <= 18
+            done = await h.wait_for(thrice.json()["id"])
+            again = await h.client.post("/v1/videos/extensions", json={"prompt": "x", "seconds": "1",
+                                                                       "video": {"id": done["id"]}})
+            assert again.status_code == 400 and "has 21 frames" in again.json()["error"]["message"]
+
+    run(scenario())

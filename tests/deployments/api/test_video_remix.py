@@ -389,3 +389,19 @@ def test_a_remix_keeps_its_sources_adapter_unless_it_names_another_or_only_a_sca
             assert seen == [("ink", 0.5), ("ink", 1.5), ("neon", 1.0), (None, None)]
 
     run(scenario())
+
+
+def test_a_remix_of_a_source_longer_than_one_request_may_be_names_it():
+    # An extension's video (its source's frames and its own), or one made before max_frames was lowered.
+    from deployments.api.video_edits import VideoEditRequest, remix_base
+    from deployments.capacity.request_limits import FieldError
+    from deployments.jobs.records import JobParams, new_job
+    from tests.deployments.video_fakes import LIMITS
+
+    params = JobParams("p", None, 32, 16, 5, 4, 4, 2.5, 3, "3", extends=True, source_video=True, source_frames=9)
+    job = new_job("video_" + "0" * 24, "tiny-wan", params, 0)
+    with pytest.raises(FieldError) as refused:
+        remix_base(VideoEditRequest(prompt="x"), job, LIMITS)
+    assert refused.value.param == "video_id" and "has 13 frames" in refused.value.message
+    assert remix_base(VideoEditRequest(prompt="x"), new_job(job.id, "m", dataclasses.replace(params, extends=False), 0),
+                      LIMITS).num_frames == 5
