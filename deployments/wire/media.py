@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import io
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -21,6 +22,17 @@ import torch
 FFMPEG_NO_PREEXEC_ENV = "IMAGEIO_FFMPEG_NO_PREVENT_SIGINT"
 # The top-level boxes every H.264 mp4 that ffmpeg finished has (ftyp header, moov index, mdat frames).
 MP4_BOXES = frozenset({"ftyp", "moov", "mdat"})
+
+
+class _AskedScale(logging.Filter):
+    """imageio-ffmpeg warns at every read whose frame size differs from the video's: here that is always the
+    edit's size, asked for (one WARNING per upload and per decode otherwise)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is different from the source frame size" not in record.getMessage()
+
+
+logging.getLogger("imageio_ffmpeg").addFilter(_AskedScale())
 
 
 class ImageFormat(str, enum.Enum):

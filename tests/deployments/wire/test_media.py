@@ -89,3 +89,10 @@ def test_a_video_edits_frames_decode_as_the_encoder_wrote_them_and_a_short_video
     assert (probe.width, probe.height, probe.fps, probe.codec) == (48, 32, 4.0, "h264")
     with pytest.raises(media.VideoDecodeError, match="has 5 frames, 9 asked for"):
         media.video_frames(data, 9)
+
+
+def test_a_scaled_decode_logs_no_warning_for_the_size_it_was_asked(caplog):
+    data = media.mp4_bytes(torch.rand(3, 32, 48, 3), 4)
+    with caplog.at_level("WARNING"):
+        assert media.video_frames(data, 3, (16, 16)).shape == (3, 16, 16, 3)
+    assert not [r for r in caplog.records if r.name.startswith("imageio")], caplog.text
