@@ -10,7 +10,7 @@ from typing import Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.capacity.admission import ModelLimits, StageAdmission, model_limits
-from deployments.capacity.request_limits import Limits
+from deployments.capacity.request_limits import Limits, Quality
 from deployments.models.families import FamilyTraits
 from deployments.models.lora_rows import ServedLora
 
@@ -34,11 +34,14 @@ class ModelCard(BaseModel):
     created: int = 0
     owned_by: str = "offload-serve"
     family: str = Field(description="the model family (deployments/models/): wan, wan-i2v, flux, ...")
-    modalities: list[str] = Field(description="what the family makes: image, image-edit, image-inpaint, video, video-edit, image-to-video")
+    modalities: list[str] = Field(description="what the family makes: image, image-edit, image-inpaint, video, "
+                                  "video-edit, image-to-video, video-extend")
     size_multiple: int = Field(description="Width and height must be multiples of this.")
     min_steps: int = Field(1, description="The fewest num_inference_steps the model's schedule makes finite "
                                           "(2 where its scheduler sets shift_terminal: Qwen-Image).")
     limits: ModelLimits
+    quality_steps: dict[str, int] = Field(default_factory=dict, description="The denoising steps an image request "
+                                          "at each OpenAI quality runs when it names none (auto: default_steps).")
     configured_limits: Limits = Field(description="The configured limits and defaults (args.limits).")
     serving: bool = Field(True, description="Every stage deployment has a running replica; false: requests "
                           "for this model get 503 with Retry-After until it does (not_serving says why).")
@@ -60,4 +63,5 @@ def model_card(model_id: str, facts: FamilyTraits, limits: Limits,
     return ModelCard(id=model_id, family=facts.family.value, modalities=list(facts.modalities),
                      size_multiple=facts.size_multiple, min_steps=facts.min_steps,
                      limits=model_limits(facts, limits, admissions), configured_limits=limits,
+                     quality_steps={q.value: limits.steps_for(q, facts.min_steps) for q in Quality},
                      loras=[LoraCard(name=lora.name, scale=lora.scale) for lora in loras])

@@ -12,6 +12,7 @@ import io
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,16 +143,21 @@ def video_probe(data: bytes) -> VideoProbe:
         raise VideoDecodeError(f"ffmpeg reads no video header in it ({type(exc).__name__})") from None
 
 
-def _frames(data: bytes, most: int, size: tuple[int, int] | None):
-    """Up to ``most`` frames of ``data``, each (H, W, 3) uint8, scaled by ffmpeg to ``size`` (width, height)."""
+def _frames(data: bytes, most: int, size: tuple[int, int] | None, within_s: float | None = None):
+    """Up to ``most`` frames of ``data``, each (H, W, 3) uint8, scaled by ffmpeg to ``size`` (width, height);
+    ``within_s``: a :class:`VideoDecodeError` once decoding has taken longer (ffmpeg is stopped with the
+    generator)."""
     import imageio.v3 as iio
 
     os.environ[FFMPEG_NO_PREEXEC_ENV] = "1"  # the decoder stage is a Ray replica too (see mp4_bytes)
     options = {} if size is None else {"size": size}
+    deadline = None if within_s is None else time.monotonic() + within_s
     try:
         for index, frame in enumerate(iio.imiter(data, extension=".mp4", plugin="FFMPEG", **options)):
             if index == most:
                 return
+            if deadline is not None and time.monotonic() > deadline:
+                raise VideoDecodeError(f"took more than {within_s:g} s to decode {index} frames")
             yield frame
     except (OSError, RuntimeError) as exc:  # ffmpeg could not read it at all
         raise VideoDecodeError(f"the video of {len(data)} B does not decode: {str(exc).splitlines()[0]}") from None
@@ -167,16 +173,17 @@ def video_frames(data: bytes, count: int, size: tuple[int, int] | None = None) -
     return np.stack(frames)
 
 
-def count_frames(data: bytes, most: int, size: tuple[int, int]) -> int:
+def count_frames(data: bytes, most: int, size: tuple[int, int], within_s: float | None = None) -> int:
     """How many frames decode (at most ``most``), each scaled to ``size``: one frame held at a time."""
-    return sum(1 for _ in _frames(data, most, size))
+    return sum(1 for _ in _frames(data, most, size, within_s))
 
 
-def last_frame(data: bytes, most: int, size: tuple[int, int]) -> tuple[int, np.ndarray | None]:
+def last_frame(data: bytes, most: int, size: tuple[int, int],
+               within_s: float | None = None) -> tuple[int, np.ndarray | None]:
     """(how many frames decode, at most ``most``; the last of them, (H, W, 3) uint8, or None if none does),
     each scaled to ``size``: one frame held at a time."""
     count, last = 0, None
-    for count, last in enumerate(_frames(data, most, size), start=1):
+    for count, last in enumerate(_frames(data, most, size, within_s), start=1):
         pass
     return count, last
 

@@ -148,3 +148,5 @@ def test_gpt_image_clients_defaults_are_taken_and_quality_low_runs_fewer_steps()
     client.images.generate(prompt="a fox", quality="low", background="opaque", moderation="low")
     client.images.generate(prompt="a fox", quality="low", extra_body={"num_inference_steps": 3})
     assert [spec.steps for spec in stages.specs.values()] == [2, 1, 3]
+    card = client.models.retrieve("tiny-wan")
+    assert card.model_extra["quality_steps"] == {"auto": 2, "low": 1, "medium": 2, "high": 2, "standard": 2, "hd": 2}

@@ -405,3 +405,18 @@ def test_a_remix_of_a_source_longer_than_one_request_may_be_names_it():
     assert refused.value.param == "video_id" and "has 13 frames" in refused.value.message
     assert remix_base(VideoEditRequest(prompt="x"), new_job(job.id, "m", dataclasses.replace(params, extends=False), 0),
                       LIMITS).num_frames == 5
+
+
+def test_an_upload_that_decodes_slower_than_the_checks_bound_is_refused_not_waited_for(tmp_path, monkeypatch):
+    from deployments.api import source_videos
+
+    monkeypatch.setattr(source_videos, "MAX_CHECK_S", 0.0)
+
+    async def scenario():
+        async with harness(tmp_path) as h:
+            response = await h.client.post("/v1/videos/edits", files={
+                "video": ("clip.mp4", a_clip(), "video/mp4"), "prompt": (None, "waves")})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "video"
+            assert "took more than 0 s to decode" in response.json()["error"]["message"]
+
+    run(scenario())
