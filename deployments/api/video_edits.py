@@ -38,25 +38,30 @@ from deployments.models.lora_rows import MAX_LORA_SCALE, ServedLora
 DEFAULT_STRENGTH = 0.8  # WanVideoToVideoPipeline's default
 
 
-class VideoEditRequest(BaseModel):
-    """OpenAI's ``prompt`` (and ``video``, ``seconds``, ``size`` for an upload), and this project's extras."""
+class _VideoJobEdit(BaseModel):
+    """What every video edit's body takes: OpenAI's ``prompt`` and ``video``, and this project's extras."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: Text
     model: Text | None = None
     user: Text | None = Field(None, max_length=MAX_USER_CHARS)  # accepted and ignored
-    # POST /v1/videos/edits: the uploaded file's bytes, or {"id": "video_..."} (video_jobs reads which).
+    # The uploaded file's bytes, or {"id": "video_..."} (video_edit_jobs reads which).
     video: object | None = None
-    seconds: Text | None = None  # an upload: how much of it to edit; a remix keeps its source's (400)
-    size: Text | None = None  # an upload: the size to edit it at; a remix keeps its source's (400)
-    strength: float = Field(DEFAULT_STRENGTH, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     num_inference_steps: int | None = Field(None, ge=1)
     guidance_scale: float | None = Field(None, ge=0.0, le=100.0)
     negative_prompt: Text | None = None
     lora: Text | None = Field(None, max_length=128)
     lora_scale: float | None = Field(None, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
+
+
+class VideoEditRequest(_VideoJobEdit):
+    """A remix's or an edit's body: ``seconds`` and ``size`` for an upload, and how far to go from it."""
+
+    seconds: Text | None = None  # an upload: how much of it to edit; a remix keeps its source's (400)
+    size: Text | None = None  # an upload: the size to edit it at; a remix keeps its source's (400)
+    strength: float = Field(DEFAULT_STRENGTH, gt=0.0, le=1.0)
 
 
 @dataclass(frozen=True)
@@ -144,22 +149,10 @@ def _lora(given: dict, base: EditBase) -> dict:
 EXTENDED_SOURCE_FRAMES = 2
 
 
-class VideoExtendRequest(BaseModel):
-    """OpenAI's ``prompt``, ``seconds`` (the new part's length) and ``video``, and this project's extras."""
+class VideoExtendRequest(_VideoJobEdit):
+    """An extension's body: OpenAI's ``seconds``, the new part's length."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    prompt: Text
     seconds: Text
-    model: Text | None = None
-    user: Text | None = Field(None, max_length=MAX_USER_CHARS)  # accepted and ignored
-    video: object | None = None  # the uploaded file's bytes, or {"id": "video_..."} (video_jobs reads which)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    num_inference_steps: int | None = Field(None, ge=1)
-    guidance_scale: float | None = Field(None, ge=0.0, le=100.0)
-    negative_prompt: Text | None = None
-    lora: Text | None = Field(None, max_length=128)
-    lora_scale: float | None = Field(None, ge=-MAX_LORA_SCALE, le=MAX_LORA_SCALE)
 
 
 @dataclass(frozen=True)
