@@ -141,9 +141,8 @@ class JobQueueService:
             logger.info("expired %d job(s), deleted %d result file(s)", len(expired), files)
         return len(expired)
 
-
     def _delete_files(self, job: VideoJob) -> int:
-        """The job's result files and its source video (a remix's): how many there were."""
+        """The job's result files and its source video (an edit's or an extension's): how many there were."""
         files = 0 if job.result_key is None else self.results.delete(job.result_key)
         return files + (self.results.delete_source(job.id) if job.params.source_video else 0)
 

@@ -43,18 +43,20 @@ SWEEP_EVERY_POLLS = 20
 
 
 def params_spec(params: JobParams, request_id: str, source: bytes | None = None) -> GenerationSpec:
-    """The generation a job with ``params`` runs (one video); ``source``: a remix's source mp4 (None where only
-    the shape matters, as admission)."""
+    """The generation a job with ``params`` runs (one video); ``source``: a video edit's source mp4 (None where
+    only the shape matters, as admission, and for an extension, whose source goes before its frames)."""
     p = params
     reference = None if p.reference_image is None else base64.b64decode(p.reference_image)
-    # A remix is its family's video-to-video pipeline's edit (the only video edit there is: Wan's).
+    # A video edit is its family's video-to-video pipeline's (the only one there is: Wan's); the rule is read
+    # only where ``strength`` is set.
     return GenerationSpec(request_id, p.prompt, p.negative_prompt, p.height, p.width, p.num_frames, p.steps,
                           p.guidance_scale, p.seed, 1, reference, lora=p.lora, lora_scale=p.lora_scale,
                           strength=p.strength, edit_rule=EditRule.VIDEO2VIDEO, reference_video=source)
 
 
 class SourceVideoGone(RuntimeError):
-    """A remix's source video is no longer where its creation put it (the results location lost it)."""
+    """An edit's or an extension's source video is no longer where its creation put it (the results location
+    lost it)."""
 
 
 def progress_percent(step: int, total: int) -> int:

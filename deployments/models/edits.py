@@ -1,4 +1,5 @@
-"""Image edits (``POST /v1/images/edits``): the request's image, noised to a step of the schedule, denoised from there.
+"""Image and video edits (``POST /v1/images/edits``; a video's remix or edit): the source, noised to a step of the
+schedule, denoised from there.
 
 diffusers' img2img pipelines (``FluxImg2ImgPipeline``, ``StableDiffusion3Img2ImgPipeline``,
 ``ZImageImg2ImgPipeline``, ``QwenImageImg2ImgPipeline``; for Wan2.1, ``WanVideoToVideoPipeline`` on a
