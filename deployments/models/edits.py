@@ -3,7 +3,8 @@ schedule, denoised from there.
 
 diffusers' img2img pipelines (``FluxImg2ImgPipeline``, ``StableDiffusion3Img2ImgPipeline``,
 ``ZImageImg2ImgPipeline``, ``QwenImageImg2ImgPipeline``; for Wan2.1, ``WanVideoToVideoPipeline`` on a
-one-frame video) run this in one process; here it splits by where the weights are:
+one-frame video, or on a video's frames: :func:`source_frames`) run this in one process; here it splits by
+where the weights are:
 
 - the decoder stage (it holds the VAE) resizes and encodes the image, sampling the VAE's latent
   distribution with the request's generator (Wan's pipeline reads its mode: no draw) (:func:`encode_image`),
