@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deployments.api.source_videos import check_source_video  # noqa: E402
+from deployments.api.videos.uploads import check_source_video  # noqa: E402
 from deployments.capacity.request_limits import Limits  # noqa: E402
 from deployments.models.families import read_family_traits  # noqa: E402
 from deployments.wire import media  # noqa: E402

@@ -106,7 +106,7 @@ CRITICAL_GROUP = max(RAY_GROUPS, key=lambda name: sum(RAY_GROUPS[name].values())
 # by tests per module: one-test modules came last).
 LONG_IN_PROCESS: dict[str, float] = {
     "tests/deployments/models/test_conformance.py": 37.5, "tests/bench/test_gpu_check.py": 25.1,
-    "tests/deployments/api/test_http_properties.py": 15.8, "tests/deployments/api/test_video_jobs_properties.py": 14.2,
+    "tests/deployments/api/test_http_properties.py": 15.8, "tests/deployments/api/videos/test_jobs_properties.py": 14.2,
     "tests/deployments/replica/test_step_cache_batching.py": 13.9, "tests/offload_core/planner/test_skeletons.py": 13.6,
     "tests/deployments/models/test_activation_features.py": 11.6, "tests/deployments/replica/tensor_parallel/test_ranked_denoiser.py": 8.8,
     "tests/offload_core/planner/test_cli.py": 8.3, "tests/bench/test_sim_overlap.py": 7.9,

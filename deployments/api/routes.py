@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from deployments.api import errors, generations, image_edits, residency, status, video_jobs
+from deployments.api import errors, generations, image_edits, residency, status
 from deployments.api.body import FORM_TYPES
 from deployments.api.generations import IMAGES, VIDEOS
 from deployments.api.guard import JSON_TYPES, Guard, GuardConfig, request_id
@@ -21,6 +21,7 @@ from deployments.api.image_edits import EDITS
 from deployments.api.seams import ReplicaBoard, ServingCheck, StagePipeline
 from deployments.api.service import Generated, IngressConfig, Service
 from deployments.api.serving import NotServingGate
+from deployments.api.videos import jobs as video_jobs
 
 __all__ = ["EDITS", "IMAGES", "VIDEOS", "Generated", "IngressConfig", "Service", "build_api"]
 

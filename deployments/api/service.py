@@ -1,7 +1,7 @@
 """The drive behind the HTTP routes: validation, encode -> denoise -> decode, rendering, Server-Sent Events.
 
 :class:`Service` runs in the ingress replica's process; the routers (:mod:`deployments.api.generations`,
-:mod:`deployments.api.status`, :mod:`deployments.api.residency`, :mod:`deployments.api.video_jobs`)
+:mod:`deployments.api.status`, :mod:`deployments.api.residency`, :mod:`deployments.api.videos.jobs`)
 reach it through ``app.state.service``. No Serve, no Ray: the stages and the board are the Protocols
 of :mod:`deployments.api.seams`.
 """
@@ -46,7 +46,7 @@ class IngressConfig:
     api_token: str | None  # None: no auth; else every route but /health needs "Bearer <token>"
     retry_after_s: int
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers (see deployments.api.guard)
-    jobs: JobsArgs = JobsArgs()  # the Videos API's jobs (deployments.api.video_jobs)
+    jobs: JobsArgs = JobsArgs()  # the Videos API's jobs (deployments.api.videos.jobs)
     loras: tuple[ServedLora, ...] = ()  # the LoRA adapters a request may name (args.lora_adapters)
 
 

@@ -18,7 +18,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.api.routes import Generated, IngressConfig, build_api
-from deployments.api.video_jobs import JobsBackend
+from deployments.api.videos.jobs import JobsBackend
 from deployments.capacity import unplaced
 from deployments.capacity.gpu_shares import PendingReplica
 from deployments.capacity.replica_report import ReplicaResidency

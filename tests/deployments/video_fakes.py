@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
-from deployments.api import video_jobs
 from deployments.api.routes import build_api
+from deployments.api.videos import jobs as video_jobs
 from deployments.capacity.request_limits import Limits
 from deployments.jobs.queue import InProcessJobQueue, JobQueueService, JobsArgs
 from deployments.jobs.runner import JobRunner

@@ -8,7 +8,7 @@ frames tiled as JPEG).
 ``DELETE /v1/videos/{id}`` cancels a queued or running job and removes its result.
 ``POST /v1/videos/{id}/remix`` and ``POST /v1/videos/edits`` queue a new job that edits a completed
 video's frames, or an uploaded video's, toward a new prompt; ``POST /v1/videos/extensions`` one that goes on
-from its last frame (:mod:`deployments.api.video_edits`).
+from its last frame (:mod:`deployments.api.videos.edits`).
 
 :func:`mount` adds the routes to the app :func:`deployments.api.routes.build_api` makes (its guard
 checks the bearer token and the content types first) and starts this replica's runner over the
@@ -30,8 +30,8 @@ from pydantic import ValidationError
 from deployments.api import errors
 from deployments.api.body import FORM_TYPES, read_fields
 from deployments.api.reference_images import MAX_REFERENCE_BYTES
-from deployments.api.video_edit_jobs import JOB_ID, VideoEditJobs
-from deployments.api.video_requests import VideoJobRequest, job_params
+from deployments.api.videos.create import VideoJobRequest, job_params
+from deployments.api.videos.edit_jobs import JOB_ID, VideoEditJobs
 from deployments.capacity.admission import StageAdmission, memory_refusal
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.jobs.queue import JobQueue, JobsArgs

@@ -8,8 +8,8 @@ import json
 from fastapi.testclient import TestClient
 from hypothesis import strategies as st
 
-from deployments.api import video_jobs
 from deployments.api.routes import build_api
+from deployments.api.videos import jobs as video_jobs
 from deployments.jobs.queue import InProcessJobQueue, JobQueueService
 from tests.deployments.api.test_http_properties import _json, _text
 from tests.deployments.fakes import FakeBoard, FakeStages, fake_config

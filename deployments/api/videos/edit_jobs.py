@@ -2,9 +2,9 @@
 
 ``POST /v1/videos/{id}/remix`` and ``POST /v1/videos/edits`` edit a completed video's frames, or an uploaded
 video's, toward a new prompt; ``POST /v1/videos/extensions`` goes on from a video's last frame. The bodies and
-their parameters are :mod:`deployments.api.video_edits`'; an upload is checked by
-:mod:`deployments.api.source_videos`. :class:`VideoEditJobs` is mixed into
-:class:`deployments.api.video_jobs.VideoJobs`, which queues the job (``_queued``: the source video kept beside
+their parameters are :mod:`deployments.api.videos.edits`'; an upload is checked by
+:mod:`deployments.api.videos.uploads`. :class:`VideoEditJobs` is mixed into
+:class:`deployments.api.videos.jobs.VideoJobs`, which queues the job (``_queued``: the source video kept beside
 its results) and routes the calls. Run by the ingress replica.
 """
 from __future__ import annotations
@@ -17,8 +17,7 @@ from pydantic import ValidationError
 
 from deployments.api import errors
 from deployments.api.body import read_fields
-from deployments.api.source_videos import MAX_SOURCE_VIDEO_BYTES, check_source_video
-from deployments.api.video_edits import (
+from deployments.api.videos.edits import (
     EXTENDED_SOURCE_FRAMES,
     EditBase,
     ExtendedSource,
@@ -31,6 +30,7 @@ from deployments.api.video_edits import (
     remix_base,
     upload_base,
 )
+from deployments.api.videos.uploads import MAX_SOURCE_VIDEO_BYTES, check_source_video
 from deployments.capacity.request_limits import FieldError
 from deployments.jobs.records import JobStatus, VideoJob
 from deployments.jobs.results import Variant
@@ -42,7 +42,7 @@ MAX_FIELDS_BYTES = 256 * 1024
 
 
 class VideoEditJobs:
-    """The edit calls of one ingress replica's :class:`deployments.api.video_jobs.VideoJobs` (its ``config``,
+    """The edit calls of one ingress replica's :class:`deployments.api.videos.jobs.VideoJobs` (its ``config``,
     ``queue``, ``results``, ``_started`` and ``_queued``)."""
 
     async def remix(self, request: Request, video_id: str | None = None):

@@ -3,7 +3,7 @@
 
 A remix (OpenAI's ``videos.remix(video_id, prompt=...)``) edits a completed job's video toward a new prompt;
 ``POST /v1/videos/edits`` (``videos.edit(prompt=..., video=...)``) edits an uploaded video
-(:mod:`deployments.api.source_videos` checks it), or names a completed one as ``{"id": ...}``, which is its
+(:mod:`deployments.api.videos.uploads` checks it), or names a completed one as ``{"id": ...}``, which is its
 remix. Either runs the family's video-to-video pipeline (``WanVideoToVideoPipeline``) over the source's frames.
 
 - A remix keeps its source's size, length, frame rate, steps, guidance, negative prompt, seed and LoRA
@@ -28,8 +28,8 @@ from typing import Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.api.schemas import MAX_USER_CHARS, Text, VideoRequest, video_spec
-from deployments.api.source_videos import SourceShape
-from deployments.api.video_requests import format_seconds, frames_for
+from deployments.api.videos.create import format_seconds, frames_for
+from deployments.api.videos.uploads import SourceShape
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.jobs.records import JobParams, VideoJob
 from deployments.models.families import FamilyTraits
@@ -46,7 +46,7 @@ class _VideoJobEdit(BaseModel):
     prompt: Text
     model: Text | None = None
     user: Text | None = Field(None, max_length=MAX_USER_CHARS)  # accepted and ignored
-    # The uploaded file's bytes, or {"id": "video_..."} (video_edit_jobs reads which).
+    # The uploaded file's bytes, or {"id": "video_..."} (edit_jobs reads which).
     video: object | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     num_inference_steps: int | None = Field(None, ge=1)

@@ -5,7 +5,7 @@ The official client posts ``multipart/form-data``, so every field may arrive as 
 map to frames and resolution: ``seconds`` s at ``fps`` frames per second is ``seconds * fps + 1``
 frames (Wan's 81 frames are 5 s at 16 fps), rounded up to what the VAE makes (1 + a multiple of its
 temporal factor). Every other check is the synchronous route's (:func:`deployments.api.schemas.video_spec`).
-A video edit's body is :mod:`deployments.api.video_edits`'.
+A video edit's body is :mod:`deployments.api.videos.edits`'.
 """
 from __future__ import annotations
 

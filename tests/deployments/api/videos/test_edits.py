@@ -309,7 +309,7 @@ def test_an_upload_that_is_not_a_video_this_server_edits_is_a_400_naming_video(t
 
 
 def test_an_upload_over_the_bound_is_a_413_before_anything_reads_it(tmp_path, monkeypatch):
-    from deployments.api import video_edit_jobs
+    from deployments.api.videos import edit_jobs as video_edit_jobs
 
     monkeypatch.setattr(video_edit_jobs, "MAX_SOURCE_VIDEO_BYTES", 10_000)
 
@@ -393,7 +393,7 @@ def test_a_remix_keeps_its_sources_adapter_unless_it_names_another_or_only_a_sca
 
 def test_a_remix_of_a_source_longer_than_one_request_may_be_names_it():
     # An extension's video (its source's frames and its own), or one made before max_frames was lowered.
-    from deployments.api.video_edits import VideoEditRequest, remix_base
+    from deployments.api.videos.edits import VideoEditRequest, remix_base
     from deployments.capacity.request_limits import FieldError
     from deployments.jobs.records import JobParams, new_job
     from tests.deployments.video_fakes import LIMITS
@@ -408,7 +408,7 @@ def test_a_remix_of_a_source_longer_than_one_request_may_be_names_it():
 
 
 def test_an_upload_that_decodes_slower_than_the_checks_bound_is_refused_not_waited_for(tmp_path, monkeypatch):
-    from deployments.api import source_videos
+    from deployments.api.videos import uploads as source_videos
 
     monkeypatch.setattr(source_videos, "MAX_CHECK_S", 0.0)
 

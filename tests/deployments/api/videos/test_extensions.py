@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from deployments.wire import media
-from tests.deployments.api.test_video_remix import SeeingPipeline, a_clip
+from tests.deployments.api.videos.test_edits import SeeingPipeline, a_clip
 from tests.deployments.video_fakes import harness
 from zoo.wan22 import ensure_tiny_wan22_i2v
 
