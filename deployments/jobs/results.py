@@ -61,29 +61,14 @@ class ResultFolder:
         return f"{self.root.rstrip('/')}/{key}{variant.suffix}"
 
     def put(self, key: str, variant: Variant, data: bytes) -> None:
-        path = self._path(key, variant)
-        partial = path + ".partial"
-        with self.fs.open(partial, "wb") as out:
-            out.write(data)
-        self.fs.mv(partial, path)
+        self._write(self._path(key, variant), data)
 
     def get(self, key: str, variant: Variant) -> bytes | None:
-        try:
-            with self.fs.open(self._path(key, variant), "rb") as src:
-                return src.read()
-        except FileNotFoundError:
-            return None
+        return self._read(self._path(key, variant))
 
     def delete(self, key: str) -> int:
         """Remove every variant of ``key``; returns how many files there were."""
-        removed = 0
-        for variant in Variant:
-            path = self._path(key, variant)
-            for candidate in (path, path + ".partial"):
-                if self.fs.exists(candidate):
-                    self.fs.rm(candidate)
-                    removed += 1
-        return removed
+        return sum(self._remove(self._path(key, variant)) for variant in Variant)
 
     def _source_path(self, job_id: str) -> str:
         if not _JOB_ID.match(job_id):
@@ -91,22 +76,31 @@ class ResultFolder:
         return f"{self.root.rstrip('/')}/{job_id}.source.mp4"
 
     def put_source(self, job_id: str, data: bytes) -> None:
-        """The mp4 the job ``job_id`` edits (a remix's source), written whole."""
-        path = self._source_path(job_id)
-        with self.fs.open(path + ".partial", "wb") as out:
-            out.write(data)
-        self.fs.mv(path + ".partial", path)
+        """The video the job ``job_id`` edits or extends, written whole."""
+        self._write(self._source_path(job_id), data)
 
     def get_source(self, job_id: str) -> bytes | None:
+        return self._read(self._source_path(job_id))
+
+    def delete_source(self, job_id: str) -> int:
+        """Remove the job's source video; returns how many files there were."""
+        return self._remove(self._source_path(job_id))
+
+    def _write(self, path: str, data: bytes) -> None:
+        partial = path + ".partial"
+        with self.fs.open(partial, "wb") as out:
+            out.write(data)
+        self.fs.mv(partial, path)
+
+    def _read(self, path: str) -> bytes | None:
         try:
-            with self.fs.open(self._source_path(job_id), "rb") as src:
+            with self.fs.open(path, "rb") as src:
                 return src.read()
         except FileNotFoundError:
             return None
 
-    def delete_source(self, job_id: str) -> int:
-        """Remove the job's source video; returns how many files there were."""
-        path = self._source_path(job_id)
+    def _remove(self, path: str) -> int:
+        """Remove ``path`` and a partial write of it; how many of the two there were."""
         removed = 0
         for candidate in (path, path + ".partial"):
             if self.fs.exists(candidate):
