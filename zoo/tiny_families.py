@@ -61,6 +61,9 @@ class ImageSizes:
     head_dim: int = 16  # = sum of the rope axes (4, 6, 6)
     blocks: int = 2
     text_layers: int = 2
+    # SD3.5's latent channels, as the real VAE has them: StableDiffusion3InpaintPipeline runs 16-channel
+    # (or 33-channel inpainting) transformers only, so fewer would leave SD3.5's masks without a reference.
+    sd3_latent_channels: int = 16
 
 
 def _t5(vocab: int, width: int, layers: int, tie: bool = True) -> T5EncoderModel:
@@ -100,12 +103,13 @@ def build_sd3(folder: Path, sizes: ImageSizes = ImageSizes()) -> None:
     text_encoder_3 = _t5(T5_XXL_VOCAB_ROWS, sizes.width, sizes.text_layers)
     _seeded(24)
     transformer = SD3Transformer2DModel(
-        sample_size=32, patch_size=2, in_channels=4, num_layers=sizes.blocks, attention_head_dim=sizes.head_dim,
-        num_attention_heads=sizes.heads, joint_attention_dim=sizes.width, caption_projection_dim=sizes.heads * sizes.head_dim,
-        pooled_projection_dim=2 * clip_width, out_channels=4, pos_embed_max_size=32, qk_norm="rms_norm",
+        sample_size=32, patch_size=2, in_channels=sizes.sd3_latent_channels, num_layers=sizes.blocks,
+        attention_head_dim=sizes.head_dim, num_attention_heads=sizes.heads, joint_attention_dim=sizes.width,
+        caption_projection_dim=sizes.heads * sizes.head_dim, pooled_projection_dim=2 * clip_width,
+        out_channels=sizes.sd3_latent_channels, pos_embed_max_size=32, qk_norm="rms_norm",
     ).eval()
     _seeded(25)
-    vae = _flux_style_vae(4, scaling=1.5305, shift=0.0609)  # SD3.5's VAE scaling and shift
+    vae = _flux_style_vae(sizes.sd3_latent_channels, scaling=1.5305, shift=0.0609)  # SD3.5's VAE scaling and shift
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
         vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,

@@ -25,6 +25,7 @@ from deployments.models.adapter import (
     generator_for,
     kl_vae_scale,
     read_json,
+    reference_image,
     step_callback,
 )
 from deployments.models.step_cache import BlockForm, BlockOutput
@@ -94,9 +95,16 @@ class SD3Stepper(TransformerStepper):
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step)
 
     def begin_edit(self, request: StepRequest, source: EditSource) -> None:
-        """StableDiffusion3Img2ImgPipeline's start: the image's latents noised to the edit's first step."""
+        """StableDiffusion3Img2ImgPipeline's start (StableDiffusion3InpaintPipeline's too): the image's latents
+        noised to the edit's first step; with a mask, the inpaint loop's blend after every step."""
         timestep = edits.enter_schedule(request)
-        request.latents, _, _ = edits.noised(request, source, timestep, request.latents.dtype)
+        request.latents, image, noise = edits.noised(request, source, timestep, request.latents.dtype)
+        if source.mask is not None:  # one mask channel, broadcast over the 16 latent ones
+            mask = source.mask.to(image.device, image.dtype).repeat(request.spec.n, 1, 1, 1)
+            # The inpaint pipeline repeats the image's latents (contiguous) where img2img concatenates them
+            # (the VAE sample's strides); the final latents take its layout, and the decode's convolutions
+            # round by layout (7e-7 apart on the tiny zoo).
+            edits.inpaint(request, image.contiguous(), noise, mask)
 
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
         latents = torch.cat([r.latents for r in batch])
@@ -119,9 +127,9 @@ class SD3Stepper(TransformerStepper):
 class SD3Adapter(edits.ImageEdits, KLImageAdapter):
     family = Family.SD3
     pipeline_classes = ("StableDiffusion3Pipeline",)
-    # No inpaint_pipeline: StableDiffusion3InpaintPipeline runs 16-channel transformers only, so the tiny
-    # zoo's (4 channels) cannot hold a mask to it bitwise, and a mask is refused by name.
     edit_pipeline = "StableDiffusion3Img2ImgPipeline"
+    # Its 16-channel branch (SD3.5's transformers): the image put back outside the mask after every step.
+    inpaint_pipeline = "StableDiffusion3InpaintPipeline"
     stage_modules = {ENCODE: ("text_encoder", "text_encoder_2", "text_encoder_3"), DENOISE: ("transformer",),
                      DECODE: ("vae",)}
     stage_helpers = {ENCODE: ("tokenizer", "tokenizer_2", "tokenizer_3"), DENOISE: ("scheduler",), DECODE: ()}
@@ -153,6 +161,20 @@ class SD3Adapter(edits.ImageEdits, KLImageAdapter):
     def vae_input(self, pipe, latents, spec, device) -> torch.Tensor:
         vae = pipe.vae  # the tail of StableDiffusion3Pipeline.__call__
         return (latents.to(device) / vae.config.scaling_factor) + vae.config.shift_factor
+
+    def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
+        """With a mask: StableDiffusion3InpaintPipeline's latents, decoded as StableDiffusion3Pipeline (and
+        its img2img) decode. The inpaint pipeline's own decode leaves out the VAE's ``shift_factor`` (0.0609
+        on SD3.5) that its encode subtracts (diffusers 0.42; huggingface/diffusers#13611, finding 1), so its
+        images are off in colour, outside the mask too; the service decodes every SD3.5 image one way."""
+        if spec.strength is None or spec.mask_image is None:
+            return super().reference_frames(pipe, facts, spec)
+        latents = self.edit_pipeline_of(pipe, self.inpaint_pipeline)(
+            prompt=spec.prompt, image=reference_image(spec), mask_image=edits.openai_mask(spec),
+            strength=spec.strength, height=spec.height, width=spec.width, num_inference_steps=spec.steps,
+            num_images_per_prompt=spec.n, generator=generator_for(spec), output_type="latent",
+            **self.edit_knobs(pipe, spec)).images
+        return self.decode(pipe, facts, latents, spec, CPU)
 
     def stepper(self, pipe, facts, device) -> SD3Stepper:
         return SD3Stepper(pipe, facts, device)

@@ -20,7 +20,7 @@ from PIL import Image
 from deployments.wire.spec import EditRule
 from tests.deployments.fakes import TOKEN, FakeStages, fake_api
 from tests.deployments.properties import status_codes_never_5xx
-from zoo import tiny, tiny_families, wan22
+from zoo import tiny, wan22
 
 EXTRAS = {"seed": 4, "num_inference_steps": 4}
 
@@ -127,10 +127,10 @@ def test_a_mask_reaches_the_stages_on_a_family_that_inpaints_and_is_refused_by_n
     client.images.edit(image=("in.png", png(), "image/png"), mask=("m.png", rgba_mask(), "image/png"), prompt="a fox",
                        extra_body=EXTRAS)
     assert (_spec(stages).mask_image, _spec(stages).reference_image) == (rgba_mask(), png())
-    sd3, stages = _client(tiny_families.ensure_tiny_sd3)  # StableDiffusion3InpaintPipeline: 16-channel models only
+    wan, stages = _client(tiny.ensure_tiny_wan)  # WanVideoToVideoPipeline edits; diffusers has no Wan inpainting
     with pytest.raises(openai.BadRequestError) as refused:
-        sd3.images.edit(image=("in.png", png(), "image/png"), mask=("m.png", rgba_mask(), "image/png"), prompt="a fox")
-    assert refused.value.body["param"] == "mask" and "not supported by the sd3" in refused.value.body["message"]
+        wan.images.edit(image=("in.png", png(), "image/png"), mask=("m.png", rgba_mask(), "image/png"), prompt="a fox")
+    assert refused.value.body["param"] == "mask" and "not supported by the wan model family" in refused.value.body["message"]
     assert not stages.calls
 
 

@@ -1,7 +1,7 @@
 """The service serves a Stable Diffusion 3.5 folder through the official openai client: images equal the
 in-process StableDiffusion3Pipeline bitwise (guidance with a negative prompt included), edits the in-process
 StableDiffusion3Img2ImgPipeline (the image encoded by the decoder replica, noised and denoised by the
-Denoiser's), videos are refused.
+Denoiser's), masked edits StableDiffusion3InpaintPipeline's latents, videos are refused.
 
 One deployed app for the module (real Ray Serve is the point: the family's adapter in every stage replica).
 It is the image-only family on real Serve; Flux and the others are held to the same staged results
@@ -58,7 +58,8 @@ def test_images_generate_through_the_openai_client_equal_the_in_process_pipeline
     assert [base64.b64decode(d.b64_json) for d in result.data] == \
         _reference(GenerationSpec("r", "a red barn", "fog", 16, 32, 1, 2, 5.0, 3, 2))
     (model,) = client.models.list().data
-    assert (model.id, model.model_extra["family"], model.model_extra["modalities"]) == ("sd3", "sd3", ["image", "image-edit"])
+    assert (model.id, model.model_extra["family"], model.model_extra["modalities"]) == ("sd3", "sd3",
+                                                                                                 ["image", "image-edit", "image-inpaint"])
 
 
 def test_the_default_guidance_is_the_pipelines_and_guidance_1_runs_one_branch(client):
@@ -93,3 +94,22 @@ def test_an_edit_through_the_openai_client_equals_the_in_process_img2img_pipelin
     completed = [base64.b64decode(e.b64_json) for e in events if e.type == "image_edit.completed"]
     spec = GenerationSpec("r", "a red barn", "fog", 16, 32, 1, 4, 5.0, 3, 2, photo.getvalue(), strength=0.5)
     assert completed == _reference(spec)
+
+
+def test_a_masked_edit_through_the_openai_client_equals_the_in_process_inpaint_pipeline(client):
+    photo, mask = io.BytesIO(), io.BytesIO()
+    image = Image.new("RGB", (32, 16), (200, 120, 40))
+    image.paste((20, 60, 220), (0, 0, 12, 16))
+    image.save(photo, format="PNG")
+    alpha = Image.new("RGBA", (32, 16), (0, 0, 0, 255))
+    alpha.paste((0, 0, 0, 0), (16, 0, 32, 16))  # the right half may be repainted
+    alpha.save(mask, format="PNG")
+    extras = {"seed": 3, "num_inference_steps": 4, "strength": 1.0}
+    result = client.images.edit(model="sd3", image=("barn.png", photo.getvalue(), "image/png"), prompt="a red barn",
+                                mask=("mask.png", mask.getvalue(), "image/png"), extra_body=extras)
+    spec = GenerationSpec("r", "a red barn", None, 16, 32, 1, 4, 7.0, 3, 1, photo.getvalue(), strength=1.0,
+                          mask_image=mask.getvalue())
+    assert [base64.b64decode(d.b64_json) for d in result.data] == _reference(spec)
+    plain = client.images.edit(model="sd3", image=("barn.png", photo.getvalue(), "image/png"), prompt="a red barn",
+                               extra_body=extras)
+    assert plain.data[0].b64_json != result.data[0].b64_json

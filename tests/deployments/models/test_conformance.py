@@ -77,7 +77,7 @@ CASES = [
 IDS = [c.name for c in CASES]
 # The cases whose folders edit images (tests/deployments/models/test_edits.py pins each bitwise).
 EDITING = {"wan2.1", "flux", "sd3.5", "z-image", "qwen-image"}
-INPAINTING = {"flux", "z-image", "qwen-image"}
+INPAINTING = {"flux", "sd3.5", "z-image", "qwen-image"}
 GLYPH_CASES = [c for c in CASES if c.glyphs]
 
 

@@ -156,7 +156,7 @@ def an_openai_mask(side: int) -> bytes:
     return out.getvalue()
 
 
-INPAINTING = ["flux", "z-image", "qwen-image"]
+INPAINTING = ["flux", "sd3.5", "z-image", "qwen-image"]
 
 
 @pytest.mark.parametrize("name", INPAINTING)
