@@ -1,8 +1,8 @@
 """The HTTP API as a plain FastAPI app over the two seams (:mod:`deployments.api.seams`).
 
 :func:`build_api` is what the Serve ingress serves and what the unit tests drive with fakes. It
-only assembles: one router per family of endpoints (generations, image edits, status, residency, and the
-Videos API with a jobs backend), the OpenAI error object for every 4xx/5xx (404, 405 and 422
+only assembles: one router per family of endpoints (the images API, status, residency, the synchronous video route,
+and the Videos API with a jobs backend), the OpenAI error object for every 4xx/5xx (404, 405 and 422
 included), the not-serving gate and the guard. The drive behind the routes (validation, the
 stage calls, Server-Sent Events, cancellation when the client goes away) is
 :class:`deployments.api.service.Service`.
@@ -13,15 +13,19 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from deployments.api import errors, generations, image_edits, residency, status
+from deployments.api import errors, residency, status
 from deployments.api.body import FORM_TYPES
-from deployments.api.generations import IMAGES, VIDEOS
 from deployments.api.guard import JSON_TYPES, Guard, GuardConfig, request_id
-from deployments.api.image_edits import EDITS
+from deployments.api.images import edits as image_edits
+from deployments.api.images import generations as image_generations
+from deployments.api.images.edits import EDITS
+from deployments.api.images.generations import IMAGES
 from deployments.api.seams import ReplicaBoard, ServingCheck, StagePipeline
 from deployments.api.service import Generated, IngressConfig, Service
 from deployments.api.serving import NotServingGate
+from deployments.api.videos import generations as video_generations
 from deployments.api.videos import jobs as video_jobs
+from deployments.api.videos.generations import VIDEOS
 
 __all__ = ["EDITS", "IMAGES", "VIDEOS", "Generated", "IngressConfig", "Service", "build_api"]
 
@@ -64,7 +68,8 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
     _install_error_handlers(api)
     # The routers reach the drive (and tests reach it) through the app's state.
     api.state.service, api.state.serving = service, serving
-    for router in (status.router, residency.router, generations.router, image_edits.router):
+    for router in (status.router, residency.router, image_generations.router, image_edits.router,
+                   video_generations.router):
         api.include_router(router)
     if jobs is not None:
         video_jobs.mount(api, video_jobs.VideoJobsConfig(config.model_id, config.facts, config.limits, config.jobs,

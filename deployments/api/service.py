@@ -1,7 +1,7 @@
 """The drive behind the HTTP routes: validation, encode -> denoise -> decode, rendering, Server-Sent Events.
 
-:class:`Service` runs in the ingress replica's process; the routers (:mod:`deployments.api.generations`,
-:mod:`deployments.api.status`, :mod:`deployments.api.residency`, :mod:`deployments.api.videos.jobs`)
+:class:`Service` runs in the ingress replica's process; the routers (:mod:`deployments.api.images`,
+:mod:`deployments.api.videos.generations`, :mod:`deployments.api.status`, :mod:`deployments.api.residency`, :mod:`deployments.api.videos.jobs`)
 reach it through ``app.state.service``. No Serve, no Ray: the stages and the board are the Protocols
 of :mod:`deployments.api.seams`.
 """

@@ -60,7 +60,7 @@ def request_fault(path: pathlib.Path, prompt: str, size: str, steps: int, seed: 
     import yaml
     from pydantic import ValidationError
 
-    from deployments.api.schemas import ImageRequest, image_spec
+    from deployments.api.images.protocol import ImageRequest, image_spec
     from deployments.capacity.request_limits import FieldError, Limits
     from deployments.models.registry import read_family_traits
     from zoo import tiny

@@ -4,7 +4,7 @@ The official client posts ``multipart/form-data``, so every field may arrive as 
 (``"seed": "3"``); pydantic's lax mode reads numbers from such strings. ``seconds`` and ``size``
 map to frames and resolution: ``seconds`` s at ``fps`` frames per second is ``seconds * fps + 1``
 frames (Wan's 81 frames are 5 s at 16 fps), rounded up to what the VAE makes (1 + a multiple of its
-temporal factor). Every other check is the synchronous route's (:func:`deployments.api.schemas.video_spec`).
+temporal factor). Every other check is the synchronous route's (:func:`deployments.api.videos.protocol.video_spec`).
 A video edit's body is :mod:`deployments.api.videos.edits`'.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from deployments.api.schemas import MAX_USER_CHARS, Text, VideoRequest, reference_bytes, video_spec
+from deployments.api.schemas import MAX_USER_CHARS, Text, reference_bytes
+from deployments.api.videos.protocol import VideoRequest, video_spec
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.jobs.records import JobParams
 from deployments.models.families import FamilyTraits

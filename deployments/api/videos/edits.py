@@ -27,8 +27,9 @@ from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.api.schemas import MAX_USER_CHARS, Text, VideoRequest, video_spec
+from deployments.api.schemas import MAX_USER_CHARS, Text
 from deployments.api.videos.create import format_seconds, frames_for
+from deployments.api.videos.protocol import VideoRequest, video_spec
 from deployments.api.videos.uploads import SourceShape
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.jobs.records import JobParams, VideoJob

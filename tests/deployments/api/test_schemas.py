@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from deployments.api.schemas import ImageRequest, VideoRequest, image_spec, video_spec
+from deployments.api.images.protocol import ImageRequest, image_spec
+from deployments.api.videos.protocol import VideoRequest, video_spec
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.models.families import read_family_traits
 from zoo.tiny import ensure_tiny_flux, ensure_tiny_wan

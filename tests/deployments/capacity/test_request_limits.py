@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.api.schemas import ImageRequest, image_spec
+from deployments.api.images.protocol import ImageRequest, image_spec
 from deployments.capacity.request_limits import Limits, Quality
 from deployments.models.families import read_family_traits
 from zoo.tiny import ensure_tiny_wan

@@ -28,8 +28,9 @@ import pytest
 import torch
 from PIL import Image
 
+from deployments.api.images.protocol import ImageRequest, image_spec
 from deployments.api.model_list import model_card
-from deployments.api.schemas import ImageRequest, VideoRequest, image_spec, video_spec
+from deployments.api.videos.protocol import VideoRequest, video_spec
 from deployments.capacity.request_limits import FieldError, Limits
 from deployments.models import activation_features as activations
 from deployments.models import families

@@ -21,9 +21,10 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from deployments.api.body import read_fields
+from deployments.api.images.protocol import ImageRequest, image_spec
 from deployments.api.reference_images import MAX_REFERENCE_BYTES, has_alpha, image_size
 from deployments.api.rendering import ImageRendering, ImageStream
-from deployments.api.schemas import ImageRequest, image_spec, reference_bytes
+from deployments.api.schemas import reference_bytes
 from deployments.api.service import Service
 from deployments.capacity.request_limits import FieldError, Limits, parse_size
 from deployments.models.families import FamilyTraits

@@ -167,7 +167,7 @@ def test_wan_enters_its_schedule_its_own_way_and_a_strength_that_runs_no_step_is
 
 
 def test_the_readmes_edit_example_runs_as_printed_on_the_image_and_client_of_its_first_block(tmp_path, monkeypatch):
-    readme = pathlib.Path(__file__).resolve().parents[3] / "README.md"
+    readme = pathlib.Path(__file__).resolve().parents[4] / "README.md"
     text = readme.read_text()
     first = re.findall(r"```python\n(.*?)```", text.split("### An image", 1)[1], flags=re.S)[0]
     (block,) = re.findall(r"```python\n(.*?)```", text.split("### An edit", 1)[1].split("\n### ", 1)[0], flags=re.S)
