@@ -89,6 +89,16 @@ class Service:
         # One id from Serve's proxy to the stages' logs and the error bodies.
         return parsed, dataclasses.replace(spec, request_id=request_id(request.scope))
 
+    async def answer(self, request: Request, model: type, to_spec: Callable, rendering: Callable[[object], Rendering],
+                     read: Callable[[Request], Awaitable[dict]] | None = None):
+        """A synchronous generation route's whole answer: :meth:`parse`, then :meth:`respond` with the
+        ``rendering`` the parsed body asks for (its encoding, its frame rate)."""
+        checked = await self.parse(request, model, to_spec, read)
+        if isinstance(checked, JSONResponse):
+            return checked
+        parsed, spec = checked
+        return await self.respond(spec, parsed.stream, rendering(parsed))
+
     async def generate(self, spec: GenerationSpec, on_progress=None) -> Generated:
         encoded = self.stages.encode(spec)
         latents = None

@@ -17,7 +17,6 @@ import dataclasses
 from typing import Sequence
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from deployments.api.body import read_fields
@@ -111,9 +110,6 @@ async def _fields(request: Request) -> dict:
 @router.post(EDITS)
 async def edits(request: Request):
     service: Service = request.app.state.service
-    checked = await service.parse(request, ImageEditRequest, edit_spec, read=_fields)
-    if isinstance(checked, JSONResponse):
-        return checked
-    parsed, spec = checked
-    rendering = ImageRendering(parsed.output_format, parsed.output_compression, ImageStream.EDIT)
-    return await service.respond(spec, parsed.stream, rendering)
+    return await service.answer(request, ImageEditRequest, edit_spec,
+                                lambda body: ImageRendering(body.output_format, body.output_compression,
+                                                            ImageStream.EDIT), read=_fields)

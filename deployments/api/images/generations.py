@@ -6,7 +6,6 @@ The route parses its body, then answers through :class:`deployments.api.service.
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from deployments.api.images.protocol import ImageRequest, image_spec
 from deployments.api.rendering import ImageRendering
@@ -20,9 +19,5 @@ router = APIRouter()
 @router.post(IMAGES)
 async def images(request: Request):
     service: Service = request.app.state.service
-    checked = await service.parse(request, ImageRequest, image_spec)
-    if isinstance(checked, JSONResponse):
-        return checked
-    parsed, spec = checked
-    rendering = ImageRendering(parsed.output_format, parsed.output_compression)
-    return await service.respond(spec, parsed.stream, rendering)
+    return await service.answer(request, ImageRequest, image_spec,
+                                lambda body: ImageRendering(body.output_format, body.output_compression))

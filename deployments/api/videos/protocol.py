@@ -44,6 +44,8 @@ def video_spec(req: VideoRequest, facts: FamilyTraits, limits: Limits, model_id:
                                   "use POST /v1/images/generations")
     if req.response_format not in ("b64_json", "mp4"):
         raise FieldError("response_format", f"{req.response_format!r} is not supported; use 'b64_json' or 'mp4'")
+    if req.stream and req.response_format == "mp4":
+        raise FieldError("stream", "a stream of events carries JSON; use response_format 'b64_json' with stream")
     frames = req.num_frames or limits.default_frames
     if frames > limits.max_frames:
         raise FieldError("num_frames", f"{frames} exceeds the configured maximum of {limits.max_frames}")

@@ -60,6 +60,7 @@ def test_a_mistyped_or_unknown_field_fails_validation_naming_it(body, field):
     ({"prompt": "a cat", "num_frames": 4}, "num_frames"),  # not 1 + 4k
     ({"prompt": "a cat", "num_frames": 13}, "num_frames"),  # over max_frames
     ({"prompt": "a cat", "response_format": "gif"}, "response_format"),
+    ({"prompt": "a cat", "response_format": "mp4", "stream": True}, "stream"),  # events carry JSON
 ])
 def test_an_invalid_video_field_is_refused_naming_it(wan, body, param):
     with pytest.raises(FieldError) as caught:
