@@ -49,6 +49,7 @@ KNOWN_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = {
     "CLIPTextModelWithProjection": ("text_model.encoder.layers",),  # SD3.5's CLIP-L and CLIP-G
     "CLIPVisionModel": ("encoder.layers",),
     "CLIPVisionModelWithProjection": ("vision_model.encoder.layers",),  # Wan2.1 I2V's image encoder (ViT-H/14)
+    "SiglipVisionModel": ("encoder.layers",),  # HunyuanVideo 1.5 I2V's image encoder (so400m; transformers >= 5)
     "Qwen3Model": ("layers",),  # Z-Image's text encoder
     "Qwen2_5_VLTextModel": ("layers",),  # HunyuanVideo 1.5's text encoder
     # Qwen-Image's text encoder: text-to-image never runs the vision tower (it stays non-layer).
@@ -61,6 +62,7 @@ KNOWN_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = {
 LEGACY_LAYER_GROUPS: Mapping[str, tuple[str, ...]] = {
     "CLIPTextModel": ("text_model.encoder.layers",),
     "CLIPVisionModel": ("vision_model.encoder.layers",),
+    "SiglipVisionModel": ("vision_model.encoder.layers",),
 }
 
 

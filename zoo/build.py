@@ -11,7 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from zoo.tiny import ensure_medium_wan, ensure_tiny_flux, ensure_tiny_wan
-from zoo.tiny_families import ensure_tiny_hunyuan15, ensure_tiny_qwen_image, ensure_tiny_sd3, ensure_tiny_zimage
+from zoo.tiny_families import (
+    ensure_tiny_hunyuan15,
+    ensure_tiny_hunyuan15_i2v,
+    ensure_tiny_qwen_image,
+    ensure_tiny_sd3,
+    ensure_tiny_zimage,
+)
 from zoo.wan22 import ensure_tiny_wan21_i2v, ensure_tiny_wan22_a14b, ensure_tiny_wan22_i2v, ensure_tiny_wan22_ti2v
 
 BUILDERS: dict[str, Callable[[], Path]] = {
@@ -22,6 +28,7 @@ BUILDERS: dict[str, Callable[[], Path]] = {
     "tiny-zimage": ensure_tiny_zimage,
     "tiny-qwen-image": ensure_tiny_qwen_image,
     "tiny-hunyuan15": ensure_tiny_hunyuan15,
+    "tiny-hunyuan15-i2v": ensure_tiny_hunyuan15_i2v,
     "tiny-wan22-a14b": ensure_tiny_wan22_a14b,
     "tiny-wan22-ti2v": ensure_tiny_wan22_ti2v,
     "tiny-wan22-i2v": ensure_tiny_wan22_i2v,

@@ -1,11 +1,13 @@
-"""The tiny zoo's newer families: SD3.5, Z-Image, Qwen-Image and HunyuanVideo 1.5, at toy widths.
+"""The tiny zoo's newer families: SD3.5, Z-Image, Qwen-Image and HunyuanVideo 1.5 (text- and image-to-video),
+at toy widths.
 
 Real diffusers/transformers classes with tiny configs, seeded per component, written with
 ``save_pretrained`` and cached under :func:`zoo.paths.zoo_root` like :mod:`zoo.tiny`. Each keeps
 what the engine and the adapters care about real: the component layout of the real folder
 (``model_index.json``), the real schedulers' settings (``configs/models/real_model_configs.json``),
 the text encoders' kinds (three for SD3.5, one of them a T5 with T5-XXL's 32128-row table; Qwen2.5-VL
-with its vision tower for Qwen-Image; Qwen3 for Z-Image; Qwen2.5-VL text + ByT5 for HunyuanVideo 1.5),
+with its vision tower for Qwen-Image; Qwen3 for Z-Image; Qwen2.5-VL text + ByT5 for HunyuanVideo 1.5, and
+SigLIP for its image-to-video),
 and the VAEs' real compression (8x; 16x and 4x in time for HunyuanVideo 1.5). A conformance run of
 each takes a few seconds on one core.
 """
@@ -20,6 +22,7 @@ from diffusers import (
     AutoencoderKLQwenImage,
     ClassifierFreeGuidance,
     FlowMatchEulerDiscreteScheduler,
+    HunyuanVideo15ImageToVideoPipeline,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
     QwenImagePipeline,
@@ -38,6 +41,9 @@ from transformers import (
     Qwen2_5_VLTextModel,
     Qwen3Config,
     Qwen3Model,
+    SiglipImageProcessor,
+    SiglipVisionConfig,
+    SiglipVisionModel,
     T5Config,
     T5EncoderModel,
 )
@@ -180,8 +186,8 @@ def build_qwen_image(folder: Path, sizes: ImageSizes = ImageSizes()) -> None:
                       transformer=transformer).save_pretrained(folder, safe_serialization=True)
 
 
-def build_hunyuan15(folder: Path, sizes: ImageSizes = ImageSizes()) -> None:
-    """HunyuanVideo15Pipeline (480p t2v layout): Qwen2.5-VL text model + ByT5 glyph encoder, the DiT,
+def _hunyuan15_components(sizes: ImageSizes, task_type: str, target_size: int) -> dict:
+    """HunyuanVideo15Pipeline's components (480p layout): Qwen2.5-VL text model + ByT5 glyph encoder, the DiT,
     a 16x spatial / 4x temporal VAE, the real scheduler shift (5.0) and guider (CFG 6.0)."""
     tokenizer, tokenizer_2 = qwen_tokenizer(), byt5_tokenizer()
     _seeded(51)
@@ -197,18 +203,36 @@ def build_hunyuan15(folder: Path, sizes: ImageSizes = ImageSizes()) -> None:
         attention_head_dim=sizes.head_dim, num_layers=sizes.blocks, num_refiner_layers=1, mlp_ratio=2.0,
         patch_size=1, patch_size_t=1, qk_norm="rms_norm", text_embed_dim=sizes.width,
         text_embed_2_dim=sizes.width // 2, image_embed_dim=8, rope_theta=256.0, rope_axes_dim=(4, 6, 6),
-        target_size=640, task_type="t2v", use_meanflow=False,
+        target_size=target_size, task_type=task_type, use_meanflow=False,
     ).eval()
     _seeded(54)
     vae = AutoencoderKLHunyuanVideo15(
         in_channels=3, out_channels=3, latent_channels=latent, block_out_channels=(8, 8, 8, 8, 8),
         layers_per_block=1, spatial_compression_ratio=16, temporal_compression_ratio=4, scaling_factor=1.03682,
     ).eval()
-    HunyuanVideo15Pipeline(
+    return dict(
         text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0, use_dynamic_shifting=False),
-        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, guider=ClassifierFreeGuidance(guidance_scale=6.0),
-    ).save_pretrained(folder, safe_serialization=True)
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, guider=ClassifierFreeGuidance(guidance_scale=6.0))
+
+
+def build_hunyuan15(folder: Path, sizes: ImageSizes = ImageSizes()) -> None:
+    """HunyuanVideo15Pipeline (480p t2v layout)."""
+    HunyuanVideo15Pipeline(**_hunyuan15_components(sizes, "t2v", 640)).save_pretrained(folder, safe_serialization=True)
+
+
+def build_hunyuan15_i2v(folder: Path, sizes: ImageSizes = ImageSizes()) -> None:
+    """HunyuanVideo15ImageToVideoPipeline (480p i2v layout): text-to-video's components, plus a SigLIP
+    vision tower (28 px, 14 px patches: 4 tokens; the real one 729 at 384 px) and its processor. Its
+    transformer's target_size is 32, so the pipeline's own size for a square image is 32x32."""
+    _seeded(55)
+    image_encoder = SiglipVisionModel(SiglipVisionConfig(
+        hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+        patch_size=14)).eval()
+    feature_extractor = SiglipImageProcessor(size={"height": 28, "width": 28})
+    HunyuanVideo15ImageToVideoPipeline(image_encoder=image_encoder, feature_extractor=feature_extractor,
+                                       **_hunyuan15_components(sizes, "i2v", 32)).save_pretrained(
+        folder, safe_serialization=True)
 
 
 def _ensure(name: str, build) -> Path:
@@ -230,4 +254,8 @@ def ensure_tiny_qwen_image() -> Path:
 
 def ensure_tiny_hunyuan15() -> Path:
     return _ensure("tiny-hunyuan15", build_hunyuan15)
+
+
+def ensure_tiny_hunyuan15_i2v() -> Path:
+    return _ensure("tiny-hunyuan15-i2v", build_hunyuan15_i2v)
 

@@ -60,10 +60,18 @@ class HunyuanPrompt(PromptTensors):
     prompt_embeds_2: torch.Tensor
     prompt_embeds_mask_2: torch.Tensor
     negative: "HunyuanPrompt | None" = None  # the same for the negative prompt, with guidance only
+    # Image-to-video (deployments.models.hunyuan_video15_i2v): the image encoder's hidden states of the
+    # reference image (n, 729, 1152 on the real SigLIP), from the encoder stage; and the VAE's latents of it
+    # as the first frame with the mask of the given frame (n, 32 + 1, frames, h, w), from the decoder stage.
+    image_embeds: torch.Tensor | None = None
+    image_condition: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "HunyuanPrompt":
-        negative = None if self.negative is None else self.negative.to(device)
-        return HunyuanPrompt(*(t.to(device) for t in self.tensors()), negative)
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return HunyuanPrompt(*(t.to(device) for t in self.tensors()), move(self.negative),
+                             move(self.image_embeds), move(self.image_condition))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """In the transformer's order (``INPUTS``)."""
@@ -100,20 +108,28 @@ class HunyuanVideo15Stepper(TransformerStepper):
         key = BatchKey(tuple(latents.shape[1:]), dtype, TEXT_TOKENS, uncond is not None)
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step)
 
+    def condition(self, batch: list[StepRequest], latents: torch.Tensor) -> torch.Tensor:
+        """The condition latents and mask joined to the noise on the channel axis: text-to-video's are zeros
+        (prepare_cond_latents_and_mask)."""
+        return latents.new_zeros(latents.shape[0], latents.shape[1] + 1, *latents.shape[2:])
+
+    def image_embeds(self, batch: list[StepRequest], rows: int) -> torch.Tensor:
+        """One branch's image embeddings: text-to-video's are zeros."""
+        return torch.zeros(rows, VISION_TOKENS, self.pipe.transformer.config.image_embed_dim, dtype=self.dtype,
+                           device=self.device)
+
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
         latents = torch.cat([r.latents for r in batch])
-        # Text-to-video: no condition latents, no mask, zero image embeddings (prepare_cond_latents_and_mask).
-        zeros = latents.new_zeros(latents.shape[0], latents.shape[1] + 1, *latents.shape[2:])
-        model_input = torch.cat([latents, zeros], dim=1)
+        model_input = torch.cat([latents, self.condition(batch, latents)], dim=1)
         timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch]).to(model_input.dtype)
         branches = [[r.cond for r in batch]]
         guided = batch[0].key.guided
-        if guided:  # the weights stream once for both branches
+        image_embeds = self.image_embeds(batch, latents.shape[0])
+        if guided:  # the weights stream once for both branches; both attend to the same image
             branches.append([r.uncond for r in batch])
             model_input, timestep = torch.cat([model_input, model_input]), torch.cat([timestep, timestep])
+            image_embeds = torch.cat([image_embeds, image_embeds])
         inputs = {name: torch.cat([b[name] for rows in branches for b in rows]) for name in INPUTS}
-        image_embeds = model_input.new_zeros(model_input.shape[0], VISION_TOKENS,
-                                             self.pipe.transformer.config.image_embed_dim)
         with cached(self.pipe.transformer, batch, guided, HUNYUAN15_BLOCKS):
             noise = self.pipe.transformer(hidden_states=model_input, image_embeds=image_embeds, timestep=timestep,
                                           return_dict=False, **inputs)[0]

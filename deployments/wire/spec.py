@@ -35,6 +35,9 @@ class Family(enum.Enum):
     # diffusers HunyuanVideo15Pipeline: Qwen2.5-VL text + ByT5 glyph encoders, HunyuanVideo15Transformer3DModel,
     # AutoencoderKLHunyuanVideo15 (16x spatial, 4x temporal). Videos.
     HUNYUAN_VIDEO15 = "hunyuan-video-1.5"
+    # diffusers HunyuanVideo15ImageToVideoPipeline: the same, plus a SigLIP image encoder whose hidden states of
+    # the reference image, and the VAE's latents of it as the first frame, condition every step.
+    HUNYUAN_VIDEO15_I2V = "hunyuan-video-1.5-i2v"
 
 
 class PipelineStage(str, enum.Enum):

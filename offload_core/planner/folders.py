@@ -79,6 +79,7 @@ FOLDER_KINDS: tuple[FolderKind, ...] = (
     FolderKind("ZImagePipeline", Mark.NONE, "z-image-turbo"),
     FolderKind("QwenImagePipeline", Mark.NONE, "qwen-image"),
     FolderKind("HunyuanVideo15Pipeline", Mark.NONE, "hunyuanvideo-1.5-480p-t2v"),
+    FolderKind("HunyuanVideo15ImageToVideoPipeline", Mark.NONE, "hunyuanvideo-1.5-480p-i2v"),
 )
 
 

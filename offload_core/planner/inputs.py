@@ -63,9 +63,15 @@ STAGES = {
                           Stage("decode", ("vae",))),
     "HunyuanVideo15Pipeline": (Stage("encode", ("text_encoder", "text_encoder_2")), Stage("denoise", ("transformer",)),
                                Stage("decode", ("vae",))),
+    # Its image-to-video: the SigLIP image encoder joins the encode stage (pipeline_stages), the VAE also
+    # encodes the reference image.
+    "HunyuanVideo15ImageToVideoPipeline": (Stage("encode", ("text_encoder", "text_encoder_2")),
+                                           Stage("denoise", ("transformer",)), Stage("decode", ("vae",))),
 }
 # Wan2.1 image-to-video's CLIP ViT-H/14 at 224 x 224: (224 / 14)^2 patches + the class token.
 CLIP_IMAGE_TOKENS = 257
+# HunyuanVideo 1.5's SigLIP (so400m, 14 px patches) at 384 x 384: 27^2 patches, no class token.
+SIGLIP_IMAGE_TOKENS = 729
 # Z-Image and Qwen-Image feed the transformer the prompt's own tokens (no padding): a typical prompt
 # after their chat templates, for compute estimates only.
 PROMPT_TOKENS = 128
@@ -115,7 +121,7 @@ def pipeline_stages(pipeline: str, components) -> tuple[Stage, ...]:
     runs per step, so the plan's peak holds one expert's working set while the other is idle
     (parked, streamed or resident, as the plan decides), and the switch is where residency changes."""
     stages = STAGES[pipeline]
-    if "image_encoder" in components:  # Wan2.1 image-to-video: the CLIP image encoder runs beside the text encoder
+    if "image_encoder" in components:  # Wan2.1's CLIP and HunyuanVideo 1.5's SigLIP run beside the text encoders
         encode, *rest = stages
         stages = (Stage(encode.name, (*encode.components, "image_encoder")), *rest)
     experts = tuple(e for e in EXPERTS if e in components)
@@ -161,12 +167,14 @@ def _uses_and_tokens(pipeline: str, defaults: Mapping[str, Any]) -> dict[str, tu
                 "vae": (frames, (h // 4) * (w // 4))}
     if pipeline in _IMAGE_PIPELINES:
         return _IMAGE_PIPELINES[pipeline](steps, cfg, (h // 16) * (w // 16), seq) | {"vae": (1, (h // 4) * (w // 4))}
-    if pipeline == "HunyuanVideo15Pipeline":
+    if pipeline in ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"):
         passes = 1 if cfg == 1.0 else 2  # the guider's conditional + unconditional forward per step
         frames = (int(defaults["num_frames"]) - 1) // 4 + 1  # 4x temporal, 16x spatial VAE compression
-        text = seq + 256 + 729  # Qwen2.5-VL tokens (padded to 1000), ByT5 glyph tokens, zero image tokens
+        # Qwen2.5-VL tokens (padded to 1000), ByT5 glyph tokens, 729 image tokens (zeros in text-to-video)
+        text = seq + 256 + SIGLIP_IMAGE_TOKENS
         return {"text_encoder": (passes, seq + 108), "text_encoder_2": (passes, 256),
                 "transformer": (steps * passes, frames * (h // 16) * (w // 16) + text),
+                "image_encoder": (1, SIGLIP_IMAGE_TOKENS),  # image-to-video: SigLIP once on the reference
                 "vae": (frames, (h // 4) * (w // 4))}
     # FLUX.1-dev is guidance-distilled: one transformer pass per step.
     return {"text_encoder": (1, 77), "text_encoder_2": (1, seq), "transformer": (steps, (h // 16) * (w // 16) + seq),

@@ -26,7 +26,8 @@ from compat.torch import own_buffers, own_parameters
 from offload_core.planner.config_file import CONFIG_PATH, UnknownModel, config_file, resolve_name  # noqa: F401 (re-exported)
 
 # transformer_2: Wan2.2 A14B's low-noise expert (the same class as the high-noise ``transformer``);
-# text_encoder_3: SD3.5's T5-XXL (after its two CLIPs); image_encoder: Wan2.1 image-to-video's CLIP vision tower.
+# text_encoder_3: SD3.5's T5-XXL (after its two CLIPs); image_encoder: Wan2.1 image-to-video's CLIP vision tower,
+# HunyuanVideo 1.5 image-to-video's SigLIP.
 COMPONENTS = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder", "vae")
 # Classes the json or a local folder may name, by library; anything else is a typo or an unreviewed model.
 _DIFFUSERS_CLASSES = frozenset({
@@ -36,7 +37,7 @@ _DIFFUSERS_CLASSES = frozenset({
 })
 _TRANSFORMERS_CLASSES = frozenset({
     "UMT5EncoderModel", "T5EncoderModel", "CLIPTextModel", "CLIPTextModelWithProjection", "Qwen3Model",
-    "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLTextModel", "CLIPVisionModelWithProjection",
+    "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLTextModel", "CLIPVisionModelWithProjection", "SiglipVisionModel",
 })
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

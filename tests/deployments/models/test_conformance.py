@@ -74,6 +74,7 @@ CASES = [
     Case("z-image", tiny_families.ensure_tiny_zimage),
     Case("qwen-image", tiny_families.ensure_tiny_qwen_image),
     Case("hunyuan-video-1.5", tiny_families.ensure_tiny_hunyuan15, glyphs=True, joins_branches=True),
+    Case("hunyuan-video-1.5-i2v", tiny_families.ensure_tiny_hunyuan15_i2v, image=True, joins_branches=True),
 ]
 IDS = [c.name for c in CASES]
 # The cases whose folders edit images (tests/deployments/models/test_edits.py pins each bitwise).

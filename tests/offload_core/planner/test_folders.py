@@ -14,7 +14,13 @@ from deployments.models.registry import adapter_for, read_family_traits
 from deployments.wire.spec import PipelineStage
 from offload_core.planner.cli import main
 from zoo.tiny import ensure_tiny_flux, ensure_tiny_wan
-from zoo.tiny_families import ensure_tiny_hunyuan15, ensure_tiny_qwen_image, ensure_tiny_sd3, ensure_tiny_zimage
+from zoo.tiny_families import (
+    ensure_tiny_hunyuan15,
+    ensure_tiny_hunyuan15_i2v,
+    ensure_tiny_qwen_image,
+    ensure_tiny_sd3,
+    ensure_tiny_zimage,
+)
 from zoo.wan22 import ensure_tiny_wan21_i2v, ensure_tiny_wan22_a14b, ensure_tiny_wan22_i2v, ensure_tiny_wan22_ti2v
 
 
@@ -39,6 +45,7 @@ CASES = [
     Case("z-image", ensure_tiny_zimage, (9,), 1),  # Turbo: 9 steps at guidance 0
     Case("qwen-image", ensure_tiny_qwen_image, (100,), 1),  # 50 steps, true CFG: a second forward
     Case("hunyuan-video-1.5", ensure_tiny_hunyuan15, (100,), 31),  # 50 steps x 2 (guidance 6), 121 frames
+    Case("hunyuan-video-1.5-i2v", ensure_tiny_hunyuan15_i2v, (100,), 31),  # the same, SigLIP in the encode stage
 ]
 
 
