@@ -186,7 +186,7 @@ def build_qwen_image(folder: Path, sizes: ImageSizes = ImageSizes()) -> None:
                       transformer=transformer).save_pretrained(folder, safe_serialization=True)
 
 
-def _hunyuan15_components(sizes: ImageSizes, task_type: str, target_size: int) -> dict:
+def _hunyuan15_components(sizes: ImageSizes, task_type: str, target_size: int, meanflow: bool = False) -> dict:
     """HunyuanVideo15Pipeline's components (480p layout): Qwen2.5-VL text model + ByT5 glyph encoder, the DiT,
     a 16x spatial / 4x temporal VAE, the real scheduler shift (5.0) and guider (CFG 6.0)."""
     tokenizer, tokenizer_2 = qwen_tokenizer(), byt5_tokenizer()
@@ -203,7 +203,7 @@ def _hunyuan15_components(sizes: ImageSizes, task_type: str, target_size: int) -
         attention_head_dim=sizes.head_dim, num_layers=sizes.blocks, num_refiner_layers=1, mlp_ratio=2.0,
         patch_size=1, patch_size_t=1, qk_norm="rms_norm", text_embed_dim=sizes.width,
         text_embed_2_dim=sizes.width // 2, image_embed_dim=8, rope_theta=256.0, rope_axes_dim=(4, 6, 6),
-        target_size=target_size, task_type=task_type, use_meanflow=False,
+        target_size=target_size, task_type=task_type, use_meanflow=meanflow,
     ).eval()
     _seeded(54)
     vae = AutoencoderKLHunyuanVideo15(
@@ -221,17 +221,18 @@ def build_hunyuan15(folder: Path, sizes: ImageSizes = ImageSizes()) -> None:
     HunyuanVideo15Pipeline(**_hunyuan15_components(sizes, "t2v", 640)).save_pretrained(folder, safe_serialization=True)
 
 
-def build_hunyuan15_i2v(folder: Path, sizes: ImageSizes = ImageSizes()) -> None:
+def build_hunyuan15_i2v(folder: Path, sizes: ImageSizes = ImageSizes(), meanflow: bool = False) -> None:
     """HunyuanVideo15ImageToVideoPipeline (480p i2v layout): text-to-video's components, plus a SigLIP
     vision tower (28 px, 14 px patches: 4 tokens; the real one 729 at 384 px) and its processor. Its
-    transformer's target_size is 32, so the pipeline's own size for a square image is 32x32."""
+    transformer's target_size is 32, so the pipeline's own size for a square image is 32x32. ``meanflow``:
+    the step-distilled checkpoints' transformer (a second timestep embedding)."""
     _seeded(55)
     image_encoder = SiglipVisionModel(SiglipVisionConfig(
         hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
         patch_size=14)).eval()
     feature_extractor = SiglipImageProcessor(size={"height": 28, "width": 28})
     HunyuanVideo15ImageToVideoPipeline(image_encoder=image_encoder, feature_extractor=feature_extractor,
-                                       **_hunyuan15_components(sizes, "i2v", 32)).save_pretrained(
+                                       **_hunyuan15_components(sizes, "i2v", 32, meanflow)).save_pretrained(
         folder, safe_serialization=True)
 
 

@@ -118,6 +118,10 @@ class HunyuanVideo15Stepper(TransformerStepper):
         return torch.zeros(rows, VISION_TOKENS, self.pipe.transformer.config.image_embed_dim, dtype=self.dtype,
                            device=self.device)
 
+    def extra_inputs(self, batch: list[StepRequest], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """One branch's further transformer inputs, by name: text-to-video's pipeline passes none."""
+        return {}
+
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
         latents = torch.cat([r.latents for r in batch])
         model_input = torch.cat([latents, self.condition(batch, latents)], dim=1)
@@ -125,11 +129,13 @@ class HunyuanVideo15Stepper(TransformerStepper):
         branches = [[r.cond for r in batch]]
         guided = batch[0].key.guided
         image_embeds = self.image_embeds(batch, latents.shape[0])
+        extra = self.extra_inputs(batch, model_input.dtype)
         if guided:  # the weights stream once for both branches; both attend to the same image
             branches.append([r.uncond for r in batch])
             model_input, timestep = torch.cat([model_input, model_input]), torch.cat([timestep, timestep])
             image_embeds = torch.cat([image_embeds, image_embeds])
-        inputs = {name: torch.cat([b[name] for rows in branches for b in rows]) for name in INPUTS}
+            extra = {name: torch.cat([value, value]) for name, value in extra.items()}
+        inputs = {name: torch.cat([b[name] for rows in branches for b in rows]) for name in INPUTS} | extra
         with cached(self.pipe.transformer, batch, guided, HUNYUAN15_BLOCKS):
             noise = self.pipe.transformer(hidden_states=model_input, image_embeds=image_embeds, timestep=timestep,
                                           return_dict=False, **inputs)[0]

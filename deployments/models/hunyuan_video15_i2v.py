@@ -14,9 +14,9 @@ The pipeline picks the video's size itself: the aspect-ratio bucket nearest the 
 transformer's ``target_size``. Here the request's ``size`` is the size (as for every family), and the image
 is resized and centre-cropped to it as the pipeline fits it to its bucket; the reference pins the pipeline's
 choice to the request's size, and the staged result is that, bit for bit unguided
-(tests/deployments/models/test_conformance.py). One video per request, as text-to-video.
-Refused with a message: a transformer with ``use_meanflow`` (the step-distilled checkpoints' second
-timestep), which this adapter does not reproduce yet.
+(tests/deployments/models/test_conformance.py). One video per request, as text-to-video. A transformer
+with ``use_meanflow`` (the step-distilled checkpoints) also takes the next step's timestep
+(:func:`timestep_r`), per row, as the pipeline passes it.
 Run by the stage replicas; :meth:`HunyuanVideo15I2VAdapter.facts` by the ingress (json only).
 """
 from __future__ import annotations
@@ -50,6 +50,14 @@ def fitted_image(pipe, spec: GenerationSpec):
                                        resize_mode="crop")
 
 
+def timestep_r(request: StepRequest, dtype: torch.dtype) -> torch.Tensor:
+    """A mean-flow transformer's second timestep for ``request``'s step, one per row, as the pipeline passes it:
+    the next step's timestep, 0 at the last step (the interval the distilled model jumps)."""
+    step, timesteps = request.step, request.timesteps
+    following = timesteps[step + 1] if step + 1 < len(timesteps) else torch.tensor([0.0], device=timesteps.device)
+    return following.expand(request.latents.shape[0]).to(dtype)
+
+
 class HunyuanVideo15I2VStepper(HunyuanVideo15Stepper):
     """Text-to-video's step with the request's image condition and image embeddings in place of the zeros."""
 
@@ -71,6 +79,12 @@ class HunyuanVideo15I2VStepper(HunyuanVideo15Stepper):
     def image_embeds(self, batch: list[StepRequest], rows: int) -> torch.Tensor:
         return rows_of(batch, "image_embeds", "cond")
 
+    def extra_inputs(self, batch: list[StepRequest], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """A ``use_meanflow`` transformer's second timestep, per row: :func:`timestep_r`."""
+        if not self.pipe.transformer.config.use_meanflow:
+            return {}
+        return {"timestep_r": torch.cat([timestep_r(r, dtype) for r in batch])}
+
 
 class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
     family = Family.HUNYUAN_VIDEO15_I2V
@@ -80,12 +94,6 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
     stage_helpers = {ENCODE: ("tokenizer", "tokenizer_2", "guider", "feature_extractor"),
                      DENOISE: ("scheduler", "guider"), DECODE: ()}
     serves = ("image-to-video",)
-
-    def unsupported_variant(self, index, folder) -> str | None:
-        if read_json(pathlib.Path(folder) / "transformer" / "config.json").get("use_meanflow"):
-            return ("HunyuanVideo15ImageToVideoPipeline with a use_meanflow transformer (a step-distilled "
-                    "checkpoint's second timestep) is not handled")
-        return super().unsupported_variant(index, folder)
 
     def facts(self, folder, index) -> FamilyTraits:
         return dataclasses.replace(super().facts(folder, index), reference_image=ReferenceImage.REQUIRED)
@@ -126,10 +134,12 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
             model_input = torch.cat([request.latents, request.cond["image_condition"]], dim=1)
             timestep = request.timesteps[request.step].expand(model_input.shape[0]).to(model_input.dtype)
 
+            extra = stepper.extra_inputs([request], request.latents.dtype)
+
             def branch(inputs: dict) -> torch.Tensor:
                 return pipe.transformer(hidden_states=model_input, image_embeds=request.cond["image_embeds"],
                                         timestep=timestep, return_dict=False,
-                                        **{name: inputs[name] for name in INPUTS})[0]
+                                        **{name: inputs[name] for name in INPUTS}, **extra)[0]
 
             noise = branch(request.cond)
             if request.uncond is not None:

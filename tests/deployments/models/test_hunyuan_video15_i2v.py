@@ -1,6 +1,6 @@
 """HunyuanVideo 1.5 image-to-video (deployments/models/hunyuan_video15_i2v.py) beyond the conformance suite's
 square default request: the image fitted to another size and aspect as the pipeline fits it, the image's
-part in the result, what the Denoiser refuses, and the folder variant it does not serve.
+part in the result, what the Denoiser refuses, and the step-distilled (mean-flow) transformer's second timestep.
 
 In-process on the tiny zoo's HunyuanVideo15ImageToVideoPipeline folder (SigLIP 4 tokens, target_size 32).
 """
@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
-import shutil
 
 import pytest
 import torch
@@ -81,10 +79,22 @@ def test_the_denoiser_refuses_a_request_without_the_images_condition(i2v):
         adapter_for(facts).stepper(pipes[DENOISE], facts, CPU).start(encoded, spec)
 
 
-def test_a_step_distilled_meanflow_folder_is_refused_by_name(tmp_path):
-    folder = tmp_path / "meanflow"
-    shutil.copytree(tiny_families.ensure_tiny_hunyuan15_i2v(), folder)
-    config = folder / "transformer" / "config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "use_meanflow": True}))
-    with pytest.raises(ValueError, match="use_meanflow"):
-        families.read_family_traits(folder)
+def test_a_step_distilled_meanflow_transformer_gets_the_next_timestep_and_is_the_pipeline(tmp_path):
+    """The pipeline passes ``timestep_r`` (the next step's timestep, 0 at the last) to a use_meanflow
+    transformer; without it the embedding is another and so is the video."""
+    tiny_families.build_hunyuan15_i2v(tmp_path, meanflow=True)
+    facts = families.read_family_traits(tmp_path)
+    pipes = {s: families.load_stage_pipeline(facts, s, F32) for s in PipelineStage}
+    spec = GenerationSpec("m", "a red fox", None, 32, 32, 5, 3, 1.0, 6, 1, a_photo(32, 32))
+    reference = families.reference_frames(families.load_full_pipeline(facts, F32), facts, spec)
+    staged = _batched(facts, pipes, spec)
+    assert torch.equal(staged, reference)
+    latents = families.denoise(pipes[DENOISE], facts, _encoded(facts, pipes, spec), spec, CPU)
+    assert torch.equal(families.decode(pipes[DECODE], facts, latents, spec, CPU), reference)
+    stepper = adapter_for(facts).stepper(pipes[DENOISE], facts, CPU)
+    stepper.extra_inputs = lambda batch, dtype: {}  # as a stepper that ignored use_meanflow would run
+    batch = StepBatch(stepper, BatchingConfig(max_batch=1))
+    future = batch.submit(stepper.start(_encoded(facts, pipes, spec), spec))
+    while not batch.idle:
+        batch.step()
+    assert not torch.equal(families.decode(pipes[DECODE], facts, future.result(), spec, CPU), reference)
