@@ -18,6 +18,7 @@ from deployments.api.body import FORM_TYPES
 from deployments.api.guard import JSON_TYPES, Guard, GuardConfig, request_id
 from deployments.api.images import edits as image_edits
 from deployments.api.images import generations as image_generations
+from deployments.api.images import variations as image_variations
 from deployments.api.images.edits import EDITS
 from deployments.api.images.generations import IMAGES
 from deployments.api.seams import ReplicaBoard, ServingCheck, StagePipeline
@@ -69,7 +70,7 @@ def build_api(config: IngressConfig, stages: StagePipeline, board: ReplicaBoard,
     # The routers reach the drive (and tests reach it) through the app's state.
     api.state.service, api.state.serving = service, serving
     for router in (status.router, residency.router, image_generations.router, image_edits.router,
-                   video_generations.router):
+                   image_variations.router, video_generations.router):
         api.include_router(router)
     if jobs is not None:
         video_jobs.mount(api, video_jobs.VideoJobsConfig(config.model_id, config.facts, config.limits, config.jobs,
