@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from zoo.tiny import ensure_medium_wan, ensure_tiny_flux, ensure_tiny_wan
+from zoo.tiny import ensure_medium_wan, ensure_tiny_flux, ensure_tiny_flux_kontext, ensure_tiny_wan
 from zoo.tiny_families import (
     ensure_tiny_hunyuan15,
     ensure_tiny_hunyuan15_i2v,
@@ -23,6 +23,7 @@ from zoo.wan22 import ensure_tiny_wan21_i2v, ensure_tiny_wan22_a14b, ensure_tiny
 BUILDERS: dict[str, Callable[[], Path]] = {
     "tiny-wan": ensure_tiny_wan,
     "tiny-flux": ensure_tiny_flux,
+    "tiny-flux-kontext": ensure_tiny_flux_kontext,
     "medium-wan": ensure_medium_wan,
     "tiny-sd3": ensure_tiny_sd3,
     "tiny-zimage": ensure_tiny_zimage,

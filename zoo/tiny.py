@@ -20,6 +20,7 @@ from diffusers import (
     AutoencoderKL,
     AutoencoderKLWan,
     FlowMatchEulerDiscreteScheduler,
+    FluxKontextPipeline,
     FluxPipeline,
     FluxTransformer2DModel,
     UniPCMultistepScheduler,
@@ -151,8 +152,9 @@ def build_wan(folder: Path, sizes: WanSizes) -> None:
     pipe.save_pretrained(folder, safe_serialization=True)
 
 
-def build_flux(folder: Path, sizes: FluxSizes = FluxSizes()) -> None:
-    """Write a FluxPipeline folder (CLIP + T5 encoders, two transformer groups, AutoencoderKL)."""
+def flux_components(sizes: FluxSizes, vae_levels: int = 2) -> dict:
+    """FluxPipeline's components: CLIP + T5 encoders, two transformer groups, an AutoencoderKL of
+    ``vae_levels`` levels (2: vae_scale_factor 2; the real one's 4: 8)."""
     tokenizer = clip_tokenizer(model_max_length=77)
     tokenizer_2 = t5_tokenizer(model_max_length=512)
     _seeded(11)
@@ -185,9 +187,8 @@ def build_flux(folder: Path, sizes: FluxSizes = FluxSizes()) -> None:
     # Two levels -> vae_scale_factor 2, so a 32x32 image is a 16x16 latent, 8x8 = 64 packed tokens.
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=sizes.latent_channels,
-        block_out_channels=(8, 16), layers_per_block=1,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16) if vae_levels == 2 else (8,) * vae_levels, layers_per_block=1,
+        down_block_types=("DownEncoderBlock2D",) * vae_levels, up_block_types=("UpDecoderBlock2D",) * vae_levels,
         norm_num_groups=4, sample_size=32, scaling_factor=0.3611, shift_factor=0.1159,
         use_quant_conv=False, use_post_quant_conv=False,
     ).eval()
@@ -196,11 +197,20 @@ def build_flux(folder: Path, sizes: FluxSizes = FluxSizes()) -> None:
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=16, max_image_seq_len=1024,
     )
-    pipe = FluxPipeline(
-        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
-    )
-    pipe.save_pretrained(folder, safe_serialization=True)
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
+
+
+def build_flux(folder: Path, sizes: FluxSizes = FluxSizes()) -> None:
+    """Write a FluxPipeline folder (CLIP + T5 encoders, two transformer groups, AutoencoderKL)."""
+    FluxPipeline(**flux_components(sizes)).save_pretrained(folder, safe_serialization=True)
+
+
+def build_flux_kontext(folder: Path, sizes: FluxSizes = FluxSizes()) -> None:
+    """Write a FluxKontextPipeline folder: FLUX.1's components with a four-level VAE (8x, as the real one), so
+    the image the pipeline fits to about a megapixel is 4096 packed tokens here as on the real model (a
+    two-level VAE would make it 65536)."""
+    FluxKontextPipeline(**flux_components(sizes, vae_levels=4)).save_pretrained(folder, safe_serialization=True)
 
 
 def ensure_tiny_wan() -> Path:
@@ -218,3 +228,10 @@ def ensure_tiny_flux() -> Path:
     """A FluxPipeline folder: 2 double + 2 single blocks, CLIP + T5 encoders, two-level AutoencoderKL."""
     sizes = FluxSizes()
     return ensure_built(zoo_root(), "tiny-flux", _spec("tiny-flux", sizes), lambda d: build_flux(d, sizes))
+
+
+def ensure_tiny_flux_kontext() -> Path:
+    """A FluxKontextPipeline folder: tiny FLUX.1's encoders and transformer, a four-level AutoencoderKL."""
+    sizes = FluxSizes()
+    return ensure_built(zoo_root(), "tiny-flux-kontext", _spec("tiny-flux-kontext", sizes),
+                        lambda d: build_flux_kontext(d, sizes))

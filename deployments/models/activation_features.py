@@ -12,7 +12,10 @@ tiny zoo with offload_core.residency.activation_meter, every one within 1 % exce
   pixel 1086 B at 5 frames, 1280 B at 9, 1330 B at 13: linear from 5 and 9 over-predicts 13
   frames by 11 %, the safe side).
 
-A regime is calibrated on two shapes of its own (image: frames = 1; video: frames > 1).
+A regime is calibrated on two shapes of its own (image: frames = 1; video: frames > 1). An in-context
+edit (FLUX.1 Kontext) adds its image's packed tokens to the Denoiser's; the decoder stage's encode of that
+image is leased at the image's fitted size (``families.condition_shape``; the encode's peak is 0.71-0.83
+of a decode's at one shape, bench/edit_memory.py).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import math
 from typing import Callable, Sequence
 
 from deployments.models.families import FamilyTraits
-from deployments.wire.spec import GenerationSpec, PipelineStage
+from deployments.wire.spec import EditRule, GenerationSpec, PipelineStage
 from offload_core.planner.activation_model import ActivationModel, ActivationSample, calibrate
 
 # A call leases its predicted activations plus this margin (and a replica plans this much free of
@@ -56,12 +59,23 @@ def latent_tokens(facts: FamilyTraits, spec: GenerationSpec) -> int:
     return latent_frames * math.ceil(spec.height / facts.size_multiple) * math.ceil(spec.width / facts.size_multiple)
 
 
+def in_context_tokens(facts: FamilyTraits, spec: GenerationSpec) -> int:
+    """The packed tokens an in-context edit's image adds to the Denoiser's sequence (FLUX.1 Kontext's); 0 for
+    any other request."""
+    if facts.edit_rule is not EditRule.IN_CONTEXT or spec.reference_image is None:
+        return 0
+    from deployments.models.flux_kontext import fitted_image
+
+    height, width = fitted_image(spec.reference_image, facts.size_multiple)
+    return (height // facts.size_multiple) * (width // facts.size_multiple)
+
+
 def features(facts: FamilyTraits, stage: PipelineStage, spec: GenerationSpec) -> tuple[float, ...]:
     n, pixels = spec.n, spec.height * spec.width
     if stage is PipelineStage.ENCODE:
         return (1.0, float(n))
     if stage is PipelineStage.DENOISE:
-        return (float(n), float(n * latent_tokens(facts, spec)))
+        return (float(n), float(n * (latent_tokens(facts, spec) + in_context_tokens(facts, spec))))
     if regime(spec) is Regime.IMAGE:
         return (float(n * pixels), 1.0)
     return (float(n * pixels), float(n * pixels * spec.num_frames))

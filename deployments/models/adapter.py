@@ -225,6 +225,11 @@ class FamilyAdapter:
         None for a family without one."""
         return None
 
+    def condition_shape(self, facts: FamilyTraits, spec: GenerationSpec) -> GenerationSpec:
+        """The request as the decoder stage's activation model sees its :meth:`condition` call: the image
+        is encoded at the request's size (a family that fits it to another size says so)."""
+        return spec
+
     def denoise(self, pipe, facts: FamilyTraits, encoded: EncodedPrompt, spec: GenerationSpec,
                 device: torch.device, on_step=None) -> torch.Tensor:
         """Latents exactly as ``pipe(..., output_type="latent")`` returns them, on the CPU."""

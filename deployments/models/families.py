@@ -74,6 +74,12 @@ def condition(pipe, facts: FamilyTraits, spec: GenerationSpec,
     return adapter_for(facts).condition(pipe, facts, spec, device)
 
 
+def condition_shape(facts: FamilyTraits, spec: GenerationSpec) -> GenerationSpec:
+    """The shape the decoder stage's :func:`condition` call is leased at (its activations predicted for):
+    the request's own, or the size the family fits the image to (FLUX.1 Kontext: about a megapixel)."""
+    return adapter_for(facts).condition_shape(facts, spec)
+
+
 def denoise(pipe, facts: FamilyTraits, encoded: EncodedPrompt, spec: GenerationSpec, device: torch.device,
             on_step: Callable[[DenoiseProgress], None] | None = None) -> torch.Tensor:
     """Latents exactly as ``pipe(..., output_type="latent")`` returns them, on the CPU. Text-to-image and

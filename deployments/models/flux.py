@@ -43,8 +43,7 @@ class FluxStepper(TransformerStepper):
         encoded = encoded.to(device)
         dtype = self.dtype  # encode_prompt's dtype when the text encoders are elsewhere
         prompt_embeds = encoded.prompt_embeds.to(dtype)
-        latents, image_ids = pipe.prepare_latents(spec.n, pipe.transformer.config.in_channels // 4, spec.height,
-                                                  spec.width, prompt_embeds.dtype, device, generator_for(spec), None)
+        latents, image_ids = self.noise(spec, prompt_embeds.dtype)
         scheduler = copy.deepcopy(pipe.scheduler)
         config = scheduler.config
         mu = calculate_shift(latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
@@ -58,6 +57,12 @@ class FluxStepper(TransformerStepper):
         shared = {"txt_ids": torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype), "img_ids": image_ids}
         key = BatchKey(tuple(latents.shape[1:]), latents.dtype, prompt_embeds.shape[1], False)
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, None, on_step, shared)
+
+    def noise(self, spec, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the request's packed noise, its tokens' position ids): FluxPipeline.prepare_latents."""
+        pipe = self.pipe
+        return pipe.prepare_latents(spec.n, pipe.transformer.config.in_channels // 4, spec.height, spec.width, dtype,
+                                    self.device, generator_for(spec), None)
 
     def begin_edit(self, request: StepRequest, source: EditSource) -> None:
         """FluxImg2ImgPipeline's start (FluxInpaintPipeline's too): the image's latents noised to the edit's
@@ -79,11 +84,16 @@ class FluxStepper(TransformerStepper):
         timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch]).to(latents.dtype)
         guidance = rows_of(batch, "guidance", "cond") if "guidance" in batch[0].cond else None
         with cached(self.pipe.transformer, batch, guided=False):
-            noise = self.pipe.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=guidance,
+            noise = self.pipe.transformer(hidden_states=self.model_input(batch, latents), timestep=timestep / 1000,
+                                          guidance=guidance,
                                           pooled_projections=rows_of(batch, "pooled_projections", "cond"),
                                           encoder_hidden_states=rows_of(batch, "encoder_hidden_states", "cond"),
                                           return_dict=False, **batch[0].shared)[0]
-        return split_noise(batch, noise)
+        return split_noise(batch, noise[:, :latents.shape[1]])  # the noise's tokens (FLUX.1 Kontext adds others)
+
+    def model_input(self, batch: list[StepRequest], latents: torch.Tensor) -> torch.Tensor:
+        """The transformer's token sequence for the batch: FLUX.1's is the noise's tokens alone."""
+        return latents
 
 
 class FluxAdapter(edits.ImageEdits, KLImageAdapter):

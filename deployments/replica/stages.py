@@ -304,7 +304,7 @@ class VaeDecoder:
         loads it), for the Denoiser."""
         worker = self.worker
         return await self.thread.call(worker.run, lambda: families.condition(
-            worker.pipe, worker.config.facts, spec, worker.device), spec)
+            worker.pipe, worker.config.facts, spec, worker.device), families.condition_shape(worker.config.facts, spec))
 
     def residency(self) -> ReplicaResidency:
         return self.worker.report()

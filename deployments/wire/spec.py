@@ -35,6 +35,9 @@ class Family(enum.Enum):
     # diffusers HunyuanVideo15Pipeline: Qwen2.5-VL text + ByT5 glyph encoders, HunyuanVideo15Transformer3DModel,
     # AutoencoderKLHunyuanVideo15 (16x spatial, 4x temporal). Videos.
     HUNYUAN_VIDEO15 = "hunyuan-video-1.5"
+    # diffusers FluxKontextPipeline (FLUX.1 Kontext): FLUX.1's components; an image to edit conditions every step
+    # in context (its latents join the noise's in the sequence), and without one it makes an image from text.
+    FLUX_KONTEXT = "flux-kontext"
     # diffusers HunyuanVideo15ImageToVideoPipeline: the same, plus a SigLIP image encoder whose hidden states of
     # the reference image, and the VAE's latents of it as the first frame, condition every step.
     HUNYUAN_VIDEO15_I2V = "hunyuan-video-1.5-i2v"
@@ -58,9 +61,14 @@ class EditRule(str, enum.Enum):
     # WanVideoToVideoPipeline's (AnimateDiff's): at steps - int(steps * strength); a strength under
     # 1 / steps runs none.
     VIDEO2VIDEO = "video2video"
+    # FLUX.1 Kontext's: the image is not noised but conditions every step in context (its latents beside
+    # the noise's in the transformer's sequence); the whole schedule runs and there is no strength.
+    IN_CONTEXT = "in-context"
 
     def start(self, steps: int, strength: float) -> int:
         """The schedule's first step the edit runs: the image is noised to that step's sigma."""
+        if self is EditRule.IN_CONTEXT:
+            return 0
         if self is EditRule.IMG2IMG:
             return int(max(steps - min(steps * strength, steps), 0))
         return max(steps - min(int(steps * strength), steps), 0)

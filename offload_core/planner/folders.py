@@ -75,6 +75,7 @@ FOLDER_KINDS: tuple[FolderKind, ...] = (
     FolderKind("WanImageToVideoPipeline", Mark.TWO_EXPERTS, "wan2.2-i2v-a14b"),
     FolderKind("WanImageToVideoPipeline", Mark.IMAGE_ENCODER, "wan2.1-i2v-14b-480p"),
     FolderKind("FluxPipeline", Mark.NONE, "flux.1-dev"),
+    FolderKind("FluxKontextPipeline", Mark.NONE, "flux.1-kontext-dev"),
     FolderKind("StableDiffusion3Pipeline", Mark.NONE, "sd3.5-large"),
     FolderKind("ZImagePipeline", Mark.NONE, "z-image-turbo"),
     FolderKind("QwenImagePipeline", Mark.NONE, "qwen-image"),

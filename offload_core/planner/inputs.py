@@ -56,6 +56,9 @@ STAGES = {
                                 Stage("decode", ("vae",))),
     "FluxPipeline": (Stage("encode", ("text_encoder", "text_encoder_2")), Stage("denoise", ("transformer",)),
                      Stage("decode", ("vae",))),
+    # FLUX.1 Kontext: FLUX.1's stages; the VAE also encodes the image to edit, in the decoder stage.
+    "FluxKontextPipeline": (Stage("encode", ("text_encoder", "text_encoder_2")), Stage("denoise", ("transformer",)),
+                            Stage("decode", ("vae",))),
     "StableDiffusion3Pipeline": (Stage("encode", ("text_encoder", "text_encoder_2", "text_encoder_3")),
                                  Stage("denoise", ("transformer",)), Stage("decode", ("vae",))),
     "ZImagePipeline": (Stage("encode", ("text_encoder",)), Stage("denoise", ("transformer",)), Stage("decode", ("vae",))),
@@ -70,6 +73,8 @@ STAGES = {
 }
 # Wan2.1 image-to-video's CLIP ViT-H/14 at 224 x 224: (224 / 14)^2 patches + the class token.
 CLIP_IMAGE_TOKENS = 257
+# FLUX.1 Kontext's image to edit, fitted to its preferred resolutions (about a megapixel): 1024x1024's packed tokens.
+KONTEXT_IMAGE_TOKENS = 4096
 # HunyuanVideo 1.5's SigLIP (so400m, 14 px patches) at 384 x 384: 27^2 patches, no class token.
 SIGLIP_IMAGE_TOKENS = 729
 # Z-Image and Qwen-Image feed the transformer the prompt's own tokens (no padding): a typical prompt
@@ -176,6 +181,12 @@ def _uses_and_tokens(pipeline: str, defaults: Mapping[str, Any]) -> dict[str, tu
                 "transformer": (steps * passes, frames * (h // 16) * (w // 16) + text),
                 "image_encoder": (1, SIGLIP_IMAGE_TOKENS),  # image-to-video: SigLIP once on the reference
                 "vae": (frames, (h // 4) * (w // 4))}
+    if pipeline == "FluxKontextPipeline":
+        # An edit: the image fitted to about a megapixel joins the sequence (4096 tokens, as a 1024x1024
+        # output's), and the VAE encodes it before it decodes the result. Guidance-distilled: one pass a step.
+        return {"text_encoder": (1, 77), "text_encoder_2": (1, seq),
+                "transformer": (steps, (h // 16) * (w // 16) + KONTEXT_IMAGE_TOKENS + seq),
+                "vae": (2, (h // 4) * (w // 4))}
     # FLUX.1-dev is guidance-distilled: one transformer pass per step.
     return {"text_encoder": (1, 77), "text_encoder_2": (1, seq), "transformer": (steps, (h // 16) * (w // 16) + seq),
             "vae": (1, (h // 4) * (w // 4))}

@@ -4,7 +4,8 @@ The official client's ``images.edit`` posts multipart/form-data: ``image`` a fil
 given a list; one image per edit here), the other fields strings. JSON with ``image`` as a data URL works
 too. This project's extra ``strength`` (0-1, the img2img pipelines' default 0.6) is how far the edit may
 go from the image: the image is noised to the step ``strength`` from the end of ``num_inference_steps``'
-schedule, and only those steps run. ``size`` absent or ``auto``: the image's own size, rounded down to
+schedule, and only those steps run; FLUX.1 Kontext (``EditRule.IN_CONTEXT``) takes the image in context instead,
+runs every step and takes no ``strength``. ``size`` absent or ``auto``: the image's own size, rounded down to
 the model's multiple. ``mask`` (inpainting, on the families whose ``/v1/models`` lists ``image-inpaint``):
 OpenAI's, a PNG of the image's size whose fully transparent pixels mark where to edit. Every other field is
 ``/v1/images/generations``' (``n``, ``output_format``, ``stream`` with ``partial_images``, the extras);
@@ -28,7 +29,7 @@ from deployments.api.service import Service
 from deployments.capacity.request_limits import FieldError, Limits, parse_size
 from deployments.models.families import FamilyTraits
 from deployments.models.lora_rows import ServedLora
-from deployments.wire.spec import GenerationSpec
+from deployments.wire.spec import EditRule, GenerationSpec
 
 EDITS = "/v1/images/edits"
 # Fields and prompts as /v1/images/generations takes them (its JSON bound), beside the image's own bound.
@@ -66,15 +67,20 @@ def edit_spec(req: ImageEditRequest, facts: FamilyTraits, limits: Limits, model_
                                   f"{', '.join(facts.modalities)}); POST /v1/images/generations makes one from text")
     if req.mask is not None and "image-inpaint" not in facts.modalities:
         raise FieldError("mask", f"inpainting is not supported by the {facts.family.value} model family: an edit "
-                                 "changes the whole image, as far as 'strength' lets it")
+                                 "may change the whole image")
     if req.image is None:
         raise FieldError("image", "required: the image to edit (a file in multipart/form-data, or a data URL "
                                   "'data:image/png;base64,...' in JSON)")
+    in_context = facts.edit_rule is EditRule.IN_CONTEXT
+    if in_context and "strength" in req.model_fields_set:
+        raise FieldError("strength", f"the {facts.family.value} model family edits with the image in context: "
+                                     "every step runs and the image is never noised, so there is no strength")
     image = reference_bytes(req.image, "image")
     size = own_size(image, facts, limits) if req.size in (None, "auto") else req.size
     plain = ImageRequest.model_validate({**req.model_dump(exclude={"image", "mask", "strength"}), "size": size})
     spec = image_spec(plain, facts, limits, model_id, loras=loras)
-    spec = dataclasses.replace(spec, reference_image=image, strength=req.strength, edit_rule=facts.edit_rule,
+    spec = dataclasses.replace(spec, reference_image=image, strength=None if in_context else req.strength,
+                               edit_rule=facts.edit_rule,
                                mask_image=None if req.mask is None else checked_mask(req.mask, image))
     if spec.run_steps < 1:  # the video2video rule enters at steps - int(steps * strength)
         raise FieldError("strength", f"{req.strength} of {spec.steps} steps runs no denoising step on the "

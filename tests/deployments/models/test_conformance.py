@@ -65,6 +65,8 @@ class Case:
 CASES = [
     Case("wan2.1", tiny.ensure_tiny_wan, joins_branches=True),
     Case("flux", tiny.ensure_tiny_flux),
+    Case("flux-kontext", tiny.ensure_tiny_flux_kontext),
+    Case("flux-kontext+image", tiny.ensure_tiny_flux_kontext, image=True),
     Case("wan2.2-a14b", wan22.ensure_tiny_wan22_a14b, steps=4, joins_branches=True),  # 999, 900 high noise; 750, 500 low
     Case("wan2.2-ti2v-5b", wan22.ensure_tiny_wan22_ti2v, joins_branches=True),
     Case("wan2.2-ti2v-5b+image", wan22.ensure_tiny_wan22_ti2v, image=True, joins_branches=True),
@@ -79,6 +81,8 @@ CASES = [
 IDS = [c.name for c in CASES]
 # The cases whose folders edit images (tests/deployments/models/test_edits.py pins each bitwise).
 EDITING = {"wan2.1", "flux", "sd3.5", "z-image", "qwen-image"}
+# ... and the one that edits in context, not by img2img (tests/deployments/models/test_flux_kontext.py).
+IN_CONTEXT = {"flux-kontext", "flux-kontext+image"}
 INPAINTING = {"flux", "sd3.5", "z-image", "qwen-image"}
 GLYPH_CASES = [c for c in CASES if c.glyphs]
 
@@ -306,7 +310,7 @@ def test_v1_models_states_what_the_adapter_declares(family):
     assert card.family == facts.family.value and card.size_multiple == facts.size_multiple
     index = json.loads((Path(facts.folder) / "model_index.json").read_text())
     assert card.modalities == list(adapter_for(facts).modalities(index))
-    assert ("image-edit" in card.modalities) == (family.case.name in EDITING), "the editing families, as test_edits pins them"
+    assert ("image-edit" in card.modalities) == (family.case.name in EDITING | IN_CONTEXT), "the editing families"
     assert ("image-inpaint" in card.modalities) == (family.case.name in INPAINTING), "and those that take a mask"
     assert ("video-edit" in card.modalities) == (family.case.name == "wan2.1"), "and the one that remixes videos"
     assert card.min_steps == facts.min_steps == (2 if family.case.name == "qwen-image" else 1)

@@ -13,7 +13,7 @@ import pytest
 from deployments.models.registry import adapter_for, read_family_traits
 from deployments.wire.spec import PipelineStage
 from offload_core.planner.cli import main
-from zoo.tiny import ensure_tiny_flux, ensure_tiny_wan
+from zoo.tiny import ensure_tiny_flux, ensure_tiny_flux_kontext, ensure_tiny_wan
 from zoo.tiny_families import (
     ensure_tiny_hunyuan15,
     ensure_tiny_hunyuan15_i2v,
@@ -41,6 +41,7 @@ CASES = [
     Case("wan2.2-i2v-a14b", ensure_tiny_wan22_i2v, (22, 58), 21),
     Case("wan2.1-i2v", ensure_tiny_wan21_i2v, (100,), 21),
     Case("flux.1", ensure_tiny_flux, (28,), 1),  # guidance-distilled: one forward per step
+    Case("flux.1-kontext", ensure_tiny_flux_kontext, (28,), 2),  # the same; the VAE encodes the image too
     Case("sd3.5", ensure_tiny_sd3, (28,), 1),  # both branches in one forward per step
     Case("z-image", ensure_tiny_zimage, (9,), 1),  # Turbo: 9 steps at guidance 0
     Case("qwen-image", ensure_tiny_qwen_image, (100,), 1),  # 50 steps, true CFG: a second forward
@@ -87,8 +88,9 @@ def _folder(tmp_path: Path, index: dict) -> Path:
      "pipeline 'StableDiffusionXLPipeline' is not one the planner plans from a folder; supported: WanPipeline: "
      "wan2.2-t2v-a14b (transformer_2), wan2.2-ti2v-5b (expand_timesteps), wan2.1-t2v-14b; WanImageToVideoPipeline: "
      "wan2.2-i2v-a14b (transformer_2), wan2.1-i2v-14b-480p (image_encoder); FluxPipeline: flux.1-dev; "
-     "StableDiffusion3Pipeline: sd3.5-large; ZImagePipeline: z-image-turbo; QwenImagePipeline: qwen-image; "
-     "HunyuanVideo15Pipeline: hunyuanvideo-1.5-480p-t2v"),
+     "FluxKontextPipeline: flux.1-kontext-dev; StableDiffusion3Pipeline: sd3.5-large; ZImagePipeline: z-image-turbo; "
+     "QwenImagePipeline: qwen-image; HunyuanVideo15Pipeline: hunyuanvideo-1.5-480p-t2v; "
+     "HunyuanVideo15ImageToVideoPipeline: hunyuanvideo-1.5-480p-i2v"),
     ({"_class_name": "WanImageToVideoPipeline", "expand_timesteps": True, "transformer": ["diffusers", "X"],
       "transformer_2": [None, None], "image_encoder": [None, None]},
      "a WanImageToVideoPipeline folder with none of ['transformer_2', 'image_encoder'] is not a variant"),

@@ -212,3 +212,19 @@ def test_no_generated_edit_gets_a_5xx_and_every_error_is_the_openai_object():
     api, _ = fake_api(folder=tiny.ensure_tiny_flux)
     seen = status_codes_never_5xx(TestClient(api, raise_server_exceptions=False), edit_requests(), 200)
     assert any(code == 200 for code in seen) and any(code == 400 for code in seen), sorted(set(seen))
+
+
+def test_an_in_context_edit_sends_the_image_without_a_strength_and_a_strength_or_mask_is_refused_by_name():
+    client, stages = _client(tiny.ensure_tiny_flux_kontext)  # FLUX.1 Kontext: every step runs, nothing noised
+    client.images.edit(image=("in.png", png(), "image/png"), prompt="make it snowy", extra_body=EXTRAS)
+    spec = _spec(stages)
+    assert (spec.reference_image, spec.strength, spec.edit_rule) == (png(), None, EditRule.IN_CONTEXT)
+    assert (spec.width, spec.height, spec.run_steps, spec.guidance_scale) == (32, 16, 4, 2.5)
+    for extra, param in (({"strength": 0.5}, "strength"), ({}, "mask")):
+        client, stages = _client(tiny.ensure_tiny_flux_kontext)
+        mask = {"mask": ("m.png", rgba_mask(), "image/png")} if param == "mask" else {}
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.images.edit(image=("in.png", png(), "image/png"), prompt="a fox", extra_body={**EXTRAS, **extra},
+                               **mask)
+        assert refused.value.body["param"] == param, refused.value.body
+        assert not stages.calls
