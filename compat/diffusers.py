@@ -66,6 +66,22 @@ def pack_latents(pipe: Any, latents: torch.Tensor, batch: int, channels: int, he
     return type(pipe)._pack_latents(latents, batch, channels, height, width)
 
 
+@relies_on("diffusers", "FluxPipeline._prepare_latent_image_ids / FluxKontextPipeline._prepare_latent_image_ids",
+           CHECKED, "a packed latent image's position ids are the pipeline's own; it exposes none")
+def latent_image_ids(pipe: Any, height: int, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The position ids ([height x width, 3]: 0, row, column) of a packed latent image of ``height`` x ``width``
+    tokens, as a Flux pipeline makes them."""
+    return type(pipe)._prepare_latent_image_ids(1, height, width, device, dtype)
+
+
+@relies_on("diffusers", "FluxKontextPipeline._encode_vae_image", CHECKED,
+           "FLUX.1 Kontext's image to edit is encoded as its pipeline encodes it; no public method does")
+def encode_vae_image(pipe: Any, image: torch.Tensor) -> torch.Tensor:
+    """A preprocessed image's latents as FLUX.1 Kontext's pipeline takes them in context: the VAE's mode (no
+    draw), shifted and scaled."""
+    return pipe._encode_vae_image(image=image, generator=None)
+
+
 @relies_on("diffusers", "DiffusionPipeline._execution_device", CHECKED,
            "the device a pipeline runs on, after its offload hooks, has no public accessor")
 def execution_device(pipe: Any) -> torch.device:

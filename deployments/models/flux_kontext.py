@@ -24,6 +24,7 @@ import io
 
 import torch
 
+from compat.diffusers import encode_vae_image, latent_image_ids, pack_latents
 from deployments.models.adapter import CPU, DECODE, FamilyTraits, generator_for, reference_image
 from deployments.models.flux import FluxAdapter, FluxStepper
 from deployments.models.steppers import BatchKey, StepRequest, rows_of
@@ -78,8 +79,8 @@ class FluxKontextStepper(FluxStepper):
             return request  # text to image: FLUX.1's step
         pipe, image = self.pipe, encoded.image_condition.to(self.device, request.latents.dtype)
         n, channels, height, width = image.shape
-        request.cond["image_latents"] = pipe._pack_latents(image, n, channels, height, width)
-        ids = pipe._prepare_latent_image_ids(n, height // 2, width // 2, self.device, request.latents.dtype)
+        request.cond["image_latents"] = pack_latents(pipe, image, n, channels, height, width)
+        ids = latent_image_ids(pipe, height // 2, width // 2, self.device, request.latents.dtype)
         ids[..., 0] = 1  # the image's tokens: the noise's ids with the first axis 1
         request.shared = {**request.shared, "img_ids": torch.cat([request.shared["img_ids"], ids], dim=0)}
         # Only requests whose images fit to the same size share a forward: one sequence length, one set of ids.
@@ -116,7 +117,7 @@ class FluxKontextAdapter(FluxAdapter):
         height, width = fitted_size(*image.size, pipe.vae_scale_factor * 2)
         processor = pipe.image_processor
         pixels = processor.preprocess(processor.resize(image, height, width), height, width)
-        latents = pipe._encode_vae_image(pixels.to(device, pipe.vae.dtype), generator=None)
+        latents = encode_vae_image(pipe, pixels.to(device, pipe.vae.dtype))
         return torch.cat([latents] * spec.n, dim=0).to(CPU)
 
     def condition_shape(self, facts, spec: GenerationSpec) -> GenerationSpec:

@@ -78,3 +78,18 @@ def test_repeated_blocks_are_declared_on_the_model_class():
     assert seam.repeated_block_names(diffusers.FluxTransformer2DModel) == (
         "FluxTransformerBlock", "FluxSingleTransformerBlock"), use("repeated_block_names").mismatch("moved")
     assert seam.repeated_block_names(nn.Linear) == ()
+
+
+def test_latent_image_ids_are_zero_row_column_per_token_as_the_kontext_pipeline_makes_them():
+    from zoo import tiny
+
+    pipe = diffusers.FluxKontextPipeline.from_pretrained(tiny.ensure_tiny_flux_kontext())
+    ids = seam.latent_image_ids(pipe, 2, 3, torch.device("cpu"), torch.float32)
+    expected = torch.tensor([[0, r, c] for r in range(2) for c in range(3)], dtype=torch.float32)
+    assert torch.equal(ids, expected), use("latent_image_ids").mismatch(f"gave {ids.tolist()}")
+    image = torch.rand(1, 3, 16, 16) * 2 - 1
+    latents = seam.encode_vae_image(pipe, image)
+    vae = pipe.vae
+    mode = vae.encode(image).latent_dist.mode()
+    assert torch.equal(latents, (mode - vae.config.shift_factor) * vae.config.scaling_factor), \
+        use("encode_vae_image").mismatch("is no longer the VAE's mode, shifted and scaled")
