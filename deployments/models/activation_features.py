@@ -13,9 +13,9 @@ tiny zoo with offload_core.residency.activation_meter, every one within 1 % exce
   frames by 11 %, the safe side).
 
 A regime is calibrated on two shapes of its own (image: frames = 1; video: frames > 1). An in-context
-edit (FLUX.1 Kontext) adds its image's packed tokens to the Denoiser's; the decoder stage's encode of that
-image is leased at the image's fitted size (``families.condition_shape``; the encode's peak is 0.71-0.83
-of a decode's at one shape, bench/edit_memory.py).
+edit (FLUX.1 Kontext) adds its image's packed tokens to the Denoiser's (the adapter's ``context_tokens``);
+the decoder stage's encode of that image is leased at the image's fitted size (``families.condition_shape``;
+the encode's peak is 0.71-0.83 of a decode's at one shape, bench/edit_memory.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import math
 from typing import Callable, Sequence
 
 from deployments.models.families import FamilyTraits
-from deployments.wire.spec import EditRule, GenerationSpec, PipelineStage
+from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core.planner.activation_model import ActivationModel, ActivationSample, calibrate
 
 # A call leases its predicted activations plus this margin (and a replica plans this much free of
@@ -59,15 +59,12 @@ def latent_tokens(facts: FamilyTraits, spec: GenerationSpec) -> int:
     return latent_frames * math.ceil(spec.height / facts.size_multiple) * math.ceil(spec.width / facts.size_multiple)
 
 
-def in_context_tokens(facts: FamilyTraits, spec: GenerationSpec) -> int:
-    """The packed tokens an in-context edit's image adds to the Denoiser's sequence (FLUX.1 Kontext's); 0 for
-    any other request."""
-    if facts.edit_rule is not EditRule.IN_CONTEXT or spec.reference_image is None:
-        return 0
-    from deployments.models.flux_kontext import fitted_image
+def context_tokens(facts: FamilyTraits, spec: GenerationSpec) -> int:
+    """Tokens the request's image adds to every Denoiser forward (the family's adapter says: FLUX.1 Kontext's
+    edits), counted as the latents' own."""
+    from deployments.models.registry import adapter_for
 
-    height, width = fitted_image(spec.reference_image, facts.size_multiple)
-    return (height // facts.size_multiple) * (width // facts.size_multiple)
+    return adapter_for(facts).context_tokens(facts, spec)
 
 
 def features(facts: FamilyTraits, stage: PipelineStage, spec: GenerationSpec) -> tuple[float, ...]:
@@ -75,7 +72,7 @@ def features(facts: FamilyTraits, stage: PipelineStage, spec: GenerationSpec) ->
     if stage is PipelineStage.ENCODE:
         return (1.0, float(n))
     if stage is PipelineStage.DENOISE:
-        return (float(n), float(n * (latent_tokens(facts, spec) + in_context_tokens(facts, spec))))
+        return (float(n), float(n * (latent_tokens(facts, spec) + context_tokens(facts, spec))))
     if regime(spec) is Regime.IMAGE:
         return (float(n * pixels), 1.0)
     return (float(n * pixels), float(n * pixels * spec.num_frames))

@@ -225,6 +225,11 @@ class FamilyAdapter:
         None for a family without one."""
         return None
 
+    def context_tokens(self, facts: FamilyTraits, spec: GenerationSpec) -> int:
+        """Tokens the request's image adds to every Denoiser forward beside its latents' own (an edit that takes
+        its image in context: FLUX.1 Kontext); the activation model counts them as the latents'. 0 here."""
+        return 0
+
     def condition_shape(self, facts: FamilyTraits, spec: GenerationSpec) -> GenerationSpec:
         """The request as the decoder stage's activation model sees its :meth:`condition` call: the image
         is encoded at the request's size (a family that fits it to another size says so)."""

@@ -120,6 +120,13 @@ class FluxKontextAdapter(FluxAdapter):
         latents = encode_vae_image(pipe, pixels.to(device, pipe.vae.dtype))
         return torch.cat([latents] * spec.n, dim=0).to(CPU)
 
+    def context_tokens(self, facts, spec: GenerationSpec) -> int:
+        """An edit's image, packed at its fitted size: 4096 tokens for a square one."""
+        if spec.reference_image is None:
+            return 0
+        height, width = fitted_image(spec.reference_image, facts.size_multiple)
+        return (height // facts.size_multiple) * (width // facts.size_multiple)
+
     def condition_shape(self, facts, spec: GenerationSpec) -> GenerationSpec:
         """The encode runs at the image's fitted size, about a megapixel whatever the output's."""
         if spec.reference_image is None:
