@@ -220,6 +220,9 @@ def test_an_in_context_edit_sends_the_image_without_a_strength_and_a_strength_or
     spec = _spec(stages)
     assert (spec.reference_image, spec.strength, spec.edit_rule) == (png(), None, EditRule.IN_CONTEXT)
     assert (spec.width, spec.height, spec.run_steps, spec.guidance_scale) == (32, 16, 4, 2.5)
+    with pytest.raises(openai.BadRequestError) as refused:  # the pipeline fits it by its aspect: 0 px across
+        client.images.edit(image=("thin.png", png(40, 8), "image/png"), prompt="a fox", size="32x16", extra_body=EXTRAS)
+    assert refused.value.body["param"] == "image" and "at least 16 px" in refused.value.body["message"]
     for extra, param in (({"strength": 0.5}, "strength"), ({}, "mask")):
         client, stages = _client(tiny.ensure_tiny_flux_kontext)
         mask = {"mask": ("m.png", rgba_mask(), "image/png")} if param == "mask" else {}
