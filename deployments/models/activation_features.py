@@ -125,7 +125,11 @@ def calibration_shapes(facts: FamilyTraits, steps: int | None = None,
     # A negative prompt where the family takes one: its guided branch is the larger working set (a
     # family that guides only with one, Qwen-Image, would otherwise be calibrated on half the rows).
     negative = "" if facts.supports_negative_prompt else None
-    small, large = (math.ceil(side / m) * m for side in (32, 64))
+    # The larger image at least 16 tokens a side: 64 px is 16 x 16 at a multiple of 4 but 4 x 4 at FLUX.1's
+    # (16), where the 512 text tokens swamp 4 and 16 image tokens, the per-token fit came out negative and
+    # was dropped, and a 1024x1024 request was predicted at 0.11 of its peak (tiny FLUX.1 Kontext, CPU);
+    # at 256 px: 0.91.
+    small, large = math.ceil(32 / m) * m, max(math.ceil(64 / m) * m, 16 * m)
     steps = facts.min_steps if steps is None else steps
 
     def spec(name, side, frames, n):
