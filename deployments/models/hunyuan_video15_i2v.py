@@ -43,7 +43,7 @@ from deployments.models.wan_i2v import with_stand_in_image
 from deployments.wire.spec import Family, GenerationSpec, PipelineStage
 
 
-def fitted_image(pipe, spec: GenerationSpec):
+def cropped_reference(pipe, spec: GenerationSpec):
     """The reference image resized and centre-cropped to the request's size, as the pipeline fits it to its
     size (``video_processor.resize(..., resize_mode="crop")``)."""
     return pipe.video_processor.resize(reference_image(spec), height=spec.height, width=spec.width,
@@ -103,7 +103,7 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
         """The text as text-to-video encodes it, and the pipeline's ``encode_image`` of the fitted image
         (SigLIP's last hidden states), one row per video."""
         text = super().encode(pipe, facts, spec, device)
-        embeds = pipe.encode_image(image=fitted_image(pipe, spec), batch_size=spec.n, device=device,
+        embeds = pipe.encode_image(image=cropped_reference(pipe, spec), batch_size=spec.n, device=device,
                                    dtype=pipe.image_encoder.dtype)
         return dataclasses.replace(text, image_embeds=embeds.to(CPU))
 
@@ -114,7 +114,7 @@ class HunyuanVideo15I2VAdapter(HunyuanVideo15Adapter):
         from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5_image2video import retrieve_latents
 
         vae = pipe.vae
-        image = pipe.video_processor.preprocess(fitted_image(pipe, spec), height=spec.height, width=spec.width)
+        image = pipe.video_processor.preprocess(cropped_reference(pipe, spec), height=spec.height, width=spec.width)
         latent = retrieve_latents(vae.encode(image.to(device, vae.dtype).unsqueeze(2)), sample_mode="argmax")
         latent = latent * vae.config.scaling_factor
         frames = 1 + (spec.num_frames - 1) // facts.temporal_factor

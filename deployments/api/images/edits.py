@@ -76,8 +76,8 @@ def edit_spec(req: ImageEditRequest, facts: FamilyTraits, limits: Limits, model_
         raise FieldError("strength", f"the {facts.family.value} model family edits with the image in context: "
                                      "every step runs and the image is never noised, so there is no strength")
     image = reference_bytes(req.image, "image")
-    if in_context and min(image_size(image)) < facts.size_multiple:  # fitted by its aspect ratio: none below 1 px
-        width, height = image_size(image)
+    width, height = image_size(image)
+    if in_context and min(width, height) < facts.size_multiple:  # fitted by its aspect ratio: 0 px across
         raise FieldError("image", f"is {width}x{height}: the {facts.family.value} model family takes an image at "
                                   f"least {facts.size_multiple} px a side in context")
     size = own_size(image, facts, limits) if req.size in (None, "auto") else req.size
