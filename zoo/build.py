@@ -15,6 +15,7 @@ from zoo.tiny_families import (
     ensure_tiny_hunyuan15,
     ensure_tiny_hunyuan15_i2v,
     ensure_tiny_qwen_image,
+    ensure_tiny_qwen_image_edit,
     ensure_tiny_sd3,
     ensure_tiny_zimage,
 )
@@ -28,6 +29,7 @@ BUILDERS: dict[str, Callable[[], Path]] = {
     "tiny-sd3": ensure_tiny_sd3,
     "tiny-zimage": ensure_tiny_zimage,
     "tiny-qwen-image": ensure_tiny_qwen_image,
+    "tiny-qwen-image-edit": ensure_tiny_qwen_image_edit,
     "tiny-hunyuan15": ensure_tiny_hunyuan15,
     "tiny-hunyuan15-i2v": ensure_tiny_hunyuan15_i2v,
     "tiny-wan22-a14b": ensure_tiny_wan22_a14b,

@@ -13,6 +13,7 @@ each takes a few seconds on one core.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from diffusers import (
     HunyuanVideo15ImageToVideoPipeline,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
@@ -39,6 +42,7 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLTextConfig,
     Qwen2_5_VLTextModel,
+    Qwen2VLImageProcessorPil,
     Qwen3Config,
     Qwen3Model,
     SiglipImageProcessor,
@@ -52,7 +56,7 @@ from zoo.cache import ensure_built
 from zoo.paths import zoo_root
 from zoo.tiny import _seeded, _spec
 from zoo.vocab import clip_tokenizer, t5_tokenizer
-from zoo.vocab_qwen import byt5_tokenizer, qwen_tokenizer
+from zoo.vocab_qwen import byt5_tokenizer, qwen_tokenizer, qwen_vl_tokenizer
 
 # T5-XXL's (google/t5-v1_1-xxl) token table rows: SD3.5's third text encoder, its largest tensor.
 T5_XXL_VOCAB_ROWS = 32128
@@ -158,32 +162,60 @@ def build_zimage(folder: Path, sizes: ImageSizes = ImageSizes()) -> None:
                    transformer=transformer).save_pretrained(folder, safe_serialization=True)
 
 
-def build_qwen_image(folder: Path, sizes: ImageSizes = ImageSizes()) -> None:
-    """QwenImagePipeline: Qwen2.5-VL (with a one-block vision tower), QwenImage MMDiT, Wan-style VAE."""
-    tokenizer = qwen_tokenizer()
+def _qwen_image_components(sizes: ImageSizes, tokenizer, seed: int, zero_cond_t: bool = False) -> dict:
+    """QwenImagePipeline's components: Qwen2.5-VL (with a one-block vision tower), QwenImage MMDiT, Wan-style VAE.
+    ``tokenizer``'s vision markers, where it has them, are the text encoder's image ids (the edit pipelines
+    feed it images); else they point at the last id, never produced (text-to-image feeds none)."""
     pad, last = tokenizer.pad_token_id, len(tokenizer) - 1
-    _seeded(41)
+    markers = [tokenizer.convert_tokens_to_ids(t) if t in tokenizer.get_vocab() else last
+               for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")]
+    _seeded(seed)
     text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config=_qwen_text_config(len(tokenizer), sizes.width, sizes.text_layers, pad),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=sizes.width,
                            patch_size=14, spatial_merge_size=2, fullatt_block_indexes=[0]),
-        # Text-to-image never feeds images: the vision markers point at the last id, never produced.
-        image_token_id=last, video_token_id=last, vision_start_token_id=last, vision_end_token_id=last,
+        vision_start_token_id=markers[0], vision_end_token_id=markers[1], image_token_id=markers[2],
+        video_token_id=markers[3],
     )).eval()
-    _seeded(42)
+    _seeded(seed + 1)
     transformer = QwenImageTransformer2DModel(
         patch_size=2, in_channels=16 * 4, out_channels=16, num_layers=sizes.blocks, attention_head_dim=sizes.head_dim,
         num_attention_heads=sizes.heads, joint_attention_dim=sizes.width, guidance_embeds=False, axes_dims_rope=(4, 6, 6),
+        zero_cond_t=zero_cond_t,
     ).eval()
-    _seeded(43)
+    _seeded(seed + 2)
     # Three time-downsampling levels as the real one, so the spatial factor is the real 8.
     vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
                                  temperal_downsample=[False, True, True]).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen/Qwen-Image's scheduler config
         base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
         shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True)
-    QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                      transformer=transformer).save_pretrained(folder, safe_serialization=True)
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+
+
+def build_qwen_image(folder: Path, sizes: ImageSizes = ImageSizes()) -> None:
+    """QwenImagePipeline: Qwen2.5-VL (with a one-block vision tower), QwenImage MMDiT, Wan-style VAE."""
+    QwenImagePipeline(**_qwen_image_components(sizes, qwen_tokenizer(), 41)).save_pretrained(
+        folder, safe_serialization=True)
+
+
+def build_qwen_image_edit(folder: Path, sizes: ImageSizes = ImageSizes(), plus: bool = True,
+                          zero_cond_t: bool = False) -> None:
+    """QwenImageEditPlusPipeline (Qwen-Image-Edit-2509's layout; ``plus`` False: QwenImageEditPipeline's, the
+    first Qwen-Image-Edit's; ``zero_cond_t``: 2511's transformer): Qwen-Image's components, the vision markers
+    in the tokenizer, and a ``processor`` folder as the real one's (Qwen2VLProcessor's tokenizer and image
+    processor files). transformers' Qwen2VLProcessor also needs a video processor, which needs torchvision;
+    the service loads the folder's processor without it (deployments/models/qwen_image_edit.py), so the
+    pipeline is saved without one and the folder written as the real one is."""
+    tokenizer = qwen_vl_tokenizer()
+    pipeline = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    pipeline(processor=None, **_qwen_image_components(sizes, tokenizer, 61, zero_cond_t)).save_pretrained(
+        folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder / "processor")
+    Qwen2VLImageProcessorPil().save_pretrained(folder / "processor")  # Qwen2.5-VL's: 14 px patches, merge 2
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "processor": ["transformers", "Qwen2VLProcessor"]},
+                                                        indent=2))
 
 
 def _hunyuan15_components(sizes: ImageSizes, task_type: str, target_size: int, meanflow: bool = False) -> dict:
@@ -251,6 +283,10 @@ def ensure_tiny_zimage() -> Path:
 
 def ensure_tiny_qwen_image() -> Path:
     return _ensure("tiny-qwen-image", build_qwen_image)
+
+
+def ensure_tiny_qwen_image_edit() -> Path:
+    return _ensure("tiny-qwen-image-edit", build_qwen_image_edit)
 
 
 def ensure_tiny_hunyuan15() -> Path:

@@ -12,6 +12,7 @@ from transformers import ByT5Tokenizer, Qwen2Tokenizer
 from zoo.vocab import _WORDS
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # Qwen3's template, shortened to what the pipelines use: system/user turns, the assistant prompt,
 # and Qwen3's empty think block when enable_thinking is False (Z-Image passes True: no block).
 CHAT_TEMPLATE = (
@@ -71,6 +72,15 @@ def qwen_tokenizer(model_max_length: int = 131072) -> Qwen2Tokenizer:
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIALS[1:])})
     tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def qwen_vl_tokenizer() -> Qwen2Tokenizer:
+    """:func:`qwen_tokenizer` with Qwen2.5-VL's vision markers as special tokens (the image edit pipelines'
+    prompts hold ``<|vision_start|><|image_pad|><|vision_end|>``, which the processor expands to one
+    ``<|image_pad|>`` per merged patch). Its own function: the other tiny models' ids stay as they are."""
+    tokenizer = qwen_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [*SPECIALS[1:], *VISION_SPECIALS]})
     return tokenizer
 
 

@@ -116,6 +116,21 @@ def reference_image(spec: GenerationSpec):
         return ImageOps.exif_transpose(image).convert("RGB")
 
 
+EXIF_ORIENTATION, TURNED = 0x0112, frozenset({5, 6, 7, 8})  # orientations stored a quarter turn off upright
+
+
+def upright_size(image: bytes) -> tuple[int, int]:
+    """(width, height) of ``image`` as :func:`reference_image` turns it upright, from its header alone (no
+    decode): the size a family that fits the image by its aspect ratio fits it from."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(image)) as opened:
+        width, height = opened.size
+        if opened.getexif().get(EXIF_ORIENTATION) in TURNED:
+            width, height = height, width
+    return width, height
+
+
 def step_callback(spec: GenerationSpec, on_step: Callable[[DenoiseProgress], None] | None):
     """A ``callback_on_step_end`` that reports each finished step."""
 

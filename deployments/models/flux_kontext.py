@@ -20,12 +20,11 @@ Run by the stage replicas; :meth:`FluxKontextAdapter.facts` by the ingress (json
 from __future__ import annotations
 
 import dataclasses
-import io
 
 import torch
 
 from compat.diffusers import encode_vae_image, latent_image_ids, pack_latents
-from deployments.models.adapter import CPU, DECODE, FamilyTraits, generator_for, reference_image
+from deployments.models.adapter import CPU, DECODE, FamilyTraits, generator_for, reference_image, upright_size
 from deployments.models.flux import FluxAdapter, FluxStepper
 from deployments.models.steppers import BatchKey, StepRequest, rows_of
 from deployments.wire.spec import EditRule, EncodedPrompt, Family, GenerationSpec, PipelineStage
@@ -37,7 +36,6 @@ KONTEXT_GUIDANCE = 2.5  # FluxKontextPipeline.__call__'s default
 PREFERRED_RESOLUTIONS = ((672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248), (880, 1184),
                          (944, 1104), (1024, 1024), (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752),
                          (1456, 720), (1504, 688), (1568, 672))
-EXIF_ORIENTATION, TURNED = 0x0112, frozenset({5, 6, 7, 8})  # orientations stored a quarter turn off upright
 
 
 def fitted_size(width: int, height: int, multiple: int) -> tuple[int, int]:
@@ -53,13 +51,7 @@ def fitted_size(width: int, height: int, multiple: int) -> tuple[int, int]:
 def fitted_image(image: bytes, multiple: int) -> tuple[int, int]:
     """(height, width) the pipeline fits ``image`` to, from its header alone (EXIF's quarter turns included):
     the size the decoder stage encodes it at, and the tokens it adds to the Denoiser's sequence."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(image)) as opened:
-        width, height = opened.size
-        if opened.getexif().get(EXIF_ORIENTATION) in TURNED:
-            width, height = height, width
-    return fitted_size(width, height, multiple)
+    return fitted_size(*upright_size(image), multiple)
 
 
 class FluxKontextStepper(FluxStepper):

@@ -102,6 +102,9 @@ class QwenImageStepper(TransformerStepper):
         # zero_cond_t (the edit variants) doubles temb's rows and adds a per-token modulate_index: a
         # sub-batch cannot be sliced by row, so those variants run every block.
         self.cacheable = not getattr(pipe.transformer.config, "zero_cond_t", False)
+        # Guidance's branches as two forwards, as the pipeline runs them (a lone request's staged denoise:
+        # bitwise the pipeline); the step batcher joins them in one, their texts padded to one length.
+        self.branches_apart = False
 
     def start(self, encoded: QwenImagePrompt, spec, on_step=None) -> StepRequest:
         import numpy as np
@@ -110,8 +113,7 @@ class QwenImageStepper(TransformerStepper):
         pipe, device, dtype = self.pipe, self.device, self.dtype
         encoded = encoded.to(device)
         embeds = encoded.prompt_embeds.to(dtype)
-        latents = pipe.prepare_latents(spec.n, pipe.transformer.config.in_channels // 4, spec.height, spec.width,
-                                       embeds.dtype, device, generator_for(spec), None)
+        latents = self.noise(spec, embeds.dtype)
         scheduler = copy.deepcopy(pipe.scheduler)
         config = scheduler.config
         mu = calculate_shift(latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
@@ -126,7 +128,7 @@ class QwenImageStepper(TransformerStepper):
         if not _distilled(pipe) and _true_cfg(spec):
             uncond = {"text": encoded.negative_prompt_embeds.to(dtype), "mask": encoded.negative_prompt_embeds_mask}
         scale = pipe.vae_scale_factor * 2
-        shared = {"img_shape": (1, spec.height // scale, spec.width // scale)}
+        shared = {"img_shapes": [(1, spec.height // scale, spec.width // scale)]}  # an edit's image adds its own
         # Text lengths may differ (padded and masked in the forward): the key does not carry them.
         key = BatchKey(tuple(latents.shape[1:]), latents.dtype, 0, uncond is not None)
         return StepRequest(spec, key, scheduler, timesteps, latents, cond, uncond, on_step, shared)
@@ -147,24 +149,48 @@ class QwenImageStepper(TransformerStepper):
             mask = source.mask.to(latents.device, dtype).repeat(spec.n, latents.shape[2], 1, 1)
             edits.inpaint(request, pack(image), pack(noise), pack(mask))
 
+    def noise(self, spec, dtype: torch.dtype) -> torch.Tensor:
+        """The request's first latents, packed: the pipeline's ``prepare_latents`` with its generator."""
+        pipe = self.pipe
+        return pipe.prepare_latents(spec.n, pipe.transformer.config.in_channels // 4, spec.height, spec.width,
+                                    dtype, self.device, generator_for(spec), None)
+
+    def model_input(self, batch: list[StepRequest], latents: torch.Tensor) -> torch.Tensor:
+        """The transformer's sequence for ``latents`` (the batch's rows): the latents' tokens alone here
+        (an in-context edit appends its image's: qwen_image_edit)."""
+        return latents
+
+    def _predict(self, latents: torch.Tensor, timestep: torch.Tensor, branches: list[dict],
+                 guidance: torch.Tensor | None, shared: dict) -> torch.Tensor:
+        """One transformer forward over ``latents``' rows, each with its branch's text (zero-padded, masked)."""
+        text, mask = _pad([b["text"] for b in branches], [b["mask"] for b in branches])
+        return self.pipe.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=guidance,
+                                     encoder_hidden_states_mask=mask, encoder_hidden_states=text,
+                                     img_shapes=[shared["img_shapes"]] * latents.shape[0], return_dict=False)[0]
+
     def forward(self, batch: list[StepRequest]) -> list[torch.Tensor]:
         latents = torch.cat([r.latents for r in batch])
+        tokens = latents.shape[1]
         timestep = torch.cat([r.timesteps[r.step].expand(r.latents.shape[0]) for r in batch]).to(latents.dtype)
+        latents = self.model_input(batch, latents)
         branches = [r.cond for r in batch]
         guided = batch[0].key.guided
         if guided:
             branches += [r.uncond for r in batch]
             latents, timestep = torch.cat([latents, latents]), torch.cat([timestep, timestep])
-        text, mask = _pad([b["text"] for b in branches], [b["mask"] for b in branches])
         guidance = torch.cat([r.cond["guidance"] for r in batch]) if "guidance" in batch[0].cond else None
         if not self.cacheable:
             uncached(batch, self.family)
-        step_cache = cached(self.pipe.transformer, batch, guided, QWEN_BLOCKS) if self.cacheable else nullcontext()
+        apart = guided and self.branches_apart
+        step_cache = cached(self.pipe.transformer, batch, guided, QWEN_BLOCKS) if self.cacheable and not apart \
+            else nullcontext()
         with step_cache:
-            noise = self.pipe.transformer(hidden_states=latents, timestep=timestep / 1000, guidance=guidance,
-                                          encoder_hidden_states_mask=mask, encoder_hidden_states=text,
-                                          img_shapes=[[batch[0].shared["img_shape"]]] * latents.shape[0],
-                                          return_dict=False)[0]
+            if apart:  # the pipeline's two forwards, each branch's text unpadded
+                halves = zip(latents.chunk(2), timestep.chunk(2), (branches[:len(batch)], branches[len(batch):]))
+                noise = torch.cat([self._predict(*half, guidance, batch[0].shared) for half in halves])
+            else:
+                noise = self._predict(latents, timestep, branches, guidance, batch[0].shared)
+        noise = noise[:, :tokens]  # the latents' own tokens
         out, start, rows = [], 0, sum(r.latents.shape[0] for r in batch)
         for r in batch:
             n = r.latents.shape[0]

@@ -41,6 +41,9 @@ class Family(enum.Enum):
     # diffusers HunyuanVideo15ImageToVideoPipeline: the same, plus a SigLIP image encoder whose hidden states of
     # the reference image, and the VAE's latents of it as the first frame, condition every step.
     HUNYUAN_VIDEO15_I2V = "hunyuan-video-1.5-i2v"
+    # diffusers QwenImageEditPipeline and QwenImageEditPlusPipeline (Qwen-Image-Edit, -2509, -2511): Qwen-Image's
+    # components; the image to edit conditions the prompt (Qwen2.5-VL's vision tower) and every step in context.
+    QWEN_IMAGE_EDIT = "qwen-image-edit"
 
 
 class PipelineStage(str, enum.Enum):
@@ -61,7 +64,7 @@ class EditRule(str, enum.Enum):
     # WanVideoToVideoPipeline's (AnimateDiff's): at steps - int(steps * strength); a strength under
     # 1 / steps runs none.
     VIDEO2VIDEO = "video2video"
-    # FLUX.1 Kontext's: the image is not noised but conditions every step in context (its latents beside
+    # FLUX.1 Kontext's and Qwen-Image-Edit's: the image is not noised but conditions every step in context (its latents beside
     # the noise's in the transformer's sequence); the whole schedule runs and there is no strength.
     IN_CONTEXT = "in-context"
 

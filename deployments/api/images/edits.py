@@ -82,7 +82,7 @@ def edit_spec(req: ImageEditRequest, facts: FamilyTraits, limits: Limits, model_
                                   f"least {facts.size_multiple} px a side in context")
     size = own_size(image, facts, limits) if req.size in (None, "auto") else req.size
     plain = ImageRequest.model_validate({**req.model_dump(exclude={"image", "mask", "strength"}), "size": size})
-    spec = image_spec(plain, facts, limits, model_id, loras=loras)
+    spec = image_spec(plain, facts, limits, model_id, loras=loras, edit=True)
     spec = dataclasses.replace(spec, reference_image=image, strength=None if in_context else req.strength,
                                edit_rule=facts.edit_rule,
                                mask_image=None if req.mask is None else checked_mask(req.mask, image))

@@ -45,11 +45,14 @@ class ImageRequest(GenerationRequest):
 
 
 def image_spec(req: ImageRequest, facts: FamilyTraits, limits: Limits, model_id: str,
-               reference: bytes | None = None, loras: Sequence[ServedLora] = ()) -> GenerationSpec:
+               reference: bytes | None = None, loras: Sequence[ServedLora] = (), edit: bool = False) -> GenerationSpec:
     """``reference``: the checked reference image's bytes (``deployments.api.reference_images``), if any;
-    ``loras``: the adapters a request may name."""
+    ``loras``: the adapters a request may name; ``edit``: the body of an edit (its route checked the image)."""
     check_model(req.model, model_id)
-    if "image" not in facts.modalities:
+    if "image-edit" in facts.modalities and "image" not in facts.modalities and not edit:
+        raise FieldError("model", f"the {facts.family.value} model family edits images only; use POST "
+                                  "/v1/images/edits with the image to edit")
+    if "image" not in facts.modalities and not edit:
         raise FieldError("model", f"the {facts.family.value} model family makes {', '.join(facts.modalities)} only; "
                                   "use POST /v1/videos")
     check_reference(facts, reference)

@@ -28,6 +28,7 @@ import pytest
 import torch
 from PIL import Image
 
+from deployments.api.images.edits import ImageEditRequest, edit_spec
 from deployments.api.images.protocol import ImageRequest, image_spec
 from deployments.api.model_list import model_card
 from deployments.api.videos.protocol import VideoRequest, video_spec
@@ -75,14 +76,15 @@ CASES = [
     Case("sd3.5", tiny_families.ensure_tiny_sd3),
     Case("z-image", tiny_families.ensure_tiny_zimage),
     Case("qwen-image", tiny_families.ensure_tiny_qwen_image),
+    Case("qwen-image-edit", tiny_families.ensure_tiny_qwen_image_edit, image=True),
     Case("hunyuan-video-1.5", tiny_families.ensure_tiny_hunyuan15, glyphs=True, joins_branches=True),
     Case("hunyuan-video-1.5-i2v", tiny_families.ensure_tiny_hunyuan15_i2v, image=True, joins_branches=True),
 ]
 IDS = [c.name for c in CASES]
 # The cases whose folders edit images (tests/deployments/models/test_edits.py pins each bitwise).
 EDITING = {"wan2.1", "flux", "sd3.5", "z-image", "qwen-image"}
-# ... and the one that edits in context, not by img2img (tests/deployments/models/test_flux_kontext.py).
-IN_CONTEXT = {"flux-kontext", "flux-kontext+image"}
+# ... and those that edit in context, not by img2img (test_flux_kontext.py, test_qwen_image_edit.py).
+IN_CONTEXT = {"flux-kontext", "flux-kontext+image", "qwen-image-edit"}
 INPAINTING = {"flux", "sd3.5", "z-image", "qwen-image"}
 GLYPH_CASES = [c for c in CASES if c.glyphs]
 
@@ -130,6 +132,19 @@ def family(request) -> Family:
     return _LOADED[case.name]
 
 
+def _route(facts):
+    """(spec maker, request class) of the route that serves the family: generations, edits (an edit-only
+    family: the image is the reference), or videos."""
+    if "image" in facts.modalities:
+        return image_spec, ImageRequest
+    if "image-edit" in facts.modalities:
+        def edit(req, facts, limits, model_id, reference=None):
+            body = {**req.model_dump(exclude_unset=True), "image": reference or reference_png(facts.size_multiple)}
+            return edit_spec(ImageEditRequest.model_validate(body), facts, limits, model_id)
+        return edit, ImageRequest
+    return video_spec, VideoRequest
+
+
 def _staged(family, spec) -> torch.Tensor:
     latents = families.denoise(family.pipes[DENOISE], family.facts, family.encoded(spec), spec, CPU)
     return families.decode(family.pipes[DECODE], family.facts, latents, spec, CPU)
@@ -150,7 +165,7 @@ def test_a_negative_prompt_staged_is_bitwise_the_in_process_pipeline_given_it(fa
     facts = family.facts
     if not facts.supports_negative_prompt:  # refused at the API, naming the field
         limits = Limits(default_size=f"{facts.size_multiple}x{facts.size_multiple}")
-        make, request = (image_spec, ImageRequest) if "image" in facts.modalities else (video_spec, VideoRequest)
+        make, request = _route(facts)
         with pytest.raises(FieldError) as refused:
             make(request(prompt="a cat", negative_prompt="blurry"), facts, limits, "m")
         assert refused.value.param == "negative_prompt" and refused.value.status == 400
@@ -285,8 +300,10 @@ def test_the_activation_model_is_within_10_percent_on_a_held_out_shape(family):
         fitted = activations.calibrate_stage(facts, stage, shapes, lambda s: _peak(family, stage, s, required), 4)
         for regime in {activations.regime(s) for s in shapes}:
             frames = 1 if regime is activations.Regime.IMAGE else 1 + 2 * facts.temporal_factor
+            # Guided as the calibration is (a negative prompt where the family takes one): the shape is held out.
             held = dataclasses.replace(family.spec(frames=frames), height=-(-32 // m) * m, width=-(-48 // m) * m,
-                                       steps=facts.min_steps, n=min(2 if frames > 1 else 1, facts.max_n or 2))
+                                       steps=facts.min_steps, n=min(2 if frames > 1 else 1, facts.max_n or 2),
+                                       negative_prompt=shapes[0].negative_prompt)
             predicted, measured = fitted.predict(held), _peak(family, stage, held)
             assert abs(predicted - measured) <= 0.10 * measured, (
                 f"{stage.value} {regime.value}: predicted {predicted} B, measured {measured} B")
@@ -296,7 +313,7 @@ def test_the_fewest_steps_a_family_accepts_make_finite_frames_and_fewer_are_a_40
     facts, limits = family.facts, Limits(default_size=f"{family.facts.size_multiple}x{family.facts.size_multiple}")
     fewest = dataclasses.replace(family.spec(), steps=facts.min_steps)
     assert torch.isfinite(_staged(family, fewest)).all(), f"{facts.min_steps} step(s) made NaN frames"
-    make, request = (image_spec, ImageRequest) if "image" in facts.modalities else (video_spec, VideoRequest)
+    make, request = _route(facts)
     reference = fewest.reference_image if facts.reference_image is ReferenceImage.REQUIRED else None
     assert make(request(prompt="a cat", num_inference_steps=facts.min_steps), facts, limits, "m",
                 reference).steps == facts.min_steps
@@ -316,7 +333,7 @@ def test_v1_models_states_what_the_adapter_declares(family):
     assert ("image-edit" in card.modalities) == (family.case.name in EDITING | IN_CONTEXT), "the editing families"
     assert ("image-inpaint" in card.modalities) == (family.case.name in INPAINTING), "and those that take a mask"
     assert ("video-edit" in card.modalities) == (family.case.name == "wan2.1"), "and the one that remixes videos"
-    assert card.min_steps == facts.min_steps == (2 if family.case.name == "qwen-image" else 1)
+    assert card.min_steps == facts.min_steps == (2 if family.case.name.startswith("qwen-image") else 1)
     # Configured limits (no replica reported): the longest video the VAE makes within 81 frames.
     assert card.limits.frames == (1 + (81 - 1) // facts.temporal_factor * facts.temporal_factor
                                   if facts.supports_video else 1)
@@ -335,12 +352,17 @@ def test_family_specific_bad_input_is_a_400_naming_the_field(family):
             video_spec(VideoRequest(prompt="a cat", num_frames=facts.temporal_factor), facts, limits, "m", reference)
         assert refused.value.param == "num_frames" and refused.value.status == 400
     if facts.reference_image is ReferenceImage.NONE:
-        with pytest.raises(FieldError) as refused:  # on the route the family serves (a video-only one: videos)
-            if "image" in facts.modalities:
-                image_spec(ImageRequest(prompt="a cat"), facts, limits, "m", reference)
-            else:
-                video_spec(VideoRequest(prompt="a cat"), facts, limits, "m", reference)
-        assert refused.value.param == "input_reference" and facts.family.value in refused.value.message
+        if "image" not in facts.modalities and "image-edit" in facts.modalities:  # it edits only: no generations
+            with pytest.raises(FieldError) as refused:
+                image_spec(ImageRequest(prompt="a cat"), facts, limits, "m")
+            assert refused.value.param == "model" and "/v1/images/edits" in refused.value.message
+        else:
+            with pytest.raises(FieldError) as refused:  # on the route the family serves (a video-only one: videos)
+                if "image" in facts.modalities:
+                    image_spec(ImageRequest(prompt="a cat"), facts, limits, "m", reference)
+                else:
+                    video_spec(VideoRequest(prompt="a cat"), facts, limits, "m", reference)
+            assert refused.value.param == "input_reference" and facts.family.value in refused.value.message
     elif facts.reference_image is ReferenceImage.REQUIRED:
         with pytest.raises(FieldError) as refused:
             video_spec(VideoRequest(prompt="a cat"), facts, limits, "m")
