@@ -74,11 +74,11 @@ def latent_image_ids(pipe: Any, height: int, width: int, device: torch.device, d
     return type(pipe)._prepare_latent_image_ids(1, height, width, device, dtype)
 
 
-@relies_on("diffusers", "FluxKontextPipeline._encode_vae_image", CHECKED,
-           "FLUX.1 Kontext's image to edit is encoded as its pipeline encodes it; no public method does")
+@relies_on("diffusers", "FluxKontextPipeline._encode_vae_image / QwenImageEditPlusPipeline._encode_vae_image",
+           CHECKED, "the image an in-context edit takes is encoded as its pipeline encodes it; no public method does")
 def encode_vae_image(pipe: Any, image: torch.Tensor) -> torch.Tensor:
-    """A preprocessed image's latents as FLUX.1 Kontext's pipeline takes them in context: the VAE's mode (no
-    draw), shifted and scaled."""
+    """A preprocessed image's latents as FLUX.1 Kontext's and Qwen-Image-Edit's pipelines take them in context:
+    the VAE's mode (no draw), shifted and scaled (FLUX.1) or normalised by the VAE's mean and std (Qwen)."""
     return pipe._encode_vae_image(image=image, generator=None)
 
 

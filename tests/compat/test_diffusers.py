@@ -93,3 +93,17 @@ def test_latent_image_ids_are_zero_row_column_per_token_as_the_kontext_pipeline_
     mode = vae.encode(image).latent_dist.mode()
     assert torch.equal(latents, (mode - vae.config.shift_factor) * vae.config.scaling_factor), \
         use("encode_vae_image").mismatch("is no longer the VAE's mode, shifted and scaled")
+
+
+def test_encode_vae_image_is_the_qwen_edit_pipelines_mode_normalised_by_the_vaes_mean_and_std():
+    from zoo import tiny_families
+
+    vae = diffusers.AutoencoderKLQwenImage.from_pretrained(tiny_families.ensure_tiny_qwen_image_edit(), subfolder="vae")
+    pipe = diffusers.QwenImageEditPlusPipeline(scheduler=None, vae=vae, text_encoder=None, tokenizer=None,
+                                               processor=None, transformer=None)
+    image = torch.rand(1, 3, 1, 16, 16) * 2 - 1
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean, std = torch.tensor(vae.config.latents_mean).view(shape), torch.tensor(vae.config.latents_std).view(shape)
+    expected = (vae.encode(image).latent_dist.mode() - mean) / std
+    assert torch.equal(seam.encode_vae_image(pipe, image), expected), \
+        use("encode_vae_image").mismatch("is no longer the Qwen VAE's mode, normalised")

@@ -20,7 +20,7 @@ from PIL import Image
 from deployments.wire.spec import EditRule
 from tests.deployments.fakes import TOKEN, FakeStages, fake_api
 from tests.deployments.properties import status_codes_never_5xx
-from zoo import tiny, wan22
+from zoo import tiny, tiny_families, wan22
 
 EXTRAS = {"seed": 4, "num_inference_steps": 4}
 
@@ -231,3 +231,16 @@ def test_an_in_context_edit_sends_the_image_without_a_strength_and_a_strength_or
                                **mask)
         assert refused.value.body["param"] == param, refused.value.body
         assert not stages.calls
+
+
+def test_an_edit_only_family_edits_in_context_and_refuses_a_generation_by_name():
+    client, stages = _client(tiny_families.ensure_tiny_qwen_image_edit)  # Qwen-Image-Edit: its pipelines need an image
+    client.images.edit(image=("in.png", png(), "image/png"), prompt="make it snowy", extra_body=EXTRAS)
+    spec = _spec(stages)
+    assert (spec.reference_image, spec.strength, spec.edit_rule) == (png(), None, EditRule.IN_CONTEXT)
+    assert (spec.width, spec.height, spec.run_steps, spec.guidance_scale) == (32, 16, 4, 4.0)
+    client, stages = _client(tiny_families.ensure_tiny_qwen_image_edit)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.generate(prompt="a fox", extra_body=EXTRAS)
+    assert refused.value.body["param"] == "model" and "/v1/images/edits" in refused.value.body["message"]
+    assert not stages.calls
