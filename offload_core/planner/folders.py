@@ -79,6 +79,8 @@ FOLDER_KINDS: tuple[FolderKind, ...] = (
     FolderKind("StableDiffusion3Pipeline", Mark.NONE, "sd3.5-large"),
     FolderKind("ZImagePipeline", Mark.NONE, "z-image-turbo"),
     FolderKind("QwenImagePipeline", Mark.NONE, "qwen-image"),
+    FolderKind("QwenImageEditPlusPipeline", Mark.NONE, "qwen-image-edit-2509"),
+    FolderKind("QwenImageEditPipeline", Mark.NONE, "qwen-image-edit"),
     FolderKind("HunyuanVideo15Pipeline", Mark.NONE, "hunyuanvideo-1.5-480p-t2v"),
     FolderKind("HunyuanVideo15ImageToVideoPipeline", Mark.NONE, "hunyuanvideo-1.5-480p-i2v"),
 )

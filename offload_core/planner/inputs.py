@@ -64,6 +64,12 @@ STAGES = {
     "ZImagePipeline": (Stage("encode", ("text_encoder",)), Stage("denoise", ("transformer",)), Stage("decode", ("vae",))),
     "QwenImagePipeline": (Stage("encode", ("text_encoder",)), Stage("denoise", ("transformer",)),
                           Stage("decode", ("vae",))),
+    # Qwen-Image-Edit (-2509/-2511 and the first): Qwen-Image's stages; the text encoder's vision tower sees the
+    # image, the VAE also encodes it, in the decoder stage.
+    "QwenImageEditPlusPipeline": (Stage("encode", ("text_encoder",)), Stage("denoise", ("transformer",)),
+                                  Stage("decode", ("vae",))),
+    "QwenImageEditPipeline": (Stage("encode", ("text_encoder",)), Stage("denoise", ("transformer",)),
+                              Stage("decode", ("vae",))),
     "HunyuanVideo15Pipeline": (Stage("encode", ("text_encoder", "text_encoder_2")), Stage("denoise", ("transformer",)),
                                Stage("decode", ("vae",))),
     # Its image-to-video: the SigLIP image encoder joins the encode stage (pipeline_stages), the VAE also
@@ -75,6 +81,12 @@ STAGES = {
 CLIP_IMAGE_TOKENS = 257
 # FLUX.1 Kontext's image to edit, fitted to its preferred resolutions (about a megapixel): 1024x1024's packed tokens.
 KONTEXT_IMAGE_TOKENS = 4096
+# Qwen-Image-Edit's image in the prompt: Qwen2.5-VL's 14 px patches merged 2x2, one token per 28 px square, on
+# the image resized to a multiple of 28 within its processor's 1003520 px. The Plus pipeline fits it to 384^2 px
+# (CONDITION_IMAGE_SIZE): 392 x 392 -> 14^2 tokens; the first pipeline to 1024^2 px, which the processor caps to
+# 980 x 980 -> 35^2 (Qwen2VLImageProcessorPil's image_grid_thw: 28x28 and 70x70 patches).
+QWEN_EDIT_PLUS_VISION_TOKENS = 196
+QWEN_EDIT_VISION_TOKENS = 1225
 # HunyuanVideo 1.5's SigLIP (so400m, 14 px patches) at 384 x 384: 27^2 patches, no class token.
 SIGLIP_IMAGE_TOKENS = 729
 # Z-Image and Qwen-Image feed the transformer the prompt's own tokens (no padding): a typical prompt
@@ -181,6 +193,16 @@ def _uses_and_tokens(pipeline: str, defaults: Mapping[str, Any]) -> dict[str, tu
                 "transformer": (steps * passes, frames * (h // 16) * (w // 16) + text),
                 "image_encoder": (1, SIGLIP_IMAGE_TOKENS),  # image-to-video: SigLIP once on the reference
                 "vae": (frames, (h // 4) * (w // 4))}
+    if pipeline in ("QwenImageEditPlusPipeline", "QwenImageEditPipeline"):
+        # An edit: the image's latents (fitted to 1024^2 px: 4096 packed tokens, as KONTEXT_IMAGE_TOKENS) follow
+        # the output's in every forward; the prompt's hidden states after the template's 64-token system prefix
+        # (which the pipeline drops) carry the image's vision tokens. True CFG as Qwen-Image's. The VAE encodes
+        # the image before it decodes the result.
+        vision = QWEN_EDIT_PLUS_VISION_TOKENS if pipeline == "QwenImageEditPlusPipeline" else QWEN_EDIT_VISION_TOKENS
+        passes = 2 if cfg > 1.0 else 1
+        return {"text_encoder": (passes, 64 + vision + PROMPT_TOKENS),
+                "transformer": (steps * passes, (h // 16) * (w // 16) + KONTEXT_IMAGE_TOKENS + vision + PROMPT_TOKENS),
+                "vae": (2, (h // 4) * (w // 4))}
     if pipeline == "FluxKontextPipeline":
         # An edit: the image fitted to about a megapixel joins the sequence (4096 tokens, as a 1024x1024
         # output's), and the VAE encodes it before it decodes the result. Guidance-distilled: one pass a step.

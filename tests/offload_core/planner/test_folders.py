@@ -18,6 +18,7 @@ from zoo.tiny_families import (
     ensure_tiny_hunyuan15,
     ensure_tiny_hunyuan15_i2v,
     ensure_tiny_qwen_image,
+    ensure_tiny_qwen_image_edit,
     ensure_tiny_sd3,
     ensure_tiny_zimage,
 )
@@ -45,6 +46,7 @@ CASES = [
     Case("sd3.5", ensure_tiny_sd3, (28,), 1),  # both branches in one forward per step
     Case("z-image", ensure_tiny_zimage, (9,), 1),  # Turbo: 9 steps at guidance 0
     Case("qwen-image", ensure_tiny_qwen_image, (100,), 1),  # 50 steps, true CFG: a second forward
+    Case("qwen-image-edit", ensure_tiny_qwen_image_edit, (100,), 2),  # the same; the VAE encodes the image too
     Case("hunyuan-video-1.5", ensure_tiny_hunyuan15, (100,), 31),  # 50 steps x 2 (guidance 6), 121 frames
     Case("hunyuan-video-1.5-i2v", ensure_tiny_hunyuan15_i2v, (100,), 31),  # the same, SigLIP in the encode stage
 ]
@@ -89,7 +91,8 @@ def _folder(tmp_path: Path, index: dict) -> Path:
      "wan2.2-t2v-a14b (transformer_2), wan2.2-ti2v-5b (expand_timesteps), wan2.1-t2v-14b; WanImageToVideoPipeline: "
      "wan2.2-i2v-a14b (transformer_2), wan2.1-i2v-14b-480p (image_encoder); FluxPipeline: flux.1-dev; "
      "FluxKontextPipeline: flux.1-kontext-dev; StableDiffusion3Pipeline: sd3.5-large; ZImagePipeline: z-image-turbo; "
-     "QwenImagePipeline: qwen-image; HunyuanVideo15Pipeline: hunyuanvideo-1.5-480p-t2v; "
+     "QwenImagePipeline: qwen-image; QwenImageEditPlusPipeline: qwen-image-edit-2509; "
+     "QwenImageEditPipeline: qwen-image-edit; HunyuanVideo15Pipeline: hunyuanvideo-1.5-480p-t2v; "
      "HunyuanVideo15ImageToVideoPipeline: hunyuanvideo-1.5-480p-i2v"),
     ({"_class_name": "WanImageToVideoPipeline", "expand_timesteps": True, "transformer": ["diffusers", "X"],
       "transformer_2": [None, None], "image_encoder": [None, None]},

@@ -87,6 +87,7 @@ def test_declared_layer_groups_are_module_lists_of_the_meta_model(model_name):
 def test_unknown_names_raise_a_typed_error_that_lists_the_choices():
     assert set(model_names()) == {"wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "flux.1-dev", "wan2.2-t2v-a14b", "sd3.5-large",
                                   "z-image-turbo", "qwen-image", "hunyuanvideo-1.5-480p-t2v", "hunyuanvideo-1.5-480p-i2v", "flux.1-kontext-dev",
+                                  "qwen-image-edit-2509", "qwen-image-edit",
                                   "wan2.2-ti2v-5b", "wan2.2-i2v-a14b", "wan2.1-i2v-14b-480p"}
     with pytest.raises(UnknownModel, match="wan2.1-t2v-1.3b"):
         meta_component("wan2.2", "transformer")
