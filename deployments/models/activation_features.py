@@ -6,7 +6,8 @@ tiny zoo with offload_core.residency.activation_meter, every one within 1 % exce
 
 - encode: ``1`` (the text encoder's fixed-length pass: 512 tokens whatever the prompt) and ``n``;
 - denoise: ``n`` and ``n x tokens`` (latent positions after patching: linear, 2304 B per token on
-  tiny Wan, 2200 B on tiny Flux; with the pipeline's text tokens in the first feature);
+  tiny Wan, 2200 B on tiny Flux; with the pipeline's text tokens in the first feature), measured on the
+  Denoiser's own path (:func:`denoise_as_served`: guidance's branches in one forward of twice the rows);
 - decode: an image is ``n x pixels`` plus a constant; Wan's video VAE decodes frame by frame
   with caches, so videos are their own regime (``n x pixels`` and ``n x pixels x frames``: per
   pixel 1086 B at 5 frames, 1280 B at 9, 1330 B at 13: linear from 5 and 9 over-predicts 13
@@ -22,6 +23,8 @@ from __future__ import annotations
 import enum
 import math
 from typing import Callable, Sequence
+
+import torch
 
 from deployments.models.families import FamilyTraits
 from deployments.wire.spec import GenerationSpec, PipelineStage
@@ -159,5 +162,20 @@ def run_stage(pipe, facts: FamilyTraits, stage: PipelineStage, spec: GenerationS
     if stage is PipelineStage.ENCODE:  # the request itself (an adapter may give it a stand-in reference image)
         return families.encode(pipe, facts, value if isinstance(value, GenerationSpec) else spec, device)
     if stage is PipelineStage.DENOISE:
-        return families.denoise(pipe, facts, value, spec, device)
+        return denoise_as_served(pipe, facts, value, spec, device)
     return families.decode(pipe, facts, value, spec, device)
+
+
+def denoise_as_served(pipe, facts: FamilyTraits, value, spec: GenerationSpec, device):
+    """One request through the family's stepper, as the Denoiser runs every request (its step batch of one):
+    guidance's two branches in one forward of twice the rows. Not the pipeline's loop, which runs them as two
+    forwards on Wan, Qwen-Image and HunyuanVideo 1.5: calibrated on that, a guided request's peak in the
+    service was 1.5-2.3x the prediction (tiny zoo, CPU: bench/denoise_peak_paths.py)."""
+    from deployments.models.registry import adapter_for
+
+    stepper = adapter_for(facts).stepper(pipe, facts, device)
+    with torch.no_grad():  # as StepBatch steps
+        request = stepper.start(value.to(device), spec)
+        while not request.done:
+            request.advance(stepper.forward([request])[0])
+    return request.latents

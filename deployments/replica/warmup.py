@@ -53,7 +53,7 @@ from offload_core.planner.measured_compute import (
 )
 from offload_core.planner.search import PipelinePlan, repredict
 from offload_core.residency.activation_meter import measure_activations
-from offload_core.residency.compute_meter import measure_warmup
+from offload_core.residency.compute_meter import LayerTiming
 
 logger = logging.getLogger(__name__)
 
@@ -182,14 +182,15 @@ def time_layers(worker: WarmupHost, modules: Mapping[str, nn.Module], spec: Gene
     facts, stage = worker.config.facts, worker.config.stage
     value = activation_features.stage_input(worker.pipe, facts, stage, spec)
     lease = min(math.ceil(ACTIVATION_MARGIN * activations.predict(spec)), worker.activation_room())
-    with worker.in_use(lease):
-        figures = measure_warmup(
-            modules, lambda: activation_features.run_stage(worker.pipe, facts, stage, spec, worker.device, value),
-            device=worker.device)
-    # The uses the service counts for this call: the Denoiser's step batching runs guidance's two
-    # branches as one use (twice the rows), Wan's VAE decodes frame by frame inside one use.
-    uses = families.uses_per_request(facts, stage, spec.steps, spec.guidance_scale,
-                                     batched=worker.config.batching is not None)
+    # The hooks (and the copy log) from before the use is prepared: preparing it issues the first layers'
+    # copies, which a one-pass call (the Denoiser's joined branches at one step) would otherwise not show.
+    with LayerTiming(modules, device=worker.device) as timing:
+        with worker.in_use(lease), torch.no_grad():
+            activation_features.run_stage(worker.pipe, facts, stage, spec, worker.device, value)
+    figures = timing.figures()
+    # The uses the timed call made: the Denoiser's stepper runs guidance's two branches as one use (twice
+    # the rows; activation_features.denoise_as_served), Wan's VAE decodes frame by frame inside one use.
+    uses = families.uses_per_request(facts, stage, spec.steps, spec.guidance_scale, batched=True)
     return {name: _per_use(figures[name], uses[name]) for name in modules}
 
 
