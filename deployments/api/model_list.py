@@ -5,6 +5,8 @@ intersected with what every reporting stage replica admits. Runs in the ingress 
 """
 from __future__ import annotations
 
+import functools
+import io
 from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -13,6 +15,7 @@ from deployments.capacity.admission import ModelLimits, StageAdmission, model_li
 from deployments.capacity.request_limits import Limits, Quality
 from deployments.models.families import FamilyTraits
 from deployments.models.lora_rows import ServedLora
+from deployments.wire.spec import EditRule
 
 
 class LoraCard(BaseModel):
@@ -40,6 +43,10 @@ class ModelCard(BaseModel):
     min_steps: int = Field(1, description="The fewest num_inference_steps the model's schedule makes finite "
                                           "(2 where its scheduler sets shift_terminal: Qwen-Image).")
     limits: ModelLimits
+    edit_limits: ModelLimits | None = Field(None, description="A family that edits with the image in context and "
+                                            "also makes images from text (FLUX.1 Kontext): the largest edit "
+                                            "admitted, its image about a megapixel (4096 tokens beside the "
+                                            "output's in every step); null for every other family.")
     quality_steps: dict[str, int] = Field(default_factory=dict, description="The denoising steps an image request "
                                           "at each OpenAI quality runs when it names none (auto: default_steps).")
     configured_limits: Limits = Field(description="The configured limits and defaults (args.limits).")
@@ -58,10 +65,23 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+@functools.lru_cache(maxsize=1)
+def square_image() -> bytes:
+    """A 16x16 PNG: an in-context edit family fits any square image to its square megapixel (4096 tokens)."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (16, 16), (128, 128, 128)).save(out, format="PNG")
+    return out.getvalue()
+
+
 def model_card(model_id: str, facts: FamilyTraits, limits: Limits,
                admissions: Sequence[StageAdmission], loras: Sequence[ServedLora] = ()) -> ModelCard:
+    # An edit-only family's probes count its image already (a request without one is priced as a square's).
+    in_context_too = facts.edit_rule is EditRule.IN_CONTEXT and "image" in facts.modalities
     return ModelCard(id=model_id, family=facts.family.value, modalities=list(facts.modalities),
                      size_multiple=facts.size_multiple, min_steps=facts.min_steps,
                      limits=model_limits(facts, limits, admissions), configured_limits=limits,
+                     edit_limits=model_limits(facts, limits, admissions, square_image()) if in_context_too else None,
                      quality_steps={q.value: limits.steps_for(q, facts.min_steps) for q in Quality},
                      loras=[LoraCard(name=lora.name, scale=lora.scale) for lora in loras])

@@ -79,9 +79,10 @@ class ModelLimits(BaseModel):
                                                    "activation room binds (encode, denoise, decode).")
 
 
-def _probe(facts: FamilyTraits, limits: Limits, width: int, height: int, frames: int, n: int) -> GenerationSpec:
+def _probe(facts: FamilyTraits, limits: Limits, width: int, height: int, frames: int, n: int,
+           image: bytes | None = None) -> GenerationSpec:
     return GenerationSpec("limits", "limits", None, height, width, frames, limits.default_steps,
-                          facts.default_guidance, 0, n)
+                          facts.default_guidance, 0, n, image)
 
 
 def _refusing_stage(admissions: Sequence[StageAdmission], facts: FamilyTraits, spec: GenerationSpec) -> str | None:
@@ -117,13 +118,18 @@ def _aspect(limits: Limits) -> tuple[int, int]:
     return int(width), int(height)
 
 
-def model_limits(facts: FamilyTraits, limits: Limits, admissions: Sequence[StageAdmission]) -> ModelLimits:
-    """Configured limits ∩ what every reporting replica admits; 'configured' until every stage reported."""
+def model_limits(facts: FamilyTraits, limits: Limits, admissions: Sequence[StageAdmission],
+                 image: bytes | None = None) -> ModelLimits:
+    """Configured limits ∩ what every reporting replica admits; 'configured' until every stage reported.
+    ``image``: each probe carries it (an in-context edit's image adds its tokens to every Denoiser step)."""
     measured = {a.stage for a in admissions} >= set(PipelineStage)
     admissions = tuple(admissions) if measured else ()
     default = _aspect(limits)
-    size, size_by = _largest(_sizes(facts, limits, default), lambda s: _probe(facts, limits, *s, 1, 1),
-                             admissions, facts)
+
+    def probe(width: int, height: int, frames: int, n: int) -> GenerationSpec:
+        return _probe(facts, limits, width, height, frames, n, image)
+
+    size, size_by = _largest(_sizes(facts, limits, default), lambda s: probe(*s, 1, 1), admissions, facts)
     if size is None:
         return ModelLimits(width=0, height=0, frames=0, n=0, at_size=None,
                            source=LimitSource.MEASURED if measured else LimitSource.CONFIGURED,
@@ -132,9 +138,9 @@ def model_limits(facts: FamilyTraits, limits: Limits, admissions: Sequence[Stage
     frames, frames_by = 1, FAMILY
     if facts.supports_video:
         lengths = range(1 + facts.temporal_factor, limits.max_frames + 1, facts.temporal_factor)
-        longest, frames_by = _largest(lengths, lambda f: _probe(facts, limits, *at, f, 1), admissions, facts)
+        longest, frames_by = _largest(lengths, lambda f: probe(*at, f, 1), admissions, facts)
         frames = longest or 1
-    n, n_by = _largest(range(1, limits.max_n + 1), lambda k: _probe(facts, limits, *at, 1, k), admissions, facts)
+    n, n_by = _largest(range(1, limits.max_n + 1), lambda k: probe(*at, 1, k), admissions, facts)
     return ModelLimits(width=size[0], height=size[1], frames=frames, n=n or 0, at_size=f"{at[0]}x{at[1]}",
                        source=LimitSource.MEASURED if measured else LimitSource.CONFIGURED,
                        limited_by={"width": size_by, "height": size_by, "frames": frames_by, "n": n_by})

@@ -68,6 +68,12 @@ def vae_size(image: bytes) -> tuple[int, int]:
     return area_size(VAE_AREA, *upright_size(image))
 
 
+def fitted_vae_size(spec: GenerationSpec) -> tuple[int, int]:
+    """:func:`vae_size` of the request's image; a square one's (1024x1024) for a request without one (the
+    activation calibration's and ``GET /v1/models``' probes: every edit carries an image)."""
+    return area_size(VAE_AREA, 1, 1) if spec.reference_image is None else vae_size(spec.reference_image)
+
+
 @dataclasses.dataclass(frozen=True)
 class QwenImageEditPrompt(QwenImagePrompt):
     """Qwen-Image's prompt pairs (the image's tokens inside them), and the image's latents from the decoder
@@ -180,14 +186,13 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return torch.cat([latents] * spec.n, dim=0).to(CPU)
 
     def context_tokens(self, facts, spec: GenerationSpec) -> int:
-        """The image, packed at its fitted size: 4096 tokens for a square one (and for a request without an
-        image: the activation calibration's, which carries a square stand-in)."""
-        height, width = vae_size(with_stand_in_image(spec).reference_image)
+        """The image, packed at its fitted size: 4096 tokens for a square one (and for a request without one)."""
+        height, width = fitted_vae_size(spec)
         return (height // facts.size_multiple) * (width // facts.size_multiple)
 
     def condition_shape(self, facts, spec: GenerationSpec) -> GenerationSpec:
         """The encode runs at the image's fitted size, about a megapixel whatever the output's."""
-        height, width = vae_size(with_stand_in_image(spec).reference_image)
+        height, width = fitted_vae_size(spec)
         return dataclasses.replace(spec, height=height, width=width)
 
     def stepper(self, pipe, facts, device) -> QwenImageEditStepper:
@@ -219,7 +224,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         value = super().activation_input(pipe, facts, stage, spec)
         if stage is not DENOISE:
             return value
-        height, width = vae_size(with_stand_in_image(spec).reference_image)
+        height, width = fitted_vae_size(spec)
         scale = pipe.vae_scale_factor
         channels = pipe.transformer.config.in_channels // 4  # the VAE's z_dim: 2x2 patches packed per token
         latents = torch.zeros(spec.n, channels, 1, height // scale, width // scale)

@@ -161,3 +161,28 @@ def test_while_the_board_restarts_models_state_the_configured_limits_and_residen
     assert residency.status_code == 503 and residency.headers["retry-after"] == "1"
     assert residency.json()["error"]["code"] == "board_unavailable"
     assert any("residency board is unreachable" in r.getMessage() for r in caplog.records)
+
+
+def test_an_in_context_edit_family_states_its_largest_edit_beside_its_largest_generation():
+    # A Denoiser room that holds a 512x512 generation (1024 tokens) but not beside an edit's 4096 image tokens.
+    from deployments.api.model_list import model_card, square_image
+    from zoo.tiny import ensure_tiny_flux_kontext
+    from zoo.tiny_families import ensure_tiny_qwen_image_edit
+
+    kontext = read_family_traits(ensure_tiny_flux_kontext())
+    room = 331_700 + 1450 * (32 * 32 + 1024)  # the Denoiser's model above: 2048 tokens fit, n=1
+    card = model_card("kontext", kontext, LIMITS, _admissions(ROOMY, denoise_room=room))
+    assert (card.limits.width, card.limits.height) == (512, 512) and card.limits.limited_by["width"] == "configured"
+    assert card.edit_limits is not None and card.edit_limits.limited_by["width"] == "denoise"
+    assert card.edit_limits.width == 0, "4096 image tokens alone exceed the room: no edit is admitted"
+    edits = _admissions(ROOMY, denoise_room=room + 1450 * 4096)
+    card = model_card("kontext", kontext, LIMITS, edits)
+    assert (card.edit_limits.width, card.edit_limits.height) == (512, 512)
+    spec = dataclasses.replace(_spec(512, 512), reference_image=square_image())
+    assert all(a.admits(kontext, spec) for a in edits) and not all(
+        a.admits(kontext, dataclasses.replace(spec, n=2)) for a in edits)
+    assert card.edit_limits.n == 1 < card.limits.n
+    # An edit-only family's limits count its image already (every request has one); it states no edit_limits.
+    qwen_edit = read_family_traits(ensure_tiny_qwen_image_edit())
+    card = model_card("qwen-edit", qwen_edit, LIMITS, _admissions(ROOMY, denoise_room=room))
+    assert card.edit_limits is None and card.limits.width == 0 and card.limits.limited_by["width"] == "denoise"

@@ -41,6 +41,7 @@ from deployments.replica.batching import BatchingConfig, StepBatch
 from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core import StreamingConfig, apply_layer_streaming
 from offload_core.residency.activation_meter import measure_activations
+from tests.deployments.models.in_context import through_a_step_batch
 from zoo import tiny, tiny_families, wan22
 
 CPU, F32 = torch.device("cpu"), torch.float32
@@ -199,19 +200,11 @@ def test_a_lone_default_request_through_the_step_batcher_is_the_in_process_pipel
     assert levels <= 1, f"{family.case.name}: {levels} levels off the pipeline"
 
 
-def _alone(stepper, request) -> torch.Tensor:
-    batch = StepBatch(stepper, BatchingConfig(max_batch=1))
-    future = batch.submit(request)
-    while not batch.idle:
-        batch.step()
-    return future.result()
-
-
 def test_previews_are_the_flow_estimate_of_the_final_latents_and_change_nothing(family):
     facts = family.facts
     spec = dataclasses.replace(family.spec(), steps=4, partial_images=3)
     stepper, encoded = adapter_for(facts).stepper(family.pipes[DENOISE], facts, CPU), family.encoded(spec)
-    plain = _alone(stepper, stepper.start(encoded, spec))
+    plain = through_a_step_batch(stepper, stepper.start(encoded, spec))
     seen, last = [], {}
     request = stepper.start(encoded, spec, on_step=seen.append)
     advance = request.advance
@@ -221,7 +214,7 @@ def test_previews_are_the_flow_estimate_of_the_final_latents_and_change_nothing(
         advance(noise_pred)
 
     request.advance = recording
-    assert torch.equal(_alone(stepper, request), plain), "previews change the result"
+    assert torch.equal(through_a_step_batch(stepper, request), plain), "previews change the result"
     assert [p.step for p in seen if p.preview is not None] == [1, 2, 3]
     for progress in seen:
         if progress.preview is not None:

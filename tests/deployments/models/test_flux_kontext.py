@@ -7,34 +7,21 @@ In-process on the tiny zoo's FluxKontextPipeline folder (four-level VAE: the fit
 from __future__ import annotations
 
 import dataclasses
-import io
 
 import pytest
 import torch
-from PIL import Image
 
 from deployments.models import activation_features as activations
 from deployments.models import families
 from deployments.models.flux_kontext import PREFERRED_RESOLUTIONS, fitted_image, fitted_size
 from deployments.models.registry import adapter_for
-from deployments.replica.batching import BatchingConfig, StepBatch
 from deployments.wire.spec import EditRule, GenerationSpec, PipelineStage
 from offload_core.residency.activation_meter import measure_activations
+from tests.deployments.models.in_context import a_photo, through_a_step_batch
 from zoo import tiny
 
 CPU, F32 = torch.device("cpu"), torch.float32
 ENCODE, DENOISE, DECODE = PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineStage.DECODE
-
-
-def a_photo(width: int, height: int, orientation: int | None = None) -> bytes:
-    image = Image.new("RGB", (width, height))
-    image.putdata([(9 * x % 256, 5 * y % 256, 60) for y in range(height) for x in range(width)])
-    exif = Image.Exif()
-    if orientation is not None:
-        exif[0x0112] = orientation
-    out = io.BytesIO()
-    image.save(out, format="PNG", exif=exif)
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +53,8 @@ def test_an_edit_of_another_aspect_at_another_size_is_bitwise_the_pipeline(konte
     assert facts.edit_rule is EditRule.IN_CONTEXT and facts.default_guidance == 2.5
     spec = GenerationSpec("e", "a red fox", None, 16, 32, 1, 2, 2.5, 4, 2, a_photo(60, 40))
     stepper = adapter_for(facts).stepper(pipes[DENOISE], facts, CPU)
-    batch = StepBatch(stepper, BatchingConfig(max_batch=1))
-    future = batch.submit(stepper.start(_encoded(facts, pipes, spec), spec))
-    while not batch.idle:
-        batch.step()
-    frames = families.decode(pipes[DECODE], facts, future.result(), spec, CPU)
+    latents = through_a_step_batch(stepper, stepper.start(_encoded(facts, pipes, spec), spec))
+    frames = families.decode(pipes[DECODE], facts, latents, spec, CPU)
     reference = families.reference_frames(families.load_full_pipeline(facts, F32), facts, spec)
     assert frames.shape == (2, 1, 16, 32, 3) and torch.equal(frames, reference)
     plain = dataclasses.replace(spec, reference_image=None)

@@ -8,33 +8,20 @@ In-process on the tiny zoo's QwenImageEditPlusPipeline folder, and two folders b
 from __future__ import annotations
 
 import dataclasses
-import io
 
 import pytest
 import torch
-from PIL import Image
 
 from deployments.models import activation_features as activations
 from deployments.models import families
 from deployments.models.qwen_image_edit import CONDITION_AREA, VAE_AREA, area_size, vae_size
 from deployments.models.registry import adapter_for
-from deployments.replica.batching import BatchingConfig, StepBatch
 from deployments.wire.spec import EditRule, GenerationSpec, PipelineStage
+from tests.deployments.models.in_context import a_photo, through_a_step_batch
 from zoo.tiny_families import build_qwen_image_edit, ensure_tiny_qwen_image_edit
 
 CPU, F32 = torch.device("cpu"), torch.float32
 ENCODE, DENOISE, DECODE = PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineStage.DECODE
-
-
-def a_photo(width: int, height: int, orientation: int | None = None) -> bytes:
-    image = Image.new("RGB", (width, height))
-    image.putdata([(9 * x % 256, 5 * y % 256, 60) for y in range(height) for x in range(width)])
-    exif = Image.Exif()
-    if orientation is not None:
-        exif[0x0112] = orientation
-    out = io.BytesIO()
-    image.save(out, format="PNG", exif=exif)
-    return out.getvalue()
 
 
 def _loaded(folder):
@@ -78,11 +65,8 @@ def test_an_edit_of_another_aspect_through_the_step_batcher_is_bitwise_the_pipel
     assert facts.edit_rule is EditRule.IN_CONTEXT and facts.modalities == ("image-edit",)
     spec = GenerationSpec("e", "a red fox", None, 16, 32, 1, 2, 4.0, 4, 2, a_photo(60, 40))
     stepper = adapter_for(facts).stepper(pipes[DENOISE], facts, CPU)
-    batch = StepBatch(stepper, BatchingConfig(max_batch=1))
-    future = batch.submit(stepper.start(_encoded(facts, pipes, spec), spec))
-    while not batch.idle:
-        batch.step()
-    frames = families.decode(pipes[DECODE], facts, future.result(), spec, CPU)
+    latents = through_a_step_batch(stepper, stepper.start(_encoded(facts, pipes, spec), spec))
+    frames = families.decode(pipes[DECODE], facts, latents, spec, CPU)
     assert frames.shape == (2, 1, 16, 32, 3) and torch.equal(frames, _reference(facts, spec))
     other = dataclasses.replace(spec, reference_image=a_photo(40, 60))  # another image: another edit
     assert not torch.equal(_staged(facts, pipes, other), frames)
