@@ -69,7 +69,7 @@ def _distilled(pipe) -> bool:
     return bool(pipe.transformer.config.guidance_embeds)
 
 
-def _true_cfg(spec) -> bool:
+def true_cfg(spec) -> bool:
     """QwenImagePipeline's ``do_true_cfg``: ``true_cfg_scale > 1`` and a negative prompt given."""
     return spec.guidance_scale > 1.0 and spec.negative_prompt is not None
 
@@ -125,7 +125,7 @@ class QwenImageStepper(TransformerStepper):
         if _distilled(pipe):
             cond["guidance"] = torch.full([spec.n], spec.guidance_scale, device=device, dtype=torch.float32)
         uncond = None
-        if not _distilled(pipe) and _true_cfg(spec):
+        if not _distilled(pipe) and true_cfg(spec):
             uncond = {"text": encoded.negative_prompt_embeds.to(dtype), "mask": encoded.negative_prompt_embeds_mask}
         scale = pipe.vae_scale_factor * 2
         shared = {"img_shapes": [(1, spec.height // scale, spec.width // scale)]}  # an edit's image adds its own
@@ -239,7 +239,7 @@ class QwenImageAdapter(edits.ImageEdits, FamilyAdapter):
         positive, mask = pipe.encode_prompt(prompt=spec.prompt, device=device, num_images_per_prompt=spec.n,
                                             max_sequence_length=TEXT_TOKENS)
         negative = negative_mask = None
-        if _true_cfg(spec):  # a distilled transformer's pipe never reads them; encoding them is cheap
+        if true_cfg(spec):  # a distilled transformer's pipe never reads them; encoding them is cheap
             negative, negative_mask = pipe.encode_prompt(prompt=spec.negative_prompt, device=device,
                                                          num_images_per_prompt=spec.n, max_sequence_length=TEXT_TOKENS)
         return QwenImagePrompt(positive, mask, negative, negative_mask).to(CPU)
@@ -251,7 +251,7 @@ class QwenImageAdapter(edits.ImageEdits, FamilyAdapter):
         on every request."""
         if _distilled(pipe):
             return dict(guidance_scale=spec.guidance_scale, true_cfg_scale=1.0)
-        return dict(guidance_scale=None, true_cfg_scale=spec.guidance_scale if as_sent or _true_cfg(spec) else 1.0)
+        return dict(guidance_scale=None, true_cfg_scale=spec.guidance_scale if as_sent or true_cfg(spec) else 1.0)
 
     def denoise(self, pipe, facts, encoded, spec, device, on_step=None) -> torch.Tensor:
         encoded = encoded.to(device)
@@ -299,7 +299,7 @@ class QwenImageAdapter(edits.ImageEdits, FamilyAdapter):
             return None
         if stage is DENOISE:
             text = torch.zeros(spec.n, ACTIVATION_TEXT_TOKENS, pipe.transformer.config.joint_attention_dim)
-            if _true_cfg(spec) and not _distilled(pipe):
+            if true_cfg(spec) and not _distilled(pipe):
                 return QwenImagePrompt(text, None, text.clone(), None)
             return QwenImagePrompt(text)
         scale = pipe.vae_scale_factor * 2  # 2x2 latent patches packed into one token of 4 x z_dim

@@ -41,7 +41,7 @@ from deployments.models.adapter import (
     reference_image,
     upright_size,
 )
-from deployments.models.qwen_image import TEXT_TOKENS, QwenImageAdapter, QwenImagePrompt, QwenImageStepper, _true_cfg
+from deployments.models.qwen_image import TEXT_TOKENS, QwenImageAdapter, QwenImagePrompt, QwenImageStepper, true_cfg
 from deployments.models.steppers import BatchKey, StepRequest, rows_of
 from deployments.models.wan_i2v import with_stand_in_image
 from deployments.wire.spec import EditRule, Family, GenerationSpec, PipelineStage
@@ -169,7 +169,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
                                       max_sequence_length=TEXT_TOKENS)
 
         positive, mask = encoded(spec.prompt)
-        negative, negative_mask = encoded(spec.negative_prompt) if _true_cfg(spec) else (None, None)
+        negative, negative_mask = encoded(spec.negative_prompt) if true_cfg(spec) else (None, None)
         return QwenImageEditPrompt(positive, mask, negative, negative_mask).to(CPU)
 
     @torch.no_grad()
