@@ -80,10 +80,11 @@ MAX_FORM_FIELDS = 32
 
 
 async def read_fields(request, file_fields: tuple[str, ...], max_bytes: int, max_file_bytes: int,
-                      max_files: int = 1) -> dict:
+                      max_files: int = 1, list_fields: tuple[str, ...] = ()) -> dict:
     """A create body's fields as a dict: a JSON object (:func:`parse_object`), or multipart/form-data with
-    at most ``max_files`` files, each in one of ``file_fields`` (its bytes; every other value a string). The whole body is bounded
-    by ``max_bytes``, plus ``max_file_bytes`` for a form. Anything else is a :class:`FieldError` naming it:
+    at most ``max_files`` files, each in one of ``file_fields`` (its bytes, or in one of ``list_fields`` the list of
+    every file sent in it; every other value a string). The whole body is bounded by ``max_bytes``, plus
+    ``max_file_bytes`` for a form. Anything else is a :class:`FieldError` naming it:
     415 for another content type, 413 for a body over the bound, 400 for a malformed one."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     raw = await request.body()
@@ -107,8 +108,11 @@ async def read_fields(request, file_fields: tuple[str, ...], max_bytes: int, max
         if not isinstance(value, str):
             if name not in file_fields:
                 raise FieldError(name, f"file uploads are taken only as {' or '.join(file_fields)}")
-            if name in fields:  # a list of files (the client's ``image[]``): one is taken, never the last silently
-                raise FieldError(name, "takes one file per request")
             value = await value.read()  # within the body limit already read above
+            if name in list_fields:  # a list of files (the client's ``image[]``): every one, in order
+                fields.setdefault(name, []).append(value)
+                continue
+            if name in fields:  # never the last of several silently
+                raise FieldError(name, "takes one file per request")
         fields[name] = value
     return fields

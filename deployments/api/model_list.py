@@ -42,6 +42,8 @@ class ModelCard(BaseModel):
     size_multiple: int = Field(description="Width and height must be multiples of this.")
     min_steps: int = Field(1, description="The fewest num_inference_steps the model's schedule makes finite "
                                           "(2 where its scheduler sets shift_terminal: Qwen-Image).")
+    max_images: int = Field(1, description="The most images an edit takes ('image[]'): 1, or 3 for a family "
+                                           "that composes several in context (Qwen-Image-Edit-2509/2511).")
     limits: ModelLimits
     edit_limits: ModelLimits | None = Field(None, description="A family that edits with the image in context and "
                                             "also makes images from text (FLUX.1 Kontext): the largest edit "
@@ -80,7 +82,7 @@ def model_card(model_id: str, facts: FamilyTraits, limits: Limits,
     # An edit-only family's probes count its image already (a request without one is priced as a square's).
     in_context_too = facts.edit_rule is EditRule.IN_CONTEXT and "image" in facts.modalities
     return ModelCard(id=model_id, family=facts.family.value, modalities=list(facts.modalities),
-                     size_multiple=facts.size_multiple, min_steps=facts.min_steps,
+                     size_multiple=facts.size_multiple, min_steps=facts.min_steps, max_images=facts.max_images,
                      limits=model_limits(facts, limits, admissions), configured_limits=limits,
                      edit_limits=model_limits(facts, limits, admissions, square_image()) if in_context_too else None,
                      quality_steps={q.value: limits.steps_for(q, facts.min_steps) for q in Quality},

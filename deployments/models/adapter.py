@@ -87,6 +87,9 @@ class FamilyTraits:
     shift_terminal: float | None = None
     # Where an image edit enters the schedule (with "image-edit" in ``modalities``): the family's pipeline's rounding.
     edit_rule: EditRule = EditRule.IMG2IMG
+    # The most images one edit takes (``image[]``): 1, or a family that composes several in context (Qwen-Image-
+    # Edit-2509/2511: 3).
+    max_images: int = 1
 
     @property
     def min_steps(self) -> int:
@@ -110,9 +113,14 @@ def reference_image(spec: GenerationSpec):
     """The request's reference image as the RGB PIL image the pipeline is given (checked by the ingress),
     turned upright by its EXIF orientation as diffusers' ``load_image`` does: a phone's portrait photo is
     stored landscape with an orientation tag, and would otherwise condition the video on its side."""
+    return upright_image(spec.reference_image)
+
+
+def upright_image(data: bytes):
+    """An image's file bytes as the RGB PIL image a pipeline is given, turned upright (:func:`reference_image`)."""
     from PIL import Image, ImageOps
 
-    with Image.open(io.BytesIO(spec.reference_image)) as image:
+    with Image.open(io.BytesIO(data)) as image:
         return ImageOps.exif_transpose(image).convert("RGB")
 
 

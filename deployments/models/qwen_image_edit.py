@@ -39,6 +39,7 @@ from deployments.models.adapter import (
     FamilyTraits,
     generator_for,
     reference_image,
+    upright_image,
     upright_size,
 )
 from deployments.models.qwen_image import TEXT_TOKENS, QwenImageAdapter, QwenImagePrompt, QwenImageStepper, true_cfg
@@ -68,16 +69,16 @@ def vae_size(image: bytes) -> tuple[int, int]:
     return area_size(VAE_AREA, *upright_size(image))
 
 
-def fitted_vae_size(spec: GenerationSpec) -> tuple[int, int]:
-    """:func:`vae_size` of the request's image; a square one's (1024x1024) for a request without one (the
-    activation calibration's and ``GET /v1/models``' probes: every edit carries an image)."""
-    return area_size(VAE_AREA, 1, 1) if spec.reference_image is None else vae_size(spec.reference_image)
+def fitted_vae_sizes(spec: GenerationSpec) -> tuple[tuple[int, int], ...]:
+    """:func:`vae_size` of each of the request's images; a square one's (1024x1024) for a request without one
+    (the activation calibration's and ``GET /v1/models``' probes: every edit carries an image)."""
+    return tuple(map(vae_size, spec.edit_images)) or (area_size(VAE_AREA, 1, 1),)
 
 
 @dataclasses.dataclass(frozen=True)
 class QwenImageEditPrompt(QwenImagePrompt):
-    """Qwen-Image's prompt pairs (the image's tokens inside them), and the image's latents from the decoder
-    stage: (n, 16, 1, h, w), unpacked, normalised by the VAE's mean and std."""
+    """Qwen-Image's prompt pairs (the images' tokens inside them), and the images' latents from the decoder
+    stage, each normalised by the VAE's mean and std and packed, one after the other: (n, tokens, 64)."""
 
     image_condition: torch.Tensor | None = None
 
@@ -113,13 +114,17 @@ class QwenImageEditStepper(QwenImageStepper):
             raise ValueError(f"request {spec.request_id}: the {self.family} family edits an image; the Denoiser "
                              "needs its latents from the decoder stage (image_condition)")
         request = super().start(encoded, spec, on_step)
+        scale = self.pipe.vae_scale_factor * 2  # one packed token per 16x16 px
+        shapes = tuple((1, height // scale, width // scale) for height, width in fitted_vae_sizes(spec))
         image = encoded.image_condition.to(self.device, request.latents.dtype)
-        n, channels, _, height, width = image.shape
-        request.cond["image_latents"] = pack_latents(self.pipe, image, n, channels, height, width)
-        request.shared = {**request.shared, "img_shapes": [*request.shared["img_shapes"], (1, height // 2, width // 2)]}
-        # Only requests whose images fit to the same size share a forward: one sequence length, one img_shapes.
-        request.key = BatchKey(request.key.row_shape + (height, width), request.key.dtype, request.key.text_tokens,
-                               request.key.guided)
+        if image.shape[1] != sum(h * w for _, h, w in shapes):
+            raise ValueError(f"request {spec.request_id}: image_condition has {image.shape[1]} tokens, its images "
+                             f"fit to {shapes}")
+        request.cond["image_latents"] = image
+        request.shared = {**request.shared, "img_shapes": [*request.shared["img_shapes"], *shapes]}
+        # Only requests whose images fit to the same sizes share a forward: one sequence length, one img_shapes.
+        request.key = BatchKey(request.key.row_shape + tuple(x for shape in shapes for x in shape), request.key.dtype,
+                               request.key.text_tokens, request.key.guided)
         return request
 
     def model_input(self, batch: list[StepRequest], latents: torch.Tensor) -> torch.Tensor:
@@ -137,7 +142,11 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return ("image-edit",)  # the pipelines take an image always
 
     def facts(self, folder, index) -> FamilyTraits:
-        return dataclasses.replace(super().facts(folder, index), edit_rule=EditRule.IN_CONTEXT)
+        # The Plus pipeline composes several images ("Picture 1:", "Picture 2:", ...); Qwen-Image-Edit-2509's
+        # card: 1 to 3 work best. The first pipeline's template has one.
+        plus = index["_class_name"] == PLUS
+        return dataclasses.replace(super().facts(folder, index), edit_rule=EditRule.IN_CONTEXT,
+                                   max_images=3 if plus else 1)
 
     def load_stage_pipeline(self, facts, stage, dtype, loaded=None):
         if "processor" in self.helpers(facts, stage):
@@ -156,13 +165,14 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     @torch.no_grad()
     def encode(self, pipe, facts, spec, device) -> QwenImageEditPrompt:
-        """The prompt (and the negative one, with true CFG) encoded with the image in it, fitted as the pipeline
-        fits it for the vision tower."""
-        image = reference_image(spec)
+        """The prompt (and the negative one, with true CFG) encoded with the images in it, fitted as the pipeline
+        fits them for the vision tower."""
+        resize = pipe.image_processor.resize
         if facts.pipeline_class == PLUS:
-            shown = [pipe.image_processor.resize(image, *area_size(CONDITION_AREA, *image.size))]
-        else:
-            shown = pipe.image_processor.resize(image, *area_size(VAE_AREA, *image.size))
+            shown = [resize(image, *area_size(CONDITION_AREA, *image.size)) for image in map(upright_image, spec.edit_images)]
+        else:  # one image, at the VAE's size
+            image = reference_image(spec)
+            shown = resize(image, *area_size(VAE_AREA, *image.size))
 
         def encoded(prompt):
             return pipe.encode_prompt(prompt=prompt, image=shown, device=device, num_images_per_prompt=spec.n,
@@ -174,25 +184,27 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     @torch.no_grad()
     def condition(self, pipe, facts, spec: GenerationSpec, device: torch.device) -> torch.Tensor:
-        """The image fitted as the pipeline fits it, encoded by the VAE (its mode: no draw), normalised:
-        ``spec.n`` rows of unpacked latents, on the CPU."""
-        image = reference_image(spec)
-        height, width = area_size(VAE_AREA, *image.size)
-        processor = pipe.image_processor
-        if facts.pipeline_class != PLUS:  # the first pipeline resizes, then preprocesses the resized image
-            image = processor.resize(image, height, width)
-        pixels = processor.preprocess(image, height, width).unsqueeze(2)
-        latents = encode_vae_image(pipe, pixels.to(device, pipe.vae.dtype))
-        return torch.cat([latents] * spec.n, dim=0).to(CPU)
+        """Each image fitted as the pipeline fits it, encoded by the VAE (its mode: no draw), normalised and
+        packed, one after the other: ``spec.n`` rows, on the CPU."""
+        processor, packed = pipe.image_processor, []
+        for image in map(upright_image, spec.edit_images):
+            height, width = area_size(VAE_AREA, *image.size)
+            if facts.pipeline_class != PLUS:  # the first pipeline resizes, then preprocesses the resized image
+                image = processor.resize(image, height, width)
+            pixels = processor.preprocess(image, height, width).unsqueeze(2)
+            latents = encode_vae_image(pipe, pixels.to(device, pipe.vae.dtype))  # (1, z, 1, h / 8, w / 8)
+            packed.append(pack_latents(pipe, latents, 1, *latents.shape[1:2], *latents.shape[3:]))
+        return torch.cat([torch.cat(packed, dim=1)] * spec.n, dim=0).to(CPU)
 
     def context_tokens(self, facts, spec: GenerationSpec) -> int:
-        """The image, packed at its fitted size: 4096 tokens for a square one (and for a request without one)."""
-        height, width = fitted_vae_size(spec)
-        return (height // facts.size_multiple) * (width // facts.size_multiple)
+        """The images, packed at their fitted sizes: 4096 tokens for a square one (and for a request without one)."""
+        m = facts.size_multiple
+        return sum((height // m) * (width // m) for height, width in fitted_vae_sizes(spec))
 
     def condition_shape(self, facts, spec: GenerationSpec) -> GenerationSpec:
-        """The encode runs at the image's fitted size, about a megapixel whatever the output's."""
-        height, width = fitted_vae_size(spec)
+        """The encodes run one image at a time at its fitted size, about a megapixel whatever the output's: the
+        largest one's."""
+        height, width = max(fitted_vae_sizes(spec), key=lambda size: size[0] * size[1])
         return dataclasses.replace(spec, height=height, width=width)
 
     def stepper(self, pipe, facts, device) -> QwenImageEditStepper:
@@ -211,7 +223,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
         return torch.from_numpy(pipe(
-            image=reference_image(spec), prompt=spec.prompt, height=spec.height, width=spec.width,
+            image=[*map(upright_image, spec.edit_images)] if spec.context_images else reference_image(spec),
+            prompt=spec.prompt, height=spec.height, width=spec.width,
             num_inference_steps=spec.steps, num_images_per_prompt=spec.n, generator=generator_for(spec),
             output_type="np", **self.edit_knobs(pipe, spec)).images).unsqueeze(1)
 
@@ -224,10 +237,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         value = super().activation_input(pipe, facts, stage, spec)
         if stage is not DENOISE:
             return value
-        height, width = fitted_vae_size(spec)
-        scale = pipe.vae_scale_factor
-        channels = pipe.transformer.config.in_channels // 4  # the VAE's z_dim: 2x2 patches packed per token
-        latents = torch.zeros(spec.n, channels, 1, height // scale, width // scale)
+        latents = torch.zeros(spec.n, self.context_tokens(facts, spec), pipe.transformer.config.in_channels)
         return QwenImageEditPrompt(value.prompt_embeds, value.prompt_embeds_mask, value.negative_prompt_embeds,
                                    value.negative_prompt_embeds_mask, latents)
 

@@ -114,6 +114,14 @@ class GenerationSpec:
     # A video edit (a remix of a finished job, POST /v1/videos/{id}/remix): its source video as H.264 mp4
     # bytes, whose first ``num_frames`` frames are edited at ``strength`` (``reference_image`` is None).
     reference_video: bytes | None = None
+    # An in-context edit's further images, after ``reference_image`` (Qwen-Image-Edit-2509's "Picture 2",
+    # "Picture 3": each conditions the prompt and every step), checked by the ingress; () for one image.
+    context_images: tuple[bytes, ...] = ()
+
+    @property
+    def edit_images(self) -> tuple[bytes, ...]:
+        """Every image an edit takes, in the order sent: ``reference_image``, then ``context_images``."""
+        return () if self.reference_image is None else (self.reference_image, *self.context_images)
 
     @property
     def conditioned(self) -> bool:

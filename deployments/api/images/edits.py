@@ -1,7 +1,8 @@
 """``POST /v1/images/edits``: OpenAI's image edits, run as diffusers' img2img (deployments/models/edits.py).
 
 The official client's ``images.edit`` posts multipart/form-data: ``image`` a file (``image[]`` when it is
-given a list; one image per edit here), the other fields strings. JSON with ``image`` as a data URL works
+given a list: one image per edit, or up to the family's ``max_images``, which Qwen-Image-Edit-2509 composes in
+context; the first sets ``size: auto``), the other fields strings. JSON with ``image`` as a data URL works
 too. This project's extra ``strength`` (0-1, the img2img pipelines' default 0.6) is how far the edit may
 go from the image: the image is noised to the step ``strength`` from the end of ``num_inference_steps``'
 schedule, and only those steps run; FLUX.1 Kontext (``EditRule.IN_CONTEXT``) takes the image in context instead,
@@ -35,6 +36,7 @@ EDITS = "/v1/images/edits"
 # Fields and prompts as /v1/images/generations takes them (its JSON bound), beside the image's own bound.
 MAX_FIELDS_BYTES = 1024 * 1024
 DEFAULT_STRENGTH = 0.6  # FluxImg2ImgPipeline's, StableDiffusion3Img2ImgPipeline's, ... default
+MAX_IMAGES = 3  # the most images any family's edit takes (FamilyTraits.max_images: Qwen-Image-Edit-2509's 3)
 
 router = APIRouter()
 
@@ -68,23 +70,28 @@ def edit_spec(req: ImageEditRequest, facts: FamilyTraits, limits: Limits, model_
     if req.mask is not None and "image-inpaint" not in facts.modalities:
         raise FieldError("mask", f"inpainting is not supported by the {facts.family.value} model family: an edit "
                                  "may change the whole image")
-    if req.image is None:
+    if req.image is None or req.image == []:
         raise FieldError("image", "required: the image to edit (a file in multipart/form-data, or a data URL "
                                   "'data:image/png;base64,...' in JSON)")
     in_context = facts.edit_rule is EditRule.IN_CONTEXT
     if in_context and "strength" in req.model_fields_set:
         raise FieldError("strength", f"the {facts.family.value} model family edits with the image in context: "
                                      "every step runs and the image is never noised, so there is no strength")
-    image = reference_bytes(req.image, "image")
-    width, height = image_size(image)
-    if in_context and min(width, height) < facts.size_multiple:  # fitted by its aspect ratio: 0 px across
-        raise FieldError("image", f"is {width}x{height}: the {facts.family.value} model family takes an image at "
-                                  f"least {facts.size_multiple} px a side in context")
+    images = [reference_bytes(value, "image") for value in (req.image if isinstance(req.image, list) else [req.image])]
+    if len(images) > facts.max_images:
+        raise FieldError("image", f"{len(images)} images: the {facts.family.value} model family edits "
+                                  + ("one image at a time" if facts.max_images == 1 else
+                                     f"at most {facts.max_images} images together"))
+    for width, height in map(image_size, images):
+        if in_context and min(width, height) < facts.size_multiple:  # fitted by its aspect ratio: 0 px across
+            raise FieldError("image", f"is {width}x{height}: the {facts.family.value} model family takes an image "
+                                      f"at least {facts.size_multiple} px a side in context")
+    image = images[0]
     size = own_size(image, facts, limits) if req.size in (None, "auto") else req.size
     plain = ImageRequest.model_validate({**req.model_dump(exclude={"image", "mask", "strength"}), "size": size})
     spec = image_spec(plain, facts, limits, model_id, loras=loras, edit=True)
-    spec = dataclasses.replace(spec, reference_image=image, strength=None if in_context else req.strength,
-                               edit_rule=facts.edit_rule,
+    spec = dataclasses.replace(spec, reference_image=image, context_images=tuple(images[1:]),
+                               strength=None if in_context else req.strength, edit_rule=facts.edit_rule,
                                mask_image=None if req.mask is None else checked_mask(req.mask, image))
     if spec.run_steps < 1:  # the video2video rule enters at steps - int(steps * strength)
         raise FieldError("strength", f"{req.strength} of {spec.steps} steps runs no denoising step on the "
@@ -107,13 +114,14 @@ def checked_mask(value: object, image: bytes) -> bytes:
 
 
 async def _fields(request: Request) -> dict:
-    # Two files at most: the image and its mask.
-    fields = await read_fields(request, ("image", "image[]", "mask"), MAX_FIELDS_BYTES, 2 * MAX_REFERENCE_BYTES,
-                               max_files=2)
-    if "image[]" in fields:  # the official client's list form; one image per edit
+    # The images (at most MAX_IMAGES, the most any family takes) and a mask.
+    fields = await read_fields(request, ("image", "image[]", "mask"), MAX_FIELDS_BYTES,
+                               (MAX_IMAGES + 1) * MAX_REFERENCE_BYTES, max_files=MAX_IMAGES + 1, list_fields=("image[]",))
+    if "image[]" in fields:  # the official client's list form
         if "image" in fields:
-            raise FieldError("image", "one image per edit: send 'image' or 'image[]', not both")
-        fields["image"] = fields.pop("image[]")
+            raise FieldError("image", "send the images as 'image' or as 'image[]', not both")
+        images = fields.pop("image[]")
+        fields["image"] = images[0] if len(images) == 1 else images
     return fields
 
 

@@ -327,6 +327,7 @@ def test_v1_models_states_what_the_adapter_declares(family):
     assert ("image-inpaint" in card.modalities) == (family.case.name in INPAINTING), "and those that take a mask"
     assert ("video-edit" in card.modalities) == (family.case.name == "wan2.1"), "and the one that remixes videos"
     assert card.min_steps == facts.min_steps == (2 if family.case.name.startswith("qwen-image") else 1)
+    assert card.max_images == facts.max_images == (3 if family.case.name == "qwen-image-edit" else 1)
     # Configured limits (no replica reported): the longest video the VAE makes within 81 frames.
     assert card.limits.frames == (1 + (81 - 1) // facts.temporal_factor * facts.temporal_factor
                                   if facts.supports_video else 1)

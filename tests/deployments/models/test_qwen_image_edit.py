@@ -72,6 +72,22 @@ def test_an_edit_of_another_aspect_through_the_step_batcher_is_bitwise_the_pipel
     assert not torch.equal(_staged(facts, pipes, other), frames)
 
 
+def test_two_images_composed_in_context_through_the_step_batcher_are_bitwise_the_pipeline_given_both(plus):
+    facts, pipes = plus
+    assert facts.max_images == 3
+    first, second = a_photo(60, 40), a_photo(32, 48)  # 3:2 and 2:3: 1248x832 and 832x1248, 4056 tokens each
+    spec = GenerationSpec("m", "the fox from picture 1 in picture 2", None, 16, 32, 1, 2, 4.0, 4, 1, first,
+                          context_images=(second,))
+    assert adapter_for(facts).context_tokens(facts, spec) == 2 * 78 * 52
+    stepper = adapter_for(facts).stepper(pipes[DENOISE], facts, CPU)
+    latents = through_a_step_batch(stepper, stepper.start(_encoded(facts, pipes, spec), spec))
+    frames = families.decode(pipes[DECODE], facts, latents, spec, CPU)
+    assert torch.equal(frames, _reference(facts, spec))
+    swapped = dataclasses.replace(spec, reference_image=second, context_images=(first,))  # Picture 1 is the other
+    assert not torch.equal(_staged(facts, pipes, swapped), frames)
+    assert not torch.equal(_staged(facts, pipes, dataclasses.replace(spec, context_images=())), frames)
+
+
 def test_guided_edits_staged_are_bitwise_the_pipeline_and_the_negative_prompt_sees_the_image(plus):
     facts, pipes = plus
     spec = GenerationSpec("g", "a red fox", " ", 32, 16, 1, 2, 4.0, 5, 1, a_photo(40, 60))
@@ -86,6 +102,7 @@ def test_the_first_pipelines_folder_and_2511s_transformer_are_bitwise_their_pipe
     build_qwen_image_edit(tmp_path, plus=variant != "first", zero_cond_t=variant == "2511")
     facts, pipes = _loaded(tmp_path)
     assert facts.pipeline_class == ("QwenImageEditPipeline" if variant == "first" else "QwenImageEditPlusPipeline")
+    assert facts.max_images == (1 if variant == "first" else 3)  # the first pipeline's template shows one
     spec = GenerationSpec("v", "a red fox", None, 16, 32, 1, 2, 4.0, 6, 1, a_photo(48, 40))
     assert torch.equal(_staged(facts, pipes, spec), _reference(facts, spec))
     # 2511 modulates the image's tokens with timestep 0 itself (a per-token index): no row-sliced step cache.

@@ -139,8 +139,32 @@ def test_two_images_are_refused_not_one_of_them_taken_silently():
     images = [("a.png", png(), "image/png"), ("b.png", png(32, 32), "image/png")]  # sent as image[] twice
     with pytest.raises(openai.BadRequestError) as refused:
         client.images.edit(image=images, prompt="a fox", extra_body=EXTRAS)
-    assert refused.value.body["param"] == "image[]" and "one file" in refused.value.body["message"]
+    assert refused.value.body["param"] == "image" and "one image at a time" in refused.value.body["message"]
     assert not stages.calls
+
+
+def test_a_family_that_composes_images_takes_up_to_its_max_in_order_and_refuses_more_by_name():
+    client, stages = _client(tiny_families.ensure_tiny_qwen_image_edit)  # Qwen-Image-Edit-2509: up to 3
+    images = [("a.png", png(), "image/png"), ("b.png", png(32, 32), "image/png"), ("c.png", png(16, 48), "image/png")]
+    client.images.edit(image=images, prompt="the fox of picture 1 on picture 2", extra_body=EXTRAS)
+    spec = _spec(stages)
+    assert (spec.reference_image, spec.context_images) == (png(), (png(32, 32), png(16, 48)))
+    assert (spec.width, spec.height) == (32, 16), "size auto: the first image's, rounded down to the multiple"
+    stages.specs.clear()
+    urls = ["data:image/png;base64," + base64.b64encode(png(w, h)).decode() for w, h in ((40, 24), (32, 32))]
+    client.post("/images/edits", cast_to=object, body={"prompt": "a fox", "image": urls, **EXTRAS})  # JSON's list
+    assert _spec(stages).context_images == (png(32, 32),)
+    for body, words in (({"image": images + [("d.png", png(), "image/png")]}, "at most 3 images"),
+                        ({"image": [("a.png", png(), "image/png"), ("thin.png", png(40, 8), "image/png")]},
+                         "at least 16 px")):
+        client, stages = _client(tiny_families.ensure_tiny_qwen_image_edit)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.images.edit(prompt="a fox", extra_body=EXTRAS, **body)
+        assert refused.value.body["param"] == "image" and words in refused.value.body["message"], refused.value.body
+        assert not stages.calls
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.post("/images/edits", cast_to=object, body={"prompt": "a fox", "image": [], **EXTRAS})
+    assert refused.value.body["param"] == "image" and "required" in refused.value.body["message"]
 
 
 def test_an_edit_without_an_image_and_a_family_that_cannot_edit_are_refused_by_name():
