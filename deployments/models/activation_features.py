@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from deployments.models.families import FamilyTraits
+from deployments.models.steppers import step_alone
 from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core.planner.activation_model import ActivationModel, ActivationSample, calibrate
 
@@ -174,8 +175,5 @@ def denoise_as_served(pipe, facts: FamilyTraits, value, spec: GenerationSpec, de
     from deployments.models.registry import adapter_for
 
     stepper = adapter_for(facts).stepper(pipe, facts, device)
-    with torch.no_grad():  # as StepBatch steps
-        request = stepper.start(value.to(device), spec)
-        while not request.done:
-            request.advance(stepper.forward([request])[0])
-    return request.latents
+    with torch.no_grad():
+        return step_alone(stepper, stepper.start(value.to(device), spec))

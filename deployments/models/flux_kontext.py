@@ -26,7 +26,7 @@ import torch
 from compat.diffusers import encode_vae_image, latent_image_ids, pack_latents
 from deployments.models.adapter import CPU, DECODE, FamilyTraits, generator_for, reference_image, upright_size
 from deployments.models.flux import FluxAdapter, FluxStepper
-from deployments.models.steppers import BatchKey, StepRequest, rows_of
+from deployments.models.steppers import BatchKey, StepRequest, rows_of, step_alone
 from deployments.wire.spec import EditRule, EncodedPrompt, Family, GenerationSpec, PipelineStage
 
 KONTEXT_GUIDANCE = 2.5  # FluxKontextPipeline.__call__'s default
@@ -134,10 +134,7 @@ class FluxKontextAdapter(FluxAdapter):
         """One request through the stepper alone (the pipeline takes no precomputed image latents); one
         forward per step, as the pipeline's."""
         stepper = self.stepper(pipe, facts, device)
-        request = stepper.start(encoded.to(device), spec, on_step)
-        while not request.done:
-            request.advance(stepper.forward([request])[0])
-        return request.latents.to(CPU)
+        return step_alone(stepper, stepper.start(encoded.to(device), spec, on_step)).to(CPU)
 
     def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
         image = None if spec.reference_image is None else reference_image(spec)

@@ -43,7 +43,7 @@ from deployments.models.adapter import (
     upright_size,
 )
 from deployments.models.qwen_image import TEXT_TOKENS, QwenImageAdapter, QwenImagePrompt, QwenImageStepper, true_cfg
-from deployments.models.steppers import BatchKey, StepRequest, rows_of
+from deployments.models.steppers import BatchKey, StepRequest, rows_of, step_alone
 from deployments.models.wan_i2v import with_stand_in_image
 from deployments.wire.spec import EditRule, Family, GenerationSpec, PipelineStage
 
@@ -216,10 +216,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
         PIL image), guidance's branches as two forwards per step, as the pipeline's."""
         stepper = self.stepper(pipe, facts, device)
         stepper.branches_apart = True
-        request = stepper.start(encoded.to(device), spec, on_step)
-        while not request.done:
-            request.advance(stepper.forward([request])[0])
-        return request.latents.to(CPU)
+        return step_alone(stepper, stepper.start(encoded.to(device), spec, on_step)).to(CPU)
 
     def reference_frames(self, pipe, facts, spec) -> torch.Tensor:
         return torch.from_numpy(pipe(

@@ -152,6 +152,15 @@ class TransformerStepper:
         self.dtype = pipe.transformer.dtype
 
 
+def step_alone(stepper, request: StepRequest) -> torch.Tensor:
+    """``request`` stepped to its end by ``stepper`` alone (one forward a step, guidance's branches as the
+    stepper runs them), under ``no_grad`` as StepBatch steps: its final latents."""
+    with torch.no_grad():
+        while not request.done:
+            request.advance(stepper.forward([request])[0])
+    return request.latents
+
+
 def rows_of(batch: list[StepRequest], name: str, branch: str) -> torch.Tensor:
     """``name`` of every request's ``branch`` ("cond"/"uncond") inputs, concatenated in batch order."""
     return torch.cat([getattr(r, branch)[name] for r in batch])

@@ -49,12 +49,10 @@ def image_spec(req: ImageRequest, facts: FamilyTraits, limits: Limits, model_id:
     """``reference``: the checked reference image's bytes (``deployments.api.reference_images``), if any;
     ``loras``: the adapters a request may name; ``edit``: the body of an edit (its route checked the image)."""
     check_model(req.model, model_id)
-    if "image-edit" in facts.modalities and "image" not in facts.modalities and not edit:
-        raise FieldError("model", f"the {facts.family.value} model family edits images only; use POST "
-                                  "/v1/images/edits with the image to edit")
     if "image" not in facts.modalities and not edit:
+        where = "/v1/images/edits with the image to edit" if "image-edit" in facts.modalities else "/v1/videos"
         raise FieldError("model", f"the {facts.family.value} model family makes {', '.join(facts.modalities)} only; "
-                                  "use POST /v1/videos")
+                                  f"use POST {where}")
     check_reference(facts, reference)
     if reference is not None and facts.reference_image is ReferenceImage.OPTIONAL:
         raise FieldError("input_reference", f"the {facts.family.value} model family takes a reference image for "
