@@ -6,7 +6,9 @@ tiny zoo with offload_core.residency.activation_meter, every one within 1 % exce
 
 - encode: ``1`` (the text encoder's fixed-length pass: 512 tokens whatever the prompt) and ``n``;
 - denoise: ``n`` and ``n x tokens`` (latent positions after patching: linear, 2304 B per token on
-  tiny Wan, 2200 B on tiny Flux; with the pipeline's text tokens in the first feature), measured on the
+  tiny Wan, 2200 B on tiny Flux; a prompt padded to one length is in the first feature, an unpadded one's
+  tokens are counted as latent positions: 1700-2050 B per text token beside 2200 per latent one on tiny
+  Qwen-Image, :func:`text_tokens`), measured on the
   Denoiser's own path (:func:`denoise_as_served`: guidance's branches in one forward of twice the rows);
 - decode: an image is ``n x pixels`` plus a constant; Wan's video VAE decodes frame by frame
   with caches, so videos are their own regime (``n x pixels`` and ``n x pixels x frames``: per
@@ -71,12 +73,20 @@ def context_tokens(facts: FamilyTraits, spec: GenerationSpec) -> int:
     return adapter_for(facts).context_tokens(facts, spec)
 
 
+def text_tokens(facts: FamilyTraits, spec: GenerationSpec) -> int:
+    """Text tokens a Denoiser forward carries where prompts are not padded to one length (Qwen-Image's), counted
+    as the latents' own: the encoder's count once the Denoiser has it, else the calibration stand-in's."""
+    from deployments.models.registry import adapter_for
+
+    return adapter_for(facts).text_tokens(facts, spec)
+
+
 def features(facts: FamilyTraits, stage: PipelineStage, spec: GenerationSpec) -> tuple[float, ...]:
     n, pixels = spec.n, spec.height * spec.width
     if stage is PipelineStage.ENCODE:
         return (1.0, float(n))
     if stage is PipelineStage.DENOISE:
-        return (float(n), float(n * (latent_tokens(facts, spec) + context_tokens(facts, spec))))
+        return (float(n), float(n * (latent_tokens(facts, spec) + context_tokens(facts, spec) + text_tokens(facts, spec))))
     if regime(spec) is Regime.IMAGE:
         return (float(n * pixels), 1.0)
     return (float(n * pixels), float(n * pixels * spec.num_frames))

@@ -253,6 +253,18 @@ class FamilyAdapter:
         its image in context: FLUX.1 Kontext); the activation model counts them as the latents'. 0 here."""
         return 0
 
+    def text_tokens(self, facts: FamilyTraits, spec: GenerationSpec) -> int:
+        """Text tokens a Denoiser forward carries for ``spec`` where they vary per request; the activation model
+        counts them as the latents'. 0 here: the family pads every prompt to one length, whose cost the model's
+        per-request feature holds. A family with unpadded prompts returns ``spec.text_tokens`` once the
+        Denoiser has set it (:meth:`encoded_text_tokens`), and before that its calibration stand-in's count."""
+        return 0
+
+    def encoded_text_tokens(self, encoded) -> int | None:
+        """The text tokens of an encoded prompt's longest row (a forward pads the others to it), where they
+        vary per request; None here (padded to one length)."""
+        return None
+
     def condition_shape(self, facts: FamilyTraits, spec: GenerationSpec) -> GenerationSpec:
         """The request as the decoder stage's activation model sees its :meth:`condition` call: the image
         is encoded at the request's size (a family that fits it to another size says so)."""

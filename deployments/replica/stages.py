@@ -22,6 +22,7 @@ from deployments.capacity.work_autoscaling import REQUEST_S, REQUESTS, WORK_S, a
 from deployments.models import families
 from deployments.models.cancel import CancelFlag, RequestCancelled
 from deployments.models.lora_rows import LoraStepper
+from deployments.models.registry import adapter_for
 from deployments.models.steppers import StepRequest, stepper_for
 from deployments.replica.batching import BatchingConfig, ForwardFigures, StepBatch, StepBatcher
 from deployments.replica.load_tracker import tracker_for
@@ -162,8 +163,11 @@ class Denoiser(RankedStage):
             raise RuntimeError(f"request {spec.request_id}: an edit needs its source's latents from the decoder "
                                f"stage and only an edit takes them (strength {spec.strength}, source "
                                f"{type(edit).__name__})")
-        self.worker.admit(spec)
         value = encoded.value.unpacked()
+        tokens = adapter_for(self.worker.config.facts).encoded_text_tokens(value)
+        if tokens is not None:  # an unpadded prompt's length, which its activations grow with (Qwen-Image's)
+            spec = dataclasses.replace(spec, text_tokens=tokens)
+        self.worker.admit(spec)
         if condition is not None and edit is None:  # image-to-video: the reference image's condition
             value = dataclasses.replace(value, image_condition=condition.value)
         request = self.stepper.start(value, spec, on_step=put if progress else None)
@@ -223,7 +227,7 @@ class Denoiser(RankedStage):
     def _fits(self, batch: list[StepRequest]) -> bool:
         """A request joins only if the batch's predicted activations fit what this busy period
         leased (leased for max_batch of the shape that started it; a larger shape waits)."""
-        together = dataclasses.replace(batch[0].spec, n=sum(r.spec.n for r in batch))
+        together = dataclasses.replace(batch[0].spec, n=sum(r.spec.n for r in batch), text_tokens=_longest_text(batch))
         need = self.worker.activation_bytes(together)
         if need > self._leased_activation_bytes:
             logger.info("%s: request %s waits: a batch of %d needs %d B of activations > %d B leased",
@@ -271,6 +275,12 @@ class Denoiser(RankedStage):
             self.batcher.close()
         if hasattr(self, "worker"):
             self.worker.close()
+
+
+def _longest_text(batch: list[StepRequest]) -> int | None:
+    """The batch's text tokens per row: its forward pads every prompt to the longest (None: padded prompts)."""
+    counts = [r.spec.text_tokens for r in batch if r.spec.text_tokens is not None]
+    return max(counts) if counts else None
 
 
 def finite_frames(frames: torch.Tensor, dtype: str) -> torch.Tensor:

@@ -117,6 +117,10 @@ class GenerationSpec:
     # An in-context edit's further images, after ``reference_image`` (Qwen-Image-Edit-2509's "Picture 2",
     # "Picture 3": each conditions the prompt and every step), checked by the ingress; () for one image.
     context_images: tuple[bytes, ...] = ()
+    # The text tokens the encoder gave this request's longest prompt row, where a family's prompts are not
+    # padded to one length (Qwen-Image's): the Denoiser sets it from the encoded prompt, and its activation
+    # model counts them beside the latents'. None before the encoder has run (FamilyAdapter.text_tokens).
+    text_tokens: int | None = None
 
     @property
     def edit_images(self) -> tuple[bytes, ...]:
