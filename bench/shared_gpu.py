@@ -62,7 +62,7 @@ def _workers(folder):
 def _serve(facts, stage, worker, held: _Held, calls: int, seed: int, over: list) -> None:
     from deployments.models import activation_features, families
     from deployments.wire.spec import GenerationSpec
-    from offload_core.residency.activation_meter import LiveTensorBytes
+    from offload_core.live_bytes import LiveTensorBytes
 
     rng = random.Random(seed)
     for i in range(calls):

@@ -54,6 +54,13 @@ def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor._base
 
 
+@relies_on("torch", "UntypedStorage._cdata", CHECKED,
+           "a meta storage has no address (data_ptr() is 0): its C++ object is its only identity")
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """An identity of ``storage`` shared by every tensor on it, and no other live storage's, on any device."""
+    return storage._cdata
+
+
 @relies_on("torch", "DTensor._local_tensor", CHECKED,
            "DTensor.to_local() reads the shard but nothing public replaces it under the same DTensor")
 def replace_local_tensor(dtensor: torch.Tensor, local: torch.Tensor) -> None:

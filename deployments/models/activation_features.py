@@ -33,11 +33,6 @@ from deployments.models.steppers import step_alone
 from deployments.wire.spec import GenerationSpec, PipelineStage
 from offload_core.planner.activation_model import ActivationModel, ActivationSample, calibrate
 
-# A call leases its predicted activations plus this margin (and a replica plans this much free of
-# weights): predictions are within 10 % of the measured peak on held-out shapes, and a decode call
-# in bench/shared_gpu.py held 12 % more than its prediction (a 48x32 image), so 15 % more than predicted.
-ACTIVATION_MARGIN = 1.15
-
 
 class Regime(str, enum.Enum):
     IMAGE = "image"  # one frame

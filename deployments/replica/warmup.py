@@ -40,11 +40,11 @@ from cluster.replica.ledger_view import ReplicaMemory
 from cluster.replica.plan import replan_stage
 from deployments.capacity.request_limits import Limits, parse_size
 from deployments.models import activation_features, families
-from deployments.models.activation_features import ACTIVATION_MARGIN
 from deployments.models.families import FamilyTraits
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.stage_residency import StageResidency
 from deployments.wire.spec import GenerationSpec, PipelineStage
+from offload_core.planner.activation_model import ACTIVATION_MARGIN
 from offload_core.planner.measured_compute import (
     MeasuredCompute,
     WarmupFigures,

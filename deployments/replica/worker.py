@@ -28,7 +28,6 @@ from deployments.capacity.admission import StageAdmission, nearest_admitted, siz
 from deployments.capacity.batch_state import BatchState
 from deployments.capacity.replica_report import REPUBLISH_S, AdapterResidency, ReplicaResidency
 from deployments.models import activation_features, families
-from deployments.models.activation_features import ACTIVATION_MARGIN
 from deployments.replica import compile_stage, warmup
 from deployments.replica import worker_setup as setup
 from deployments.replica.board import get_board, pack
@@ -54,6 +53,7 @@ from deployments.wire.spec import (
     StageStats,
 )
 from offload_core.host.budget import Refusal
+from offload_core.planner.activation_model import ACTIVATION_MARGIN
 from offload_core.planner.measured_compute import MeasuredCompute
 from offload_core.planner.picture import PlanPicture, plan_picture
 from offload_core.planner.search import repredict

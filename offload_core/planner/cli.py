@@ -45,8 +45,9 @@ def _parser(prog: str = "offload-serve plan") -> argparse.ArgumentParser:
     p.add_argument("--gpu", required=True, help="a GPU in the config file's 'gpus', e.g. L4, H100")
     p.add_argument("--host-ram", required=True, type=parse_bytes, help="host RAM of the node, e.g. 64GiB")
     p.add_argument("--mode", default="auto", choices=[m.value for m in PerformanceMode])
-    p.add_argument("--working-set", default="3GiB", type=parse_bytes,
-                   help="device memory kept for activations (default 3GiB)")
+    p.add_argument("--working-set", type=parse_bytes,
+                   help="device memory kept for activations (default: what one Denoiser forward at the request holds, "
+                        "measured on meta, 15%% over, at least 3GiB)")
     p.add_argument("--steps", type=int, help="denoising steps (default: the model's published default)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per stage replica: plans the stages with a TP plan as one rank holds them")
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None, prog: str = "offload-serve plan") -> int
         parser.error(f"--host-ram must be > 0, got {args.host_ram} B")
     try:
         gpu = gpu_spec(args.gpu)
-        if args.working_set >= gpu.memory_bytes:
+        if args.working_set is not None and args.working_set >= gpu.memory_bytes:
             raise ValueError(f"--working-set {args.working_set / GiB:.2f} GiB leaves no room for weights on the "
                              f"{gpu.name}'s {gpu.memory_bytes / GiB:.2f} GiB")
         if args.model:

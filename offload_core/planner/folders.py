@@ -25,7 +25,7 @@ import torch
 from offload_core.planner import real_models
 from offload_core.planner.facts import PipelineFacts
 from offload_core.planner.flow_timesteps import min_steps
-from offload_core.planner.inputs import GiB, GpuSpec, expert_steps, pipeline_facts, pipeline_stages
+from offload_core.planner.inputs import GpuSpec, expert_steps, pipeline_facts, pipeline_stages
 from offload_core.tables import HostTablesConfig
 
 # safetensors header dtype names of the floating types a folder's weights may be stored in.
@@ -112,7 +112,7 @@ def folder_kind(index: Mapping[str, Any], folder: Path | str = "") -> FolderKind
                             f"supported: {supported()}")
 
 
-def folder_facts(folder: Path, gpu: GpuSpec, host_ram: int, *, working_set: int = 3 * GiB,
+def folder_facts(folder: Path, gpu: GpuSpec, host_ram: int, *, working_set: int | None = None,
                  pageable_Bps: float | None = None, steps: int | None = None, flow_shift: float | None = None,
                  tables: HostTablesConfig = HostTablesConfig()) -> tuple[PipelineFacts, list[str]]:
     """Facts for a local diffusers folder: each component built on meta from its own config file, the

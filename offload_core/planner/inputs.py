@@ -13,6 +13,7 @@ Runs in whichever process plans: ``offload-serve plan`` and each stage replica (
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -24,7 +25,16 @@ from offload_core.layout import (
     declared_layer_groups,
     resolve_layer_group,
 )
-from offload_core.planner import facts_cache, gpus, real_models, skeletons
+from offload_core.planner import denoise_activations, facts_cache, gpus, real_models, skeletons
+from offload_core.planner.activation_model import ACTIVATION_MARGIN
+from offload_core.planner.denoise_activations import (
+    CLIP_IMAGE_TOKENS,
+    KONTEXT_IMAGE_TOKENS,
+    QWEN_EDIT_PLUS_VISION_TOKENS,
+    QWEN_EDIT_VISION_TOKENS,
+    SIGLIP_IMAGE_TOKENS,
+    denoise_request,
+)
 from offload_core.planner.facts import (
     ComponentProfile,
     LinkFacts,
@@ -47,6 +57,9 @@ from offload_core.tensor_parallel.sharded import local_nbytes, sharded_parameter
 logger = logging.getLogger(__name__)
 
 GiB = 1024**3
+# The working set never below 3 GiB: what the encoders' and the VAE's calls need is not measured here, and 3 GiB
+# was the fixed figure before the Denoiser's forward was (the image models' forwards hold 0.45-1.44 GiB).
+WORKING_SET_FLOOR = 3 * GiB
 # Diffusion transformers sustain ~40 % of peak in practice (attention, norms, launch gaps).
 SUSTAINED_FRACTION = 0.4
 STAGES = {
@@ -77,18 +90,6 @@ STAGES = {
     "HunyuanVideo15ImageToVideoPipeline": (Stage("encode", ("text_encoder", "text_encoder_2")),
                                            Stage("denoise", ("transformer",)), Stage("decode", ("vae",))),
 }
-# Wan2.1 image-to-video's CLIP ViT-H/14 at 224 x 224: (224 / 14)^2 patches + the class token.
-CLIP_IMAGE_TOKENS = 257
-# FLUX.1 Kontext's image to edit, fitted to its preferred resolutions (about a megapixel): 1024x1024's packed tokens.
-KONTEXT_IMAGE_TOKENS = 4096
-# Qwen-Image-Edit's image in the prompt: Qwen2.5-VL's 14 px patches merged 2x2, one token per 28 px square, on
-# the image resized to a multiple of 28 within its processor's 1003520 px. The Plus pipeline fits it to 384^2 px
-# (CONDITION_IMAGE_SIZE): 392 x 392 -> 14^2 tokens; the first pipeline to 1024^2 px, which the processor caps to
-# 980 x 980 -> 35^2 (Qwen2VLImageProcessorPil's image_grid_thw: 28x28 and 70x70 patches).
-QWEN_EDIT_PLUS_VISION_TOKENS = 196
-QWEN_EDIT_VISION_TOKENS = 1225
-# HunyuanVideo 1.5's SigLIP (so400m, 14 px patches) at 384 x 384: 27^2 patches, no class token.
-SIGLIP_IMAGE_TOKENS = 729
 # Z-Image and Qwen-Image feed the transformer the prompt's own tokens (no padding): a typical prompt
 # after their chat templates, for compute estimates only.
 PROMPT_TOKENS = 128
@@ -234,12 +235,13 @@ def _qwen_image(steps: int, cfg: float, image: int, seq: int) -> dict[str, tuple
 _IMAGE_PIPELINES = {"StableDiffusion3Pipeline": _sd3, "ZImagePipeline": _z_image, "QwenImagePipeline": _qwen_image}
 
 
-def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_set: int = 3 * GiB,
+def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_set: int | None = None,
                      pageable_Bps: float | None = None, steps: int | None = None, flow_shift: float | None = None,
                      tables: HostTablesConfig = HostTablesConfig(), tp_size: int = 1) -> tuple[PipelineFacts, list[str]]:
     """Facts for a real-size model from the published configs, planned for ``gpu`` and ``host_ram``.
 
     ``tp_size > 1``: only the stages with a tensor-parallel plan, as one rank (rank 0) holds them.
+    ``working_set``: device bytes kept free of weights (None: :func:`working_set_for`).
     ``flow_shift``: a two-expert model's timestep shift (default: the model's published sampling shift).
     """
     try:
@@ -306,9 +308,29 @@ def _profile(name: str, module: nn.Module, tp_size: int, notes: list[str], **kwa
     return profile
 
 
-def pipeline_facts(pipeline, load, defaults, gpu: GpuSpec, host_ram: int, working_set: int, pageable_Bps: float,
-           tables: HostTablesConfig, tp_size: int = 1) -> tuple[PipelineFacts, list[str]]:
+def working_set_for(pipeline: str, load: Mapping[str, tuple], defaults: Mapping[str, Any]) -> tuple[int, str]:
+    """Device bytes the plan keeps free of weights, and the note saying why: the Denoiser's forward at the default
+    request (measured on meta: :mod:`offload_core.planner.denoise_activations`) with the service's 15 % lease
+    margin, and never less than :data:`WORKING_SET_FLOOR`."""
+    class_name, config, dtype, _ = load["transformer"]
+    request = denoise_request(pipeline, load, defaults)
+    peak = denoise_activations.denoise_peak(pipeline, class_name, config, dtype, request)
+    if peak.bytes is None:
+        return WORKING_SET_FLOOR, (f"working set {WORKING_SET_FLOOR / GiB:.2f} GiB (the floor): the Denoiser's "
+                                   f"forward was not measured: {peak.why}")
+    margined = math.ceil(ACTIVATION_MARGIN * peak.bytes)
+    kept = max(WORKING_SET_FLOOR, margined)
+    return kept, (f"working set {kept / GiB:.2f} GiB: one Denoiser forward at {request.describe()} holds "
+                  f"{peak.bytes / GiB:.2f} GiB of activations ({peak.why}), {ACTIVATION_MARGIN} x that is "
+                  f"{margined / GiB:.2f} GiB, the floor {WORKING_SET_FLOOR / GiB:.2f} GiB")
+
+
+def pipeline_facts(pipeline, load, defaults, gpu: GpuSpec, host_ram: int, working_set: int | None,
+                   pageable_Bps: float, tables: HostTablesConfig, tp_size: int = 1) -> tuple[PipelineFacts, list[str]]:
     notes: list[str] = []
+    if working_set is None:
+        working_set, why = working_set_for(pipeline, load, defaults)
+        notes.append(why)
     if "vae" in load:  # a Wan2.2 VAE compresses 16x, not 8x: a quarter of the transformer's tokens
         defaults = {**defaults, "vae_spatial": load["vae"][1].get("scale_factor_spatial") or 8}
     if "image_encoder" in load:  # the CLIP ViT's own patches + the class token (a tiny folder's are not 257)

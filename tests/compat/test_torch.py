@@ -49,6 +49,15 @@ def test_view_base_is_the_viewed_tensor():
     assert seam.view_base(view) is owner and seam.view_base(owner) is None, use("view_base").mismatch("changed")
 
 
+def test_storage_key_tells_storages_apart_on_meta_where_addresses_do_not():
+    one, other = torch.empty(8, device="meta"), torch.empty(8, device="meta")
+    assert one.untyped_storage().data_ptr() == other.untyped_storage().data_ptr() == 0
+    key = seam.storage_key
+    assert key(one.untyped_storage()) != key(other.untyped_storage()), use("storage_key").mismatch("not an identity")
+    assert key(one[2:].view(2, 3).untyped_storage()) == key(one.untyped_storage()), use("storage_key").mismatch(
+        "differs between views of one storage")
+
+
 def test_fake_backend_and_dtensor_shard_replacement():
     from torch.distributed.tensor import DTensor, Shard
 

@@ -119,6 +119,8 @@ def test_a_stale_down_reading_is_read_again_before_a_refusal_and_pending_replica
                 break
             asyncio.run(asyncio.sleep(0.01))
         assert app_watch.state() == DOWN
+        # The reading sets the state, then records the pending count: under load the test got between them.
+        wait_for(lambda: app_watch._gauge.counts)
         assert app_watch._gauge.counts == [{"TextEncoder": 0, "Denoiser": 1, "VaeDecoder": 0}]
         readings.append(ServingState())  # the app came up after the last reading
         asyncio.run(asyncio.sleep(watch.CONFIRM_AFTER_S))

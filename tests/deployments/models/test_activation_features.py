@@ -9,8 +9,9 @@ import torch
 from deployments.models import activation_features, families
 from deployments.models.registry import adapter_for
 from deployments.wire.spec import GenerationSpec, PipelineStage
+from offload_core.live_bytes import LiveTensorBytes
 from offload_core.planner.activation_model import ActivationModel, ActivationSample, CalibrationError, calibrate
-from offload_core.residency.activation_meter import LiveTensorBytes, measure_activations
+from offload_core.residency.activation_meter import measure_activations
 from tests.deployments.models.in_context import a_photo, through_a_step_batch
 from zoo import tiny, tiny_families
 

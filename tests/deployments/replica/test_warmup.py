@@ -9,11 +9,11 @@ import torch
 
 from deployments.app import StageArgs, stage_configs
 from deployments.models import families
-from deployments.models.activation_features import ACTIVATION_MARGIN
 from deployments.replica import worker as worker_module
 from deployments.replica.stage_residency import predicted_kept_bytes
 from deployments.replica.warmup import WarmupShape
 from deployments.wire.spec import GenerationSpec, PipelineStage
+from offload_core.planner.activation_model import ACTIVATION_MARGIN
 from offload_core.planner.facts import profile_component
 from offload_core.planner.search import PerformanceMode
 from offload_core.planner.strategy import Strategy
