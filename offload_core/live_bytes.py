@@ -5,7 +5,7 @@ seen, and the charge is dropped when the last tensor seen on it dies. Storages t
 (weights, inputs, slots) are never charged, nor is an op's output that shares an input's storage (an in-place
 copy into a slot, a view of a weight), so what is counted is what the call added. Storages are told apart by
 identity, not address: a meta storage has none (data_ptr 0), and the planner measures real-size forwards on
-meta (offload_core/planner/denoise_activations.py) as a replica measures its calls on the CPU
+meta (offload_core/planner/meta_activations.py) as a replica measures its calls on the CPU
 (offload_core/residency/activation_meter.py).
 
 Runs in whichever process measures: a stage replica's calibration, the planner.

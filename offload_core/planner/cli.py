@@ -46,8 +46,8 @@ def _parser(prog: str = "offload-serve plan") -> argparse.ArgumentParser:
     p.add_argument("--host-ram", required=True, type=parse_bytes, help="host RAM of the node, e.g. 64GiB")
     p.add_argument("--mode", default="auto", choices=[m.value for m in PerformanceMode])
     p.add_argument("--working-set", type=parse_bytes,
-                   help="device memory kept for activations (default: what one Denoiser forward at the request holds, "
-                        "measured on meta, 15%% over, at least 3GiB)")
+                   help="device memory kept for activations (default: what the larger of one Denoiser forward and "
+                        "one VAE decode at the request holds, measured on meta, 15%% over, at least 3GiB)")
     p.add_argument("--steps", type=int, help="denoising steps (default: the model's published default)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per stage replica: plans the stages with a TP plan as one rank holds them")

@@ -25,16 +25,8 @@ from offload_core.layout import (
     declared_layer_groups,
     resolve_layer_group,
 )
-from offload_core.planner import denoise_activations, facts_cache, gpus, real_models, skeletons
+from offload_core.planner import facts_cache, gpus, meta_activations, real_models, skeletons
 from offload_core.planner.activation_model import ACTIVATION_MARGIN
-from offload_core.planner.denoise_activations import (
-    CLIP_IMAGE_TOKENS,
-    KONTEXT_IMAGE_TOKENS,
-    QWEN_EDIT_PLUS_VISION_TOKENS,
-    QWEN_EDIT_VISION_TOKENS,
-    SIGLIP_IMAGE_TOKENS,
-    denoise_request,
-)
 from offload_core.planner.facts import (
     ComponentProfile,
     LinkFacts,
@@ -44,6 +36,15 @@ from offload_core.planner.facts import (
     with_compute,
 )
 from offload_core.planner.flow_timesteps import high_noise_steps, min_steps
+from offload_core.planner.meta_activations import (
+    CLIP_IMAGE_TOKENS,
+    KONTEXT_IMAGE_TOKENS,
+    QWEN_EDIT_PLUS_VISION_TOKENS,
+    QWEN_EDIT_VISION_TOKENS,
+    SIGLIP_IMAGE_TOKENS,
+    Call,
+    planned_request,
+)
 from offload_core.tables import HostTablesConfig
 from offload_core.tensor_parallel.plans import (
     check_heads_divide,
@@ -57,8 +58,8 @@ from offload_core.tensor_parallel.sharded import local_nbytes, sharded_parameter
 logger = logging.getLogger(__name__)
 
 GiB = 1024**3
-# The working set never below 3 GiB: what the encoders' and the VAE's calls need is not measured here, and 3 GiB
-# was the fixed figure before the Denoiser's forward was (the image models' forwards hold 0.45-1.44 GiB).
+# The working set never below 3 GiB: the encoders' calls are not measured here, and 3 GiB was the fixed figure
+# before the Denoiser's forward and the VAE's decode were (the image models' hold 0.45-1.51 and 3.0-3.4 GiB).
 WORKING_SET_FLOOR = 3 * GiB
 # Diffusion transformers sustain ~40 % of peak in practice (attention, norms, launch gaps).
 SUSTAINED_FRACTION = 0.4
@@ -309,20 +310,19 @@ def _profile(name: str, module: nn.Module, tp_size: int, notes: list[str], **kwa
 
 
 def working_set_for(pipeline: str, load: Mapping[str, tuple], defaults: Mapping[str, Any]) -> tuple[int, str]:
-    """Device bytes the plan keeps free of weights, and the note saying why: the Denoiser's forward at the default
-    request (measured on meta: :mod:`offload_core.planner.denoise_activations`) with the service's 15 % lease
-    margin, and never less than :data:`WORKING_SET_FLOOR`."""
-    class_name, config, dtype, _ = load["transformer"]
-    request = denoise_request(pipeline, load, defaults)
-    peak = denoise_activations.denoise_peak(pipeline, class_name, config, dtype, request)
-    if peak.bytes is None:
-        return WORKING_SET_FLOOR, (f"working set {WORKING_SET_FLOOR / GiB:.2f} GiB (the floor): the Denoiser's "
-                                   f"forward was not measured: {peak.why}")
-    margined = math.ceil(ACTIVATION_MARGIN * peak.bytes)
+    """Device bytes the plan keeps free of weights, and the note saying why: the larger of one Denoiser forward
+    and one VAE decode at the default request (measured on meta: :mod:`offload_core.planner.meta_activations`)
+    with the service's 15 % lease margin, never less than :data:`WORKING_SET_FLOOR`."""
+    request = planned_request(pipeline, load, defaults)
+    peaks = [meta_activations.planned_peak(call, pipeline, *load[call.component][:3], request)
+             for call in Call if call.component in load]
+    said = "; ".join(f"one {p.call.value} call holds {p.bytes / GiB:.2f} GiB ({p.why})" if p.bytes is not None
+                     else f"the {p.call.value} call was not measured ({p.why})" for p in peaks)
+    largest = max((p.bytes for p in peaks if p.bytes is not None), default=0)
+    margined = math.ceil(ACTIVATION_MARGIN * largest)
     kept = max(WORKING_SET_FLOOR, margined)
-    return kept, (f"working set {kept / GiB:.2f} GiB: one Denoiser forward at {request.describe()} holds "
-                  f"{peak.bytes / GiB:.2f} GiB of activations ({peak.why}), {ACTIVATION_MARGIN} x that is "
-                  f"{margined / GiB:.2f} GiB, the floor {WORKING_SET_FLOOR / GiB:.2f} GiB")
+    return kept, (f"working set {kept / GiB:.2f} GiB at {request.describe()}: {said}; {ACTIVATION_MARGIN} x the "
+                  f"larger is {margined / GiB:.2f} GiB, the floor {WORKING_SET_FLOOR / GiB:.2f} GiB")
 
 
 def pipeline_facts(pipeline, load, defaults, gpu: GpuSpec, host_ram: int, working_set: int | None,
