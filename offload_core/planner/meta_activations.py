@@ -68,7 +68,7 @@ class _FusedAttention(torch.overrides.TorchFunctionMode):
 
 def peak_of(call: Callable[[], object], module: nn.Module) -> int:
     """Peak bytes ``call`` (of ``module``, on meta) holds beyond the module's weights and its inputs, no grad."""
-    meter = LiveTensorBytes([*module.parameters(), *module.buffers()])
+    meter = LiveTensorBytes([*module.parameters(), *module.buffers()], device_type="meta")
     with torch.no_grad(), _FusedAttention(), meter:
         call()
     return meter.peak
@@ -100,7 +100,7 @@ class PlannedRequest:
 
 
 @dataclass(frozen=True)
-class CallPeak:
+class CallActivations:
     """One call's activation bytes (None: not measured) and how they were found, or why not."""
 
     call: Call
@@ -216,7 +216,7 @@ def call_key(call: Call, pipeline: str, class_name: str, config: Mapping[str, An
 
 
 def measure(call: Call, pipeline: str, class_name: str, config: Mapping[str, Any], dtype: torch.dtype,
-            request: PlannedRequest) -> CallPeak:
+            request: PlannedRequest) -> CallActivations:
     """Build the class on meta (importing its library) and count its call at ``request``."""
     if call is Call.DENOISE:
         inputs = denoise_inputs(pipeline, config, request, dtype)
@@ -225,16 +225,16 @@ def measure(call: Call, pipeline: str, class_name: str, config: Mapping[str, Any
         latents = decode_latents(class_name, config, request, dtype)
         known = latents is not None
     if not known:
-        return CallPeak(call, None, f"no {call.value} call is known here for {pipeline}'s {class_name}")
+        return CallActivations(call, None, f"no {call.value} call is known here for {pipeline}'s {class_name}")
     module = real_models.build_meta(class_name, config, dtype)
     run = ((lambda: module(**inputs, return_dict=False)) if call is Call.DENOISE
            else (lambda: module.decode(latents, return_dict=False)))
     try:
-        return CallPeak(call, peak_of(run, module), "measured on meta")
+        return CallActivations(call, peak_of(run, module), "measured on meta")
     except (RuntimeError, ValueError) as error:
         # HunyuanVideo 1.5 reads its masks' values (meta tensors have none); a folder's small test model may
         # not take its flagship's request (a rotary table shorter than 720p's latent grid).
-        return CallPeak(call, None, f"{class_name}'s {call.value} at this request failed on meta: "
+        return CallActivations(call, None, f"{class_name}'s {call.value} at this request failed on meta: "
                                     f"{type(error).__name__}: {str(error).splitlines()[0]}")
 
 
@@ -245,13 +245,13 @@ def _committed() -> dict[str, Any]:
 
 
 def planned_peak(call: Call, pipeline: str, class_name: str, config: Mapping[str, Any], dtype: torch.dtype,
-                 request: PlannedRequest) -> CallPeak:
+                 request: PlannedRequest) -> CallActivations:
     """The committed measurement of this call for the installed libraries, else a measurement now (the real
     models' are committed: planning them imports no library and runs no call, 1-3 s each)."""
     committed = _committed()
     entry = committed["calls"].get(call_key(call, pipeline, class_name, config, dtype, request))
     if entry is not None and committed["libraries"] == library_versions():
-        return CallPeak(call, entry["bytes"], entry["why"] if entry["bytes"] is None else "measured on meta, committed")
+        return CallActivations(call, entry["bytes"], entry["why"] if entry["bytes"] is None else "measured on meta, committed")
     return measure(call, pipeline, class_name, config, dtype, request)
 
 

@@ -123,6 +123,8 @@ def test_the_image_counts_as_4096_denoiser_tokens_and_the_decoder_leases_its_enc
     wide = dataclasses.replace(square, reference_image=a_photo(60, 40))  # 3:2: 1248x832, 78 x 52 tokens
     adapter = adapter_for(facts)
     assert adapter.context_tokens(facts, square) == 4096 and adapter.context_tokens(facts, wide) == 78 * 52
-    assert activations.features(facts, DENOISE, square) == (2.0, 2.0 * (1 + 4096))
+    # 1 latent token, the image's 4096, and the prompt's: the stand-in's 64 before the encoder has counted them.
+    assert activations.features(facts, DENOISE, square) == (2.0, 2.0 * (1 + 4096 + 64))
+    assert activations.features(facts, DENOISE, dataclasses.replace(square, text_tokens=300)) == (2.0, 2.0 * (1 + 4096 + 300))
     shape = families.condition_shape(facts, wide)
     assert (shape.height, shape.width) == (832, 1248)

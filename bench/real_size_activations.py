@@ -1,0 +1,54 @@
+"""Every real model's Denoiser forward and VAE decode at its published default request, measured on meta.
+
+What the planner keeps free of weights (offload_core/planner/meta_activations.py): the larger of the two, 15 %
+over, at least 3 GiB. Each call is measured now (the library imported, the component built on meta), and
+beside it the figure committed in configs/models/real_model_activations.json, which planning reads. Last
+line: one JSON object with every row.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/real_size_activations.py
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from offload_core.planner import meta_activations as activations  # noqa: E402
+from offload_core.planner import real_models  # noqa: E402
+from offload_core.planner.activation_model import ACTIVATION_MARGIN  # noqa: E402
+from offload_core.planner.inputs import WORKING_SET_FLOOR  # noqa: E402
+
+GiB = 2**30
+
+
+def row(model: str) -> dict:
+    load = {c: (s.class_name, s.config, s.dtype, s.layer_groups) for c in real_models.component_names(model)
+            for s in [real_models.component_spec(model, c)]}
+    pipeline = real_models.pipeline_class(model)
+    request = activations.planned_request(pipeline, load, real_models.pipeline_defaults(model))
+    out = {"model": model, "request": request.describe()}
+    for call in activations.Call:
+        class_name, config, dtype, _ = load[call.component]
+        start = time.perf_counter()
+        now = activations.measure(call, pipeline, class_name, config, dtype, request)
+        committed = activations.planned_peak(call, pipeline, class_name, config, dtype, request)
+        out[call.value] = {"GiB": None if now.bytes is None else round(now.bytes / GiB, 2), "why": now.why,
+                           "seconds": round(time.perf_counter() - start, 2),
+                           "committed_is_current": committed.bytes == now.bytes}
+    largest = max((out[c.value]["GiB"] or 0.0) for c in activations.Call) * GiB
+    out["working_set_GiB"] = round(max(WORKING_SET_FLOOR, math.ceil(ACTIVATION_MARGIN * largest)) / GiB, 2)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main() -> None:
+    rows = [row(model) for model in real_models.model_names()]
+    print(json.dumps({"rows": rows, "working_set_GiB": {r["model"]: r["working_set_GiB"] for r in rows}}))
+
+
+if __name__ == "__main__":
+    main()
