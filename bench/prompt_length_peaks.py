@@ -77,7 +77,7 @@ def rows(name: str, folder: Path, edit: bool) -> list[dict]:
         adapter = adapter_for(facts)
         counted = dataclasses.replace(spec, text_tokens=adapter.encoded_text_tokens(encoded))
         peak = served_peak(adapter.stepper(pipes[DENOISE], facts, CPU), encoded, counted, weights)
-        out.append({"model": name, "prompt_words": 4 * words, "text_tokens": counted.text_tokens, "peak_B": peak,
+        out.append({"model": name, "prompt_words": 5 * words, "text_tokens": counted.text_tokens, "peak_B": peak,
                     "stand_in_prediction_over_peak": round(fitted.predict(spec) / peak, 3),
                     "counted_prediction_over_peak": round(fitted.predict(counted) / peak, 3)})
         print(json.dumps(out[-1]), flush=True)
