@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deployments.models import activation_features, families  # noqa: E402
 from deployments.models.registry import adapter_for  # noqa: E402
-from deployments.replica.batching import BatchingConfig, StepBatch  # noqa: E402
 from deployments.wire.spec import GenerationSpec, PipelineStage  # noqa: E402
 from offload_core.residency.activation_meter import measure_activations  # noqa: E402
+from tests.deployments.models.in_context import a_photo, through_a_step_batch  # noqa: E402
 from zoo import tiny_families  # noqa: E402
 
 CPU, ENCODE, DENOISE, DECODE = torch.device("cpu"), PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineStage.DECODE
@@ -31,27 +31,8 @@ MODELS = {"tiny-qwen-image": (tiny_families.ensure_tiny_qwen_image, False),
           "tiny-qwen-image-edit": (tiny_families.ensure_tiny_qwen_image_edit, True)}
 
 
-def a_photo(width: int, height: int) -> bytes:
-    import io
-
-    from PIL import Image
-
-    image = Image.new("RGB", (width, height))
-    image.putdata([(9 * x % 256, 5 * y % 256, 60) for y in range(height) for x in range(width)])
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
 def served_peak(stepper, encoded, spec, weights) -> int:
-    def run():
-        batch = StepBatch(stepper, BatchingConfig(max_batch=1))
-        future = batch.submit(stepper.start(encoded, spec))
-        while not batch.idle:
-            batch.step()
-        return future.result()
-
-    return measure_activations(run, CPU, weights)[1].peak_bytes
+    return measure_activations(lambda: through_a_step_batch(stepper, stepper.start(encoded, spec)), CPU, weights)[1].peak_bytes
 
 
 def rows(name: str, folder: Path, edit: bool) -> list[dict]:
