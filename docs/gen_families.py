@@ -114,8 +114,10 @@ def families_table() -> str:
               f"profiles' GPUs ({gpus}). *Streamed*: the smallest that runs the flagship in its profile's mode "
               "(`configs/fleet/fleet.yaml`), with the device peak and the host RAM the plan pins with the node's "
               "64 GiB to itself (a smaller host budget pins less and keeps the rest pageable: docs/memory.md); "
-              "*all resident*: the smallest in `speed` mode. Reproduce one: `offload-serve plan --model MODEL "
-              "--gpu GPU --host-ram 64GiB --mode MODE`."]
+              "*all resident*: the smallest in `speed` mode. The peak is the weights' on the device; beside them "
+              "the plan keeps the larger of one Denoiser forward's and one VAE decode's activations at the published "
+              "request free, measured on meta, 15 % over, at least 3 GiB (docs/memory.md: 20.2 GiB for Wan2.2-A14B "
+              "at 720p). Reproduce one: `offload-serve plan --model MODEL --gpu GPU --host-ram 64GiB --mode MODE`."]
     lines += [f"\n{NOT_PLANNED} `{r.family}`: {r.why_not}" for r in rows if r.why_not]
     return "\n".join(lines)
 
