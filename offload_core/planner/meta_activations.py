@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -35,8 +35,6 @@ from torch import nn
 from offload_core.live_bytes import LiveTensorBytes
 from offload_core.planner import real_models
 from offload_core.planner.skeletons import library_versions
-
-logger = logging.getLogger(__name__)
 
 # The real models' forwards as measured here, for the library versions it records (main() writes it).
 ACTIVATIONS_PATH = Path(__file__).resolve().parents[2] / "configs" / "models" / "real_model_activations.json"
@@ -238,6 +236,7 @@ def measure(call: Call, pipeline: str, class_name: str, config: Mapping[str, Any
                                     f"{type(error).__name__}: {str(error).splitlines()[0]}")
 
 
+@functools.cache  # read once per process: a plan asks for two calls, the families table for ~150 plans
 def _committed() -> dict[str, Any]:
     if not ACTIVATIONS_PATH.is_file():
         return {"libraries": {}, "calls": {}}
