@@ -25,6 +25,8 @@ from deployments.models.families import FamilyTraits, read_family_traits, uses_p
 from deployments.models.lora_rows import ServedLora
 from deployments.models.registry import check_weights
 from deployments.models.tensor_parallel import check_tp
+from deployments.models.vae_tiling import TILE_MULTIPLE, VaeTiling
+from deployments.models.vae_tiling import resolve as resolve_tiling
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.priority import stage_actor_options
 from deployments.replica.stages import Denoiser, TextEncoder, VaeDecoder
@@ -82,6 +84,13 @@ class StageArgs(BaseModel):
     # Inductor's on-disk cache folder (a restarted replica loads its graphs instead of compiling them);
     # null: torch's default (a folder under /tmp).
     compile_cache_dir: str | None = None
+    # The decoder only: decode outputs larger than the VAE's tile tile by tile (docs/memory.md, "Tiled VAE
+    # decoding"): on, off, or auto (the family's published usage: HunyuanVideo 1.5 tiles, whose untiled 480p
+    # video decode holds 82 GiB; the others do not). The pixels differ slightly from an untiled decode.
+    vae_tiling: VaeTiling = VaeTiling.AUTO
+    # With vae_tiling, the tile's side in output pixels (a multiple of 64); null: the VAE's own (256 px for
+    # Wan, Qwen-Image and HunyuanVideo 1.5, the config's sample_size for FLUX.1, SD3.5 and Z-Image).
+    vae_tile_px: int | None = Field(None, ge=TILE_MULTIPLE, multiple_of=TILE_MULTIPLE)
 
     @field_validator("compile_buckets")
     @classmethod
@@ -291,6 +300,10 @@ def stage_configs(args: AppArgs, facts: FamilyTraits) -> dict[str, StageConfig]:
         if stage is not PipelineStage.DENOISE and stage_args.cache_threshold:
             raise ValueError(f"{stage.value}: cache_threshold is the denoiser's step cache; the {stage.value} "
                              "stage runs once per request and has no steps to skip")
+        if stage is not PipelineStage.DECODE and (stage_args.vae_tiling is not VaeTiling.AUTO
+                                                  or stage_args.vae_tile_px is not None):
+            raise ValueError(f"{stage.value}: vae_tiling and vae_tile_px are the decoder's; the {stage.value} stage "
+                             "runs no VAE")
         # Planned for the default request; a request with more steps streams the same plan longer.
         uses = uses_per_request(facts, stage, args.limits.default_steps, facts.default_guidance,
                                 batched=stage is PipelineStage.DENOISE)
@@ -301,7 +314,9 @@ def stage_configs(args: AppArgs, facts: FamilyTraits) -> dict[str, StageConfig]:
                                      share_host_weights=stage_args.share_host_weights, warmup_shape=shape,
                                      weights=stage_args.weights, cache_threshold=stage_args.cache_threshold,
                                      tp_size=stage_args.tp_size, host_tables=stage_args.tables(),
-                                     compile=stage_args.compile_config(), niceness=args.replica_niceness)
+                                     compile=stage_args.compile_config(), niceness=args.replica_niceness,
+                                     vae_tiling=stage is PipelineStage.DECODE and resolve_tiling(stage_args.vae_tiling, facts),
+                                     vae_tile_px=stage_args.vae_tile_px)
         if stage is PipelineStage.DENOISE and loras:
             configs[stage] = dataclasses.replace(configs[stage], loras=loras,
                                                  lora_device_budget=args.lora_budget_bytes())

@@ -51,9 +51,10 @@ class StageAdmission:
     stage: PipelineStage
     room_bytes: int
     models: tuple[tuple[Regime, ActivationModel], ...]
+    tile: int | None = None  # the decoder's VAE tiles outputs beyond this side (None: it does not tile)
 
     def need_bytes(self, facts: FamilyTraits, spec: GenerationSpec) -> int:
-        return StageActivations(facts, self.stage, dict(self.models)).predict(spec)
+        return StageActivations(facts, self.stage, dict(self.models), self.tile).predict(spec)
 
     def admits(self, facts: FamilyTraits, spec: GenerationSpec) -> bool:
         return self.need_bytes(facts, spec) <= self.room_bytes

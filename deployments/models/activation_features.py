@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from deployments.models import vae_tiling
 from deployments.models.families import FamilyTraits
 from deployments.models.steppers import step_alone
 from deployments.wire.spec import GenerationSpec, PipelineStage
@@ -37,21 +38,40 @@ from offload_core.planner.activation_model import ActivationModel, ActivationSam
 class Regime(str, enum.Enum):
     IMAGE = "image"  # one frame
     VIDEO = "video"  # several frames (Wan): the VAE decodes chunk by chunk with caches
+    # A tiling decoder's output larger than its tile (deployments/models/tiled_activations.py): its peak is the
+    # larger of two phases, each its own model: decoding the tiles (one tile's working set, the tiles kept) and
+    # assembling the output (the tiles blended, the result, its post-processing: bytes per output pixel).
+    TILED_IMAGE_TILES = "tiled image: tiles"
+    TILED_IMAGE_OUTPUT = "tiled image: output"
+    TILED_VIDEO_TILES = "tiled video: tiles"
+    TILED_VIDEO_OUTPUT = "tiled video: output"
 
 
 FEATURES = {
     PipelineStage.ENCODE: ("1", "n"),
     PipelineStage.DENOISE: ("n", "n x tokens"),
 }
-DECODE_FEATURES = {Regime.IMAGE: ("n x pixels", "1"), Regime.VIDEO: ("n x pixels", "n x pixels x frames")}
+DECODE_FEATURES = {
+    Regime.IMAGE: ("n x pixels", "1"), Regime.VIDEO: ("n x pixels", "n x pixels x frames"),
+    Regime.TILED_IMAGE_TILES: ("n", "n x pixels"), Regime.TILED_IMAGE_OUTPUT: ("n x pixels",),
+    # A video's tiles phase grows with frames where the VAE decodes a tile's frames at once (HunyuanVideo 1.5:
+    # 0.11 GiB a frame at real size) and hardly at all where it decodes them chunk by chunk (Wan: 1.19 GiB at 9
+    # frames, 1.21 at 33; meta, 256 px tiles): its own feature, fitted from two frame counts.
+    Regime.TILED_VIDEO_TILES: ("n", "n x frames", "n x pixels x frames"),
+    Regime.TILED_VIDEO_OUTPUT: ("n x pixels x frames",),
+}
+# The two phases of a tiled decode, by the untiled regime of the same request.
+TILED_PHASES = {Regime.IMAGE: (Regime.TILED_IMAGE_TILES, Regime.TILED_IMAGE_OUTPUT),
+                Regime.VIDEO: (Regime.TILED_VIDEO_TILES, Regime.TILED_VIDEO_OUTPUT)}
 
 
 def regime(spec: GenerationSpec) -> Regime:
+    """The untiled regime of ``spec`` (a tiling decoder's phases: :data:`TILED_PHASES`)."""
     return Regime.VIDEO if spec.num_frames > 1 else Regime.IMAGE
 
 
-def feature_names(stage: PipelineStage, spec: GenerationSpec) -> tuple[str, ...]:
-    return DECODE_FEATURES[regime(spec)] if stage is PipelineStage.DECODE else FEATURES[stage]
+def feature_names(stage: PipelineStage, spec: GenerationSpec, of: Regime | None = None) -> tuple[str, ...]:
+    return DECODE_FEATURES[of or regime(spec)] if stage is PipelineStage.DECODE else FEATURES[stage]
 
 
 def latent_tokens(facts: FamilyTraits, spec: GenerationSpec) -> int:
@@ -76,29 +96,38 @@ def text_tokens(facts: FamilyTraits, spec: GenerationSpec) -> int:
     return adapter_for(facts).text_tokens(facts, spec)
 
 
-def features(facts: FamilyTraits, stage: PipelineStage, spec: GenerationSpec) -> tuple[float, ...]:
+def features(facts: FamilyTraits, stage: PipelineStage, spec: GenerationSpec,
+             of: Regime | None = None) -> tuple[float, ...]:
+    """``spec``'s features for ``stage`` (the decoder's: for regime ``of``, else the request's untiled one)."""
     n, pixels = spec.n, spec.height * spec.width
     if stage is PipelineStage.ENCODE:
         return (1.0, float(n))
     if stage is PipelineStage.DENOISE:
         return (float(n), float(n * (latent_tokens(facts, spec) + context_tokens(facts, spec) + text_tokens(facts, spec))))
-    if regime(spec) is Regime.IMAGE:
-        return (float(n * pixels), 1.0)
-    return (float(n * pixels), float(n * pixels * spec.num_frames))
+    values = {"1": 1, "n": n, "n x frames": n * spec.num_frames, "n x pixels": n * pixels,
+              "n x pixels x frames": n * pixels * spec.num_frames}
+    return tuple(float(values[name]) for name in DECODE_FEATURES[of or regime(spec)])
 
 
 class StageActivations:
-    """One stage's calibrated models, one per regime, and their predictions."""
+    """One stage's calibrated models, one per regime, and their predictions. ``tile``: the decoder's VAE
+    decodes outputs larger than this side tile by tile (None: it does not tile)."""
 
-    def __init__(self, facts: FamilyTraits, stage: PipelineStage, models: dict[Regime, ActivationModel]):
-        self.facts, self.stage, self.models = facts, stage, models
+    def __init__(self, facts: FamilyTraits, stage: PipelineStage, models: dict[Regime, ActivationModel],
+                 tile: int | None = None):
+        self.facts, self.stage, self.models, self.tile = facts, stage, models, tile
 
     def predict(self, spec: GenerationSpec, dtype_bytes: int | None = None) -> int:
-        model = self.models.get(regime(spec)) or self.models[Regime.IMAGE]
+        untiled = regime(spec)
+        if self.stage is PipelineStage.DECODE and vae_tiling.tiles(self.tile, spec.height, spec.width):
+            return max(self.models[phase].predict(features(self.facts, self.stage, spec, phase), dtype_bytes)
+                       for phase in TILED_PHASES[untiled])
+        model = self.models.get(untiled) or self.models[Regime.IMAGE]
         return model.predict(features(self.facts, self.stage, spec), dtype_bytes)
 
     def explain(self) -> str:
-        return "; ".join(f"{r.value}: {m.explain()}" for r, m in self.models.items())
+        tiled = f"tiles beyond {self.tile} px; " if self.tile is not None else ""
+        return tiled + "; ".join(f"{r.value}: {m.explain()}" for r, m in self.models.items())
 
 
 def calibrate_stage(facts: FamilyTraits, stage: PipelineStage, shapes: Sequence[GenerationSpec],
@@ -121,30 +150,39 @@ def calibrate_stage(facts: FamilyTraits, stage: PipelineStage, shapes: Sequence[
     return StageActivations(facts, stage, models)
 
 
-def calibration_shapes(facts: FamilyTraits, steps: int | None = None,
-                       stage: PipelineStage | None = None) -> tuple[GenerationSpec, ...]:
-    """Two shapes per regime, small enough to run at start-up, that separate each stage's features
-    (they differ in n and in size), at ``steps`` (None: the fewest the model's schedule allows). A family
-    that makes at most ``facts.max_n`` outputs per request decodes no more (HunyuanVideo 1.5: one video
-    at a time, so its decoder's peak is not linear in a larger n); its other stages still vary n, which
-    their features need."""
+def calibration_spec(facts: FamilyTraits, name: str, side: int, frames: int, n: int,
+                     stage: PipelineStage | None = None, steps: int | None = None) -> GenerationSpec:
+    """One calibration shape: a ``side`` x ``side`` request of ``frames`` and ``n`` outputs, guided as the family's
+    default (with a negative prompt where the family takes one: its guided branch is the larger working set;
+    a family that guides only with one, Qwen-Image, would otherwise be calibrated on half the rows), at
+    ``steps`` (None: the fewest the model's schedule allows). A family that makes at most ``facts.max_n``
+    outputs per request decodes no more (HunyuanVideo 1.5: one video at a time, so its decoder's peak is not
+    linear in a larger n); its other stages still vary n, which their features need."""
     from deployments.models.registry import adapter_for
 
-    m, guidance, prompt = facts.size_multiple, facts.default_guidance, adapter_for(facts).warmup_prompt(facts)
-    # A negative prompt where the family takes one: its guided branch is the larger working set (a
-    # family that guides only with one, Qwen-Image, would otherwise be calibrated on half the rows).
+    if stage is PipelineStage.DECODE and facts.max_n is not None:
+        n = min(n, facts.max_n)
     negative = "" if facts.supports_negative_prompt else None
+    return GenerationSpec(f"calibrate-{name}", adapter_for(facts).warmup_prompt(facts), negative, side, side, frames,
+                          facts.min_steps if steps is None else steps, facts.default_guidance, 0, n)
+
+
+def calibration_shapes(facts: FamilyTraits, steps: int | None = None, stage: PipelineStage | None = None,
+                       tile: int | None = None) -> tuple[GenerationSpec, ...]:
+    """Two shapes per regime, small enough to run at start-up, that separate each stage's features
+    (they differ in n and in size) (:func:`calibration_spec`). ``tile``: the decoder's VAE tiles beyond it, so
+    its untiled shapes stay within it (its tiled phases: deployments/models/tiled_activations.py)."""
+    m = facts.size_multiple
     # The larger image at least 16 tokens a side: 64 px is 16 x 16 at a multiple of 4 but 4 x 4 at FLUX.1's
     # (16), where the 512 text tokens swamp 4 and 16 image tokens, the per-token fit came out negative and
     # was dropped, and a 1024x1024 request was predicted at 0.11 of its peak (tiny FLUX.1 Kontext, CPU);
     # at 256 px: 0.91.
     small, large = math.ceil(32 / m) * m, max(math.ceil(64 / m) * m, 16 * m)
-    steps = facts.min_steps if steps is None else steps
+    if tile is not None:  # a decode carries no text tokens: any two sizes within the tile separate its features
+        large = max(min(large, tile // m * m), small + m)
 
     def spec(name, side, frames, n):
-        if stage is PipelineStage.DECODE and facts.max_n is not None:
-            n = min(n, facts.max_n)
-        return GenerationSpec(f"calibrate-{name}", prompt, negative, side, side, frames, steps, guidance, 0, n)
+        return calibration_spec(facts, name, side, frames, n, stage, steps)
 
     shapes = [spec("image-a", small, 1, 1), spec("image-b", large, 1, 2)]
     if facts.supports_video:

@@ -177,6 +177,8 @@ class FamilyAdapter:
     # What the family serves, for /v1/models and the families table (docs/gen_families.py): "image", "video",
     # "image-to-video".
     serves: ClassVar[tuple[str, ...]]
+    # The family's published usage decodes tile by tile (deployments/models/vae_tiling.py: vae_tiling auto).
+    tiles_vae: ClassVar[bool] = False
 
     # ---- recognition and request features (the ingress; json only) ----
     def recognises(self, index: Mapping) -> bool:

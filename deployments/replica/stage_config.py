@@ -60,3 +60,7 @@ class StageConfig:
     compile: CompileConfig | None = None
     # The niceness asked for the replica's process (AppArgs.replica_niceness); None: Ray's, unchecked.
     niceness: int | None = None
+    # The decoder only: its VAE decodes outputs larger than the tile tile by tile (StageArgs.vae_tiling resolved
+    # for the family), at vae_tile_px (None: the VAE's own tile). deployments/models/vae_tiling.py.
+    vae_tiling: bool = False
+    vae_tile_px: int | None = None

@@ -39,7 +39,7 @@ from torch import nn
 from cluster.replica.ledger_view import ReplicaMemory
 from cluster.replica.plan import replan_stage
 from deployments.capacity.request_limits import Limits, parse_size
-from deployments.models import activation_features, families
+from deployments.models import activation_features, families, tiled_activations, vae_tiling
 from deployments.models.families import FamilyTraits
 from deployments.replica.batching import BatchingConfig
 from deployments.replica.stage_residency import StageResidency
@@ -168,8 +168,13 @@ def calibrate_activations(worker: WarmupHost, modules: Mapping[str, nn.Module]) 
         return measured.peak_bytes
 
     start = time.perf_counter()
-    fitted = activation_features.calibrate_stage(facts, stage, activation_features.calibration_shapes(facts, stage=stage),
-                                                 measure, getattr(torch, worker.config.dtype).itemsize)
+    dtype_bytes = getattr(torch, worker.config.dtype).itemsize
+    tile = vae_tiling.tile_side(worker.pipe.vae) if stage is PipelineStage.DECODE else None
+    shapes = activation_features.calibration_shapes(facts, stage=stage, tile=tile)
+    fitted = activation_features.calibrate_stage(facts, stage, shapes, measure, dtype_bytes)
+    if tile is not None:  # outputs beyond the tile decode in two phases, each calibrated on its own
+        tiled = tiled_activations.calibrate_tiled(facts, worker.pipe.vae, set(fitted.models), measure, dtype_bytes)
+        fitted = activation_features.StageActivations(facts, stage, {**fitted.models, **tiled}, tile)
     logger.info("%s: activations calibrated in %.2f s on %s: %s", worker.replica, time.perf_counter() - start,
                 worker.device, fitted.explain())
     return fitted

@@ -179,7 +179,8 @@ class StageWorker:
         """What this replica admits (published to the board: GET /v1/models states limits from it)."""
         if self.activations is None:
             return None
-        return StageAdmission(self.config.stage, self.activation_room(), tuple(self.activations.models.items()))
+        return StageAdmission(self.config.stage, self.activation_room(), tuple(self.activations.models.items()),
+                              self.activations.tile)
 
     def admit(self, spec: GenerationSpec) -> None:
         """Refuse (4xx naming the limit) a request whose activations can never fit the replica's share;

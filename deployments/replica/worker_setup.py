@@ -24,7 +24,7 @@ from torch import nn
 
 from cluster.replica.ledger_view import ReplicaMemory
 from cluster.replica.plan import host_lease_bytes, plan_stage
-from deployments.models import families
+from deployments.models import families, vae_tiling
 from deployments.models.tensor_parallel import rank_components
 from deployments.replica.rank_spec import RankSpec
 from deployments.replica.stage_config import DTYPES, StageConfig
@@ -42,7 +42,13 @@ def load_pipeline(config: StageConfig, rank: RankSpec | None = None):
     loaded = None
     if rank is not None and rank.size > 1:
         loaded = rank_components(config.facts, config.stage, dtype, rank.size, rank.rank)
-    return families.load_stage_pipeline(config.facts, config.stage, dtype, loaded)
+    pipe = families.load_stage_pipeline(config.facts, config.stage, dtype, loaded)
+    if config.vae_tiling:
+        side = vae_tiling.enable(pipe.vae, config.vae_tile_px)
+        logger.info("%s: the VAE decodes outputs wider or taller than %d px tile by tile (vae_tiling, %s tile): "
+                    "its working set is about one tile's; smaller outputs decode untiled", config.stage.value, side,
+                    "the VAE's own" if config.vae_tile_px is None else "the configured")
+    return pipe
 
 
 def host_budget_bytes(config: StageConfig, memory: ReplicaMemory, replica: str) -> int | None:

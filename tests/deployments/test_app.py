@@ -11,6 +11,7 @@ from deployments.models.families import read_family_traits
 from deployments.wire.spec import PipelineStage
 from offload_core.compile.buckets import RequestShape
 from offload_core.planner.search import PerformanceMode
+from zoo import tiny_families
 
 ENCODE, DENOISE, DECODE = PipelineStage.ENCODE, PipelineStage.DENOISE, PipelineStage.DECODE
 
@@ -105,6 +106,24 @@ def test_the_step_cache_threshold_is_the_denoisers_and_is_refused_on_other_stage
         stage_configs(args, read_family_traits(resolve_model_folder(args)))
     with pytest.raises(ValidationError, match="cache_threshold"):
         AppArgs.model_validate({"denoiser": {"cache_threshold": 1.5}})
+
+
+def test_vae_tiling_is_the_decoders_auto_follows_the_family_and_a_tile_is_a_multiple_of_64():
+    wan = AppArgs.model_validate({})
+    configs = stage_configs(wan, read_family_traits(resolve_model_folder(wan)))
+    assert not configs[DECODE].vae_tiling, "auto: Wan's published usage decodes untiled"
+    on = AppArgs.model_validate({"decoder": {"vae_tiling": "on", "vae_tile_px": 128}})
+    configs = stage_configs(on, read_family_traits(resolve_model_folder(on)))
+    assert (configs[DECODE].vae_tiling, configs[DECODE].vae_tile_px) == (True, 128)
+    assert not configs[ENCODE].vae_tiling and not configs[DENOISE].vae_tiling
+    hunyuan = AppArgs.model_validate({"model_path": str(tiny_families.ensure_tiny_hunyuan15())})
+    assert stage_configs(hunyuan, read_family_traits(resolve_model_folder(hunyuan)))[DECODE].vae_tiling, (
+        "auto: HunyuanVideo 1.5 tiles, as diffusers' examples do")
+    with pytest.raises(ValueError, match="encode: vae_tiling and vae_tile_px are the decoder's"):
+        args = AppArgs.model_validate({"encoder": {"vae_tiling": "on"}})
+        stage_configs(args, read_family_traits(resolve_model_folder(args)))
+    with pytest.raises(ValidationError, match="vae_tile_px"):
+        AppArgs.model_validate({"decoder": {"vae_tile_px": 100}})
 
 
 def test_default_steps_a_models_schedule_cannot_make_fail_the_build():

@@ -1,0 +1,76 @@
+"""A decoder replica with ``vae_tiling: on``: it tiles its VAE at the configured tile, calibrates a tiled decode's
+two phases at its warm-up, leases a call beyond the tile by them, publishes its tile with its admission (the
+ingress's limits predict the same way), and decodes as the pipeline tiled the user's way. In process: the
+VaeDecoder class itself on the tiny Wan folder."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+import pytest
+import torch
+
+from deployments.app import StageArgs, stage_configs
+from deployments.capacity.admission import StageAdmission
+from deployments.capacity.request_limits import Limits
+from deployments.models import activation_features, families, vae_tiling
+from deployments.replica.stages import VaeDecoder
+from deployments.wire.spec import GenerationSpec, PipelineStage, StageOutput, StageStats
+from offload_core.planner.activation_model import ACTIVATION_MARGIN
+from tests.deployments.conftest import tiny_args
+from zoo import tiny
+
+DECODE = PipelineStage.DECODE
+BEYOND = GenerationSpec("beyond", "a fox", None, 160, 192, 1, 2, 5.0, 0, 1)  # 192 px wide: three 64 px tiles
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    facts = families.read_family_traits(tiny.ensure_tiny_wan())
+    limits = Limits(max_width=320, max_height=320, max_frames=9, default_size="16x16", default_steps=2,
+                    default_frames=5)
+    config = stage_configs(tiny_args(limits=limits, decoder=StageArgs(vae_tiling="on", vae_tile_px=64)), facts)[DECODE]
+    assert config.vae_tiling and config.vae_tile_px == 64
+    replica = VaeDecoder.func_or_class(config)
+    try:
+        yield facts, replica
+    finally:
+        replica.thread.close()
+        replica.worker.close()
+
+
+def test_the_replica_calibrates_both_phases_and_publishes_its_tile(decoder):
+    facts, replica = decoder
+    worker = replica.worker
+    assert vae_tiling.tile_side(worker.pipe.vae) == 64 == worker.activations.tile
+    assert set(activation_features.TILED_PHASES[activation_features.Regime.IMAGE]) <= set(worker.activations.models)
+    admission = worker.admission()
+    assert admission.tile == 64
+    untiled = StageAdmission(DECODE, admission.room_bytes, admission.models)
+    tiled_need = admission.need_bytes(facts, BEYOND)
+    assert tiled_need == worker.activations.predict(BEYOND) < untiled.need_bytes(facts, BEYOND) / 2
+    assert worker.activation_bytes(BEYOND) == min(math.ceil(ACTIVATION_MARGIN * tiled_need), worker.activation_room())
+
+
+def test_the_replica_decodes_beyond_its_tile_as_the_users_tiled_pipeline(decoder):
+    facts, replica = decoder
+    pipe = families.load_stage_pipeline(facts, DECODE, torch.float32)
+    latents = activation_features.stage_input(pipe, facts, DECODE, BEYOND) + 0.5
+    untiled = families.decode(pipe, facts, latents, BEYOND, torch.device("cpu"))
+    pipe.vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=48,
+                           tile_sample_stride_width=48)
+    decoded = asyncio.run(replica.decode(StageOutput(latents, StageStats("denoise", "d", 0.0, 0, 0)), BEYOND))
+    assert torch.equal(decoded.value, families.decode(pipe, facts, latents, BEYOND, torch.device("cpu")))
+    assert not torch.equal(decoded.value, untiled)
+
+
+def test_the_start_logs_the_tiling_decision(caplog):
+    from deployments.replica import worker_setup
+
+    caplog.set_level(logging.INFO)
+    facts = families.read_family_traits(tiny.ensure_tiny_wan())
+    config = stage_configs(tiny_args(decoder=StageArgs(vae_tiling="on")), facts)[DECODE]
+    pipe = worker_setup.load_pipeline(config)
+    assert vae_tiling.tile_side(pipe.vae) == 256, "the VAE's own tile"
+    assert "decode: the VAE decodes outputs wider or taller than 256 px tile by tile" in caplog.text
