@@ -25,6 +25,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from bench.gen_benchmarks import replace_between  # noqa: E402
 from cluster.fleet import FleetProfile, load_fleet  # noqa: E402
+from deployments.models import vae_tiling  # noqa: E402
 from deployments.models.registry import adapters  # noqa: E402
 from offload_core.planner import real_models  # noqa: E402
 from offload_core.planner.folders import FOLDER_KINDS, FolderKind, Mark  # noqa: E402
@@ -72,11 +73,17 @@ def adapter_family(kind: FolderKind) -> tuple[str, str]:
     return found[0].family.value, ", ".join(found[0].modalities(index))
 
 
+def tiles_vae(model: str) -> bool:
+    """Whether the service tiles this model's VAE by default (``vae_tiling: auto``: the family's published usage)."""
+    return vae_tiling.published(real_models.pipeline_class(model))
+
+
 def published(model: str) -> str:
     d = real_models.pipeline_defaults(model)
     frames = f", {d['num_frames']} frames" if "num_frames" in d else ""
+    tiled = ", VAE tiled" if tiles_vae(model) else ""
     return (f"`{model}`: {d['width']}x{d['height']}{frames}, {d['num_inference_steps']} steps, "
-            f"guidance {d['guidance_scale']:g}")
+            f"guidance {d['guidance_scale']:g}{tiled}")
 
 
 def smallest_gpu(model: str, profiles: tuple[FleetProfile, ...], speed: bool) -> str:
@@ -84,7 +91,7 @@ def smallest_gpu(model: str, profiles: tuple[FleetProfile, ...], speed: bool) ->
     for profile in profiles:
         gpu = gpu_spec(profile.accelerator_type)
         mode = PerformanceMode.SPEED if speed else profile.performance_mode()
-        facts, _ = real_model_facts(model, gpu, HOST_RAM)
+        facts, _ = real_model_facts(model, gpu, HOST_RAM, vae_tiled=tiles_vae(model))
         plan = plan_pipeline(facts, mode)
         if plan.feasible:
             pinned = "" if speed else f", pins {plan.pinned_bytes / GIB:.1f} GiB"
@@ -117,7 +124,7 @@ def families_table() -> str:
               "*all resident*: the smallest in `speed` mode. The peak is the weights' on the device; beside them "
               "the plan keeps the larger of one Denoiser forward's and one VAE decode's activations at the published "
               "request free, measured on meta, 15 % over, at least 3 GiB (docs/memory.md: 20.2 GiB for Wan2.2-A14B "
-              "at 720p). Reproduce one: `offload-serve plan --model MODEL --gpu GPU --host-ram 64GiB --mode MODE`."]
+              "at 720p), the decode tiled where the service tiles it by default (*VAE tiled*: `vae_tiling: auto`). Reproduce one: `offload-serve plan --model MODEL --gpu GPU --host-ram 64GiB --mode MODE`."]
     lines += [f"\n{NOT_PLANNED} `{r.family}`: {r.why_not}" for r in rows if r.why_not]
     return "\n".join(lines)
 

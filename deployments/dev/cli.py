@@ -51,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     # plan, demo and doctor keep their own parsers (and --help): everything after the command is theirs.
     if argv and argv[0] == "plan":
+        from deployments.models import vae_tiling
         from offload_core.planner.cli import main as plan
 
-        return plan(argv[1:], prog="offload-serve plan")
+        return plan(argv[1:], prog="offload-serve plan", tiles_by_default=vae_tiling.published)
     if argv and argv[0] == "demo":
         from deployments.dev import demo
 

@@ -55,6 +55,13 @@ def resolve(tiling: VaeTiling, facts: FamilyTraits) -> bool:
     return tiling is VaeTiling.ON
 
 
+def published(pipeline_class: str) -> bool:
+    """Whether the family serving diffusers' ``pipeline_class`` tiles by default (``auto``; the plan CLI asks)."""
+    from deployments.models.registry import adapters
+
+    return any(a.tiles_vae for a in adapters() if pipeline_class in a.pipeline_classes)
+
+
 def enable(vae, tile_px: int | None = None) -> int:
     """Turn ``vae``'s tiling on with square tiles of ``tile_px`` output pixels (None: the VAE's own default,
     256 px for Wan, Qwen-Image and HunyuanVideo 1.5, the config's sample_size for AutoencoderKL); returns

@@ -17,7 +17,9 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Callable
 
+from offload_core.planner import real_models
 from offload_core.planner.folders import folder_facts
 from offload_core.planner.inputs import GiB, gpu_spec, real_model_facts
 from offload_core.planner.pipeline_plan import PerformanceMode, PipelinePlan
@@ -49,6 +51,10 @@ def _parser(prog: str = "offload-serve plan") -> argparse.ArgumentParser:
                    help="device memory kept for activations (default: what the larger of one Denoiser forward and "
                         "one VAE decode at the request holds, measured on meta, 15%% over, at least 3GiB)")
     p.add_argument("--steps", type=int, help="denoising steps (default: the model's published default)")
+    p.add_argument("--vae-tiling", choices=("on", "off"),
+                   help="whether the decoder's VAE decodes tile by tile at its own tile (the service's decoder "
+                        "vae_tiling); default: as the service's auto, the family's published usage (HunyuanVideo 1.5 "
+                        "tiles, the others do not)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per stage replica: plans the stages with a TP plan as one rank holds them")
     p.add_argument("--shift", type=float, help="a two-expert model's timestep shift, which decides each expert's "
@@ -115,8 +121,25 @@ def plan_stage_bytes(plan: PipelinePlan, stage) -> int:
                for c in plan.components)
 
 
-def main(argv: list[str] | None = None, prog: str = "offload-serve plan") -> int:
-    """``prog``: how the user called it (``offload-serve plan``), for usage and error lines."""
+def _vae_tiled(args, tiles_by_default: Callable[[str], bool] | None) -> bool:
+    if args.vae_tiling is not None:
+        return args.vae_tiling == "on"
+    if tiles_by_default is None:
+        return False
+    if args.model:
+        try:
+            return tiles_by_default(real_models.pipeline_class(args.model))
+        except real_models.UnknownModel:
+            return False  # real_model_facts says what the names are
+    index = args.model_dir / "model_index.json"
+    return index.is_file() and tiles_by_default(json.loads(index.read_text()).get("_class_name", ""))
+
+
+def main(argv: list[str] | None = None, prog: str = "offload-serve plan",
+         tiles_by_default: Callable[[str], bool] | None = None) -> int:
+    """``prog``: how the user called it (``offload-serve plan``), for usage and error lines. ``tiles_by_default``:
+    whether the family serving a pipeline class tiles its VAE when the user does not say (the service's
+    ``vae_tiling: auto``; deployments/models/vae_tiling.py); None: untiled."""
     parser = _parser(prog)
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
@@ -135,14 +158,16 @@ def main(argv: list[str] | None = None, prog: str = "offload-serve plan") -> int
         if args.working_set is not None and args.working_set >= gpu.memory_bytes:
             raise ValueError(f"--working-set {args.working_set / GiB:.2f} GiB leaves no room for weights on the "
                              f"{gpu.name}'s {gpu.memory_bytes / GiB:.2f} GiB")
+        tiled = _vae_tiled(args, tiles_by_default)
         if args.model:
             facts, notes = real_model_facts(args.model, gpu, args.host_ram, working_set=args.working_set,
-                                            steps=args.steps, tp_size=args.tp, flow_shift=args.shift)
+                                            steps=args.steps, tp_size=args.tp, flow_shift=args.shift,
+                                            vae_tiled=tiled)
         else:
             if not (args.model_dir / "model_index.json").is_file():
                 raise ValueError(f"--model-dir {args.model_dir} has no model_index.json: not a diffusers folder")
             facts, notes = folder_facts(args.model_dir, gpu, args.host_ram, working_set=args.working_set,
-                                        steps=args.steps, flow_shift=args.shift)
+                                        steps=args.steps, flow_shift=args.shift, vae_tiled=tiled)
     except ValueError as error:
         parser.error(str(error))
     plan = plan_pipeline(facts, PerformanceMode(args.mode))

@@ -114,10 +114,10 @@ def folder_kind(index: Mapping[str, Any], folder: Path | str = "") -> FolderKind
 
 def folder_facts(folder: Path, gpu: GpuSpec, host_ram: int, *, working_set: int | None = None,
                  pageable_Bps: float | None = None, steps: int | None = None, flow_shift: float | None = None,
-                 tables: HostTablesConfig = HostTablesConfig()) -> tuple[PipelineFacts, list[str]]:
+                 tables: HostTablesConfig = HostTablesConfig(), vae_tiled: bool = False) -> tuple[PipelineFacts, list[str]]:
     """Facts for a local diffusers folder: each component built on meta from its own config file, the
     requests its kind's published defaults. ``flow_shift``: a two-expert folder's timestep shift
-    (default: the folder's scheduler's, which the service runs)."""
+    (default: the folder's scheduler's, which the service runs). ``vae_tiled``: the decoder's VAE tiles."""
     index = json.loads((folder / "model_index.json").read_text())
     kind = folder_kind(index, folder)
     named = named_components(index)
@@ -150,7 +150,8 @@ def folder_facts(folder: Path, gpu: GpuSpec, host_ram: int, *, working_set: int 
         notes.append(_experts(folder, index, defaults, flow_shift, published_shift))
     elif flow_shift is not None:
         raise ValueError(f"--shift applies to a two-expert model; {folder} ({kind.describe()}) has one transformer")
-    facts, more = pipeline_facts(kind.pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables)
+    facts, more = pipeline_facts(kind.pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables,
+                                 vae_tiled=vae_tiled)
     return facts, notes + more
 
 

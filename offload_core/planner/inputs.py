@@ -238,12 +238,14 @@ _IMAGE_PIPELINES = {"StableDiffusion3Pipeline": _sd3, "ZImagePipeline": _z_image
 
 def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_set: int | None = None,
                      pageable_Bps: float | None = None, steps: int | None = None, flow_shift: float | None = None,
-                     tables: HostTablesConfig = HostTablesConfig(), tp_size: int = 1) -> tuple[PipelineFacts, list[str]]:
+                     tables: HostTablesConfig = HostTablesConfig(), tp_size: int = 1,
+                     vae_tiled: bool = False) -> tuple[PipelineFacts, list[str]]:
     """Facts for a real-size model from the published configs, planned for ``gpu`` and ``host_ram``.
 
     ``tp_size > 1``: only the stages with a tensor-parallel plan, as one rank (rank 0) holds them.
     ``working_set``: device bytes kept free of weights (None: :func:`working_set_for`).
     ``flow_shift``: a two-expert model's timestep shift (default: the model's published sampling shift).
+    ``vae_tiled``: the decoder's VAE decodes tile by tile (the service's vae_tiling), its working set sized so.
     """
     try:
         specs = [real_models.component_spec(model_name, c) for c in real_models.component_names(model_name)]
@@ -264,7 +266,8 @@ def real_model_facts(model_name: str, gpu: GpuSpec, host_ram: int, *, working_se
         raise ValueError(f"--shift applies to a two-expert model; {model_name} has one transformer")
     # An empty layer_groups (none declared) lets _groups fall back to the model's own declaration.
     load = {s.component: (s.class_name, s.config, s.dtype, s.layer_groups) for s in specs}
-    facts, more = pipeline_facts(pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables, tp_size)
+    facts, more = pipeline_facts(pipeline, load, defaults, gpu, host_ram, working_set, pageable_Bps, tables, tp_size,
+                                 vae_tiled)
     return facts, notes + more
 
 
@@ -309,11 +312,12 @@ def _profile(name: str, module: nn.Module, tp_size: int, notes: list[str], **kwa
     return profile
 
 
-def working_set_for(pipeline: str, load: Mapping[str, tuple], defaults: Mapping[str, Any]) -> tuple[int, str]:
+def working_set_for(pipeline: str, load: Mapping[str, tuple], defaults: Mapping[str, Any],
+                    vae_tiled: bool = False) -> tuple[int, str]:
     """Device bytes the plan keeps free of weights, and the note saying why: the larger of one Denoiser forward
     and one VAE decode at the default request (measured on meta: :mod:`offload_core.planner.meta_activations`)
     with the service's 15 % lease margin, never less than :data:`WORKING_SET_FLOOR`."""
-    request = planned_request(pipeline, load, defaults)
+    request = planned_request(pipeline, load, defaults, vae_tiled)
     peaks = [meta_activations.planned_peak(call, pipeline, *load[call.component][:3], request)
              for call in Call if call.component in load]
     said = "; ".join(f"one {p.call.value} call holds {p.bytes / GiB:.2f} GiB ({p.why})" if p.bytes is not None
@@ -326,10 +330,11 @@ def working_set_for(pipeline: str, load: Mapping[str, tuple], defaults: Mapping[
 
 
 def pipeline_facts(pipeline, load, defaults, gpu: GpuSpec, host_ram: int, working_set: int | None,
-                   pageable_Bps: float, tables: HostTablesConfig, tp_size: int = 1) -> tuple[PipelineFacts, list[str]]:
+                   pageable_Bps: float, tables: HostTablesConfig, tp_size: int = 1,
+                   vae_tiled: bool = False) -> tuple[PipelineFacts, list[str]]:
     notes: list[str] = []
     if working_set is None:
-        working_set, why = working_set_for(pipeline, load, defaults)
+        working_set, why = working_set_for(pipeline, load, defaults, vae_tiled)
         notes.append(why)
     if "vae" in load:  # a Wan2.2 VAE compresses 16x, not 8x: a quarter of the transformer's tokens
         defaults = {**defaults, "vae_spatial": load["vae"][1].get("scale_factor_spatial") or 8}

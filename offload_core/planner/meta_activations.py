@@ -91,10 +91,13 @@ class PlannedRequest:
     guidance_scale: float
     text_tokens: int  # the prompt's tokens in the forward: its padded length, or the longest prompt encoded
     vae_spatial: int = 8  # pixels per latent position (16 for Wan2.2's TI2V-5B VAE)
+    # The decoder's VAE tiles at its own tile (the service's vae_tiling: deployments/models/vae_tiling.py).
+    vae_tiled: bool = False
 
     def describe(self) -> str:
         frames = f"x{self.frames}" if self.frames > 1 else ""
-        return f"{self.width}x{self.height}{frames}, guidance {self.guidance_scale:g}, {self.text_tokens} text tokens"
+        tiled = ", VAE tiled" if self.vae_tiled else ""
+        return f"{self.width}x{self.height}{frames}, guidance {self.guidance_scale:g}, {self.text_tokens} text tokens{tiled}"
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,8 @@ class CallActivations:
     why: str
 
 
-def planned_request(pipeline: str, load: Mapping[str, tuple], defaults: Mapping[str, Any]) -> PlannedRequest:
+def planned_request(pipeline: str, load: Mapping[str, tuple], defaults: Mapping[str, Any],
+                    vae_tiled: bool = False) -> PlannedRequest:
     """The default request's Denoiser forward as the working set is sized for it: its longest prompt."""
     seq = int(defaults.get("max_sequence_length", 512))
     text = {"StableDiffusion3Pipeline": 77 + seq,  # CLIP's 77 tokens beside T5's
@@ -114,7 +118,8 @@ def planned_request(pipeline: str, load: Mapping[str, tuple], defaults: Mapping[
             "QwenImageEditPipeline": seq + QWEN_EDIT_VISION_TOKENS}.get(pipeline, seq)
     vae = load["vae"][1] if "vae" in load else {}
     return PlannedRequest(int(defaults["height"]), int(defaults["width"]), int(defaults.get("num_frames", 1)),
-                          float(defaults.get("guidance_scale", 1.0)), text, vae.get("scale_factor_spatial") or 8)
+                          float(defaults.get("guidance_scale", 1.0)), text, vae.get("scale_factor_spatial") or 8,
+                          vae_tiled)
 
 
 def _meta(dtype: torch.dtype) -> Callable[..., torch.Tensor]:
@@ -208,8 +213,14 @@ def decode_latents(class_name: str, config: Mapping[str, Any], request: PlannedR
 def call_key(call: Call, pipeline: str, class_name: str, config: Mapping[str, Any], dtype: torch.dtype,
              request: PlannedRequest) -> str:
     """What a measurement is a function of, besides the library versions (the committed file records those)."""
+    asked = dataclasses.asdict(request)
+    # Named only where it changes the call (a tiled decode): a forward's key, and an untiled decode's, stay as
+    # they were before the field existed.
+    tiled = asked.pop("vae_tiled") and call is Call.DECODE
+    if tiled:
+        asked["vae_tiled"] = True
     what = json.dumps({"call": call.value, "pipeline": pipeline, "class": class_name, "config": dict(config),
-                       "dtype": str(dtype), "request": dataclasses.asdict(request)}, sort_keys=True, default=str)
+                       "dtype": str(dtype), "request": asked}, sort_keys=True, default=str)
     return hashlib.sha256(what.encode()).hexdigest()[:32]
 
 
@@ -225,6 +236,10 @@ def measure(call: Call, pipeline: str, class_name: str, config: Mapping[str, Any
     if not known:
         return CallActivations(call, None, f"no {call.value} call is known here for {pipeline}'s {class_name}")
     module = real_models.build_meta(class_name, config, dtype)
+    if call is Call.DECODE and request.vae_tiled:
+        if not hasattr(module, "enable_tiling"):
+            return CallActivations(call, None, f"{class_name} has no tiled decode")
+        module.enable_tiling()  # at the VAE's own tile, as the service's vae_tiling without vae_tile_px
     run = ((lambda: module(**inputs, return_dict=False)) if call is Call.DENOISE
            else (lambda: module.decode(latents, return_dict=False)))
     try:
@@ -261,8 +276,11 @@ def main() -> None:
         load = {c: (s.class_name, s.config, s.dtype, s.layer_groups) for c in real_models.component_names(model)
                 for s in [real_models.component_spec(model, c)]}
         pipeline = real_models.pipeline_class(model)
-        request = planned_request(pipeline, load, real_models.pipeline_defaults(model))
-        for call in Call:
+        defaults = real_models.pipeline_defaults(model)
+        request = planned_request(pipeline, load, defaults)
+        # The decode once more with the VAE tiled (the service's vae_tiling), so any plan of a real model reads.
+        asked = [(call, request) for call in Call] + [(Call.DECODE, planned_request(pipeline, load, defaults, True))]
+        for call, request in asked:
             class_name, config, dtype, _ = load[call.component]
             peak = measure(call, pipeline, class_name, config, dtype, request)
             key = call_key(call, pipeline, class_name, config, dtype, request)

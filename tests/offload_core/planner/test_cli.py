@@ -148,3 +148,17 @@ def test_runs_as_the_offload_serve_plan_command():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1])["device_name"] == "RTX3060"
+
+
+def test_offload_serve_plan_tiles_the_vae_where_the_service_does_unless_told(capsys):
+    from deployments.dev.cli import main as offload_serve
+
+    def working_set(*extra):
+        assert offload_serve(["plan", "--model", "hunyuanvideo-1.5-480p-t2v", "--gpu", "H200", "--host-ram", "64GiB",
+                              "--json", *extra]) == 0
+        return next(n for n in json.loads(capsys.readouterr().out)["notes"] if n.startswith("working set"))
+
+    assert "VAE tiled" in working_set(), "HunyuanVideo 1.5 tiles by default (vae_tiling: auto)"
+    assert "VAE tiled" not in working_set("--vae-tiling", "off")
+    code, out = run(capsys, "--model", "wan2.1-t2v-1.3b", "--gpu", "L4", "--host-ram", "64GiB", "--json")
+    assert not any("VAE tiled" in n for n in json.loads(out)["notes"]), "offload_core's own default: untiled"

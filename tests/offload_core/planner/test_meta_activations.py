@@ -80,11 +80,35 @@ def test_a_decode_counted_on_meta_is_what_the_cpu_meter_counts(class_name):
     assert on_meta > 0 and abs(on_meta - meter.peak) <= 0.05 * meter.peak, (class_name, on_meta, meter.peak)
 
 
-def _planned(model: str, call):
+@pytest.mark.parametrize("class_name", sorted(VAES))
+def test_a_tiled_decode_counted_on_meta_is_what_the_cpu_meter_counts(class_name):
+    """The planner's tiled decodes (``vae_tiled``) are counted the same way: 64 px tiles on a 96x128 output."""
+    import diffusers
+
+    from deployments.models import vae_tiling
+
+    folder = VAES[class_name]()
+    config = {k: v for k, v in json.loads((folder / "vae" / "config.json").read_text()).items()
+              if not k.startswith("_")}
+    request = activations.PlannedRequest(96, 128, 5, 5.0, 24, vae_tiled=True)
+    latents = activations.decode_latents(class_name, config, request, torch.float32)
+    meta_vae = real_models.build_meta(class_name, config, torch.float32)
+    vae = getattr(diffusers, class_name).from_pretrained(folder / "vae", torch_dtype=torch.float32).eval()
+    for module in (meta_vae, vae):
+        vae_tiling.enable(module, 64)
+    on_meta = activations.peak_of(lambda: meta_vae.decode(latents, return_dict=False), meta_vae)
+    meter = LiveTensorBytes([*vae.parameters(), *vae.buffers()])
+    with torch.no_grad(), meter:
+        vae.decode(_on_cpu(latents), return_dict=False)
+    assert on_meta > 0 and abs(on_meta - meter.peak) <= 0.05 * meter.peak, (class_name, on_meta, meter.peak)
+
+
+def _planned(model: str, call, vae_tiled: bool = False):
     spec = real_models.component_spec(model, call.component)
     load = {c: (s.class_name, s.config, s.dtype, None) for c in ("transformer", "vae")
             for s in [real_models.component_spec(model, c)]}
-    request = activations.planned_request(real_models.pipeline_class(model), load, real_models.pipeline_defaults(model))
+    request = activations.planned_request(real_models.pipeline_class(model), load, real_models.pipeline_defaults(model),
+                                          vae_tiled)
     return spec, request
 
 
@@ -113,11 +137,35 @@ def test_a_call_meta_cannot_run_is_said_in_the_plan():
     assert facts.working_set_bytes > 80 * GiB, "its untiled 121-frame decode holds 82 GiB"
 
 
+def test_a_tiled_decode_is_planned_from_its_tiled_count():
+    """HunyuanVideo 1.5's 121-frame decode holds 82 GiB untiled; tiled (the service's default for it), 13.6 GiB,
+    and the plan keeps 1.15 x that. Wan2.2-A14B's 720p decode tiled falls below its forward, which then binds."""
+    h100 = gpu_spec("H100")
+    tiled, notes = real_model_facts("hunyuanvideo-1.5-480p-t2v", h100, 64 * GiB, vae_tiled=True)
+    untiled, _ = real_model_facts("hunyuanvideo-1.5-480p-t2v", h100, 64 * GiB)
+    assert 13 * GiB < tiled.working_set_bytes / ACTIVATION_MARGIN < 14 * GiB < 80 * GiB < untiled.working_set_bytes
+    assert any(n.startswith("working set") and "VAE tiled" in n for n in notes), notes
+    model = "wan2.2-t2v-a14b"
+    peaks = {}
+    for tile in (False, True):
+        spec, request = _planned(model, activations.Call.DECODE, tile)
+        peaks[tile] = activations.planned_peak(activations.Call.DECODE, "WanPipeline", spec.class_name, spec.config,
+                                               spec.dtype, request).bytes
+    assert peaks[True] < 0.25 * peaks[False]
+    spec, request = _planned(model, activations.Call.DENOISE)
+    forward = activations.planned_peak(activations.Call.DENOISE, "WanPipeline", spec.class_name, spec.config,
+                                       spec.dtype, request).bytes
+    facts, _ = real_model_facts(model, h100, 256 * GiB, vae_tiled=True)
+    assert peaks[True] < forward and facts.working_set_bytes == math.ceil(ACTIVATION_MARGIN * forward)
+
+
 def test_every_real_model_has_committed_figures_and_one_is_what_measuring_gives_now():
     committed = json.loads(activations.ACTIVATIONS_PATH.read_text())
     for call in activations.Call:
         assert {m for e in committed["calls"].values() if e["call"] == call.value for m in e["models"]} == set(
             real_models.model_names())
+    assert {m for e in committed["calls"].values() if e["request"].endswith("VAE tiled") for m in e["models"]} == set(
+        real_models.model_names()), "every model's decode, tiled too"
     model, call = "wan2.1-t2v-1.3b", activations.Call.DENOISE
     spec, request = _planned(model, call)
     key = activations.call_key(call, "WanPipeline", spec.class_name, spec.config, spec.dtype, request)
