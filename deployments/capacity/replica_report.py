@@ -69,6 +69,8 @@ class ReplicaResidency:
                 "last_bytes_streamed": self.last_bytes_streamed, "weights": self.weights,
                 "host_memory": self.host_memory, "leases": self.leases,
                 "activation_room_bytes": None if self.admission is None else self.admission.room_bytes,
+                # A tiling decoder's tile (deployments/models/vae_tiling.py): outputs beyond it decode tile by tile.
+                **({"vae_tile_px": self.admission.tile} if self.admission is not None and self.admission.tile else {}),
                 **({"batch": self.batch.to_json()} if self.batch is not None else {}),
                 **({"loras": [lora.to_json() for lora in self.loras]} if self.loras else {}),
                 "compile": self.compile or {"mode": "none"}}

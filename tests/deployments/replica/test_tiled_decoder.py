@@ -46,7 +46,7 @@ def test_the_replica_calibrates_both_phases_and_publishes_its_tile(decoder):
     assert vae_tiling.tile_side(worker.pipe.vae) == 64 == worker.activations.tile
     assert set(activation_features.TILED_PHASES[activation_features.Regime.IMAGE]) <= set(worker.activations.models)
     admission = worker.admission()
-    assert admission.tile == 64
+    assert admission.tile == 64 == worker.report().to_json()["vae_tile_px"], "GET /v1/residency shows the tile"
     untiled = StageAdmission(DECODE, admission.room_bytes, admission.models)
     tiled_need = admission.need_bytes(facts, BEYOND)
     assert tiled_need == worker.activations.predict(BEYOND) < untiled.need_bytes(facts, BEYOND) / 2
