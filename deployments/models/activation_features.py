@@ -179,7 +179,8 @@ def calibration_shapes(facts: FamilyTraits, steps: int | None = None, stage: Pip
     # at 256 px: 0.91.
     small, large = math.ceil(32 / m) * m, max(math.ceil(64 / m) * m, 16 * m)
     if tile is not None:  # a decode carries no text tokens: any two sizes within the tile separate its features
-        large = max(min(large, tile // m * m), small + m)
+        large = min(large, tile // m * m)
+        small = max(m, min(small, large - m))  # AutoencoderKL's tile on the tiny zoo is 32 px at a multiple of 16
 
     def spec(name, side, frames, n):
         return calibration_spec(facts, name, side, frames, n, stage, steps)
