@@ -140,3 +140,16 @@ def test_a_tiling_decoders_activation_model_is_within_band_from_one_tile_to_five
         assert tiles_only.predict(large) < 0.8 * tiled
     pipe.vae.disable_tiling()
     assert tiled <= measure(large) / 3, "a tiled image of five tiles a side holds at most a third of the untiled peak"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_a_tiling_decoders_untiled_calibration_shapes_stay_within_its_tile(case):
+    """Shapes beyond the tile would calibrate the untiled regimes on tiled decodes (tiny AutoencoderKL: 32 px)."""
+    facts = families.read_family_traits(case.folder())
+    pipe = families.load_stage_pipeline(facts, DECODE, F32)
+    tile = vae_tiling.enable(pipe.vae, case.tile_px)
+    shapes = activations.calibration_shapes(facts, stage=DECODE, tile=tile)
+    assert all(not vae_tiling.tiles(tile, s.height, s.width) for s in shapes), [(s.width, tile) for s in shapes]
+    for regime in {activations.regime(s) for s in shapes}:
+        of_regime = [s for s in shapes if activations.regime(s) == regime]
+        assert len({(s.height, s.num_frames, s.n) for s in of_regime}) == len(of_regime) == 2
