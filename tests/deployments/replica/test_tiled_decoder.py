@@ -1,7 +1,8 @@
 """A decoder replica with ``vae_tiling: on``: it tiles its VAE at the configured tile, calibrates a tiled decode's
 two phases at its warm-up, leases a call beyond the tile by them, publishes its tile with its admission (the
 ingress's limits predict the same way), and decodes as the pipeline tiled the user's way. In process: the
-VaeDecoder class itself on the tiny Wan folder."""
+VaeDecoder class itself on the tiny FLUX.1 folder at its VAE's own tile (the config's sample_size, 32 px: its
+calibration takes 4 s where tiny Wan's takes 20)."""
 from __future__ import annotations
 
 import asyncio
@@ -22,16 +23,16 @@ from tests.deployments.conftest import tiny_args
 from zoo import tiny
 
 DECODE = PipelineStage.DECODE
-BEYOND = GenerationSpec("beyond", "a fox", None, 160, 192, 1, 2, 5.0, 0, 1)  # 192 px wide: three 64 px tiles
+BEYOND = GenerationSpec("beyond", "a fox", None, 64, 96, 1, 2, 3.5, 0, 1)  # 96 px wide: four 32 px tiles
 
 
 @pytest.fixture(scope="module")
 def decoder():
-    facts = families.read_family_traits(tiny.ensure_tiny_wan())
-    limits = Limits(max_width=320, max_height=320, max_frames=9, default_size="16x16", default_steps=2,
-                    default_frames=5)
-    config = stage_configs(tiny_args(limits=limits, decoder=StageArgs(vae_tiling="on", vae_tile_px=64)), facts)[DECODE]
-    assert config.vae_tiling and config.vae_tile_px == 64
+    facts = families.read_family_traits(tiny.ensure_tiny_flux())
+    limits = Limits(max_width=320, max_height=320, default_size="16x16", default_steps=2)
+    args = tiny_args(limits=limits, tiny_family="flux", decoder=StageArgs(vae_tiling="on"))
+    config = stage_configs(args, facts)[DECODE]
+    assert config.vae_tiling and config.vae_tile_px is None
     replica = VaeDecoder.func_or_class(config)
     try:
         yield facts, replica
@@ -43,10 +44,10 @@ def decoder():
 def test_the_replica_calibrates_both_phases_and_publishes_its_tile(decoder):
     facts, replica = decoder
     worker = replica.worker
-    assert vae_tiling.tile_side(worker.pipe.vae) == 64 == worker.activations.tile
+    assert vae_tiling.tile_side(worker.pipe.vae) == 32 == worker.activations.tile
     assert set(activation_features.TILED_PHASES[activation_features.Regime.IMAGE]) <= set(worker.activations.models)
     admission = worker.admission()
-    assert admission.tile == 64 == worker.report().to_json()["vae_tile_px"], "GET /v1/residency shows the tile"
+    assert admission.tile == 32 == worker.report().to_json()["vae_tile_px"], "GET /v1/residency shows the tile"
     untiled = StageAdmission(DECODE, admission.room_bytes, admission.models)
     tiled_need = admission.need_bytes(facts, BEYOND)
     assert tiled_need == worker.activations.predict(BEYOND) < untiled.need_bytes(facts, BEYOND) / 2
@@ -58,8 +59,7 @@ def test_the_replica_decodes_beyond_its_tile_as_the_users_tiled_pipeline(decoder
     pipe = families.load_stage_pipeline(facts, DECODE, torch.float32)
     latents = activation_features.stage_input(pipe, facts, DECODE, BEYOND) + 0.5
     untiled = families.decode(pipe, facts, latents, BEYOND, torch.device("cpu"))
-    pipe.vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=48,
-                           tile_sample_stride_width=48)
+    pipe.vae.enable_tiling()  # AutoencoderKL's own tile, as a diffusers user turns it on
     decoded = asyncio.run(replica.decode(StageOutput(latents, StageStats("denoise", "d", 0.0, 0, 0)), BEYOND))
     assert torch.equal(decoded.value, families.decode(pipe, facts, latents, BEYOND, torch.device("cpu")))
     assert not torch.equal(decoded.value, untiled)
