@@ -13,12 +13,17 @@ to a few MiB on the zoo's 0.4-13.5 MB peaks (528c2f0: tiny Wan's image denoise p
 the features'.
 
     python bench/gpu_activations.py        # on a CUDA machine; on CPU it runs the CPU comparison
-Last line: one JSON object with ``max_abs_error`` (a fraction of the measured peak).
+    python bench/gpu_activations.py --tiled   # a tiling decoder's two phases (tiny Wan, 64 px tiles, on CUDA)
+Last line: one JSON object with ``max_abs_error`` (a fraction of the measured peak); with ``--tiled``, the tiled
+rows with ``error_min`` and ``error_max``.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,14 +32,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deployments.models import (
-    activation_features,  # noqa: E402
-    families,  # noqa: E402
+from deployments.models import (  # noqa: E402
+    activation_features,
+    families,
+    tiled_activations,
+    vae_tiling,
 )
 from deployments.wire.spec import GenerationSpec, PipelineStage  # noqa: E402
 from offload_core.residency.activation_meter import measure_activations  # noqa: E402
 from zoo import tiny  # noqa: E402
 
+DECODE = PipelineStage.DECODE
 ZOO = {"tiny-wan": tiny.ensure_tiny_wan, "medium-wan": tiny.ensure_medium_wan, "tiny-flux": tiny.ensure_tiny_flux}
 
 
@@ -103,6 +111,63 @@ def compare(model: str, device: torch.device, measure_peak=measure_call) -> list
     return rows
 
 
+# A tiling decoder (deployments/models/tiled_activations.py) on the GPU: tiny Wan's video VAE at 64 px tiles; on CPU
+# (CI, device_rehearsal.sh) tiny FLUX.1's VAE at its own 32 px tile, which calibrates in about 4 s.
+TILED = {"cuda": ("tiny-wan", 64), "cpu": ("tiny-flux", None)}
+
+
+def _timed(call: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def compare_tiled(device: torch.device) -> list[dict]:
+    """The decoder's tiled decode on ``device``: its two-phase prediction against the measured peak on held-out
+    outputs beyond the tile, the untiled decode's peak beside it, and both decodes' seconds."""
+    model, tile_px = TILED[device.type]
+    facts = families.read_family_traits(ZOO[model]())
+    pipe = families.load_stage_pipeline(facts, DECODE, torch.float32)
+    pipe.vae.to(device)
+    weights = [*pipe.vae.parameters(), *pipe.vae.buffers()]
+    tile = vae_tiling.enable(pipe.vae, tile_px)
+
+    def run(spec: GenerationSpec):
+        value = activation_features.stage_input(pipe, facts, DECODE, spec)
+        return lambda: activation_features.run_stage(pipe, facts, DECODE, spec, device, value)
+
+    def measure(spec: GenerationSpec) -> int:
+        return measure_call(run(spec), device, weights).allocated
+
+    start = time.perf_counter()
+    fitted = activation_features.calibrate_stage(
+        facts, DECODE, activation_features.calibration_shapes(facts, stage=DECODE, tile=tile), measure, 4)
+    tiled = tiled_activations.calibrate_tiled(facts, pipe.vae, set(fitted.models), measure, 4)
+    fitted = activation_features.StageActivations(facts, DECODE, {**fitted.models, **tiled}, tile)
+    calibrated_s = time.perf_counter() - start
+    m, t = facts.size_multiple, facts.temporal_factor
+    held = [(math.ceil(1.6 * tile / m) * m, 1), (5 * tile, 1)] + ([(math.ceil(2.6 * tile / m) * m, 1 + 3 * t)]
+                                                                  if facts.supports_video else [])
+    rows = []
+    for side, frames in held:
+        spec = activation_features.calibration_spec(facts, "tiled-held-out", side, frames, 1, DECODE)
+        measured, predicted, tiled_s = measure(spec), fitted.predict(spec), _timed(run(spec), device)
+        pipe.vae.disable_tiling()
+        untiled, untiled_s = measure(spec), _timed(run(spec), device)
+        vae_tiling.enable(pipe.vae, tile_px)
+        rows.append({"model": model, "tile_px": tile, "shape": f"{side}x{side}x{frames}", "measured_bytes": measured,
+                     "predicted_bytes": predicted, "error": round((predicted - measured) / measured, 4),
+                     "tiled_over_untiled_peak": round(measured / untiled, 3),
+                     "tiled_over_untiled_time": round(tiled_s / untiled_s, 2), "calibration_s": round(calibrated_s, 2)})
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
 def requested_row(fitted, spec: GenerationSpec, measured: int | None) -> dict:
     """The held-out comparison on requested bytes: None where the device has no such counter (CPU)."""
     if fitted is None or not measured:
@@ -113,7 +178,20 @@ def requested_row(fitted, spec: GenerationSpec, measured: int | None) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiled", action="store_true",
+                        help="only the tiling decoder's comparison (gpu_check runs it last, with its own timeout)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if parser.parse_args().tiled:
+        tiled = compare_tiled(device)
+        print(f"tiled decode on {device} ({tiled[0]['model']}, {tiled[0]['tile_px']} px tiles, two phases calibrated "
+              f"in {tiled[0]['calibration_s']} s):")
+        for r in tiled:
+            print(f"{r['shape']:>12} {r['measured_bytes']:>12,} B, predicted {r['error']:+.2%}; tiled over untiled: "
+                  f"peak {r['tiled_over_untiled_peak']:.3f}, time {r['tiled_over_untiled_time']:.2f}x")
+        print(json.dumps({"bench": "gpu_activations", "device": str(device), "tiled_rows": tiled,
+                          "error_min": min(r["error"] for r in tiled), "error_max": max(r["error"] for r in tiled)}))
+        return
     rows = [row for model in ZOO for row in compare(model, device)]
     print(f"activation prediction on {device} (calibrated on 2 shapes per regime, held-out 48x32):")
     print(f"{'model':11} {'stage':8} {'regime':6} {'measured B':>12} {'predicted B':>12} {'error':>7} "

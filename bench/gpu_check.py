@@ -61,6 +61,7 @@ from bench.gpu_parts import (  # noqa: E402
     cuda_tests,
     hook_cost,
     staged_sweep,
+    tiled_decode_comparison,
     widen_cost,
     within,
 )
@@ -253,6 +254,9 @@ def main() -> None:
                         help="seconds for FP8 widening's cost on a Wan2.1-14B block, last (0: skip)")
     parser.add_argument("--hook-cost-timeout", type=int, default=60,
                         help="seconds for bench/hook_cost.py --device cuda, after the calibration (0: skip)")
+    parser.add_argument("--tiled-timeout", type=int, default=40,
+                        help="seconds for a tiling decoder's CUDA comparison (bench/gpu_activations.py --tiled), last, "
+                             "in what the budget leaves (0: skip)")
     parser.add_argument("--staged-timeout", type=int, default=40,
                         help="seconds for bench/staged_sweep.py, right after the link probe (0: skip)")
     parser.add_argument("--cases", default=",".join(CASES),
@@ -306,6 +310,7 @@ def main() -> None:
     calibration = within(budget, "activations", args.activations_timeout, activation_comparison)
     hooks = within(budget, "hook-cost", args.hook_cost_timeout, hook_cost)
     widen = within(budget, "widen", args.widen_timeout, widen_cost)
+    tiled = within(budget, "tiled", args.tiled_timeout, tiled_decode_comparison)  # reported, not judged
     failed = failures(results, {"cuda_tests": tests, "activations": calibration, "hook_cost": hooks, "widen": widen})
     figures = summary_of(link, results, hooks, calibration, tests)
     print(f"summary: {figures}")
@@ -313,7 +318,7 @@ def main() -> None:
         print(f"MISSED: {failure}")
     print("\n" + json.dumps({"bench": "gpu_check", "cuda": CUDA, "bandwidth": link, "results": results,
                              "activations": calibration, "hook_cost": hooks, "cuda_tests": tests, "widen": widen,
-                             "staged_sweep": staged, "summary": figures, "failed": failed}))
+                             "staged_sweep": staged, "tiled_decode": tiled, "summary": figures, "failed": failed}))
     if failed:
         sys.exit(1)
 

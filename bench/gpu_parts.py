@@ -73,6 +73,19 @@ def activation_comparison(timeout_s: int) -> dict:
     return {"returncode": 0, "max_abs_error": report["max_abs_error"], "rows": report["rows"]}
 
 
+def tiled_decode_comparison(timeout_s: int) -> dict:
+    """bench/gpu_activations.py --tiled on CUDA, in a subprocess: a tiling decoder's two-phase prediction
+    (deployments/models/tiled_activations.py) against ``max_memory_allocated`` beyond the tile, and its time
+    against an untiled decode's. Not judged (no target yet): reported. On CPU the bench's test runs its CPU form."""
+    if not CUDA:
+        return {"skipped": "the tiled decode's CUDA figures need CUDA (tests/bench/test_gpu_activations.py runs it on CPU)"}
+    report = _bench_json(["bench/gpu_activations.py", "--tiled"], timeout_s)
+    if report["returncode"]:
+        return report
+    return {"returncode": 0, "error_min": report["error_min"], "error_max": report["error_max"],
+            "rows": report["tiled_rows"]}
+
+
 def widen_cost(timeout_s: int) -> dict:
     """bench/widen_cost.py on CUDA, in a subprocess: FP8 widening's cost per real-size Wan2.1-14B block
     beside the copy it saves. On CPU the bench runs on its own (docs/benchmarks.md has its figures)."""

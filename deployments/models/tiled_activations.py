@@ -14,8 +14,8 @@ One straight line over both phases under-predicted a 320 px image by 40 % (0.60 
   :data:`OUTPUT_TILE` px: the bytes per output pixel the assembly holds do not depend on the tile (Wan2.1's
   VAE on meta: 57 B at 64 px tiles, 56 at 256), and with small tiles the assembly dominates at sizes that run
   at start-up. The output's side doubles from 128 px until the peak grows with the pixels (within 10 %,
-  ``CONVERGED``), at most to ``MAX_OUTPUT_SIDE``; the coefficient is the last peak over its pixels, at least
-  the true one (the tiles phase adds to it).
+  ``CONVERGED``), at most to ``MAX_OUTPUT_SIDE`` (1024 px); the coefficient is the last peak over its pixels,
+  at least the true one (the tiles phase adds to it).
 
 Run by the decoder replica's warm-up (deployments/replica/warmup.py) and the tests.
 """
@@ -39,7 +39,11 @@ from offload_core.planner.activation_model import ActivationModel, ActivationSam
 DECODE = PipelineStage.DECODE
 OUTPUT_TILE = vae_tiling.TILE_MULTIPLE  # the smallest tile every served VAE takes
 FIRST_OUTPUT_SIDE = 2 * OUTPUT_TILE
-MAX_OUTPUT_SIDE = 32 * OUTPUT_TILE  # 2048 px: Wan2.1's VAE reaches 57 B per pixel by 1024 px (meta, 64 px tiles)
+# 1024 px: with 64 px tiles, Wan2.1's VAE holds 57 B per output pixel from 1024 px on (meta: 129 B at 512),
+# FLUX.1's 45 B, HunyuanVideo 1.5's 22.5 B a pixel and frame (the same at 2048 px); beyond the cap, the last
+# figure is the peak over its pixels, at least the true one. At 2048 px HunyuanVideo 1.5's count on meta took
+# 213 s of op dispatch, 56 s at 1024.
+MAX_OUTPUT_SIDE = 16 * OUTPUT_TILE
 # Doubling the side quadruples the pixels: the assembly dominates once the peak grows at least 0.9 x as fast.
 CONVERGED = 0.9
 

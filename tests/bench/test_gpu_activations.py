@@ -42,3 +42,10 @@ def test_on_cpu_the_rows_say_there_is_no_requested_figure():
     rows = gpu_activations.compare("tiny-flux", torch.device("cpu"))
     assert {r["error_requested"] for r in rows} == {None}
     assert all(abs(r["error"]) < 0.02 and all(c[2] is None for c in r["calls"]) for r in rows)
+
+
+def test_the_tiled_decoder_comparison_runs_on_cpu_within_band():
+    """gpu_check's CUDA run compares a tiling decoder too; on CPU it runs tiny FLUX.1's, so CI keeps it working."""
+    rows = gpu_activations.compare_tiled(torch.device("cpu"))
+    assert [r["model"] for r in rows] == ["tiny-flux"] * 2 and rows[0]["tile_px"] == 32
+    assert all(-0.10 <= r["error"] <= 0.15 and r["tiled_over_untiled_peak"] < 1 for r in rows), rows
