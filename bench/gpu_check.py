@@ -23,7 +23,9 @@ copy fully hidden behind compute (or compute behind copy). Peak memory is ``torc
 (``pytest tests/offload_core -k cuda``), and the activation model's CUDA calibration
 (``bench/gpu_activations.py``: each zoo stage calibrated on two shapes with ``max_memory_allocated``,
 predicting a held-out third), then ``bench/hook_cost.py --device cuda`` (the hooks' host time
-with a real copy stream), so one device run covers them. Without CUDA the script
+with a real copy stream), FP8 widening, and last a tiling decoder's two-phase prediction against
+``max_memory_allocated`` and its time against an untiled decode's (``bench/gpu_activations.py --tiled``:
+reported, not judged), so one device run covers them. Without CUDA the script
 still runs end to end on CPU with a cut-down real-size model (``--real-blocks``), skipping what
 needs CUDA and saying so. Last line: one JSON object, whose ``summary`` holds the figures the run is
 judged by (``bench/gpu_summary.py``) and ``failed`` lists what failed; exit 1 when

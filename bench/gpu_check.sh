@@ -17,7 +17,8 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREAD
 # 470 s (under 8 minutes): the three cases (~2.5 minutes: real-size builds, pins, FP8 quantized on the
 # host for the eager and the fused widen, the mapped copy written once), then the CUDA tests (150 s),
 # the activation calibration (45 s), bench/hook_cost.py --device cuda (45 s) and FP8 widening on one
-# Wan2.1-14B block (60 s: the fused widen compiles in its warm-up).
+# Wan2.1-14B block (60 s: the fused widen compiles in its warm-up); a tiling decoder's comparison last, in
+# what is left (--tiled-timeout, 40 s at most; not started when under MIN_PART_S is left, and not judged).
 # --budget-s: the sub-benches get what the cases left of it, so the JSON comes out before the timeout.
 BUDGET_S="${GPU_CHECK_TIMEOUT_S:-470}"
 exec timeout "$BUDGET_S" "$PY" bench/gpu_check.py --hook-cost-timeout 45 --widen-timeout 60 \
