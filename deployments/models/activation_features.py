@@ -45,6 +45,7 @@ class Regime(str, enum.Enum):
     TILED_IMAGE_OUTPUT = "tiled image: output"
     TILED_VIDEO_TILES = "tiled video: tiles"
     TILED_VIDEO_OUTPUT = "tiled video: output"
+    TILED_VIDEO_FLOOR = "tiled video: fewest frames"  # the tiles phase's least: the fewest frames beyond the tile
 
 
 FEATURES = {
@@ -59,10 +60,12 @@ DECODE_FEATURES = {
     # frames, 1.21 at 33; meta, 256 px tiles): its own feature, fitted from two frame counts.
     Regime.TILED_VIDEO_TILES: ("n", "n x frames", "n x pixels x frames"),
     Regime.TILED_VIDEO_OUTPUT: ("n x pixels x frames",),
+    Regime.TILED_VIDEO_FLOOR: ("n",),
 }
-# The two phases of a tiled decode, by the untiled regime of the same request.
+# The two phases of a tiled decode (the tiles', the output's), by the untiled regime of the same request, and
+# a video's floor: the prediction is the largest of them.
 TILED_PHASES = {Regime.IMAGE: (Regime.TILED_IMAGE_TILES, Regime.TILED_IMAGE_OUTPUT),
-                Regime.VIDEO: (Regime.TILED_VIDEO_TILES, Regime.TILED_VIDEO_OUTPUT)}
+                Regime.VIDEO: (Regime.TILED_VIDEO_TILES, Regime.TILED_VIDEO_OUTPUT, Regime.TILED_VIDEO_FLOOR)}
 
 
 def regime(spec: GenerationSpec) -> Regime:

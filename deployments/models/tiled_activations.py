@@ -9,7 +9,8 @@ to 128 px, then 56-58 B per output pixel from 192 px on; at real size on meta (W
 One straight line over both phases under-predicted a 320 px image by 40 % (0.60 of the peak), so:
 
 - **the tiles phase** is fitted at the served tile, on outputs just beyond it and at twice its side
-  (image: ``n``, ``n x pixels``; video: ``n``, ``n x frames``, ``n x pixels x frames``, from two frame counts);
+  (image: ``n``, ``n x pixels``; video: ``n``, ``n x frames``, ``n x pixels x frames``, from 9 and 17 frames),
+  and a video's is at least what the fewest frames just beyond the tile hold (a floor per output);
 - **the output phase** is one coefficient per output pixel (and frame), measured with the VAE's tile set to
   :data:`OUTPUT_TILE` px: the bytes per output pixel the assembly holds do not depend on the tile (Wan2.1's
   VAE on meta: 57 B at 64 px tiles, 56 at 256), and with small tiles the assembly dominates at sizes that run
@@ -58,9 +59,18 @@ def tiles_phase_shapes(facts: FamilyTraits, tile: int, untiled: Regime) -> tuple
 
     if untiled is Regime.IMAGE:
         return spec("image-a", near, 1, 1), spec("image-b", far, 1, 2)
+    # From 9 frames on: Wan's first chunk makes 5 frames its own case (real size, meta: fitted from 5, 17 and 9
+    # frames, 832x480x81 came out 1.60x its count; from 9, 17 and 9, 0.99-1.06x on every request tried).
+    # The fewest frames are the floor's (:data:`FLOOR`).
     t = facts.temporal_factor
-    return (spec("video-a", near, 1 + t, 1), spec("video-b", near, 1 + 4 * t, 2),
+    return (spec("video-a", near, 1 + 2 * t, 1), spec("video-b", near, 1 + 4 * t, 2),
             spec("video-c", far, 1 + 2 * t, 1))
+
+
+def floor_shape(facts: FamilyTraits, tile: int) -> GenerationSpec:
+    """The fewest frames a video has, just beyond the tile: its peak is the tiles phase's least."""
+    m = facts.size_multiple
+    return calibration_spec(facts, "tiles-video-floor", (tile // m + 1) * m, 1 + facts.temporal_factor, 1, DECODE)
 
 
 def output_phase_model(facts: FamilyTraits, untiled: Regime, measure: Callable[[GenerationSpec], int],
@@ -93,6 +103,9 @@ def calibrate_tiled(facts: FamilyTraits, vae, regimes: set[Regime], measure: Cal
         samples = [ActivationSample(features(facts, DECODE, s, phase), measure(s))
                    for s in tiles_phase_shapes(facts, tile, untiled)]
         models[phase] = calibrate(DECODE_FEATURES[phase], samples, dtype_bytes)
+        if untiled is Regime.VIDEO:  # a floor per output: tiny Wan's 5 frames just beyond the tile were 0.83 without
+            models[Regime.TILED_VIDEO_FLOOR] = ActivationModel(
+                DECODE_FEATURES[Regime.TILED_VIDEO_FLOOR], (float(measure(floor_shape(facts, tile))),), dtype_bytes)
     vae_tiling.set_tile(vae, OUTPUT_TILE)
     try:
         for untiled in regimes:
