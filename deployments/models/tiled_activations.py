@@ -61,7 +61,7 @@ def tiles_phase_shapes(facts: FamilyTraits, tile: int, untiled: Regime) -> tuple
         return spec("image-a", near, 1, 1), spec("image-b", far, 1, 2)
     # From 9 frames on: Wan's first chunk makes 5 frames its own case (real size, meta: fitted from 5, 17 and 9
     # frames, 832x480x81 came out 1.60x its count; from 9, 17 and 9, 0.99-1.06x on every request tried).
-    # The fewest frames are the floor's (:data:`FLOOR`).
+    # The fewest frames are the floor's (:func:`floor_shape`).
     t = facts.temporal_factor
     return (spec("video-a", near, 1 + 2 * t, 1), spec("video-b", near, 1 + 4 * t, 2),
             spec("video-c", far, 1 + 2 * t, 1))
@@ -103,7 +103,7 @@ def calibrate_tiled(facts: FamilyTraits, vae, regimes: set[Regime], measure: Cal
         samples = [ActivationSample(features(facts, DECODE, s, phase), measure(s))
                    for s in tiles_phase_shapes(facts, tile, untiled)]
         models[phase] = calibrate(DECODE_FEATURES[phase], samples, dtype_bytes)
-        if untiled is Regime.VIDEO:  # a floor per output: tiny Wan's 5 frames just beyond the tile were 0.83 without
+        if untiled is Regime.VIDEO:  # a floor per output: tiny Wan's 5 frames beyond the tile were 0.83-0.88 without
             models[Regime.TILED_VIDEO_FLOOR] = ActivationModel(
                 DECODE_FEATURES[Regime.TILED_VIDEO_FLOOR], (float(measure(floor_shape(facts, tile))),), dtype_bytes)
     vae_tiling.set_tile(vae, OUTPUT_TILE)
