@@ -14,11 +14,8 @@ without tiling (:func:`tiles`). Run by the decoder stage's replica (and the test
 from __future__ import annotations
 
 import enum
-import logging
 
 from deployments.models.families import FamilyTraits
-
-logger = logging.getLogger(__name__)
 
 # Overlap kept between tiles, as diffusers' defaults: Wan's and Qwen-Image's 256 px tiles step 192 px (0.75),
 # AutoencoderKL's and HunyuanVideo 1.5's overlap factor is 0.25.
@@ -70,7 +67,7 @@ def enable(vae, tile_px: int | None = None) -> int:
     if not hasattr(vae, "enable_tiling"):
         raise VaeTilingError(f"{type(vae).__name__} has no tiled decode: serve with vae_tiling off")
     vae.enable_tiling()
-    side = tile_px or _default_side(vae)
+    side = tile_px or _side(vae)
     set_tile(vae, side)
     return side
 
@@ -95,7 +92,8 @@ def set_tile(vae, side: int) -> None:
                              "AutoencoderKL): serve with vae_tiling off")
 
 
-def _default_side(vae) -> int:
+def _side(vae) -> int:
+    """The VAE's tile side now (its own default until set)."""
     if hasattr(vae, "tile_sample_min_height"):
         return min(vae.tile_sample_min_height, vae.tile_sample_min_width)
     return _square(vae.tile_sample_min_size, type(vae).__name__)
@@ -103,7 +101,7 @@ def _default_side(vae) -> int:
 
 def tile_side(vae) -> int | None:
     """The output side beyond which ``vae`` decodes tile by tile; None while its tiling is off."""
-    return _default_side(vae) if getattr(vae, "use_tiling", False) else None
+    return _side(vae) if getattr(vae, "use_tiling", False) else None
 
 
 def tiles(tile_px: int | None, height: int, width: int) -> bool:
